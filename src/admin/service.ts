@@ -1,0 +1,344 @@
+import { desc, eq, sql } from "drizzle-orm";
+import { type Scope, isScope, mintKey } from "../auth/keys.ts";
+import { AUTH_CHANNEL } from "../auth/verify.ts";
+import { type AuditInput, recordAudit } from "../audit/record.ts";
+import type { Database, Db } from "../db/client.ts";
+import { apiKeys, organizations, users } from "../db/schema.ts";
+import { InputError } from "../lib/errors.ts";
+import { SYSTEM_ACTOR_ID, isUuid } from "../lib/ids.ts";
+
+/**
+ * Organisation, user and key lifecycle. Every change writes its audit event
+ * and its cache-invalidation NOTIFY in the same transaction, so either all of
+ * it happened or none of it did.
+ */
+
+export type QuotaWindow = "hour" | "day" | "month";
+const WINDOWS: readonly QuotaWindow[] = ["hour", "day", "month"];
+
+export const CLI_ACTOR: AuditInput["actor"] = { type: "system", id: SYSTEM_ACTOR_ID, name: "gateway-cli", email: "", keyId: null };
+
+type Tx = Parameters<Parameters<Db["transaction"]>[0]>[0];
+
+async function notify(tx: Tx, message: string) {
+  await tx.execute(sql`select pg_notify(${AUTH_CHANNEL}, ${message})`);
+}
+
+function requireUuid(what: string, id: string) {
+  if (!isUuid(id)) throw new InputError(`${what} must be a UUID, got ${JSON.stringify(id)}`);
+}
+
+function requireWindow(w: string): QuotaWindow {
+  if (!(WINDOWS as readonly string[]).includes(w)) throw new InputError(`--quota-window must be one of hour, day, month`);
+  return w as QuotaWindow;
+}
+
+function requireQuota(n: number | null): number | null {
+  if (n !== null && (!Number.isSafeInteger(n) || n < 0)) throw new InputError("--quota-tokens must be a whole number ≥ 0 or none");
+  return n;
+}
+
+export interface OrgView {
+  id: string;
+  name: string;
+  plan: string;
+  academy_only: boolean;
+  quota_tokens: number | null;
+  quota_window: QuotaWindow;
+  created_at: string;
+}
+
+function orgView(o: typeof organizations.$inferSelect): OrgView {
+  return {
+    id: o.id,
+    name: o.name,
+    plan: o.plan,
+    academy_only: o.academyOnly,
+    quota_tokens: o.quotaTokens,
+    quota_window: o.quotaWindow,
+    created_at: o.createdAt.toISOString(),
+  };
+}
+
+function orgTarget(o: { id: string; name: string }) {
+  return { key: "org_id", kind: "organization", id: o.id, name: o.name, email: "" };
+}
+
+export async function createOrg(
+  database: Database,
+  input: { name: string; plan: string; plans: readonly string[]; quotaTokens?: number | null; quotaWindow?: string; academyOnly?: boolean },
+): Promise<OrgView> {
+  if (!input.name.trim()) throw new InputError("--name must not be empty");
+  if (!input.plans.includes(input.plan)) throw new InputError(`unknown plan ${JSON.stringify(input.plan)}; configured plans: ${input.plans.join(", ")}`);
+  const quotaTokens = requireQuota(input.quotaTokens ?? null);
+  const quotaWindow = requireWindow(input.quotaWindow ?? "month");
+  return database.db.transaction(async (tx) => {
+    const [o] = await tx
+      .insert(organizations)
+      .values({ name: input.name, plan: input.plan, quotaTokens, quotaWindow, academyOnly: input.academyOnly ?? false })
+      .returning();
+    if (!o) throw new Error("insert returned no row");
+    await recordAudit(tx, { orgId: o.id, action: "org.created", category: "org", actor: CLI_ACTOR, targets: [orgTarget(o)], details: { plan: o.plan } });
+    return orgView(o);
+  });
+}
+
+export async function setOrg(
+  database: Database,
+  input: { id: string; plans: readonly string[]; plan?: string; quotaTokens?: number | null; quotaWindow?: string; academyOnly?: boolean },
+): Promise<OrgView> {
+  requireUuid("--id", input.id);
+  if (input.plan !== undefined && !input.plans.includes(input.plan)) {
+    throw new InputError(`unknown plan ${JSON.stringify(input.plan)}; configured plans: ${input.plans.join(", ")}`);
+  }
+  if (input.quotaTokens !== undefined) requireQuota(input.quotaTokens);
+  if (input.quotaWindow !== undefined) requireWindow(input.quotaWindow);
+  return database.db.transaction(async (tx) => {
+    const [before] = await tx.select().from(organizations).where(eq(organizations.id, input.id)).for("update");
+    if (!before) throw new InputError(`no organisation ${input.id}`);
+    const patch: Partial<typeof organizations.$inferInsert> = {};
+    if (input.plan !== undefined) patch.plan = input.plan;
+    if (input.quotaTokens !== undefined) patch.quotaTokens = input.quotaTokens;
+    if (input.quotaWindow !== undefined) patch.quotaWindow = input.quotaWindow as QuotaWindow;
+    if (input.academyOnly !== undefined) patch.academyOnly = input.academyOnly;
+    if (Object.keys(patch).length === 0) return orgView(before);
+    const [after] = await tx.update(organizations).set(patch).where(eq(organizations.id, input.id)).returning();
+    if (!after) throw new Error("update returned no row");
+    const events: AuditInput[] = [];
+    const base = { orgId: after.id, actor: CLI_ACTOR, targets: [orgTarget(after)] };
+    if (before.plan !== after.plan) {
+      events.push({ ...base, action: "org.plan_changed", category: "org", details: { from: before.plan, to: after.plan } });
+    }
+    if (before.quotaTokens !== after.quotaTokens || before.quotaWindow !== after.quotaWindow) {
+      events.push({
+        ...base,
+        action: "billing.quota_changed",
+        category: "billing",
+        details: {
+          from: { tokens: before.quotaTokens, window: before.quotaWindow },
+          to: { tokens: after.quotaTokens, window: after.quotaWindow },
+        },
+      });
+    }
+    if (before.academyOnly !== after.academyOnly) {
+      events.push({ ...base, action: "org.access_changed", category: "org", details: { from: before.academyOnly ? "academy" : "platform", to: after.academyOnly ? "academy" : "platform" } });
+    }
+    await recordAudit(tx, events);
+    await notify(tx, `org:${after.id}`);
+    return orgView(after);
+  });
+}
+
+export interface UserView {
+  id: string;
+  org_id: string;
+  name: string;
+  email: string;
+  academy_only: boolean;
+  created_at: string;
+}
+
+export async function createUser(
+  database: Database,
+  input: { orgId: string; name: string; email: string; academyOnly?: boolean },
+): Promise<UserView> {
+  requireUuid("--org", input.orgId);
+  if (!input.name.trim()) throw new InputError("--name must not be empty");
+  if (!/^[^\s@]+@[^\s@]+$/.test(input.email)) throw new InputError(`--email is not an e-mail address: ${JSON.stringify(input.email)}`);
+  return database.db.transaction(async (tx) => {
+    const [org] = await tx.select({ id: organizations.id }).from(organizations).where(eq(organizations.id, input.orgId));
+    if (!org) throw new InputError(`no organisation ${input.orgId}`);
+    const [dupe] = await tx.select({ id: users.id }).from(users).where(sql`${users.orgId} = ${input.orgId} and ${users.email} = ${input.email}`);
+    if (dupe) throw new InputError(`a user with e-mail ${input.email} already exists in this organisation (${dupe.id})`);
+    const [u] = await tx
+      .insert(users)
+      .values({ orgId: input.orgId, name: input.name, email: input.email, academyOnly: input.academyOnly ?? false })
+      .returning();
+    if (!u) throw new Error("insert returned no row");
+    await recordAudit(tx, {
+      orgId: u.orgId,
+      action: "member.created",
+      category: "member",
+      actor: CLI_ACTOR,
+      targets: [{ key: "user_id", kind: "user", id: u.id, name: u.name, email: u.email }],
+    });
+    return { id: u.id, org_id: u.orgId, name: u.name, email: u.email, academy_only: u.academyOnly, created_at: u.createdAt.toISOString() };
+  });
+}
+
+export interface KeyView {
+  id: string;
+  org_id: string;
+  user_id: string | null;
+  name: string;
+  kind: "personal" | "service";
+  prefix: string;
+  scopes: string[];
+  models: string[] | null;
+  expires_at: string | null;
+  revoked_at: string | null;
+  rotated_from: string | null;
+  last_used_at: string | null;
+  created_at: string;
+}
+
+function keyView(k: typeof apiKeys.$inferSelect): KeyView {
+  return {
+    id: k.id,
+    org_id: k.orgId,
+    user_id: k.userId,
+    name: k.name,
+    kind: k.kind,
+    prefix: k.prefix,
+    scopes: k.scopes,
+    models: k.models,
+    expires_at: k.expiresAt?.toISOString() ?? null,
+    revoked_at: k.revokedAt?.toISOString() ?? null,
+    rotated_from: k.rotatedFrom,
+    last_used_at: k.lastUsedAt?.toISOString() ?? null,
+    created_at: k.createdAt.toISOString(),
+  };
+}
+
+function keyTarget(k: { id: string; name: string; prefix: string }) {
+  return { key: "key_id", kind: "api_key", id: k.id, name: k.name || k.prefix, email: "" };
+}
+
+export interface CreateKeyInput {
+  orgId: string;
+  userId?: string;
+  kind: string;
+  scopes: string[];
+  models?: string[];
+  knownModels: readonly string[];
+  expiresAt?: Date | null;
+  name?: string;
+  tag: string;
+  now?: Date;
+}
+
+export function validateKeyInput(input: CreateKeyInput): { kind: "personal" | "service"; scopes: Scope[] } {
+  requireUuid("--org", input.orgId);
+  if (input.userId !== undefined) requireUuid("--user", input.userId);
+  if (input.kind !== "personal" && input.kind !== "service") throw new InputError("--kind must be personal or service");
+  if (input.kind === "personal" && !input.userId) throw new InputError("a personal key needs --user (the person it belongs to)");
+  if (input.kind === "service" && input.userId) throw new InputError("a service key belongs to the organisation; drop --user");
+  if (input.scopes.length === 0) throw new InputError("--scopes must name at least one scope");
+  for (const s of input.scopes) if (!isScope(s)) throw new InputError(`unknown scope ${JSON.stringify(s)}`);
+  if (input.kind === "personal" && input.scopes.includes("audit:read")) {
+    throw new InputError("audit:read is for service keys only (spec 4.5); personal keys cannot hold it");
+  }
+  for (const m of input.models ?? []) {
+    if (!input.knownModels.includes(m)) throw new InputError(`unknown model alias ${JSON.stringify(m)}; known: ${input.knownModels.join(", ")}`);
+  }
+  if (input.expiresAt && Number.isNaN(input.expiresAt.getTime())) throw new InputError("--expires-at is not a valid ISO 8601 time");
+  return { kind: input.kind, scopes: [...new Set(input.scopes)] as Scope[] };
+}
+
+export async function createKey(database: Database, input: CreateKeyInput): Promise<KeyView & { key: string }> {
+  const { kind, scopes } = validateKeyInput(input);
+  const minted = mintKey(input.tag);
+  return database.db.transaction(async (tx) => {
+    const [org] = await tx.select({ id: organizations.id }).from(organizations).where(eq(organizations.id, input.orgId));
+    if (!org) throw new InputError(`no organisation ${input.orgId}`);
+    if (input.userId) {
+      const [u] = await tx.select({ orgId: users.orgId }).from(users).where(eq(users.id, input.userId));
+      if (!u) throw new InputError(`no user ${input.userId}`);
+      if (u.orgId !== input.orgId) throw new InputError(`user ${input.userId} belongs to another organisation`);
+    }
+    const [k] = await tx
+      .insert(apiKeys)
+      .values({
+        orgId: input.orgId,
+        userId: input.userId ?? null,
+        name: input.name ?? "",
+        kind,
+        hash: minted.hash,
+        prefix: minted.prefix,
+        scopes,
+        models: input.models && input.models.length > 0 ? [...new Set(input.models)] : null,
+        expiresAt: input.expiresAt ?? null,
+      })
+      .returning();
+    if (!k) throw new Error("insert returned no row");
+    await recordAudit(tx, {
+      orgId: k.orgId,
+      action: "api_key.created",
+      category: "api_key",
+      actor: CLI_ACTOR,
+      targets: [keyTarget(k)],
+      details: { kind: k.kind, scopes: k.scopes, expires_at: k.expiresAt?.toISOString() ?? null },
+    });
+    await notify(tx, "new");
+    return { ...keyView(k), key: minted.key };
+  });
+}
+
+export async function listKeys(database: Database, orgId: string): Promise<KeyView[]> {
+  requireUuid("--org", orgId);
+  const rows = await database.db.select().from(apiKeys).where(eq(apiKeys.orgId, orgId)).orderBy(desc(apiKeys.createdAt), desc(apiKeys.id));
+  return rows.map(keyView);
+}
+
+export async function revokeKey(database: Database, id: string, now = new Date()): Promise<KeyView> {
+  requireUuid("key id", id);
+  return database.db.transaction(async (tx) => {
+    const [k] = await tx.select().from(apiKeys).where(eq(apiKeys.id, id)).for("update");
+    if (!k) throw new InputError(`no key ${id}`);
+    if (k.revokedAt) return keyView(k);
+    const [after] = await tx.update(apiKeys).set({ revokedAt: now }).where(eq(apiKeys.id, id)).returning();
+    if (!after) throw new Error("update returned no row");
+    await recordAudit(tx, { orgId: k.orgId, action: "api_key.revoked", category: "api_key", actor: CLI_ACTOR, targets: [keyTarget(k)] });
+    await notify(tx, `key:${id}`);
+    return keyView(after);
+  });
+}
+
+/**
+ * Rotation: a new secret with the same organisation, owner, scopes and models;
+ * the old key keeps working until the grace period ends, then it expires.
+ */
+export async function rotateKey(
+  database: Database,
+  input: { id: string; graceMs: number; tag: string; now?: Date },
+): Promise<KeyView & { key: string }> {
+  requireUuid("key id", input.id);
+  const now = input.now ?? new Date();
+  const minted = mintKey(input.tag);
+  return database.db.transaction(async (tx) => {
+    const [old] = await tx.select().from(apiKeys).where(eq(apiKeys.id, input.id)).for("update");
+    if (!old) throw new InputError(`no key ${input.id}`);
+    if (old.revokedAt) throw new InputError(`key ${input.id} is revoked; create a new key instead`);
+    if (old.expiresAt && old.expiresAt <= now) throw new InputError(`key ${input.id} has expired; create a new key instead`);
+    const graceEnd = new Date(now.getTime() + input.graceMs);
+    const oldExpiry = old.expiresAt && old.expiresAt < graceEnd ? old.expiresAt : graceEnd;
+    await tx.update(apiKeys).set({ expiresAt: oldExpiry }).where(eq(apiKeys.id, old.id));
+    const [k] = await tx
+      .insert(apiKeys)
+      .values({
+        orgId: old.orgId,
+        userId: old.userId,
+        name: old.name,
+        kind: old.kind,
+        hash: minted.hash,
+        prefix: minted.prefix,
+        scopes: old.scopes,
+        models: old.models,
+        expiresAt: old.expiresAt,
+        rotatedFrom: old.id,
+      })
+      .returning();
+    if (!k) throw new Error("insert returned no row");
+    await recordAudit(tx, {
+      orgId: k.orgId,
+      action: "api_key.rotated",
+      category: "api_key",
+      actor: CLI_ACTOR,
+      targets: [keyTarget(old), { ...keyTarget(k), key: "new_key_id" }],
+      details: { old_key_expires_at: oldExpiry.toISOString(), new_key_id: k.id },
+    });
+    await notify(tx, `key:${old.id}`);
+    await notify(tx, "new");
+    return { ...keyView(k), key: minted.key };
+  });
+}

@@ -1,0 +1,69 @@
+import { Type as T } from "@sinclair/typebox";
+import { TypeCompiler } from "@sinclair/typebox/compiler";
+import type { Database } from "../db/client.ts";
+import { InputError } from "../lib/errors.ts";
+import { type AuditInput, CATEGORIES, recordAudit } from "./record.ts";
+
+const Uuid = T.String({ format: "uuid", pattern: "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$" });
+
+/** One line of `gateway audit import`: org_id plus the spec 2.6 fields. */
+const Line = T.Object(
+  {
+    org_id: Uuid,
+    id: T.Optional(Uuid),
+    created_at: T.Optional(T.String({ pattern: "^\\d{4}-\\d{2}-\\d{2}T\\d{2}:\\d{2}(:\\d{2}(\\.\\d{1,9})?)?(Z|[+-]\\d{2}:?\\d{2})$" })),
+    action: T.String({ pattern: "^[a-z][a-z0-9_]*\\.[a-z][a-z0-9_.]*$", maxLength: 200 }),
+    category: T.Union(CATEGORIES.map((c) => T.Literal(c))),
+    actor: T.Object({
+      type: T.String({ minLength: 1 }),
+      id: Uuid,
+      name: T.String(),
+      email: T.String(),
+      key_id: T.Optional(T.Union([Uuid, T.Null()])),
+    }),
+    targets: T.Optional(
+      T.Array(T.Object({ key: T.String(), kind: T.String(), id: Uuid, name: T.String(), email: T.String() })),
+    ),
+    details: T.Optional(T.Record(T.String(), T.Unknown())),
+    origin: T.Optional(T.Object({ ip_prefix: T.String(), user_agent_summary: T.String() })),
+  },
+  { additionalProperties: false },
+);
+const check = TypeCompiler.Compile(Line);
+
+/** Parse and validate every line first; insert all of them in one transaction or none. */
+export async function importAudit(database: Database, text: string): Promise<number> {
+  const events: AuditInput[] = [];
+  const lines = text.split("\n");
+  for (const [i, raw] of lines.entries()) {
+    const line = raw.trim();
+    if (!line) continue;
+    let v: unknown;
+    try {
+      v = JSON.parse(line);
+    } catch (e) {
+      throw new InputError(`line ${i + 1}: invalid JSON (${(e as Error).message})`);
+    }
+    if (!check.Check(v)) {
+      const err = check.Errors(v).First();
+      throw new InputError(`line ${i + 1}: ${err?.path || "/"} ${err?.message ?? "invalid"}`);
+    }
+    const createdAt = v.created_at ? new Date(v.created_at) : undefined;
+    if (createdAt && Number.isNaN(createdAt.getTime())) throw new InputError(`line ${i + 1}: /created_at is not a valid time`);
+    events.push({
+      orgId: v.org_id,
+      ...(v.id ? { id: v.id } : {}),
+      ...(createdAt ? { createdAt } : {}),
+      action: v.action,
+      category: v.category,
+      actor: { type: v.actor.type, id: v.actor.id, name: v.actor.name, email: v.actor.email, keyId: v.actor.key_id ?? null },
+      targets: v.targets ?? [],
+      details: v.details ?? {},
+      origin: { ipPrefix: v.origin?.ip_prefix ?? "", userAgentSummary: v.origin?.user_agent_summary ?? "" },
+    });
+  }
+  await database.db.transaction(async (tx) => {
+    for (let i = 0; i < events.length; i += 500) await recordAudit(tx, events.slice(i, i + 500));
+  });
+  return events.length;
+}

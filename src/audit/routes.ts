@@ -1,0 +1,43 @@
+import { Elysia } from "elysia";
+import type { authPlugin } from "../auth/plugin.ts";
+import type { Principal } from "../auth/verify.ts";
+import { AppError } from "../http/errors.ts";
+import { type AuditReadDeps, readAuditEvents } from "./query.ts";
+
+/** Spec 2.5. A key without expiry reports `expires_at: null` (README "Decisions"). */
+export function keyInfo(p: Principal) {
+  return {
+    key: { id: p.keyId, kind: p.kind, scopes: [...p.scopes], expires_at: p.expiresAt ? p.expiresAt.toISOString() : null },
+    organization: { id: p.orgId, plan: p.plan },
+  };
+}
+
+export function meRoutes(auth: ReturnType<typeof authPlugin>) {
+  return new Elysia({ name: "me" }).use(auth).get("/v1/me", ({ principal }) => keyInfo(principal), { auth: { scope: "inference" } });
+}
+
+/** Spec 4.5 takes no body; any sign of one is refused rather than ignored. */
+function rejectBody(headers: Headers): void {
+  const length = headers.get("content-length");
+  if ((length !== null && length.trim() !== "0") || headers.has("transfer-encoding")) {
+    throw new AppError("invalid_body", "GET /v1/audit-events takes no request body; pass the filters as query parameters.");
+  }
+}
+
+/**
+ * GET /v1/audit-events: service keys with `audit:read` only (a personal key
+ * gets scope_missing from the guard). The guard runs first (resolve), so an
+ * unauthenticated caller never learns which parameters are valid.
+ */
+export function auditRoutes(deps: AuditReadDeps) {
+  return (auth: ReturnType<typeof authPlugin>) =>
+    new Elysia({ name: "audit" }).use(auth).get(
+      "/v1/audit-events",
+      ({ principal, request }) => {
+        rejectBody(request.headers);
+        const q = request.url.indexOf("?");
+        return readAuditEvents(deps, principal.orgId, q === -1 ? "" : request.url.slice(q + 1));
+      },
+      { auth: { scope: "audit:read", kinds: ["service"] }, parse: "none" },
+    );
+}

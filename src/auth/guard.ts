@@ -1,0 +1,113 @@
+import { AppError } from "../http/errors.ts";
+import type { Limiter } from "../limits/store.ts";
+import { rateLimitHeaders } from "../limits/window.ts";
+import { bearerToken, createKeyMatcher } from "./keys.ts";
+import type { SecurityAuditor } from "./security.ts";
+import { AuthStoreUnavailable, type KeyVerifier, type Principal } from "./verify.ts";
+
+/**
+ * The order of checks, the same on every endpoint (README "Decisions"):
+ *   browser-looking request (in the app's onRequest, before routing)
+ *   → key present and well-formed → key known and not revoked (401 unauthorized)
+ *   → not expired (401 key_expired) → scope and key kind (403 scope_missing)
+ *   → academy-only account (403 academy_only) → rate limit (429 rate_limit_error).
+ * Authentication precedes body parsing, so an anonymous caller learns nothing
+ * about validation.
+ */
+
+export interface Requirement {
+  scope: string;
+  /** Key kinds allowed; the audit log takes service keys only. */
+  kinds?: readonly ("personal" | "service")[];
+  /** Whether academy-only accounts are refused (all current endpoints: yes). */
+  platformOnly?: boolean;
+}
+
+export interface GuardDeps {
+  verifier: KeyVerifier;
+  limiter: Limiter;
+  keyTag: string;
+  /** requests per minute for a plan name */
+  planLimit: (plan: string) => number;
+  security: SecurityAuditor;
+  now?: () => number;
+}
+
+export interface Guarded {
+  principal: Principal;
+  /** x-ratelimit-* headers for the response. */
+  headers: Record<string, string>;
+}
+
+export interface RequestMeta {
+  ip: string | null;
+  userAgent: string | null;
+}
+
+export function createGuard(deps: GuardDeps) {
+  const isWellFormed = createKeyMatcher(deps.keyTag);
+  const now = deps.now ?? Date.now;
+
+  async function guard(authorization: string | null, req: Requirement, meta: RequestMeta): Promise<Guarded> {
+    const token = bearerToken(authorization);
+    if (!token) throw new AppError("unauthorized", "Missing API key: send the header Authorization: Bearer <key>.");
+    if (!isWellFormed(token)) throw new AppError("unauthorized", "Invalid API key.");
+    let verdict: Awaited<ReturnType<KeyVerifier["verify"]>>;
+    try {
+      verdict = await deps.verifier.verify(token);
+    } catch (e) {
+      if (e instanceof AuthStoreUnavailable) {
+        // Never fail open: a key we cannot verify is not accepted.
+        throw new AppError("service_unavailable", "The key store is temporarily unreachable; retry with backoff.");
+      }
+      throw e;
+    }
+    if (verdict.status === "unknown") throw new AppError("unauthorized", "Invalid API key.");
+    if (verdict.status === "revoked") {
+      deps.security.keyRejected(verdict.principal, "security.revoked_key_used", meta);
+      throw new AppError("unauthorized", "This API key has been revoked; create a new key.");
+    }
+    if (verdict.status === "expired") {
+      deps.security.keyRejected(verdict.principal, "security.expired_key_used", meta);
+      throw new AppError("key_expired", "This API key has expired; create a new key.");
+    }
+    const p = verdict.principal;
+    if (!p.scopes.includes(req.scope)) {
+      throw new AppError("scope_missing", `This key lacks the scope ${req.scope} required by this endpoint.`);
+    }
+    if (req.kinds && !req.kinds.includes(p.kind)) {
+      throw new AppError("scope_missing", `This endpoint takes ${req.kinds.join(" or ")} keys only; this is a ${p.kind} key.`);
+    }
+    if ((req.platformOnly ?? true) && p.academyOnly) {
+      throw new AppError("academy_only", "This account has access to the academy only, not to the platform API.");
+    }
+    const decision = deps.limiter.check(p.orgId, deps.planLimit(p.plan), now());
+    const headers = rateLimitHeaders(decision);
+    if (!decision.allowed) {
+      throw new AppError(
+        "rate_limit_error",
+        `Rate limit reached: ${decision.limit} requests per minute for this organisation. Retry after ${headers["retry-after"]} s.`,
+        null,
+        headers,
+      );
+    }
+    deps.verifier.markUsed(p.keyId);
+    return { principal: p, headers };
+  }
+
+  /** The principal of a currently valid key, without any check or side effect; null otherwise. */
+  async function peek(authorization: string | null) {
+    const token = bearerToken(authorization);
+    if (!token || !isWellFormed(token)) return null;
+    try {
+      const v = await deps.verifier.verify(token);
+      return v.status === "valid" ? v.principal : null;
+    } catch {
+      return null;
+    }
+  }
+
+  return Object.assign(guard, { peek });
+}
+
+export type Guard = ReturnType<typeof createGuard>;

@@ -1,0 +1,270 @@
+import { eq, sql } from "drizzle-orm";
+import type { Database } from "../db/client.ts";
+import { apiKeys, organizations, users } from "../db/schema.ts";
+import { hashKey } from "./keys.ts";
+
+/**
+ * Key verification with an in-memory cache, so a request touches no database
+ * in steady state:
+ * - positive entries (by key hash) live `ttlMs`; past that they are refreshed,
+ *   and while the database is unreachable a stale entry keeps serving for up to
+ *   10 × ttlMs (a known key keeps working through a short outage);
+ * - unknown hashes are remembered `negativeTtlMs` in a bounded map, so a flood
+ *   of random keys costs one lookup each at most every few seconds and cannot
+ *   grow memory;
+ * - concurrent misses for one hash share one lookup;
+ * - changes arrive on the `gateway_auth` NOTIFY channel (sent in the same
+ *   transaction as the change), so revocation reaches every instance at once.
+ *
+ * Expiry and revocation are judged on every request from the cached fields.
+ */
+
+export const AUTH_CHANNEL = "gateway_auth";
+
+export interface Principal {
+  keyId: string;
+  orgId: string;
+  userId: string | null;
+  kind: "personal" | "service";
+  scopes: readonly string[];
+  /** Aliases the key may address; null = all. */
+  models: readonly string[] | null;
+  expiresAt: Date | null;
+  revokedAt: Date | null;
+  academyOnly: boolean;
+  plan: string;
+  /** The organisation's token quota (null = none) and its window; cached with the key. */
+  quotaTokens: number | null;
+  quotaWindow: "hour" | "day" | "month";
+  /** Who acts with this key, for audit events: the user of a personal key, the key's name for a service key. */
+  actorName: string;
+  actorEmail: string;
+}
+
+export type Verdict =
+  | { status: "valid"; principal: Principal }
+  | { status: "expired"; principal: Principal }
+  | { status: "revoked"; principal: Principal }
+  | { status: "unknown" };
+
+export class AuthStoreUnavailable extends Error {}
+
+interface Entry {
+  principal: Principal;
+  fetchedAt: number;
+}
+
+export interface VerifierOptions {
+  ttlMs: number;
+  max: number;
+  negativeTtlMs: number;
+  negativeMax: number;
+  /** How often batched `last_used_at` updates are written. */
+  lastUsedFlushMs?: number;
+  now?: () => number;
+}
+
+export interface KeyVerifier {
+  verify(key: string): Promise<Verdict>;
+  /** Apply an invalidation message (`key:<id>`, `org:<id>`, `user:<id>`, `new`, `*`). */
+  invalidate(message: string): void;
+  /** Record a use; written to `last_used_at` in batches. */
+  markUsed(keyId: string): void;
+  flushLastUsed(): Promise<void>;
+  start(): Promise<void>;
+  stop(): Promise<void>;
+  stats(): { entries: number; negative: number; hits: number; misses: number; lookups: number };
+}
+
+export function judge(p: Principal, now: number): Verdict {
+  if (p.revokedAt && p.revokedAt.getTime() <= now) return { status: "revoked", principal: p };
+  if (p.expiresAt && p.expiresAt.getTime() <= now) return { status: "expired", principal: p };
+  return { status: "valid", principal: p };
+}
+
+export async function lookupKey(database: Database, hash: string): Promise<Principal | null> {
+  const rows = await database.db
+    .select({
+      keyId: apiKeys.id,
+      orgId: apiKeys.orgId,
+      userId: apiKeys.userId,
+      kind: apiKeys.kind,
+      scopes: apiKeys.scopes,
+      models: apiKeys.models,
+      expiresAt: apiKeys.expiresAt,
+      revokedAt: apiKeys.revokedAt,
+      orgAcademyOnly: organizations.academyOnly,
+      userAcademyOnly: users.academyOnly,
+      plan: organizations.plan,
+      quotaTokens: organizations.quotaTokens,
+      quotaWindow: organizations.quotaWindow,
+      keyName: apiKeys.name,
+      userName: users.name,
+      userEmail: users.email,
+    })
+    .from(apiKeys)
+    .innerJoin(organizations, eq(organizations.id, apiKeys.orgId))
+    .leftJoin(users, eq(users.id, apiKeys.userId))
+    .where(eq(apiKeys.hash, hash))
+    .limit(1);
+  const r = rows[0];
+  if (!r) return null;
+  return {
+    keyId: r.keyId,
+    orgId: r.orgId,
+    userId: r.userId,
+    kind: r.kind,
+    scopes: r.scopes,
+    models: r.models,
+    expiresAt: r.expiresAt,
+    revokedAt: r.revokedAt,
+    academyOnly: r.orgAcademyOnly || (r.userAcademyOnly ?? false),
+    plan: r.plan,
+    quotaTokens: r.quotaTokens,
+    quotaWindow: r.quotaWindow,
+    actorName: r.userName ?? r.keyName,
+    actorEmail: r.userEmail ?? "",
+  };
+}
+
+export function createKeyVerifier(database: Database, opts: VerifierOptions): KeyVerifier {
+  const now = opts.now ?? Date.now;
+  const cache = new Map<string, Entry>();
+  const negative = new Map<string, number>();
+  const inflight = new Map<string, Promise<Principal | null>>();
+  const used = new Map<string, number>();
+  let hits = 0;
+  let misses = 0;
+  let lookups = 0;
+  let unlisten: (() => Promise<void>) | undefined;
+  let flushTimer: ReturnType<typeof setInterval> | undefined;
+
+  function remember(hash: string, principal: Principal | null, t: number) {
+    if (principal) {
+      if (cache.size >= opts.max && !cache.has(hash)) {
+        // Map iteration is insertion order: the first key is the oldest entry.
+        const oldest = cache.keys().next().value;
+        if (oldest !== undefined) cache.delete(oldest);
+      }
+      cache.delete(hash);
+      cache.set(hash, { principal, fetchedAt: t });
+      negative.delete(hash);
+    } else {
+      if (negative.size >= opts.negativeMax && !negative.has(hash)) {
+        const oldest = negative.keys().next().value;
+        if (oldest !== undefined) negative.delete(oldest);
+      }
+      negative.set(hash, t + opts.negativeTtlMs);
+    }
+  }
+
+  function fetch(hash: string): Promise<Principal | null> {
+    let p = inflight.get(hash);
+    if (!p) {
+      lookups++;
+      // One immediate retry: a pooled connection the server dropped fails once, then the driver reconnects.
+      p = lookupKey(database, hash)
+        .catch(() => lookupKey(database, hash))
+        .finally(() => inflight.delete(hash));
+      inflight.set(hash, p);
+    }
+    return p;
+  }
+
+  return {
+    async verify(key) {
+      const hash = hashKey(key);
+      const t = now();
+      const entry = cache.get(hash);
+      if (entry && t - entry.fetchedAt < opts.ttlMs) {
+        hits++;
+        return judge(entry.principal, t);
+      }
+      const neg = negative.get(hash);
+      if (neg !== undefined && neg > t) {
+        hits++;
+        return { status: "unknown" };
+      }
+      misses++;
+      let principal: Principal | null;
+      try {
+        principal = await fetch(hash);
+      } catch (e) {
+        if (entry && t - entry.fetchedAt < opts.ttlMs * 10) return judge(entry.principal, t);
+        throw new AuthStoreUnavailable((e as Error).message);
+      }
+      remember(hash, principal, now());
+      return principal ? judge(principal, t) : { status: "unknown" };
+    },
+
+    invalidate(message) {
+      if (message === "*") {
+        cache.clear();
+        negative.clear();
+        return;
+      }
+      if (message === "stale") {
+        // After a lost LISTEN connection we may have missed invalidations: every
+        // entry is re-checked with the database at its next use, but stays
+        // available as a fallback while the database is unreachable.
+        const expired = now() - opts.ttlMs;
+        for (const e of cache.values()) e.fetchedAt = Math.min(e.fetchedAt, expired);
+        negative.clear();
+        return;
+      }
+      if (message === "new") {
+        negative.clear();
+        return;
+      }
+      const [kind, id] = message.split(":");
+      const field = kind === "key" ? "keyId" : kind === "org" ? "orgId" : kind === "user" ? "userId" : null;
+      if (!field || !id) {
+        cache.clear();
+        return;
+      }
+      for (const [hash, e] of cache) if (e.principal[field] === id) cache.delete(hash);
+    },
+
+    markUsed(keyId) {
+      used.set(keyId, now());
+    },
+
+    async flushLastUsed() {
+      if (used.size === 0) return;
+      const batch = [...used];
+      used.clear();
+      const values = sql.join(
+        batch.map(([id, t]) => sql`(${id}::uuid, ${new Date(t).toISOString()}::timestamptz)`),
+        sql`, `,
+      );
+      try {
+        await database.db.execute(
+          sql`update api_keys as k set last_used_at = greatest(k.last_used_at, v.t) from (values ${values}) as v(id, t) where k.id = v.id`,
+        );
+      } catch {
+        // Best effort: keep the newest times for the next attempt.
+        for (const [id, t] of batch) if ((used.get(id) ?? 0) < t) used.set(id, t);
+      }
+    },
+
+    async start() {
+      unlisten = await database.listen(
+        AUTH_CHANNEL,
+        (payload) => this.invalidate(payload),
+        () => this.invalidate("stale"),
+      );
+      flushTimer = setInterval(() => void this.flushLastUsed(), opts.lastUsedFlushMs ?? 5_000);
+      flushTimer.unref?.();
+    },
+
+    async stop() {
+      if (flushTimer) clearInterval(flushTimer);
+      await this.flushLastUsed();
+      if (unlisten) await unlisten().catch(() => {});
+    },
+
+    stats() {
+      return { entries: cache.size, negative: negative.size, hits, misses, lookups };
+    },
+  };
+}

@@ -1,0 +1,153 @@
+import { Value } from "@sinclair/typebox/value";
+import { Alias, type Config, ConfigSchema, DEFAULT_PLANS, SPEC_ALIASES } from "./schema.ts";
+import { isRecord } from "../lib/guards.ts";
+
+export class ConfigError extends Error {
+  constructor(readonly problems: string[]) {
+    super(`invalid configuration:\n${problems.map((p) => `  - ${p}`).join("\n")}`);
+  }
+}
+
+export interface LoadInput {
+  env: Record<string, string | undefined>;
+  /** Path of a JSON config file (from --config or GATEWAY_CONFIG). */
+  file?: string;
+  /** Command-line flags; they win over env and file. */
+  overrides?: Partial<Pick<Config, "host" | "port" | "dataDir">>;
+}
+
+type Json = Record<string, unknown>;
+
+async function readFile(path: string, problems: string[]): Promise<Json> {
+  const f = Bun.file(path);
+  if (!(await f.exists())) {
+    problems.push(`config file ${path}: not found`);
+    return {};
+  }
+  try {
+    const parsed: unknown = JSON.parse(await f.text());
+    if (!isRecord(parsed)) {
+      problems.push(`config file ${path}: must hold a JSON object`);
+      return {};
+    }
+    return parsed;
+  } catch (e) {
+    problems.push(`config file ${path}: invalid JSON (${(e as Error).message})`);
+    return {};
+  }
+}
+
+function envInt(env: LoadInput["env"], name: string, problems: string[]): number | undefined {
+  const raw = env[name];
+  if (raw === undefined || raw === "") return undefined;
+  if (!/^\d+$/.test(raw)) {
+    problems.push(`env ${name}: expected a whole number, got ${JSON.stringify(raw)}`);
+    return undefined;
+  }
+  return Number(raw);
+}
+
+/**
+ * Parse the configuration once at boot: file, then env, then flags. Every
+ * problem is collected so an operator fixes them all in one go.
+ */
+export async function loadConfig(input: LoadInput): Promise<Config> {
+  const { env } = input;
+  const problems: string[] = [];
+  const path = input.file ?? env.GATEWAY_CONFIG;
+  const raw: Json = path ? await readFile(path, problems) : {};
+
+  const set = (key: string, value: unknown) => {
+    if (value !== undefined && value !== "") raw[key] = value;
+  };
+  set("host", env.HOST);
+  set("port", envInt(env, "PORT", problems));
+  set("dataDir", env.GATEWAY_DATA_DIR);
+  set("databaseUrl", env.DATABASE_URL);
+  set("logLevel", env.LOG_LEVEL);
+  set("cursorSecret", env.GATEWAY_CURSOR_SECRET);
+  const instances = envInt(env, "GATEWAY_RATE_LIMIT_INSTANCES", problems);
+  if (instances !== undefined) raw.rateLimit = { ...(isRecord(raw.rateLimit) ? raw.rateLimit : {}), instances };
+  for (const [k, v] of Object.entries(input.overrides ?? {})) set(k, v);
+
+  // Plans: a file that adds a plan keeps the built-in ones unless it overrides them.
+  raw.plans = { ...DEFAULT_PLANS, ...(isRecord(raw.plans) ? raw.plans : {}) };
+
+  // Aliases: spec aliases named in a file inherit the spec's table; with no
+  // aliases at all, UPSTREAM_BASE_URL points all four at one server.
+  const fileAliases = isRecord(raw.aliases) ? raw.aliases : undefined;
+  if (fileAliases && Object.keys(fileAliases).length > 0) {
+    for (const [name, a] of Object.entries(fileAliases)) {
+      const spec = SPEC_ALIASES[name];
+      if (spec && isRecord(a)) {
+        const { defaultModel: _unused, ...defaults } = spec;
+        fileAliases[name] = { ...defaults, ...a };
+      }
+    }
+  } else if (env.UPSTREAM_BASE_URL) {
+    raw.aliases = upstreamAliases(env.UPSTREAM_BASE_URL, env.UPSTREAM_API_KEY ? "UPSTREAM_API_KEY" : undefined);
+  }
+
+  const config = Value.Default(ConfigSchema, raw) as Config;
+  // TypeBox's Default does not descend into Record values whose schema has no
+  // `default` of its own, so each alias (and its targets' weight) is defaulted
+  // here. An alias without `timeouts` keeps none: it inherits upstream.timeouts.
+  if (isRecord(config.aliases)) {
+    for (const [name, a] of Object.entries(config.aliases)) {
+      const inherits = isRecord(a) && !("timeouts" in a);
+      const defaulted = Value.Default(Alias, a);
+      if (inherits && isRecord(defaulted)) delete defaulted.timeouts;
+      (config.aliases as Json)[name] = defaulted;
+    }
+  }
+  for (const err of Value.Errors(ConfigSchema, config)) {
+    problems.push(`${err.path || "/"}: ${describe(err.schema, err.message)}${err.value === undefined ? "" : ` (got ${clip(JSON.stringify(err.value))})`}`);
+  }
+  if (problems.length === 0) {
+    if (!(config.defaultPlan in config.plans)) problems.push(`/defaultPlan: plan ${JSON.stringify(config.defaultPlan)} is not in /plans`);
+    for (const [name, alias] of Object.entries(config.aliases)) {
+      for (const [i, t] of alias.targets.entries()) {
+        if (!URL.canParse(t.baseUrl) || !/^https?:$/.test(new URL(t.baseUrl).protocol)) {
+          problems.push(`/aliases/${name}/targets/${i}/baseUrl: not an http(s) URL`);
+        }
+        if (t.apiKeyEnv && !env[t.apiKeyEnv]) problems.push(`/aliases/${name}/targets/${i}/apiKeyEnv: env ${t.apiKeyEnv} is not set`);
+      }
+      if (alias.kind === "chat" && alias.targets.every((t) => t.weight === 0)) {
+        problems.push(`/aliases/${name}/targets: every target has weight 0`);
+      }
+    }
+  }
+  if (problems.length > 0) throw new ConfigError(problems);
+  return config;
+}
+
+function clip(s: string): string {
+  return s.length > 80 ? `${s.slice(0, 77)}...` : s;
+}
+
+/** "Expected union value" says nothing to an operator; name the allowed values instead. */
+function describe(schema: unknown, message: string): string {
+  const anyOf = isRecord(schema) && Array.isArray(schema.anyOf) ? (schema.anyOf as unknown[]) : undefined;
+  if (anyOf?.every((s) => isRecord(s) && "const" in s)) {
+    return `expected one of ${anyOf.map((s) => JSON.stringify((s as Json).const)).join(", ")}`;
+  }
+  return message;
+}
+
+/** The four spec aliases pointing at one upstream server (UPSTREAM_BASE_URL, or the demo simulator). */
+export function upstreamAliases(baseUrl: string, apiKeyEnv?: string): Json {
+  const out: Json = {};
+  for (const [name, spec] of Object.entries(SPEC_ALIASES)) {
+    const { defaultModel, ...rest } = spec;
+    out[name] = { ...rest, targets: [{ baseUrl, model: defaultModel, weight: 1, ...(apiKeyEnv ? { apiKeyEnv } : {}) }] };
+  }
+  return out;
+}
+
+/** Config with secrets masked, for `config print`. */
+export function maskConfig(c: Config): Config {
+  const masked = structuredClone(c);
+  if (masked.cursorSecret) masked.cursorSecret = "***";
+  if (masked.databaseUrl) masked.databaseUrl = masked.databaseUrl.replace(/\/\/([^:@/]+):[^@/]*@/, "//$1:***@");
+  return masked;
+}

@@ -1,0 +1,142 @@
+import { type Static, Type as T } from "@sinclair/typebox";
+
+/**
+ * The one configuration schema. A config file may set any subset; everything
+ * else takes the defaults written here, so this file is also the reference for
+ * every option (README "Configuration" mirrors it).
+ */
+
+const Target = T.Object(
+  {
+    baseUrl: T.String({ description: "Upstream OpenAI-compatible base URL, e.g. http://10.0.0.5:8000/v1" }),
+    model: T.String({ description: "Upstream model id sent in the request body" }),
+    apiKeyEnv: T.Optional(T.String({ description: "Name of the env variable holding the upstream API key" })),
+    weight: T.Number({ minimum: 0, default: 1 }),
+  },
+  { additionalProperties: false },
+);
+
+const Timeouts = T.Object(
+  {
+    connectMs: T.Integer({ minimum: 1, default: 5_000 }),
+    firstByteMs: T.Integer({ minimum: 1, default: 60_000, description: "Time to the upstream's response headers" }),
+    idleMs: T.Integer({ minimum: 1, default: 60_000, description: "Longest silence inside a stream" }),
+  },
+  { additionalProperties: false, default: {} },
+);
+
+export const Capability = T.Union([T.Literal("images"), T.Literal("tools")]);
+
+/** Exported for load.ts, which applies its defaults itself (see there). */
+export const Alias = T.Object(
+  {
+    kind: T.Union([T.Literal("chat"), T.Literal("embedding")]),
+    contextWindow: T.Optional(T.Integer({ minimum: 1 })),
+    capabilities: T.Array(Capability, { default: [] }),
+    ownedBy: T.String({ default: "gateway" }),
+    dimensions: T.Optional(T.Integer({ minimum: 1 })),
+    targets: T.Array(Target, { minItems: 1 }),
+    timeouts: T.Optional(Timeouts),
+  },
+  { additionalProperties: false },
+);
+
+const Plan = T.Object({ requestsPerMinute: T.Integer({ minimum: 1 }) }, { additionalProperties: false });
+
+export const ConfigSchema = T.Object(
+  {
+    host: T.String({ default: "127.0.0.1" }),
+    port: T.Integer({ minimum: 0, maximum: 65535, default: 8080 }),
+    dataDir: T.String({ default: "./data", description: "Embedded database directory (when databaseUrl is unset)" }),
+    databaseUrl: T.Optional(T.String({ pattern: "^postgres(ql)?://" })),
+    dbPoolMax: T.Integer({ minimum: 1, maximum: 200, default: 10 }),
+    logLevel: T.Union([T.Literal("debug"), T.Literal("info"), T.Literal("warn"), T.Literal("error"), T.Literal("silent")], {
+      default: "info",
+    }),
+    accessLog: T.Boolean({ default: true }),
+    bodyLimitBytes: T.Integer({ minimum: 1024, default: 16 * 1024 * 1024 }),
+    drainMs: T.Integer({ minimum: 0, default: 30_000, description: "How long in-flight requests may finish after SIGTERM" }),
+    idleTimeoutS: T.Integer({
+      minimum: 1,
+      maximum: 255,
+      default: 60,
+      description: "Seconds a connection may sit idle (keep-alive, or a request body that stops arriving); not applied to inference responses",
+    }),
+    keyTag: T.String({ pattern: "^[a-z0-9]{1,12}$", default: "gw", description: "Keys look like sk-<keyTag>-<secret>" }),
+    cursorSecret: T.Optional(T.String({ minLength: 32 })),
+    keyCache: T.Object(
+      {
+        ttlMs: T.Integer({ minimum: 0, default: 60_000 }),
+        max: T.Integer({ minimum: 1, default: 100_000 }),
+        negativeTtlMs: T.Integer({ minimum: 0, default: 5_000 }),
+        negativeMax: T.Integer({ minimum: 1, default: 10_000 }),
+      },
+      { additionalProperties: false, default: {} },
+    ),
+    defaultPlan: T.String({ default: "Standard" }),
+    plans: T.Record(T.String({ minLength: 1 }), Plan, { default: {} }),
+    rateLimit: T.Object(
+      {
+        instances: T.Integer({ minimum: 1, default: 1, description: "Gateway instances sharing the load; limits are divided by it" }),
+        maxOrgs: T.Integer({ minimum: 1, default: 100_000 }),
+        windowMs: T.Integer({ minimum: 1_000, default: 60_000, description: "Rolling window; the spec's limits are per minute" }),
+      },
+      { additionalProperties: false, default: {} },
+    ),
+    quota: T.Object(
+      {
+        leaseTokens: T.Integer({ minimum: 1, default: 20_000, description: "Tokens an instance takes from the shared quota at a time" }),
+        flushMs: T.Integer({ minimum: 10, default: 1_000 }),
+        maxBuffered: T.Integer({ minimum: 1, default: 1_000_000 }),
+      },
+      { additionalProperties: false, default: {} },
+    ),
+    upstream: T.Object(
+      {
+        attempts: T.Integer({ minimum: 1, maximum: 10, default: 3 }),
+        backoffMs: T.Integer({ minimum: 0, default: 50 }),
+        breakerFailures: T.Integer({ minimum: 1, default: 5 }),
+        breakerCooldownMs: T.Integer({ minimum: 1, default: 30_000 }),
+        timeouts: Timeouts,
+      },
+      { additionalProperties: false, default: {} },
+    ),
+    metrics: T.Object(
+      {
+        enabled: T.Boolean({ default: true }),
+        listen: T.Optional(
+          T.String({ pattern: "^[^\\s]+:\\d{1,5}$", description: "Serve /metrics on this host:port instead of the main listener" }),
+        ),
+      },
+      { additionalProperties: false, default: {} },
+    ),
+    // additionalProperties: false, or a key not matching the pattern would pass unvalidated.
+    aliases: T.Record(T.String({ pattern: "^[A-Za-z0-9._:-]{1,64}$" }), Alias, { default: {}, additionalProperties: false }),
+  },
+  { additionalProperties: false },
+);
+
+export type Config = Static<typeof ConfigSchema>;
+export type AliasConfig = Static<typeof Alias>;
+export type TargetConfig = Static<typeof Target>;
+export type TimeoutsConfig = Static<typeof Timeouts>;
+
+/** Spec 2.1: the alias table. Upstream model ids are the operator's to set. */
+export const SPEC_ALIASES: Record<string, Omit<AliasConfig, "targets"> & { defaultModel: string }> = {
+  "svc-fast": { kind: "chat", contextWindow: 128_000, capabilities: ["images", "tools"], ownedBy: "gateway", defaultModel: "svc-fast" },
+  "svc-smart": { kind: "chat", contextWindow: 180_000, capabilities: ["images", "tools"], ownedBy: "gateway", defaultModel: "svc-smart" },
+  "svc-bigthink": {
+    kind: "chat",
+    contextWindow: 250_000,
+    capabilities: ["images", "tools"],
+    ownedBy: "gateway",
+    defaultModel: "svc-bigthink",
+    timeouts: { connectMs: 5_000, firstByteMs: 600_000, idleMs: 300_000 },
+  },
+  "svc-embed": { kind: "embedding", capabilities: [], ownedBy: "gateway", dimensions: 1024, defaultModel: "svc-embed" },
+};
+
+export const DEFAULT_PLANS: Record<string, { requestsPerMinute: number }> = {
+  Standard: { requestsPerMinute: 60 },
+  Ultra: { requestsPerMinute: 300 },
+};

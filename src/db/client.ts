@@ -1,0 +1,268 @@
+import { existsSync, mkdirSync, readFileSync, renameSync, unlinkSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import { PGlite } from "@electric-sql/pglite";
+import { type SQL, sql } from "drizzle-orm";
+import type { PgDatabase, PgQueryResultHKT } from "drizzle-orm/pg-core";
+import { drizzle as drizzlePglite } from "drizzle-orm/pglite";
+import { drizzle as drizzlePostgres } from "drizzle-orm/postgres-js";
+import postgres from "postgres";
+// Embedded in the executable by `bun build --compile` (type: "file"): PGlite's
+// wasm, its file-system bundle and the pg_trgm and btree_gin extensions travel inside the binary.
+import initdbWasmPath from "@electric-sql/pglite/initdb.wasm" with { type: "file" };
+import pgliteDataPath from "@electric-sql/pglite/pglite.data" with { type: "file" };
+import pgliteWasmPath from "@electric-sql/pglite/pglite.wasm" with { type: "file" };
+import btreeGinPath from "../../node_modules/@electric-sql/pglite/dist/btree_gin.tar.gz" with { type: "file" };
+import pgTrgmPath from "../../node_modules/@electric-sql/pglite/dist/pg_trgm.tar.gz" with { type: "file" };
+import { MIGRATIONS } from "./migrations.ts";
+import * as schema from "./schema.ts";
+
+export type Db = PgDatabase<PgQueryResultHKT, typeof schema>;
+
+export interface Database {
+  kind: "pglite" | "postgres";
+  db: Db;
+  /** Raw query returning rows, the same shape on both drivers. */
+  rows<T = Record<string, unknown>>(query: SQL): Promise<T[]>;
+  /**
+   * Subscribe to a NOTIFY channel. `onReconnect` runs after the listening
+   * connection was lost and re-established (messages may have been missed).
+   */
+  listen(channel: string, onMessage: (payload: string) => void, onReconnect: () => void): Promise<() => Promise<void>>;
+  ping(): Promise<boolean>;
+  close(): Promise<void>;
+}
+
+export interface DbOptions {
+  databaseUrl?: string;
+  /** Directory for the embedded database, or `memory://`. */
+  dataDir: string;
+  poolMax?: number;
+}
+
+// Compiling PGlite's wasm costs seconds; do it once per process (tests open many databases).
+let pgliteModules: Promise<{ pgliteWasmModule: WebAssembly.Module; initdbWasmModule: WebAssembly.Module; fsBundle: Blob }> | undefined;
+function loadPgliteModules() {
+  pgliteModules ??= (async () => {
+    const [pgliteWasmModule, initdbWasmModule, data] = await Promise.all([
+      Bun.file(pgliteWasmPath).arrayBuffer().then((b) => WebAssembly.compile(b)),
+      Bun.file(initdbWasmPath).arrayBuffer().then((b) => WebAssembly.compile(b)),
+      Bun.file(pgliteDataPath).arrayBuffer(),
+    ]);
+    return { pgliteWasmModule, initdbWasmModule, fsBundle: new Blob([data]) };
+  })();
+  return pgliteModules;
+}
+
+/**
+ * PGlite reads extension bundles with fs streams, which cannot open files
+ * inside a compiled executable; copy the embedded bundle to a real file once.
+ */
+async function extensionBundleUrl(name: string, path: string): Promise<URL> {
+  if (!path.startsWith("/$bunfs")) return new URL(`file://${resolve(path)}`);
+  const bytes = new Uint8Array(await Bun.file(path).arrayBuffer());
+  const target = join(tmpdir(), `gateway-${name}-${Bun.hash(bytes).toString(16)}.tar.gz`);
+  if (!existsSync(target)) {
+    const partial = `${target}.${process.pid}`;
+    writeFileSync(partial, bytes);
+    renameSync(partial, target);
+  }
+  return new URL(`file://${target}`);
+}
+
+export class DataDirLockedError extends Error {}
+
+/** Data directories this process has open: the pid file cannot tell us apart from ourselves. */
+const openDirs = new Set<string>();
+
+function pidAlive(pid: number): boolean {
+  if (!Number.isInteger(pid) || pid <= 0) return false;
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (e) {
+    // EPERM: the process exists but belongs to another user; still alive.
+    return (e as NodeJS.ErrnoException).code === "EPERM";
+  }
+}
+
+/**
+ * The embedded database is single-process: two processes on one data
+ * directory would corrupt it. A pid file, created exclusively (O_EXCL) so two
+ * processes starting at once cannot both win, refuses the second one clearly.
+ * A lock left by a dead process (crash, SIGKILL) is taken over; so is one
+ * holding our own pid (a container restarted with the same pid 1).
+ */
+function lockDataDir(dir: string): () => void {
+  if (openDirs.has(dir)) throw new DataDirLockedError(`the data directory ${dir} is already open in this process`);
+  mkdirSync(dir, { recursive: true });
+  const lock = join(dir, "gateway.pid");
+  for (let attempt = 0; ; attempt++) {
+    try {
+      writeFileSync(lock, String(process.pid), { flag: "wx" });
+      break;
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code !== "EEXIST" || attempt >= 3) throw e;
+    }
+    let holder = "";
+    try {
+      holder = readFileSync(lock, "utf8").trim();
+    } catch {
+      continue; // removed meanwhile: try again
+    }
+    const pid = Number(holder);
+    if (pid !== process.pid && pidAlive(pid)) {
+      throw new DataDirLockedError(
+        `the data directory ${dir} is in use by process ${pid}: stop it first, or use DATABASE_URL (a Postgres server) to share one database between processes (a running \`gateway serve\` takes orgs, users, keys, audit and usage commands itself); if no gateway is running, delete ${lock}`,
+      );
+    }
+    try {
+      unlinkSync(lock); // stale
+    } catch {
+      // another process removed it first; the exclusive create decides
+    }
+  }
+  openDirs.add(dir);
+  return () => {
+    openDirs.delete(dir);
+    try {
+      if (readFileSync(lock, "utf8").trim() === String(process.pid)) unlinkSync(lock);
+    } catch {
+      // already gone
+    }
+  };
+}
+
+async function openPglite(dataDir: string): Promise<Database> {
+  const memory = dataDir.startsWith("memory://");
+  const unlock = memory ? () => {} : lockDataDir(resolve(dataDir));
+  let pg: PGlite;
+  try {
+    const modules = await loadPgliteModules();
+    const [trgm, btreeGin] = await Promise.all([extensionBundleUrl("pg_trgm", pgTrgmPath), extensionBundleUrl("btree_gin", btreeGinPath)]);
+    pg = new PGlite({
+      dataDir: memory ? dataDir : resolve(dataDir, "pg"),
+      ...modules,
+      extensions: {
+        pg_trgm: { name: "pg_trgm", setup: async () => ({ bundlePath: trgm }) },
+        btree_gin: { name: "btree_gin", setup: async () => ({ bundlePath: btreeGin }) },
+      },
+    });
+    await pg.waitReady;
+  } catch (e) {
+    unlock();
+    throw e;
+  }
+  const db = drizzlePglite(pg, { schema }) as unknown as Db;
+  return {
+    kind: "pglite",
+    db,
+    async rows<T>(query: SQL) {
+      const r = (await db.execute(query)) as unknown as { rows: T[] };
+      return r.rows;
+    },
+    async listen(channel, onMessage) {
+      // One process owns the embedded database, so NOTIFY is delivered in-process and never lost.
+      const unsub = await pg.listen(channel, onMessage);
+      return unsub;
+    },
+    async ping() {
+      try {
+        await pg.query("select 1");
+        return true;
+      } catch {
+        return false;
+      }
+    },
+    async close() {
+      try {
+        await pg.close();
+      } finally {
+        unlock();
+      }
+    },
+  };
+}
+
+function openPostgres(url: string, poolMax: number): Database {
+  const client = postgres(url, {
+    max: poolMax,
+    idle_timeout: 30,
+    connect_timeout: 5,
+    onnotice: () => {},
+    // Our timestamps are timestamptz(3) Date objects; bigint columns are read as numbers by drizzle.
+  });
+  const db = drizzlePostgres(client, { schema }) as unknown as Db;
+  return {
+    kind: "postgres",
+    db,
+    async rows<T>(query: SQL) {
+      return (await db.execute(query)) as unknown as T[];
+    },
+    async listen(channel, onMessage, onReconnect) {
+      let first = true;
+      // postgres.js re-subscribes by itself after a dropped connection and calls
+      // onlisten again; every call after the first means we may have missed messages.
+      const sub = await client.listen(channel, (p) => onMessage(p), () => {
+        if (first) first = false;
+        else onReconnect();
+      });
+      return () => sub.unlisten();
+    },
+    async ping() {
+      try {
+        await client`select 1`;
+        return true;
+      } catch {
+        return false;
+      }
+    },
+    async close() {
+      // Everything worth writing was flushed before close; do not wait on a connection the server already dropped.
+      await client.end({ timeout: 1 });
+    },
+  };
+}
+
+export async function openDatabase(opts: DbOptions): Promise<Database> {
+  if (opts.databaseUrl) return openPostgres(opts.databaseUrl, opts.poolMax ?? 10);
+  return openPglite(opts.dataDir);
+}
+
+/** Arbitrary constant: the advisory lock that serialises migrations across instances. */
+const MIGRATION_LOCK = 72_530_017;
+
+/**
+ * Apply the embedded migrations in one transaction under an advisory lock, so
+ * several instances starting at once apply each migration exactly once.
+ * Returns the tags it applied.
+ */
+export async function migrate(database: Database): Promise<string[]> {
+  return database.db.transaction(async (tx) => {
+    await tx.execute(sql`select pg_advisory_xact_lock(${MIGRATION_LOCK})`);
+    await tx.execute(
+      sql`create table if not exists gateway_migrations (tag text primary key, applied_at timestamptz not null default now())`,
+    );
+    const done = (await tx.execute(sql`select tag from gateway_migrations`)) as unknown;
+    const doneRows = (Array.isArray(done) ? done : (done as { rows: { tag: string }[] }).rows) as { tag: string }[];
+    const applied = new Set(doneRows.map((r) => r.tag));
+    const ran: string[] = [];
+    for (const m of MIGRATIONS) {
+      if (applied.has(m.tag)) continue;
+      for (const stmt of m.statements) await tx.execute(sql.raw(stmt));
+      await tx.execute(sql`insert into gateway_migrations (tag) values (${m.tag})`);
+      ran.push(m.tag);
+    }
+    return ran;
+  });
+}
+
+/** True when every embedded migration has been applied (readiness). */
+export async function migrationsCurrent(database: Database): Promise<boolean> {
+  try {
+    const rows = await database.rows<{ n: number | string }>(sql`select count(*)::int as n from gateway_migrations`);
+    return Number(rows[0]?.n ?? 0) >= MIGRATIONS.length;
+  } catch {
+    return false;
+  }
+}

@@ -1,0 +1,36 @@
+/**
+ * drizzle-kit's output, embedded in the executable: the SQL files are imported
+ * as text so `bun build --compile` carries them. test/unit/migrations.test.ts
+ * fails when drizzle/meta/_journal.json lists a file that is not imported here.
+ */
+import journal from "../../drizzle/meta/_journal.json";
+import m0000 from "../../drizzle/0000_extensions.sql" with { type: "text" };
+import m0001 from "../../drizzle/0001_init.sql" with { type: "text" };
+import m0002 from "../../drizzle/0002_audit_append_only.sql" with { type: "text" };
+import m0003 from "../../drizzle/0003_usage_batches.sql" with { type: "text" };
+import m0004 from "../../drizzle/0004_audit_org_search.sql" with { type: "text" };
+
+const SQL: Record<string, string> = {
+  "0000_extensions": m0000,
+  "0001_init": m0001,
+  "0002_audit_append_only": m0002,
+  "0003_usage_batches": m0003,
+  "0004_audit_org_search": m0004,
+};
+
+export interface Migration {
+  tag: string;
+  statements: string[];
+}
+
+export const MIGRATIONS: Migration[] = journal.entries.map((e) => {
+  const text = SQL[e.tag];
+  if (text === undefined) throw new Error(`migration ${e.tag} is in the journal but not embedded (src/db/migrations.ts)`);
+  return {
+    tag: e.tag,
+    statements: text
+      .split("--> statement-breakpoint")
+      .map((s) => s.trim())
+      .filter((s) => s.length > 0),
+  };
+});

@@ -1,0 +1,164 @@
+import { sql } from "drizzle-orm";
+import {
+  bigint,
+  bigserial,
+  boolean,
+  index,
+  integer,
+  jsonb,
+  pgTable,
+  primaryKey,
+  text,
+  timestamp,
+  uniqueIndex,
+  uuid,
+} from "drizzle-orm/pg-core";
+
+/** Millisecond precision everywhere: audit `created_at` round-trips through ISO strings exactly. */
+const ts = (name: string) => timestamp(name, { withTimezone: true, precision: 3, mode: "date" });
+const createdAt = () => ts("created_at").notNull().default(sql`now()`);
+
+export const organizations = pgTable("organizations", {
+  id: uuid("id").primaryKey().defaultRandom(),
+  name: text("name").notNull(),
+  plan: text("plan").notNull(),
+  academyOnly: boolean("academy_only").notNull().default(false),
+  /** null = no quota. */
+  quotaTokens: bigint("quota_tokens", { mode: "number" }),
+  quotaWindow: text("quota_window", { enum: ["hour", "day", "month"] }).notNull().default("month"),
+  createdAt: createdAt(),
+});
+
+export const users = pgTable(
+  "users",
+  {
+    id: uuid("id").primaryKey().defaultRandom(),
+    orgId: uuid("org_id")
+      .notNull()
+      .references(() => organizations.id),
+    name: text("name").notNull(),
+    email: text("email").notNull(),
+    academyOnly: boolean("academy_only").notNull().default(false),
+    createdAt: createdAt(),
+  },
+  (t) => [uniqueIndex("users_org_email_idx").on(t.orgId, t.email)],
+);
+
+export const apiKeys = pgTable(
+  "api_keys",
+  {
+    id: uuid("id").primaryKey().defaultRandom(),
+    orgId: uuid("org_id")
+      .notNull()
+      .references(() => organizations.id),
+    userId: uuid("user_id").references(() => users.id),
+    name: text("name").notNull().default(""),
+    kind: text("kind", { enum: ["personal", "service"] }).notNull(),
+    /** SHA-256 (hex) of the whole presented key; the secret itself is never stored. */
+    hash: text("hash").notNull(),
+    /** Display prefix, e.g. `sk-gw-Ab3d…`, enough to recognise a key in a list. */
+    prefix: text("prefix").notNull(),
+    scopes: text("scopes").array().notNull(),
+    /** Aliases this key may address; null = every alias. */
+    models: text("models").array(),
+    expiresAt: ts("expires_at"),
+    revokedAt: ts("revoked_at"),
+    /** The key this one replaced by rotation. */
+    rotatedFrom: uuid("rotated_from"),
+    lastUsedAt: ts("last_used_at"),
+    createdAt: createdAt(),
+  },
+  (t) => [uniqueIndex("api_keys_hash_idx").on(t.hash), index("api_keys_org_idx").on(t.orgId)],
+);
+
+/**
+ * One row per organisation and quota window. `used` is what requests actually
+ * consumed; `leased` is what instances have taken but not yet settled.
+ */
+export const usageCounters = pgTable(
+  "usage_counters",
+  {
+    orgId: uuid("org_id")
+      .notNull()
+      .references(() => organizations.id),
+    windowStart: ts("window_start").notNull(),
+    used: bigint("used", { mode: "number" }).notNull().default(0),
+    leased: bigint("leased", { mode: "number" }).notNull().default(0),
+    exceededAt: ts("exceeded_at"),
+  },
+  (t) => [primaryKey({ columns: [t.orgId, t.windowStart] })],
+);
+
+/** One row per inference request; never any content. */
+export const usageEvents = pgTable(
+  "usage_events",
+  {
+    id: bigserial("id", { mode: "number" }).primaryKey(),
+    orgId: uuid("org_id").notNull(),
+    keyId: uuid("key_id").notNull(),
+    alias: text("alias").notNull(),
+    target: text("target").notNull(),
+    promptTokens: integer("prompt_tokens").notNull(),
+    completionTokens: integer("completion_tokens").notNull(),
+    status: integer("status").notNull(),
+    latencyMs: integer("latency_ms").notNull(),
+    streamed: boolean("streamed").notNull(),
+    createdAt: createdAt(),
+  },
+  (t) => [index("usage_events_org_created_idx").on(t.orgId, t.createdAt)],
+);
+
+export interface AuditTarget {
+  key: string;
+  kind: string;
+  id: string;
+  name: string;
+  email: string;
+}
+
+/** Spec 2.6, flattened for indexing; append-only (a trigger refuses UPDATE and DELETE). */
+export const auditEvents = pgTable(
+  "audit_events",
+  {
+    id: uuid("id").primaryKey().defaultRandom(),
+    orgId: uuid("org_id").notNull(),
+    createdAt: createdAt(),
+    action: text("action").notNull(),
+    category: text("category").notNull(),
+    actorType: text("actor_type").notNull(),
+    actorId: uuid("actor_id").notNull(),
+    actorName: text("actor_name").notNull(),
+    actorEmail: text("actor_email").notNull(),
+    actorKeyId: uuid("actor_key_id"),
+    targets: jsonb("targets").$type<AuditTarget[]>().notNull(),
+    details: jsonb("details").$type<Record<string, unknown>>().notNull(),
+    originIpPrefix: text("origin_ip_prefix").notNull(),
+    originUserAgentSummary: text("origin_user_agent_summary").notNull(),
+    /** Lower-cased action, actor and target names and e-mails: what `q` searches (trigram index). */
+    searchText: text("search_text").notNull(),
+  },
+  (t) => [
+    index("audit_org_created_idx").on(t.orgId, t.createdAt.desc(), t.id.desc()),
+    index("audit_org_category_idx").on(t.orgId, t.category, t.createdAt.desc(), t.id.desc()),
+    index("audit_org_actor_idx").on(t.orgId, t.actorId, t.createdAt.desc(), t.id.desc()),
+    index("audit_org_action_idx").on(t.orgId, t.action, t.createdAt.desc(), t.id.desc()),
+    // org_id inside the trigram GIN (btree_gin): `q` reads one organisation's postings, not everyone's.
+    index("audit_org_search_trgm_idx").using("gin", t.orgId, sql`${t.searchText} gin_trgm_ops`),
+  ],
+);
+
+/**
+ * Usage batches already applied. A batch's counters and events commit in one
+ * transaction with its id, so a retry after an ambiguous failure (the
+ * connection died after COMMIT was sent) cannot count the usage twice.
+ */
+export const usageBatches = pgTable("usage_batches", {
+  id: uuid("id").primaryKey(),
+  appliedAt: createdAt(),
+});
+
+/** Small key/value store for generated secrets (the cursor HMAC key). */
+export const settings = pgTable("settings", {
+  key: text("key").primaryKey(),
+  value: text("value").notNull(),
+});

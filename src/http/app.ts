@@ -1,0 +1,125 @@
+import { type AnyElysia, Elysia } from "elysia";
+import { authPlugin } from "../auth/plugin.ts";
+import type { Guard } from "../auth/guard.ts";
+import type { KeyVerifier } from "../auth/verify.ts";
+import type { SecurityAuditor } from "../auth/security.ts";
+import type { Logger } from "../lib/log.ts";
+import { type Metrics, routeLabel } from "../metrics/registry.ts";
+import { beginRequest, requestIdOf, stateOf } from "./context.ts";
+import { AppError, errorBody } from "./errors.ts";
+
+export interface AppDeps {
+  guard: Guard;
+  verifier: KeyVerifier;
+  security: SecurityAuditor;
+  log: Logger;
+  accessLog: boolean;
+  metrics: Metrics;
+  /** The OpenAPI document served at GET /openapi.json. */
+  openapi: Record<string, unknown>;
+  /** Serve GET /metrics on the main listener. */
+  metricsRoute: boolean;
+  /** Database reachable and migrations applied. */
+  ready: () => Promise<boolean>;
+  /** Feature modules (inference, audit, …), each an Elysia plugin built with `authPlugin`. */
+  // biome-ignore: each module is a differently-typed Elysia instance; the app only mounts them.
+  modules: ((auth: ReturnType<typeof authPlugin>) => AnyElysia)[];
+}
+
+/** Spec 5.2: any of these marks a browser; keys are for server-to-server use only. */
+export function looksLikeBrowser(h: Headers): boolean {
+  if (h.has("origin") || h.has("cookie")) return true;
+  for (const name of h.keys()) if (name.startsWith("sec-fetch-")) return true;
+  return false;
+}
+
+/** Paths whose 400s are `invalid_body` (spec 7); everything else says `invalid_request_error`. */
+function validationCode(path: string) {
+  return path.startsWith("/v1/audit-events") ? "invalid_body" : "invalid_request_error";
+}
+
+export function createApp(deps: AppDeps) {
+  const { log, metrics } = deps;
+  const auth = authPlugin(deps.guard);
+
+  const app = new Elysia({ normalize: false })
+    // Registered first: hooks apply only to routes added after them.
+    .onError(({ error, code, set, request, path }) => {
+      const state = stateOf(request);
+      let err: AppError;
+      if (error instanceof AppError) err = error;
+      else if (code === "NOT_FOUND") err = new AppError("not_found", `No route for ${request.method} ${path}.`);
+      else if (code === "PARSE") err = new AppError(validationCode(path), "Request body is not valid JSON.");
+      else if (code === "VALIDATION") err = new AppError(validationCode(path), "Request does not match the endpoint's schema.");
+      else {
+        log.error("unhandled error", { request_id: state?.id, path, err: error instanceof Error ? error.stack : String(error) });
+        err = new AppError("internal_error", "Internal error; the request id identifies it in the logs.");
+      }
+      if (state) state.errorCode = err.code;
+      set.status = err.status;
+      Object.assign(set.headers, err.headers);
+      set.headers["content-type"] = "application/json";
+      return errorBody(err.code, err.message, err.param);
+    })
+    .onRequest(({ request, set, server }) => {
+      const id = requestIdOf(request.headers.get("x-request-id"));
+      beginRequest(request, id, performance.now());
+      set.headers["x-request-id"] = id;
+      if (looksLikeBrowser(request.headers)) {
+        const authz = request.headers.get("authorization");
+        if (authz) {
+          // Record the attempt against a valid key (off the request path, rate-limited).
+          const meta = { ip: server?.requestIP(request)?.address ?? null, userAgent: request.headers.get("user-agent") };
+          void deps.guard.peek(authz).then((p) => p && deps.security.keyRejected(p, "security.browser_request_rejected", meta));
+        }
+        throw new AppError(
+          "browser_request_rejected",
+          "Browser requests are not accepted: API keys are for server-to-server use only. Call this API from your backend.",
+        );
+      }
+    })
+    .onAfterResponse(({ request, set, path }) => {
+      const s = stateOf(request);
+      if (!s) return;
+      const status = typeof set.status === "number" ? set.status : 200;
+      const route = routeLabel(path);
+      const seconds = (performance.now() - s.start) / 1000;
+      metrics.requests.inc({ route, method: request.method, status, code: s.errorCode ?? "" });
+      metrics.duration.observe({ route }, seconds);
+      if (s.errorCode === "rate_limit_error") metrics.rateLimited.inc();
+      else if (s.errorCode === "budget_exceeded") metrics.budgetExceeded.inc();
+      if (!deps.accessLog) return;
+      log.info("request", {
+        request_id: s.id,
+        method: request.method,
+        route: path,
+        status,
+        latency_ms: Math.round(seconds * 100_000) / 100,
+        org_id: s.orgId,
+        key_id: s.keyId,
+        alias: s.alias,
+        prompt_tokens: s.promptTokens,
+        completion_tokens: s.completionTokens,
+        streamed: s.streamed,
+        error: s.errorCode,
+      });
+    })
+    .get("/healthz", () => ({ status: "ok" }))
+    .get("/openapi.json", () => deps.openapi)
+    .get("/readyz", async ({ set }) => {
+      if (await deps.ready()) return { status: "ready" };
+      set.status = 503;
+      return errorBody("service_unavailable", "Not ready: the database is unreachable or migrations are pending.");
+    });
+
+  if (deps.metricsRoute) {
+    app.get("/metrics", async ({ set }) => {
+      set.headers["content-type"] = metrics.registry.contentType;
+      return metrics.registry.metrics();
+    });
+  }
+  for (const mod of deps.modules) app.use(mod(auth));
+  return app;
+}
+
+export type App = ReturnType<typeof createApp>;

@@ -1,0 +1,39 @@
+/**
+ * Per-request facts for the access log, kept beside the Request (not in
+ * Elysia's context, which error paths do not always carry).
+ */
+export interface RequestState {
+  id: string;
+  start: number;
+  orgId?: string;
+  keyId?: string;
+  alias?: string;
+  promptTokens?: number;
+  completionTokens?: number;
+  streamed?: boolean;
+  errorCode?: string;
+}
+
+const states = new WeakMap<Request, RequestState>();
+
+export function beginRequest(request: Request, id: string, start: number): RequestState {
+  const s: RequestState = { id, start };
+  states.set(request, s);
+  return s;
+}
+
+export function stateOf(request: Request): RequestState | undefined {
+  return states.get(request);
+}
+
+export function annotate(request: Request, fields: Partial<RequestState>): void {
+  const s = states.get(request);
+  if (s) Object.assign(s, fields);
+}
+
+const REQUEST_ID = /^[\w.:-]{1,128}$/;
+
+/** Honour a caller's x-request-id when it is short and plain; otherwise make one. */
+export function requestIdOf(header: string | null): string {
+  return header && REQUEST_ID.test(header) ? header : `req_${crypto.randomUUID().replaceAll("-", "")}`;
+}

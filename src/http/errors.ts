@@ -1,0 +1,58 @@
+/**
+ * The one error vocabulary. Services throw `AppError` with a spec code; this
+ * file alone decides the HTTP status and the wire body.
+ *
+ * Wire shape (spec 7 leaves it open; we use OpenAI's, which every SDK parses):
+ *   {"error":{"message":"…","type":"…","param":null|"…","code":"<spec code>"}}
+ */
+
+export type ErrorCode =
+  | "invalid_request_error"
+  | "invalid_body"
+  | "unauthorized"
+  | "key_expired"
+  | "scope_missing"
+  | "academy_only"
+  | "browser_request_rejected"
+  | "model_not_found"
+  | "not_found"
+  | "method_not_allowed"
+  | "rate_limit_error"
+  | "budget_exceeded"
+  | "service_unavailable"
+  | "internal_error";
+
+/** Status and OpenAI-style `type` for each code. */
+const TABLE: Record<ErrorCode, { status: number; type: string }> = {
+  invalid_request_error: { status: 400, type: "invalid_request_error" },
+  invalid_body: { status: 400, type: "invalid_request_error" },
+  unauthorized: { status: 401, type: "authentication_error" },
+  key_expired: { status: 401, type: "authentication_error" },
+  scope_missing: { status: 403, type: "permission_error" },
+  academy_only: { status: 403, type: "permission_error" },
+  browser_request_rejected: { status: 403, type: "permission_error" },
+  model_not_found: { status: 404, type: "invalid_request_error" },
+  not_found: { status: 404, type: "invalid_request_error" },
+  method_not_allowed: { status: 405, type: "invalid_request_error" },
+  rate_limit_error: { status: 429, type: "rate_limit_error" },
+  budget_exceeded: { status: 429, type: "insufficient_quota" },
+  service_unavailable: { status: 503, type: "service_unavailable" },
+  internal_error: { status: 500, type: "server_error" },
+};
+
+export class AppError extends Error {
+  readonly status: number;
+  constructor(
+    readonly code: ErrorCode,
+    message: string,
+    readonly param: string | null = null,
+    readonly headers: Record<string, string> = {},
+  ) {
+    super(message);
+    this.status = TABLE[code].status;
+  }
+}
+
+export function errorBody(code: ErrorCode, message: string, param: string | null = null) {
+  return { error: { message, type: TABLE[code].type, param, code } };
+}

@@ -1,0 +1,420 @@
+import { type Static, type TSchema, Type as T } from "@sinclair/typebox";
+import { TypeCompiler, type TypeCheck } from "@sinclair/typebox/compiler";
+import { type ValueError, ValueErrorType } from "@sinclair/typebox/errors";
+import { Value } from "@sinclair/typebox/value";
+import { AppError } from "../http/errors.ts";
+import { isRecord } from "../lib/guards.ts";
+
+/**
+ * Request bodies of spec 4.1 and 4.2, compiled once.
+ *
+ * "Unknown parameter" (spec 7) means a field outside the common
+ * chat-completions format; every field of the official `openai` SDK's
+ * ChatCompletionCreateParams (7.x) is known and passes through to the upstream
+ * unchanged, plus three vLLM sampling extras that LangChain's `modelKwargs`
+ * and the Vercel AI SDK's provider options commonly carry (top_k, min_p,
+ * repetition_penalty). Fields the gateway acts on are typed precisely; the
+ * rest get a type check only (ranges are the upstream's to enforce, and its
+ * 4xx comes back as our 400 with its message).
+ *
+ * Messages and content parts are tagged unions (by `role`, by `type`). TypeBox
+ * reports a failed union as one "Expected union value" at the union's path,
+ * so we dispatch on the tag ourselves and validate each variant with its own
+ * compiled check: `param` then names the exact field (`messages[2].tool_call_id`).
+ */
+
+const Nullable = <S extends TSchema>(s: S) => T.Union([s, T.Null()]);
+const Loose = T.Unknown();
+const Strict = { additionalProperties: false } as const;
+
+// ---------------------------------------------------------------------------
+// Content parts
+// ---------------------------------------------------------------------------
+
+const TextPart = T.Object({ type: T.Literal("text"), text: T.String() }, Strict);
+const RefusalPart = T.Object({ type: T.Literal("refusal"), refusal: T.String() }, Strict);
+const ImagePart = T.Object(
+  {
+    type: T.Literal("image_url"),
+    image_url: T.Object(
+      {
+        // A URL the upstream fetches, or the image inline as a data URL.
+        url: T.String({ pattern: "^(https?://|data:image/)" }),
+        detail: T.Optional(T.Union([T.Literal("auto"), T.Literal("low"), T.Literal("high")])),
+      },
+      Strict,
+    ),
+  },
+  Strict,
+);
+
+/** A content field before its parts are dispatched: a string, or an array of tagged objects. */
+const Parts = T.Array(T.Object({ type: T.String() }));
+const ContentOf = (nullable: boolean) => (nullable ? T.Union([T.String(), T.Null(), Parts]) : T.Union([T.String(), Parts]));
+
+// ---------------------------------------------------------------------------
+// Messages (spec 4.1: roles system, user, assistant, tool)
+// ---------------------------------------------------------------------------
+
+const ToolCall = T.Object(
+  {
+    id: T.String(),
+    type: T.Literal("function"),
+    function: T.Object({ name: T.String(), arguments: T.String() }, Strict),
+  },
+  Strict,
+);
+
+const SystemMessage = T.Object({ role: T.Literal("system"), content: ContentOf(false), name: T.Optional(T.String()) }, Strict);
+const UserMessage = T.Object({ role: T.Literal("user"), content: ContentOf(false), name: T.Optional(T.String()) }, Strict);
+const AssistantMessage = T.Object(
+  {
+    role: T.Literal("assistant"),
+    // null (or absent) when the turn is only tool calls: the tool round trip.
+    content: T.Optional(ContentOf(true)),
+    name: T.Optional(T.String()),
+    tool_calls: T.Optional(T.Array(ToolCall)),
+    // What a client echoes back when it appends the previous reply as-is
+    // (`messages.push(completion.choices[0].message)`): the SDK's message type
+    // and vLLM's reasoning fields.
+    refusal: T.Optional(Nullable(T.String())),
+    annotations: T.Optional(Loose),
+    audio: T.Optional(Loose),
+    function_call: T.Optional(Loose),
+    reasoning_content: T.Optional(Nullable(T.String())),
+    reasoning: T.Optional(Nullable(T.String())),
+  },
+  Strict,
+);
+const ToolMessage = T.Object(
+  { role: T.Literal("tool"), content: ContentOf(false), tool_call_id: T.String(), name: T.Optional(T.String()) },
+  Strict,
+);
+
+export type SystemMessage = Static<typeof SystemMessage>;
+export type UserMessage = Static<typeof UserMessage>;
+export type AssistantMessage = Static<typeof AssistantMessage>;
+export type ToolMessage = Static<typeof ToolMessage>;
+export type ChatMessage = SystemMessage | UserMessage | AssistantMessage | ToolMessage;
+
+// ---------------------------------------------------------------------------
+// Chat completion body
+// ---------------------------------------------------------------------------
+
+const FunctionTool = T.Object(
+  {
+    type: T.Literal("function"),
+    function: T.Object(
+      {
+        name: T.String({ minLength: 1 }),
+        description: T.Optional(T.String()),
+        // Arbitrary JSON Schema ($schema, additionalProperties, $defs, …): never validated inside.
+        parameters: T.Optional(T.Record(T.String(), Loose)),
+        strict: T.Optional(Nullable(T.Boolean())),
+      },
+      Strict,
+    ),
+  },
+  Strict,
+);
+
+const ToolChoice = T.Union([
+  T.Literal("auto"),
+  T.Literal("none"),
+  T.Literal("required"),
+  T.Object({ type: T.Literal("function"), function: T.Object({ name: T.String({ minLength: 1 }) }, Strict) }, Strict),
+]);
+
+const ResponseFormat = T.Union([
+  T.Object({ type: T.Literal("text") }, Strict),
+  T.Object({ type: T.Literal("json_object") }, Strict),
+  T.Object(
+    {
+      type: T.Literal("json_schema"),
+      json_schema: T.Object(
+        {
+          name: T.String({ minLength: 1 }),
+          description: T.Optional(T.String()),
+          schema: T.Optional(T.Record(T.String(), Loose)),
+          strict: T.Optional(Nullable(T.Boolean())),
+        },
+        Strict,
+      ),
+    },
+    Strict,
+  ),
+]);
+
+const PositiveInt = T.Integer({ minimum: 1 });
+
+const ChatBody = T.Object(
+  {
+    model: T.String({ minLength: 1 }),
+    // Each item is dispatched by role afterwards (see checkMessage).
+    messages: T.Array(T.Object({ role: T.String() }), { minItems: 1 }),
+    stream: T.Optional(Nullable(T.Boolean())),
+    stream_options: T.Optional(Nullable(T.Object({ include_usage: T.Optional(Nullable(T.Boolean())) }))),
+    temperature: T.Optional(Nullable(T.Number({ minimum: 0, maximum: 2 }))),
+    max_tokens: T.Optional(Nullable(PositiveInt)),
+    max_completion_tokens: T.Optional(Nullable(PositiveInt)),
+    tools: T.Optional(T.Array(FunctionTool)),
+    tool_choice: T.Optional(ToolChoice),
+    parallel_tool_calls: T.Optional(Nullable(T.Boolean())),
+    response_format: T.Optional(ResponseFormat),
+    // Standard parameters, forwarded unchanged.
+    top_p: T.Optional(Nullable(T.Number())),
+    n: T.Optional(Nullable(PositiveInt)),
+    stop: T.Optional(Nullable(T.Union([T.String(), T.Array(T.String())]))),
+    presence_penalty: T.Optional(Nullable(T.Number())),
+    frequency_penalty: T.Optional(Nullable(T.Number())),
+    logit_bias: T.Optional(Nullable(T.Record(T.String(), T.Number()))),
+    logprobs: T.Optional(Nullable(T.Boolean())),
+    top_logprobs: T.Optional(Nullable(T.Integer({ minimum: 0 }))),
+    seed: T.Optional(Nullable(T.Integer())),
+    user: T.Optional(T.String()),
+    reasoning_effort: T.Optional(Nullable(T.String())),
+    metadata: T.Optional(Nullable(T.Record(T.String(), T.String()))),
+    store: T.Optional(Nullable(T.Boolean())),
+    modalities: T.Optional(Nullable(T.Array(T.String()))),
+    service_tier: T.Optional(Nullable(T.String())),
+    prediction: T.Optional(Loose),
+    audio: T.Optional(Loose),
+    function_call: T.Optional(Loose),
+    functions: T.Optional(Loose),
+    moderation: T.Optional(Loose),
+    prompt_cache_key: T.Optional(Nullable(T.String())),
+    prompt_cache_options: T.Optional(Loose),
+    prompt_cache_retention: T.Optional(Nullable(T.String())),
+    safety_identifier: T.Optional(Nullable(T.String())),
+    verbosity: T.Optional(Nullable(T.String())),
+    web_search_options: T.Optional(Loose),
+    // vLLM sampling extras.
+    top_k: T.Optional(Nullable(T.Integer())),
+    min_p: T.Optional(Nullable(T.Number())),
+    repetition_penalty: T.Optional(Nullable(T.Number())),
+  },
+  Strict,
+);
+
+export type ChatBody = Omit<Static<typeof ChatBody>, "messages"> & { messages: ChatMessage[] };
+
+// ---------------------------------------------------------------------------
+// Embeddings body (spec 4.2)
+// ---------------------------------------------------------------------------
+
+const TokenArray = T.Array(T.Integer({ minimum: 0 }), { minItems: 1 });
+const EmbeddingsBody = T.Object(
+  {
+    model: T.String({ minLength: 1 }),
+    // LangChain and the Vercel AI SDK send arrays; token arrays are part of the format too.
+    input: T.Union([T.String(), T.Array(T.String(), { minItems: 1, maxItems: 2048 }), TokenArray, T.Array(TokenArray, { minItems: 1, maxItems: 2048 })]),
+    encoding_format: T.Optional(T.Union([T.Literal("float"), T.Literal("base64")])),
+    dimensions: T.Optional(PositiveInt),
+    user: T.Optional(T.String()),
+  },
+  Strict,
+);
+
+export type EmbeddingsBody = Static<typeof EmbeddingsBody>;
+
+// ---------------------------------------------------------------------------
+// Documentation (OpenAPI): the same bodies with messages and parts spelled out
+// ---------------------------------------------------------------------------
+
+const docContent = (parts: TSchema[], nullable: boolean) =>
+  T.Union([T.String(), ...(nullable ? [T.Null()] : []), T.Array(parts.length === 1 ? (parts[0] as TSchema) : T.Union(parts))]);
+
+/** Spec 4.1 as clients see it; validation dispatches on `role` and `type` instead (see above) for precise `param`s. */
+export const ChatBodySchema = T.Object(
+  {
+    ...ChatBody.properties,
+    messages: T.Array(
+      T.Union([
+        T.Object({ ...SystemMessage.properties, content: docContent([TextPart], false) }, Strict),
+        T.Object({ ...UserMessage.properties, content: docContent([TextPart, ImagePart], false) }, Strict),
+        T.Object({ ...AssistantMessage.properties, content: T.Optional(docContent([TextPart, RefusalPart], true)) }, Strict),
+        T.Object({ ...ToolMessage.properties, content: docContent([TextPart], false) }, Strict),
+      ]),
+      { minItems: 1, description: "The conversation in order; image parts only for aliases with the images capability" },
+    ),
+  },
+  { ...Strict, description: "Unknown top-level fields are refused (400 with param = the field)" },
+);
+
+/** Spec 4.2. */
+export const EmbeddingsBodySchema = EmbeddingsBody;
+
+// ---------------------------------------------------------------------------
+// Compiled checks and error reporting
+// ---------------------------------------------------------------------------
+
+const chatCheck = TypeCompiler.Compile(ChatBody);
+const embeddingsCheck = TypeCompiler.Compile(EmbeddingsBody);
+const CHAT_KEYS = new Set(Object.keys(ChatBody.properties));
+const EMBEDDINGS_KEYS = new Set(Object.keys(EmbeddingsBody.properties));
+
+const messageChecks: Record<string, TypeCheck<TSchema>> = {
+  system: TypeCompiler.Compile(SystemMessage),
+  user: TypeCompiler.Compile(UserMessage),
+  assistant: TypeCompiler.Compile(AssistantMessage),
+  tool: TypeCompiler.Compile(ToolMessage),
+};
+
+const partChecks = {
+  text: TypeCompiler.Compile(TextPart),
+  refusal: TypeCompiler.Compile(RefusalPart),
+  image_url: TypeCompiler.Compile(ImagePart),
+};
+type PartType = keyof typeof partChecks;
+
+/** Part types each role may send (the common format; images only from the user). */
+const PARTS_BY_ROLE: Record<string, readonly PartType[]> = {
+  system: ["text"],
+  user: ["text", "image_url"],
+  assistant: ["text", "refusal"],
+  tool: ["text"],
+};
+
+/** JSON pointer `/messages/0/content` → `messages[0].content`, the form OpenAI uses in `param`. */
+export function paramOf(pointer: string): string {
+  let out = "";
+  for (const raw of pointer.split("/").slice(1)) {
+    const seg = raw.replaceAll("~1", "/").replaceAll("~0", "~");
+    out += /^\d+$/.test(seg) ? `[${seg}]` : out === "" ? seg : `.${seg}`;
+  }
+  return out;
+}
+
+function invalid(param: string | null, message: string): AppError {
+  return new AppError("invalid_request_error", message, param);
+}
+
+function describe(e: ValueError, param: string): AppError {
+  switch (e.type) {
+    case ValueErrorType.ObjectAdditionalProperties:
+      return invalid(param, `Unrecognized request argument supplied: ${param}`);
+    case ValueErrorType.ObjectRequiredProperty:
+      return invalid(param, `Missing required parameter: '${param}'.`);
+    case ValueErrorType.Union:
+      return invalid(param, `Invalid value for '${param}': not one of the accepted types or values.`);
+    default:
+      return invalid(param, `Invalid value for '${param}': ${e.message.charAt(0).toLowerCase()}${e.message.slice(1)}.`);
+  }
+}
+
+/** The JS kind of a value in JSON Schema terms, to match it against union variants. */
+function kindOf(v: unknown): string {
+  if (v === null) return "null";
+  if (Array.isArray(v)) return "array";
+  if (typeof v === "number") return Number.isInteger(v) ? "integer" : "number";
+  return typeof v;
+}
+
+function accepts(schema: TSchema, kind: string): boolean {
+  const t = (schema as { type?: unknown }).type;
+  if (t === undefined) return true;
+  return t === kind || (t === "number" && kind === "integer");
+}
+
+/**
+ * The variant of a failed union the value was evidently meant as: the only
+ * one of its JSON kind, or, for tagged objects, the one whose `type` literal
+ * matches. Undefined when that is ambiguous.
+ */
+function intendedVariant(e: ValueError): TSchema | undefined {
+  const variants = (e.schema as { anyOf?: TSchema[] }).anyOf ?? [];
+  const kind = kindOf(e.value);
+  let candidates = variants.filter((v) => accepts(v, kind) && !("const" in v));
+  if (candidates.length > 1 && kind === "object") {
+    const tag = (e.value as Record<string, unknown>).type;
+    candidates = candidates.filter((v) => (v as { properties?: Record<string, { const?: unknown }> }).properties?.type?.const === tag);
+  }
+  return candidates.length === 1 ? candidates[0] : undefined;
+}
+
+/**
+ * The most useful of a value's errors: a wrong tag (`type`) before the fields
+ * that tag would require, and inside a union the error of the intended
+ * variant rather than "Expected union value", so `param` points at the field.
+ */
+function bestError(errors: Iterable<ValueError>): ValueError | undefined {
+  let first: ValueError | undefined;
+  for (const e of errors) {
+    first ??= e;
+    if (e.type === ValueErrorType.Literal && e.path.endsWith("/type")) return e;
+  }
+  if (first?.type === ValueErrorType.Union) {
+    const variant = intendedVariant(first);
+    if (variant) {
+      const inner = bestError(Value.Errors(variant, first.value));
+      if (inner) return { ...inner, path: first.path + inner.path };
+    }
+  }
+  return first;
+}
+
+function firstError(check: TypeCheck<TSchema>, value: unknown, prefix: string): AppError | undefined {
+  // Valid bodies (the hot path) pay for one compiled check only.
+  if (check.Check(value)) return undefined;
+  const e = bestError(check.Errors(value));
+  return e ? describe(e, paramOf(prefix + e.path)) : undefined;
+}
+
+function requireObject(body: unknown): Record<string, unknown> {
+  if (!isRecord(body)) throw invalid(null, "The request body must be a JSON object.");
+  return body;
+}
+
+/** Unknown top-level fields first, with OpenAI's wording, so the message names the field plainly. */
+function rejectUnknown(body: Record<string, unknown>, known: ReadonlySet<string>): void {
+  for (const k in body) if (!known.has(k)) throw invalid(k, `Unrecognized request argument supplied: ${k}`);
+}
+
+function checkMessage(m: { role: string }, i: number): void {
+  const check = messageChecks[m.role];
+  if (!check) throw invalid(`messages[${i}].role`, `Invalid value for 'messages[${i}].role': expected one of system, user, assistant, tool.`);
+  const err = firstError(check, m, `/messages/${i}`);
+  if (err) throw err;
+  const content = (m as { content?: unknown }).content;
+  if (!Array.isArray(content)) return;
+  const allowed = PARTS_BY_ROLE[m.role] ?? [];
+  for (const [j, part] of content.entries()) {
+    const type = (part as { type: string }).type as PartType;
+    const at = `messages[${i}].content[${j}]`;
+    if (!allowed.includes(type)) {
+      throw invalid(`${at}.type`, `Invalid value for '${at}.type': a ${m.role} message takes ${allowed.join(" or ")} parts.`);
+    }
+    const partErr = firstError(partChecks[type], part, `/messages/${i}/content/${j}`);
+    if (partErr) throw partErr;
+  }
+}
+
+/** Validates a chat completion body or throws AppError("invalid_request_error") with `param`. */
+export function parseChatBody(raw: unknown): ChatBody {
+  const body = requireObject(raw);
+  rejectUnknown(body, CHAT_KEYS);
+  const err = firstError(chatCheck, body, "");
+  if (err) throw err;
+  const value = body as Static<typeof ChatBody>;
+  for (const [i, m] of value.messages.entries()) checkMessage(m, i);
+  return value as ChatBody;
+}
+
+/** Validates an embeddings body or throws AppError("invalid_request_error") with `param`. */
+export function parseEmbeddingsBody(raw: unknown): EmbeddingsBody {
+  const body = requireObject(raw);
+  rejectUnknown(body, EMBEDDINGS_KEYS);
+  const err = firstError(embeddingsCheck, body, "");
+  if (err) throw err;
+  return body as EmbeddingsBody;
+}
+
+/** Where the first image part is (`messages[1].content[0]`), for the alias's `images` capability; undefined if none. */
+export function firstImage(messages: readonly ChatMessage[]): string | undefined {
+  for (const [i, m] of messages.entries()) {
+    const c = m.content;
+    if (m.role !== "user" || !Array.isArray(c)) continue;
+    for (const [j, p] of c.entries()) if (p.type === "image_url") return `messages[${i}].content[${j}]`;
+  }
+  return undefined;
+}

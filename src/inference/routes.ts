@@ -1,0 +1,100 @@
+import { Elysia } from "elysia";
+import type { authPlugin } from "../auth/plugin.ts";
+import type { Config } from "../config/schema.ts";
+import { readJsonBody } from "../http/body.ts";
+import type { Logger } from "../lib/log.ts";
+import type { Metrics } from "../metrics/registry.ts";
+import type { Metering } from "../limits/metering.ts";
+import { allowedAliases } from "./aliases.ts";
+import { FETCH_CONCURRENCY, fetchCapRaised } from "./fetchcap.ts";
+import { createInferenceService } from "./service.ts";
+import { type ConnectProbe, createConnectProbe } from "./probe.ts";
+import { createUpstream } from "./upstream.ts";
+
+export { allowedAliases } from "./aliases.ts";
+
+export interface InferenceDeps {
+  config: Config;
+  metering: Metering;
+  log: Logger;
+  /** Tests inject a connector that never connects, to exercise the connect timeout. */
+  probe?: ConnectProbe;
+  metrics?: Metrics;
+}
+
+export function createInference(deps: InferenceDeps) {
+  const { config, log } = deps;
+  if (!fetchCapRaised() && Object.keys(config.aliases).length > 0) {
+    // See fetchcap.ts: beyond 256 upstream requests Bun's fetch queues silently.
+    log.warn("upstream requests are capped at 256 in flight by Bun's fetch", {
+      fix: `start the gateway with BUN_CONFIG_MAX_HTTP_REQUESTS=${FETCH_CONCURRENCY} in its environment`,
+    });
+  }
+  const m = deps.metrics;
+  const upstream = createUpstream({
+    config,
+    log,
+    probe: deps.probe ?? createConnectProbe(),
+    ...(m
+      ? {
+          observe: {
+            attempt(alias, target, outcome, seconds) {
+              m.upstreamAttempts.inc({ alias, target, outcome });
+              if (seconds !== undefined) m.upstreamFirstByte.observe({ alias }, seconds);
+            },
+          },
+        }
+      : {}),
+  });
+  m?.onScrape(() => {
+    for (const b of upstream.breakers()) m.breakerOpen.set({ target: b.target }, b.open ? 1 : 0);
+  });
+  const service = createInferenceService({
+    config,
+    metering: deps.metering,
+    log,
+    upstream,
+    ...(m ? { streams: { inc: () => m.activeStreams.inc(), dec: () => m.activeStreams.dec() } } : {}),
+  });
+  const created = Math.floor(Date.now() / 1000);
+
+  /**
+   * The body is read under the server's idle timeout (a slow-loris body is cut
+   * off); after that the connection may legitimately sit silent for minutes
+   * while a large model thinks, so the timeout is lifted for this request and
+   * the upstream timeouts (first byte, idle gap) bound it instead.
+   */
+  async function readBody(request: Request, server: { timeout(req: Request, seconds: number): void } | null): Promise<unknown> {
+    const body = await readJsonBody(request, config.bodyLimitBytes);
+    server?.timeout(request, 0);
+    return body;
+  }
+
+  return {
+    upstream,
+    routes: (auth: ReturnType<typeof authPlugin>) =>
+      new Elysia({ name: "inference" })
+        .use(auth)
+        // Spec 2.2: only the aliases this key may call.
+        .get(
+          "/v1/models",
+          ({ principal }) => ({
+            object: "list",
+            data: allowedAliases(config, principal).map((id) => ({ id, object: "model", created, owned_by: config.aliases[id]?.ownedBy ?? "gateway" })),
+          }),
+          { auth: { scope: "inference" } },
+        )
+        // Bodies are read after authentication (parse: "none"), so an anonymous caller gets 401 before any 400.
+        .post(
+          "/v1/chat/completions",
+          async ({ principal, request, server }) => service.chat(principal, await readBody(request, server), request),
+          { auth: { scope: "inference" }, parse: "none" },
+        )
+        .post(
+          "/v1/embeddings",
+          async ({ principal, request, server }) => service.embeddings(principal, await readBody(request, server), request),
+          { auth: { scope: "inference" }, parse: "none" },
+        ),
+    async stop() {},
+  };
+}

@@ -1,0 +1,237 @@
+import type { Principal } from "../auth/verify.ts";
+import type { AliasConfig, Config } from "../config/schema.ts";
+import { annotate, stateOf } from "../http/context.ts";
+import { AppError } from "../http/errors.ts";
+import type { Logger } from "../lib/log.ts";
+import type { Metering, RequestOutcome, Ticket, UsageReport } from "../limits/metering.ts";
+import { resolveAlias } from "./aliases.ts";
+import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
+import { relayStream } from "./stream.ts";
+import { charsToTokens, completionLimit, DEFAULT_COMPLETION_RESERVE, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
+import { ClientGone, type Target, type Upstream, timeoutsFor } from "./upstream.ts";
+import { isRecord } from "../lib/guards.ts";
+
+/**
+ * Chat completions and embeddings: validate, resolve the alias, admit against
+ * the quota, call the upstream, shape the answer, settle the quota exactly
+ * once with what was delivered. Routes hand over the parsed body and the
+ * Request (for its abort signal and the access-log annotations).
+ */
+
+export interface ServiceDeps {
+  config: Config;
+  metering: Metering;
+  log: Logger;
+  upstream: Upstream;
+  /** Streams in progress (a metrics gauge). */
+  streams?: { inc(): void; dec(): void };
+}
+
+const JSON_HEADERS = { "content-type": "application/json" };
+const SSE_HEADERS = {
+  "content-type": "text/event-stream; charset=utf-8",
+  "cache-control": "no-cache",
+  // Proxies (nginx) must not buffer the stream.
+  "x-accel-buffering": "no",
+};
+const NO_USAGE: UsageReport = { promptTokens: 0, completionTokens: 0 };
+
+const int = (v: unknown): number | undefined => (typeof v === "number" && Number.isFinite(v) ? Math.max(0, Math.round(v)) : undefined);
+
+/** Alias-dependent rules: capabilities (images, tools) and the context window. */
+function checkChatAgainstAlias(body: ChatBody, name: string, alias: AliasConfig): void {
+  const image = alias.capabilities.includes("images") ? undefined : firstImage(body.messages);
+  if (image) throw new AppError("invalid_request_error", `The model '${name}' does not accept image input.`, image);
+  if (!alias.capabilities.includes("tools") && body.tools && body.tools.length > 0) {
+    throw new AppError("invalid_request_error", `The model '${name}' does not support tools.`, "tools");
+  }
+  const window = alias.contextWindow;
+  if (window !== undefined) {
+    for (const param of ["max_tokens", "max_completion_tokens"] as const) {
+      const v = body[param];
+      if (typeof v === "number" && v > window) {
+        throw new AppError(
+          "invalid_request_error",
+          `'${param}' is ${v}, more than the context window of '${name}' (${window} tokens).`,
+          param,
+        );
+      }
+    }
+  }
+}
+
+/** Spec 2.3 with `model` = the alias; tool calls, finish reasons, reasoning text and requested logprobs pass through. */
+function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unknown>; completionChars: number } | undefined {
+  if (!isRecord(raw) || !Array.isArray(raw.choices)) return undefined;
+  let completionChars = 0;
+  const choices = raw.choices.map((c: unknown, i: number) => {
+    const choice = isRecord(c) ? c : {};
+    const m = isRecord(choice.message) ? choice.message : {};
+    const content = typeof m.content === "string" ? m.content : null;
+    completionChars += content?.length ?? 0;
+    const message: Record<string, unknown> = { role: "assistant", content };
+    if (Array.isArray(m.tool_calls) && m.tool_calls.length > 0) {
+      message.tool_calls = m.tool_calls;
+      completionChars += JSON.stringify(m.tool_calls).length;
+    }
+    for (const k of ["reasoning_content", "reasoning", "refusal"] as const) {
+      if (typeof m[k] === "string") message[k] = m[k];
+    }
+    const shaped: Record<string, unknown> = { index: int(choice.index) ?? i, message };
+    if (choice.logprobs !== undefined && choice.logprobs !== null) shaped.logprobs = choice.logprobs;
+    shaped.finish_reason = typeof choice.finish_reason === "string" ? choice.finish_reason : "stop";
+    return shaped;
+  });
+  return {
+    out: {
+      id: typeof raw.id === "string" ? raw.id : `chatcmpl-${crypto.randomUUID().replaceAll("-", "")}`,
+      object: "chat.completion",
+      created: int(raw.created) ?? Math.floor(Date.now() / 1000),
+      model: alias,
+      choices,
+    },
+    completionChars,
+  };
+}
+
+function parseJson(text: string): unknown {
+  try {
+    return JSON.parse(text);
+  } catch {
+    return undefined;
+  }
+}
+
+export function createInferenceService(deps: ServiceDeps) {
+  const { config, metering, log, upstream } = deps;
+
+  function outcome(alias: string, target: Target | undefined, status: number, start: number, streamed: boolean): RequestOutcome {
+    return { alias, target: target?.label ?? "", status, latencyMs: performance.now() - start, streamed };
+  }
+
+  /** Settles a failed call with nothing delivered and turns "client gone" into a response nobody reads. */
+  function settleFailure(ticket: Ticket, alias: string, start: number, streamed: boolean, e: unknown): Response {
+    if (e instanceof ClientGone) {
+      metering.settle(ticket, NO_USAGE, outcome(alias, undefined, 499, start, streamed));
+      return new Response(null, { status: 499 });
+    }
+    metering.settle(ticket, NO_USAGE, outcome(alias, undefined, e instanceof AppError ? e.status : 500, start, streamed));
+    throw e;
+  }
+
+  function badUpstreamAnswer(name: string, target: Target): AppError {
+    log.warn("upstream sent an unreadable answer", { alias: name, target: target.label });
+    return new AppError("service_unavailable", `The model '${name}' sent an unreadable answer; retry with backoff.`);
+  }
+
+  async function chat(principal: Principal, raw: unknown, request: Request): Promise<Response> {
+    const start = performance.now();
+    const body = parseChatBody(raw);
+    const name = body.model;
+    const alias = resolveAlias(config, name, principal, "chat");
+    checkChatAgainstAlias(body, name, alias);
+    const streamed = body.stream === true;
+    annotate(request, { alias: name, streamed });
+
+    const promptEstimate = estimatePromptTokens(body);
+    const ticket = await metering.admit(principal, promptEstimate + (completionLimit(body) ?? DEFAULT_COMPLETION_RESERVE));
+    const ctx = { signal: request.signal, requestId: stateOf(request)?.id ?? "" };
+
+    // The client's stream_options are kept; include_usage is forced on so every stream can be metered.
+    const clientWantsUsage = body.stream_options?.include_usage === true;
+    if (streamed) body.stream_options = { ...(body.stream_options ?? {}), include_usage: true };
+    const payloadFor = (t: Target) => {
+      body.model = t.cfg.model;
+      return JSON.stringify(body);
+    };
+
+    if (!streamed) {
+      let target: Target | undefined;
+      try {
+        const res = await upstream.complete(name, alias, "/chat/completions", payloadFor, ctx);
+        target = res.target;
+        const parsed = parseJson(res.body);
+        const shaped = shapeCompletion(parsed, name);
+        if (!shaped) throw badUpstreamAnswer(name, res.target);
+        const rawUsage = isRecord(parsed) && isRecord(parsed.usage) ? parsed.usage : undefined;
+        const promptTokens = int(rawUsage?.prompt_tokens) ?? promptEstimate;
+        const completionTokens = int(rawUsage?.completion_tokens) ?? charsToTokens(shaped.completionChars);
+        shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens };
+        metering.settle(ticket, { promptTokens, completionTokens }, outcome(name, target, 200, start, false));
+        annotate(request, { promptTokens, completionTokens });
+        return new Response(JSON.stringify(shaped.out), { headers: JSON_HEADERS });
+      } catch (e) {
+        return settleFailure(ticket, name, start, false, e);
+      }
+    }
+
+    let opened: Awaited<ReturnType<Upstream["open"]>>;
+    try {
+      opened = await upstream.open(name, alias, "/chat/completions", payloadFor, ctx);
+    } catch (e) {
+      return settleFailure(ticket, name, start, true, e);
+    }
+    const target = opened.target;
+    deps.streams?.inc();
+    const stream = relayStream(opened, {
+      alias: name,
+      clientWantsUsage,
+      idleMs: timeoutsFor(config, alias).idleMs,
+      signal: request.signal,
+      onEnd(end) {
+        deps.streams?.dec();
+        // Without the upstream's count (stream cut off), estimate from what the client received.
+        const usage = end.usage ?? { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) };
+        const status = end.outcome === "done" ? 200 : end.outcome === "client_gone" ? 499 : 503;
+        metering.settle(ticket, usage, outcome(name, target, status, start, true));
+        annotate(request, { promptTokens: usage.promptTokens, completionTokens: usage.completionTokens });
+        if (end.outcome === "failed") log.warn("upstream stream failed", { alias: name, target: target.label, reason: end.reason, request_id: ctx.requestId });
+      },
+    });
+    return new Response(stream, { headers: SSE_HEADERS });
+  }
+
+  async function embeddings(principal: Principal, raw: unknown, request: Request): Promise<Response> {
+    const start = performance.now();
+    const body: EmbeddingsBody = parseEmbeddingsBody(raw);
+    const name = body.model;
+    const alias = resolveAlias(config, name, principal, "embedding");
+    if (alias.dimensions !== undefined && body.dimensions !== undefined && body.dimensions > alias.dimensions) {
+      throw new AppError(
+        "invalid_request_error",
+        `'dimensions' is ${body.dimensions}; the model '${name}' produces at most ${alias.dimensions}.`,
+        "dimensions",
+      );
+    }
+    annotate(request, { alias: name, streamed: false });
+    const estimate = estimateEmbeddingTokens(body);
+    const ticket = await metering.admit(principal, estimate);
+    const ctx = { signal: request.signal, requestId: stateOf(request)?.id ?? "" };
+    const payloadFor = (t: Target) => {
+      body.model = t.cfg.model;
+      return JSON.stringify(body);
+    };
+    try {
+      const res = await upstream.complete(name, alias, "/embeddings", payloadFor, ctx);
+      const parsed = parseJson(res.body);
+      if (!isRecord(parsed) || !Array.isArray(parsed.data)) throw badUpstreamAnswer(name, res.target);
+      const data = parsed.data.map((d: unknown, i: number) => {
+        const e = isRecord(d) ? d : {};
+        return { object: "embedding", index: int(e.index) ?? i, embedding: e.embedding };
+      });
+      const usage = isRecord(parsed.usage) ? parsed.usage : {};
+      const promptTokens = int(usage.prompt_tokens) ?? estimate;
+      metering.settle(ticket, { promptTokens, completionTokens: 0 }, outcome(name, res.target, 200, start, false));
+      annotate(request, { promptTokens, completionTokens: 0 });
+      // Spec 2.4; the embedding stays as the upstream wrote it (floats, or base64 when asked).
+      return new Response(
+        JSON.stringify({ object: "list", data, model: name, usage: { prompt_tokens: promptTokens, total_tokens: promptTokens } }),
+        { headers: JSON_HEADERS },
+      );
+    } catch (e) {
+      return settleFailure(ticket, name, start, false, e);
+    }
+  }
+
+  return { chat, embeddings };
+}

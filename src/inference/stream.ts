@@ -1,0 +1,283 @@
+import { errorBody } from "../http/errors.ts";
+import type { Opened } from "./upstream.ts";
+import { upstreamMessage } from "./upstream.ts";
+
+/**
+ * SSE passthrough: the upstream's bytes go to the client event by event, with
+ * no JSON parse or re-serialisation of ordinary chunks. Per event we only
+ *  - swap the upstream model id for the alias (a byte search for
+ *    `"model":"<upstream id>"`, the first occurrence, which is the top-level key:
+ *    inside JSON strings quotes are escaped, so the pattern cannot match content);
+ *  - look for a usage object, the one event we parse, to meter the request; the
+ *    usage-only chunk (`"choices":[]`) is dropped when the client did not ask
+ *    for usage (the gateway always asks the upstream for it);
+ *  - measure delta text (`"content":"…"`, tool-call `"arguments":"…"`, reasoning),
+ *    so a stream that ends without usage is still counted (~4 chars a token);
+ *  - turn an upstream error event into our wire shape.
+ *
+ * A pull-based ReadableStream rather than `pipeThrough(TransformStream)`:
+ * when the upstream fails mid-stream, a TransformStream's readable side errors
+ * with it, and the client would see a reset connection; here we still write a
+ * final `data: {"error":…}` event (which the SDKs raise as an APIError) and
+ * close the response cleanly.
+ */
+
+export interface StreamEnd {
+  outcome: "done" | "failed" | "client_gone";
+  /** The upstream's usage, when it reported one. */
+  usage: { promptTokens: number; completionTokens: number } | undefined;
+  /** Bytes of delta text delivered to the client. */
+  deliveredChars: number;
+  reason?: string;
+}
+
+export interface RelayOptions {
+  alias: string;
+  /** The client asked for `stream_options.include_usage`. */
+  clientWantsUsage: boolean;
+  idleMs: number;
+  /** The client's request signal (Bun aborts it when the client disconnects). */
+  signal: AbortSignal;
+  onEnd(end: StreamEnd): void;
+}
+
+const LF2 = Buffer.from("\n\n");
+const CRLF2 = Buffer.from("\r\n\r\n");
+const DATA = Buffer.from("data:");
+const DONE = Buffer.from("[DONE]");
+const USAGE = Buffer.from('"usage":');
+const TEXT_FIELDS = ['"content":"', '"arguments":"', '"reasoning_content":"', '"reasoning":"'].map((s) => Buffer.from(s));
+const ERROR_PREFIXES = ['{"error"', '{"object":"error"', '{"object": "error"'].map((s) => Buffer.from(s));
+/** One event larger than this without a terminator is not SSE we understand. */
+const MAX_EVENT_BYTES = 8 * 1024 * 1024;
+const QUOTE = 0x22;
+const BACKSLASH = 0x5c;
+const SPACE = 0x20;
+const OPEN_BRACE = 0x7b;
+
+const asBuffer = (u: Uint8Array): Buffer => (Buffer.isBuffer(u) ? u : Buffer.from(u.buffer, u.byteOffset, u.byteLength));
+
+/** Length of the JSON string starting at `start` (just after its opening quote), escapes included. */
+function jsonStringBytes(b: Buffer, start: number): number {
+  for (let i = start; i < b.length; i++) {
+    const c = b[i];
+    if (c === BACKSLASH) i++;
+    else if (c === QUOTE) return i - start;
+  }
+  return b.length - start;
+}
+
+function deltaTextBytes(event: Buffer): number {
+  let n = 0;
+  for (const f of TEXT_FIELDS) {
+    const at = event.indexOf(f);
+    if (at !== -1) n += jsonStringBytes(event, at + f.length);
+  }
+  return n;
+}
+
+function startsWithAt(b: Buffer, at: number, prefix: Buffer): boolean {
+  return b.length - at >= prefix.length && b.compare(prefix, 0, prefix.length, at, at + prefix.length) === 0;
+}
+
+function usageOf(payload: string): { promptTokens: number; completionTokens: number; onlyUsage: boolean } | undefined {
+  try {
+    const v = JSON.parse(payload) as { usage?: { prompt_tokens?: unknown; completion_tokens?: unknown }; choices?: unknown };
+    const u = v.usage;
+    if (!u || typeof u.prompt_tokens !== "number" || typeof u.completion_tokens !== "number") return undefined;
+    return { promptTokens: u.prompt_tokens, completionTokens: u.completion_tokens, onlyUsage: Array.isArray(v.choices) && v.choices.length === 0 };
+  } catch {
+    return undefined;
+  }
+}
+
+export function errorEvent(message: string): Uint8Array {
+  return Buffer.from(`data: ${JSON.stringify(errorBody("service_unavailable", message))}\n\n`);
+}
+
+export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint8Array> {
+  const modelField = Buffer.from(up.target.modelField);
+  const spacedModelField = Buffer.from(modelField.toString().replace('"model":', '"model": '));
+  const aliasField = Buffer.from(`"model":${JSON.stringify(opts.alias)}`);
+  const swapModel = !modelField.equals(aliasField);
+  let sep: Buffer | undefined;
+  let carry: Buffer | undefined;
+  let sawDone = false;
+  let usage: StreamEnd["usage"];
+  let deliveredChars = 0;
+  let ended = false;
+  let upstreamError: string | undefined;
+  /** Events enqueued for the client so far. */
+  let sent = 0;
+
+  // Idle timer without per-chunk timer churn: each read only stamps when it
+  // started waiting; the timer wakes once per idle period and re-arms for the
+  // remainder. Only time spent waiting on the upstream counts: a slow client
+  // (back-pressure, no read pending) is not the upstream being idle.
+  let waitingSince: number | undefined;
+  let idleFired = false;
+  let idleTimer: ReturnType<typeof setTimeout> | undefined;
+  const checkIdle = () => {
+    const idle = waitingSince === undefined ? 0 : performance.now() - waitingSince;
+    if (idle >= opts.idleMs) {
+      idleFired = true;
+      up.abort(`stream idle for ${opts.idleMs} ms`);
+    } else idleTimer = setTimeout(checkIdle, opts.idleMs - idle);
+  };
+  idleTimer = setTimeout(checkIdle, opts.idleMs);
+
+  const end = (outcome: StreamEnd["outcome"], reason?: string) => {
+    if (ended) return;
+    ended = true;
+    clearTimeout(idleTimer);
+    up.finish(outcome === "done" ? true : outcome === "failed" ? false : null);
+    opts.onEnd({ outcome, usage, deliveredChars, ...(reason ? { reason } : {}) });
+  };
+
+  /** Handles one complete event (terminator included); returns the bytes for the client, or undefined to drop it. */
+  const handle = (event: Buffer): Buffer | undefined => {
+    if (!startsWithAt(event, 0, DATA)) return event; // comments, keep-alives, `event:` lines: pass through
+    let at = DATA.length;
+    if (event[at] === SPACE) at++;
+    if (startsWithAt(event, at, DONE)) {
+      sawDone = true;
+      return event;
+    }
+    if (event[at] === OPEN_BRACE && ERROR_PREFIXES.some((p) => startsWithAt(event, at, p))) {
+      upstreamError = upstreamMessage(event.toString("utf8", at, event.length - (sep?.length ?? 2))).message;
+      return undefined;
+    }
+    const u = event.indexOf(USAGE, at);
+    if (u !== -1) {
+      let v = u + USAGE.length;
+      while (event[v] === SPACE) v++;
+      if (event[v] === OPEN_BRACE) {
+        const parsed = usageOf(event.toString("utf8", at, event.length - (sep?.length ?? 2)));
+        if (parsed) {
+          usage = { promptTokens: parsed.promptTokens, completionTokens: parsed.completionTokens };
+          if (!opts.clientWantsUsage && parsed.onlyUsage) return undefined;
+        }
+      }
+    }
+    deliveredChars += deltaTextBytes(event);
+    if (!swapModel) return event;
+    let field = modelField;
+    let m = event.indexOf(field, at);
+    if (m === -1) {
+      // Servers that serialise with Python's default separators write `"model": "…"`.
+      field = spacedModelField;
+      m = event.indexOf(field, at);
+      if (m === -1) return event;
+    }
+    const out = Buffer.allocUnsafe(event.length - field.length + aliasField.length);
+    event.copy(out, 0, 0, m);
+    aliasField.copy(out, m);
+    event.copy(out, m + aliasField.length, m + field.length);
+    return out;
+  };
+
+  /** Splits a read into complete events; keeps a trailing partial event for the next read. */
+  const feed = (chunk: Uint8Array, c: ReadableStreamDefaultController<Uint8Array>) => {
+    const buf = carry ? Buffer.concat([carry, chunk]) : asBuffer(chunk);
+    carry = undefined;
+    if (!sep) {
+      // vLLM ends events with \n\n; servers built on sse-starlette use \r\n\r\n.
+      const lf = buf.indexOf(LF2);
+      const crlf = buf.indexOf(CRLF2);
+      if (lf === -1 && crlf === -1) {
+        carry = Buffer.from(buf);
+        return;
+      }
+      sep = crlf !== -1 && (lf === -1 || crlf < lf) ? CRLF2 : LF2;
+    }
+    let start = 0;
+    for (;;) {
+      const idx = buf.indexOf(sep, start);
+      if (idx === -1) break;
+      const out = handle(buf.subarray(start, idx + sep.length));
+      start = idx + sep.length;
+      if (upstreamError !== undefined) return;
+      if (out) {
+        c.enqueue(out);
+        sent++;
+      }
+    }
+    if (start < buf.length) {
+      // Copy: the rest may be a view into a chunk the runtime reuses.
+      carry = Buffer.from(buf.subarray(start));
+      if (carry.length > MAX_EVENT_BYTES) throw new Error("upstream sent an oversized SSE event");
+    }
+  };
+
+  const fail = (c: ReadableStreamDefaultController<Uint8Array>, message: string) => {
+    up.abort(message);
+    try {
+      c.enqueue(errorEvent(message));
+      c.close();
+    } catch {
+      // The client is already gone.
+    }
+    end("failed", message);
+  };
+
+  return new ReadableStream<Uint8Array>({
+    start(c) {
+      try {
+        feed(up.first, c);
+        if (upstreamError !== undefined) fail(c, `The model '${opts.alias}' failed while generating: ${upstreamError}`);
+      } catch (e) {
+        fail(c, `The model '${opts.alias}' sent an unreadable stream: ${(e as Error).message}`);
+      }
+    },
+    async pull(c) {
+      // A read may complete no event (a partial one is carried over), and a
+      // pull that enqueues nothing is not called again: read until something
+      // goes out or the stream ends.
+      const before = sent;
+      while (!ended && sent === before) {
+        waitingSince = performance.now();
+        let r: Awaited<ReturnType<Opened["reader"]["read"]>>;
+        try {
+          r = await up.reader.read();
+        } catch {
+          if (ended) return;
+          if (opts.signal.aborted) {
+            end("client_gone");
+            return;
+          }
+          fail(
+            c,
+            idleFired
+              ? `The model '${opts.alias}' stopped sending for ${opts.idleMs} ms; the stream was ended.`
+              : `The connection to the model '${opts.alias}' was lost mid-stream.`,
+          );
+          return;
+        }
+        waitingSince = undefined;
+        if (ended) return;
+        if (r.done) {
+          if (sawDone) {
+            c.close();
+            end("done");
+          } else fail(c, `The model '${opts.alias}' ended the stream early.`);
+          return;
+        }
+        try {
+          feed(r.value, c);
+        } catch (e) {
+          fail(c, `The model '${opts.alias}' sent an unreadable stream: ${(e as Error).message}`);
+          return;
+        }
+        if (upstreamError !== undefined) {
+          fail(c, `The model '${opts.alias}' failed while generating: ${upstreamError}`);
+          return;
+        }
+      }
+    },
+    cancel() {
+      // The client went away: stop generation upstream at once.
+      up.abort("client disconnected");
+      end("client_gone");
+    },
+  });
+}

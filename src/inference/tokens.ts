@@ -1,0 +1,62 @@
+import type { ChatBody, ChatMessage, EmbeddingsBody } from "./model.ts";
+
+/**
+ * Token estimates without a tokenizer: ~4 characters per token, the rule of
+ * thumb for English BPE vocabularies. They size quota reservations before a
+ * request goes upstream and stand in for usage only when the upstream never
+ * reported it (a stream cut off before its usage chunk), so nothing goes
+ * uncounted. The upstream's own usage always wins when it arrives.
+ */
+
+export const charsToTokens = (chars: number): number => Math.ceil(chars / 4);
+
+/** What an image costs before the upstream says: OpenAI's flat price for a low-detail image. */
+const IMAGE_TOKENS = 85;
+/** Chat-template overhead per message (role markers), as OpenAI documents it. */
+const PER_MESSAGE = 4;
+/** Completion reservation when the caller sets no bound; the actual usage replaces it at settlement. */
+export const DEFAULT_COMPLETION_RESERVE = 1024;
+
+function messageTokens(m: ChatMessage): number {
+  let chars = 0;
+  let images = 0;
+  const c = m.content;
+  if (typeof c === "string") chars += c.length;
+  else if (Array.isArray(c)) {
+    for (const p of c) {
+      const part = p as { type: string; text?: unknown; refusal?: unknown };
+      if (typeof part.text === "string") chars += part.text.length;
+      else if (typeof part.refusal === "string") chars += part.refusal.length;
+      else if (part.type === "image_url") images++;
+    }
+  }
+  if (m.role === "assistant" && m.tool_calls) {
+    for (const t of m.tool_calls) chars += t.function.name.length + t.function.arguments.length;
+  }
+  return PER_MESSAGE + charsToTokens(chars) + images * IMAGE_TOKENS;
+}
+
+export function estimatePromptTokens(body: ChatBody): number {
+  let tokens = 3;
+  for (const m of body.messages) tokens += messageTokens(m);
+  // Tool definitions are rendered into the prompt by the chat template.
+  if (body.tools) tokens += charsToTokens(JSON.stringify(body.tools).length);
+  return tokens;
+}
+
+/** The completion bound the caller set, if any (max_completion_tokens wins, as in vLLM and OpenAI). */
+export function completionLimit(body: ChatBody): number | undefined {
+  return body.max_completion_tokens ?? body.max_tokens ?? undefined;
+}
+
+export function estimateEmbeddingTokens(body: EmbeddingsBody): number {
+  const input = body.input;
+  if (typeof input === "string") return Math.max(1, charsToTokens(input.length));
+  let tokens = 0;
+  for (const item of input) {
+    if (typeof item === "string") tokens += Math.max(1, charsToTokens(item.length));
+    else if (typeof item === "number") tokens += 1;
+    else tokens += item.length;
+  }
+  return tokens;
+}

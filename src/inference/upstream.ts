@@ -1,0 +1,442 @@
+import type { AliasConfig, Config, TargetConfig, TimeoutsConfig } from "../config/schema.ts";
+import { AppError } from "../http/errors.ts";
+import type { Logger } from "../lib/log.ts";
+import { Breaker } from "./breaker.ts";
+import { type ConnectProbe, type Origin, createConnectProbe, originOf } from "./probe.ts";
+
+/**
+ * Calls to the upstream model servers: target choice, timeouts, failover and
+ * circuit breaking. Nothing here knows the request or response format beyond
+ * "JSON in, JSON or SSE out"; the service layer owns that.
+ *
+ * Failover happens only before anything reached the client: on a connection
+ * error, a connect or first-byte timeout, a 429/500/502/503/504, or a
+ * misconfigured target (401/403/404: wrong key or model id), the next target
+ * is tried after a jittered backoff, up to `upstream.attempts` in all. A
+ * stream counts as delivered once its first body bytes arrive, so a stream
+ * that dies before its first token also fails over.
+ */
+
+export interface Target {
+  readonly alias: string;
+  readonly cfg: TargetConfig;
+  /** `<baseUrl>|<model>`, the label usage records and logs carry. */
+  readonly label: string;
+  readonly origin: Origin;
+  readonly base: string;
+  readonly authorization: string | undefined;
+  readonly breaker: Breaker;
+  /** The upstream model id as it appears in response bytes: `"model":"<id>"`. */
+  readonly modelField: Uint8Array;
+}
+
+/** Client went away while we were still trying; there is nobody to answer. */
+export class ClientGone extends Error {}
+
+export interface CallContext {
+  /** Aborted when the client disconnects. */
+  signal: AbortSignal;
+  requestId: string;
+}
+
+export interface Completed {
+  target: Target;
+  body: string;
+}
+
+/** The part of a stream reader the relay uses. */
+export interface ByteReader {
+  read(): Promise<{ done: true; value?: undefined } | { done: false; value: Uint8Array }>;
+  cancel(reason?: unknown): Promise<void>;
+}
+
+/** An upstream stream whose first bytes have arrived; from here on it belongs to the caller. */
+export interface Opened {
+  target: Target;
+  reader: ByteReader;
+  first: Uint8Array;
+  /** Stops the upstream request (client left, idle timeout); idempotent. */
+  abort(reason: string): void;
+  /** Reports how the stream ended for the target's breaker; `null` = no verdict (client left). Also drops listeners. */
+  finish(ok: boolean | null): void;
+}
+
+type Attempt<T> =
+  | { kind: "ok"; value: T }
+  | { kind: "retry"; why: string; status?: number; retryAfter?: number; countsAsFailure: boolean }
+  | { kind: "fail"; error: AppError };
+
+/** Observation hooks (metrics); called on the request path, so they must be cheap. */
+export interface UpstreamObserver {
+  /** One attempt's outcome: ok, http_<status>, timeout, connect_error; `seconds` to response headers when there were any. */
+  attempt(alias: string, target: string, outcome: string, seconds: number | undefined): void;
+}
+
+export interface UpstreamDeps {
+  config: Config;
+  log: Logger;
+  observe?: UpstreamObserver;
+  probe?: ConnectProbe;
+  random?: () => number;
+  now?: () => number;
+}
+
+const enc = new TextEncoder();
+/**
+ * Worth another target. 500 is included: from vLLM it mostly means a dead or
+ * wedged engine (a bad request is a 4xx), which another replica does not share.
+ */
+const RETRY_STATUS = new Set([429, 500, 502, 503, 504]);
+/** The target is misconfigured (key, model id, path): another target may work; never the caller's fault. */
+const MISCONFIGURED = new Set([401, 403, 404, 405]);
+const MAX_BACKOFF_MS = 2_000;
+const MAX_UPSTREAM_MESSAGE = 1_000;
+
+/** Why an attempt was given up (a timeout, an empty stream): worth trying the next target. */
+class AttemptFailed extends Error {}
+
+export function timeoutsFor(config: Config, alias: AliasConfig): TimeoutsConfig {
+  return alias.timeouts ?? config.upstream.timeouts;
+}
+
+/**
+ * The message inside an upstream error body, whichever shape it has: current
+ * vLLM's `{error:{message}}`, older vLLM's `{object:"error",message}`,
+ * FastAPI's `{detail}`, or plain text. The shape itself never reaches the client.
+ */
+export function upstreamMessage(text: string): { message: string; param: string | null } {
+  let message: unknown;
+  let param: unknown = null;
+  try {
+    const v: unknown = JSON.parse(text);
+    if (typeof v === "object" && v !== null) {
+      const o = v as Record<string, unknown>;
+      const inner = typeof o.error === "object" && o.error !== null ? (o.error as Record<string, unknown>) : o;
+      message = inner.message ?? (typeof o.error === "string" ? o.error : undefined);
+      param = inner.param;
+      if (message === undefined && o.detail !== undefined) {
+        message = Array.isArray(o.detail)
+          ? o.detail.map((d) => (typeof d === "object" && d !== null && "msg" in d ? String(d.msg) : String(d))).join("; ")
+          : String(o.detail);
+      }
+    }
+  } catch {
+    message = text.trim();
+  }
+  const s = typeof message === "string" && message !== "" ? message : "The upstream model server rejected the request.";
+  return { message: s.length > MAX_UPSTREAM_MESSAGE ? `${s.slice(0, MAX_UPSTREAM_MESSAGE)}…` : s, param: typeof param === "string" ? param : null };
+}
+
+function retryAfterSeconds(h: string | null, now: number): number | undefined {
+  if (!h) return undefined;
+  if (/^\d+$/.test(h.trim())) return Number(h.trim());
+  const at = Date.parse(h);
+  return Number.isNaN(at) ? undefined : Math.max(0, Math.ceil((at - now) / 1000));
+}
+
+function sleep(ms: number, signal: AbortSignal): Promise<void> {
+  if (ms <= 0) return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = () => {
+      clearTimeout(timer);
+      signal.removeEventListener("abort", done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    signal.addEventListener("abort", done, { once: true });
+  });
+}
+
+export function createUpstream(deps: UpstreamDeps) {
+  const { config, log } = deps;
+  const probe = deps.probe ?? createConnectProbe();
+  const random = deps.random ?? Math.random;
+  const now = deps.now ?? Date.now;
+  const up = config.upstream;
+
+  const targets = new Map<string, Target[]>();
+  for (const [alias, a] of Object.entries(config.aliases)) {
+    targets.set(
+      alias,
+      a.targets.map((cfg) => {
+        const key = cfg.apiKeyEnv ? process.env[cfg.apiKeyEnv] : undefined;
+        return {
+          alias,
+          cfg,
+          label: `${cfg.baseUrl}|${cfg.model}`,
+          origin: originOf(cfg.baseUrl),
+          base: cfg.baseUrl.replace(/\/+$/, ""),
+          authorization: key ? `Bearer ${key}` : undefined,
+          breaker: new Breaker({ failures: up.breakerFailures, cooldownMs: up.breakerCooldownMs }),
+          modelField: enc.encode(`"model":${JSON.stringify(cfg.model)}`),
+        };
+      }),
+    );
+  }
+
+  /**
+   * Weighted random choice among available targets not yet tried; weight-0
+   * targets are standbys, used only when no weighted target is left. When every
+   * target has been tried, the set starts over (a single-target alias retries itself).
+   */
+  function pick(list: readonly Target[], tried: Set<Target>, t: number): Target | undefined {
+    let pool = list.filter((x) => !tried.has(x) && x.breaker.available(t));
+    if (pool.length === 0) {
+      tried.clear();
+      pool = list.filter((x) => x.breaker.available(t));
+    }
+    const weighted = pool.filter((x) => x.cfg.weight > 0);
+    const from = weighted.length > 0 ? weighted : pool;
+    if (from.length <= 1) return from[0];
+    const total = from.reduce((s, x) => s + x.cfg.weight, 0);
+    if (total <= 0) return from[Math.floor(random() * from.length)];
+    let r = random() * total;
+    for (const x of from) {
+      r -= x.cfg.weight;
+      if (r < 0) return x;
+    }
+    return from[from.length - 1];
+  }
+
+  function headersFor(target: Target, ctx: CallContext, stream: boolean): Record<string, string> {
+    // Allow-list: nothing of the client's request (its key above all) goes upstream.
+    const h: Record<string, string> = {
+      "content-type": "application/json",
+      accept: stream ? "text/event-stream" : "application/json",
+      "x-request-id": ctx.requestId,
+    };
+    if (target.authorization) h.authorization = target.authorization;
+    return h;
+  }
+
+  function failed(target: Target, why: string): void {
+    if (target.breaker.failure(now())) {
+      log.warn("upstream target circuit opened", { alias: target.alias, target: target.label, reason: why, cooldown_ms: up.breakerCooldownMs });
+    }
+  }
+
+  /** Reads a non-2xx answer and decides: retry elsewhere, or a final error for the client. */
+  async function judge<T>(target: Target, res: Response, aliasName: string): Promise<Attempt<T>> {
+    const text = await res.text().catch(() => "");
+    const status = res.status;
+    if (RETRY_STATUS.has(status)) {
+      const retryAfter = status === 429 ? retryAfterSeconds(res.headers.get("retry-after"), now()) : undefined;
+      // A 429 is back-pressure from a healthy server, not a fault: it does not trip the breaker.
+      return { kind: "retry", why: `status ${status}`, status, ...(retryAfter !== undefined ? { retryAfter } : {}), countsAsFailure: status !== 429 };
+    }
+    if (MISCONFIGURED.has(status)) {
+      log.error("upstream target refused the gateway (check its apiKeyEnv, model id and baseUrl)", {
+        alias: aliasName,
+        target: target.label,
+        status,
+        message: upstreamMessage(text).message,
+      });
+      return { kind: "retry", why: `status ${status}`, status, countsAsFailure: true };
+    }
+    if (status >= 400 && status < 500) {
+      // The request itself is at fault (context length, bad parameter value): the caller's 400, with the upstream's words.
+      target.breaker.success();
+      const { message, param } = upstreamMessage(text);
+      return { kind: "fail", error: new AppError("invalid_request_error", message, param) };
+    }
+    // Anything else (501, 505, a 3xx): a failure of this target, not one a retry elsewhere is known to fix.
+    failed(target, `status ${status}`);
+    log.warn("upstream error", { alias: aliasName, target: target.label, status, message: upstreamMessage(text).message });
+    return { kind: "fail", error: unavailable(aliasName) };
+  }
+
+  function unavailable(aliasName: string): AppError {
+    return new AppError("service_unavailable", `The model '${aliasName}' is temporarily unreachable; retry with backoff.`);
+  }
+
+  /**
+   * One attempt against one target. The per-attempt AbortController is tied
+   * to the client's signal, the connect probe and the first-byte timer;
+   * `onHead` turns a 2xx response into the attempt's value (reading the body,
+   * or the first stream bytes) while those still apply.
+   */
+  async function attempt<T>(
+    target: Target,
+    aliasName: string,
+    path: string,
+    payload: string,
+    timeouts: TimeoutsConfig,
+    ctx: CallContext,
+    stream: boolean,
+    onHead: (res: Response, ac: AbortController, clearTimer: () => void, unlink: () => void) => Promise<T>,
+  ): Promise<Attempt<T>> {
+    const ac = new AbortController();
+    const onClientAbort = () => ac.abort(new ClientGone());
+    ctx.signal.addEventListener("abort", onClientAbort, { once: true });
+    const unlink = () => ctx.signal.removeEventListener("abort", onClientAbort);
+    let timer: ReturnType<typeof setTimeout> | undefined = setTimeout(
+      () => ac.abort(new AttemptFailed(`no response within ${timeouts.firstByteMs} ms`)),
+      timeouts.firstByteMs,
+    );
+    const clearTimer = () => {
+      if (timer !== undefined) clearTimeout(timer);
+      timer = undefined;
+    };
+    let headed = false;
+    probe.check(target.origin, timeouts.connectMs)?.then((r) => {
+      if (r === "timeout" && !headed) ac.abort(new AttemptFailed(`no connection within ${timeouts.connectMs} ms`));
+    });
+    target.breaker.acquire(now());
+    let handedOver = false;
+    const sentAt = performance.now();
+    try {
+      const res = await fetch(`${target.base}${path}`, {
+        method: "POST",
+        body: payload,
+        headers: headersFor(target, ctx, stream),
+        signal: ac.signal,
+        // Our own timers bound the request; Bun's socket idle timeout (5 min) would cut slow models short.
+        timeout: false,
+      });
+      headed = true;
+      probe.alive(target.origin);
+      deps.observe?.attempt(aliasName, target.label, res.ok ? "ok" : `http_${res.status}`, (performance.now() - sentAt) / 1000);
+      if (res.status < 200 || res.status > 299) {
+        clearTimer();
+        return await judge<T>(target, res, aliasName);
+      }
+      const value = await onHead(res, ac, clearTimer, unlink);
+      handedOver = true;
+      return { kind: "ok", value };
+    } catch (e) {
+      const reason: unknown = ac.signal.aborted ? ac.signal.reason : e;
+      if (reason instanceof ClientGone || ctx.signal.aborted) {
+        target.breaker.release();
+        throw new ClientGone();
+      }
+      const why = reason instanceof AttemptFailed ? reason.message : `connection error: ${reason instanceof Error ? reason.message : String(reason)}`;
+      if (!headed) deps.observe?.attempt(aliasName, target.label, reason instanceof AttemptFailed ? "timeout" : "connect_error", undefined);
+      return { kind: "retry", why, countsAsFailure: true };
+    } finally {
+      clearTimer();
+      if (!handedOver) unlink();
+    }
+  }
+
+  /**
+   * Runs attempts until one succeeds, a final error comes back, or attempts
+   * run out: then 429 when every failure was upstream back-pressure, else 503.
+   */
+  async function run<T>(
+    aliasName: string,
+    alias: AliasConfig,
+    path: string,
+    payloadFor: (t: Target) => string,
+    ctx: CallContext,
+    stream: boolean,
+    onHead: (res: Response, ac: AbortController, clearTimer: () => void, unlink: () => void, target: Target) => Promise<T>,
+  ): Promise<{ target: Target; value: T }> {
+    const list = targets.get(aliasName) ?? [];
+    const timeouts = timeoutsFor(config, alias);
+    const tried = new Set<Target>();
+    let only429 = true;
+    let made = 0;
+    let retryAfter: number | undefined;
+    for (let i = 0; i < up.attempts; i++) {
+      if (i > 0) {
+        const delay = Math.min(MAX_BACKOFF_MS, up.backoffMs * 2 ** (i - 1)) * (0.5 + random());
+        await sleep(delay, ctx.signal);
+      }
+      if (ctx.signal.aborted) throw new ClientGone();
+      const target = pick(list, tried, now());
+      if (!target) break;
+      tried.add(target);
+      made++;
+      const r = await attempt(target, aliasName, path, payloadFor(target), timeouts, ctx, stream, (res, ac, clearTimer, unlink) =>
+        onHead(res, ac, clearTimer, unlink, target),
+      );
+      if (r.kind === "ok") {
+        target.breaker.success();
+        return { target, value: r.value };
+      }
+      if (r.kind === "fail") throw r.error;
+      if (r.countsAsFailure) failed(target, r.why);
+      else target.breaker.release();
+      if (r.status === 429) {
+        if (r.retryAfter !== undefined) retryAfter = Math.min(retryAfter ?? r.retryAfter, r.retryAfter);
+      } else only429 = false;
+      log.debug("upstream attempt failed", { alias: aliasName, target: target.label, attempt: i + 1, reason: r.why, request_id: ctx.requestId });
+    }
+    if (only429 && made > 0) {
+      const wait = Math.max(1, retryAfter ?? 1);
+      throw new AppError(
+        "rate_limit_error",
+        `The model '${aliasName}' is overloaded at the moment; retry after ${wait} s.`,
+        null,
+        { "retry-after": String(wait) },
+      );
+    }
+    throw unavailable(aliasName);
+  }
+
+  /** A non-streamed call: the whole body is read before anything is sent, so a cut-off body still fails over. */
+  function complete(aliasName: string, alias: AliasConfig, path: string, payloadFor: (t: Target) => string, ctx: CallContext) {
+    const { idleMs } = timeoutsFor(config, alias);
+    return run<string>(aliasName, alias, path, payloadFor, ctx, false, async (res, ac, clearTimer) => {
+      clearTimer();
+      const idle = setTimeout(() => ac.abort(new AttemptFailed(`response body stalled for ${idleMs} ms`)), idleMs);
+      try {
+        return await res.text();
+      } finally {
+        clearTimeout(idle);
+      }
+    }).then(({ target, value }): Completed => ({ target, body: value }));
+  }
+
+  /** A streamed call, handed over once the first body bytes arrived (still under the first-byte timer). */
+  function open(aliasName: string, alias: AliasConfig, path: string, payloadFor: (t: Target) => string, ctx: CallContext) {
+    return run<Opened>(aliasName, alias, path, payloadFor, ctx, true, async (res, ac, clearTimer, unlink, target) => {
+      const body = res.body;
+      if (!body) throw new AttemptFailed("empty stream");
+      const reader: ByteReader = body.getReader();
+      let first: Uint8Array | undefined;
+      try {
+        while (first === undefined) {
+          const r = await reader.read();
+          if (r.done) throw new AttemptFailed("stream ended before any data");
+          if (r.value.byteLength > 0) first = r.value;
+        }
+      } catch (e) {
+        reader.cancel().catch(() => {});
+        throw e;
+      }
+      clearTimer();
+      let finished = false;
+      const opened: Opened = {
+        target,
+        reader,
+        first,
+        abort(reason) {
+          if (!ac.signal.aborted) ac.abort(new AttemptFailed(reason));
+          reader.cancel().catch(() => {});
+        },
+        finish(ok) {
+          if (finished) return;
+          finished = true;
+          unlink();
+          if (ok === true) target.breaker.success();
+          else if (ok === false) failed(target, "stream failed");
+          else target.breaker.release();
+        },
+      };
+      return opened;
+    }).then(({ value }) => value);
+  }
+
+  /** Each target's breaker, for the metrics scrape (not the request path). */
+  function breakers(): { target: string; open: boolean }[] {
+    const t = now();
+    const out: { target: string; open: boolean }[] = [];
+    for (const list of targets.values()) for (const x of list) out.push({ target: x.label, open: x.breaker.state(t) === "open" });
+    return out;
+  }
+
+  return { complete, open, breakers };
+}
+
+export type Upstream = ReturnType<typeof createUpstream>;

@@ -1,0 +1,40 @@
+import type { Principal } from "../auth/verify.ts";
+
+/**
+ * What the inference path needs from quota and usage accounting. In steady
+ * state neither call touches the database: admission decides against this
+ * instance's local lease of the organisation's quota (refilled in the
+ * background ahead of need; only an empty lease waits for a refill), and
+ * settlement queues the actual usage for the batched writer (src/limits/quota.ts).
+ */
+
+export interface UsageReport {
+  promptTokens: number;
+  completionTokens: number;
+}
+
+export interface RequestOutcome {
+  alias: string;
+  /** Upstream target that served it (base URL + model), "" when none did. */
+  target: string;
+  status: number;
+  latencyMs: number;
+  streamed: boolean;
+}
+
+export interface Ticket {
+  readonly principal: Principal;
+  /** Tokens reserved against the local lease at admission. */
+  readonly reserved: number;
+  settled: boolean;
+}
+
+export interface Metering {
+  /**
+   * Admit a chat or embeddings request expected to use about `estimate`
+   * tokens, or throw AppError("budget_exceeded").
+   */
+  admit(principal: Principal, estimate: number): Promise<Ticket>;
+  /** Settle a ticket with what the request really used; idempotent (later calls are ignored). */
+  settle(ticket: Ticket, usage: UsageReport, outcome: RequestOutcome): void;
+}

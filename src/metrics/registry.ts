@@ -1,0 +1,100 @@
+import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from "prom-client";
+
+/**
+ * Prometheus metrics (prom-client: maintained, no worker threads, works in the
+ * compiled executable). Labels come from small closed sets only — route
+ * patterns, status codes, alias names from the config, target labels — never
+ * a key, a prompt, a reply or a raw path.
+ */
+
+const LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300];
+
+export const KNOWN_ROUTES = new Set([
+  "/v1/chat/completions",
+  "/v1/embeddings",
+  "/v1/models",
+  "/v1/me",
+  "/v1/audit-events",
+  "/healthz",
+  "/readyz",
+  "/metrics",
+]);
+
+export function routeLabel(path: string): string {
+  return KNOWN_ROUTES.has(path) ? path : "other";
+}
+
+export function createMetrics() {
+  const registry = new Registry();
+  const registers = [registry];
+  collectDefaultMetrics({ register: registry, prefix: "gateway_" });
+  // Values owned by other components (cache and buffer counters) are read at scrape time, never on the hot path.
+  const scrapeHooks: (() => void)[] = [];
+  return {
+    registry,
+    onScrape(fn: () => void) {
+      scrapeHooks.push(fn);
+    },
+    requests: new Counter({
+      name: "gateway_http_requests_total",
+      help: "HTTP requests by route, method, status and error code",
+      labelNames: ["route", "method", "status", "code"] as const,
+      registers,
+    }),
+    duration: new Histogram({
+      name: "gateway_http_request_duration_seconds",
+      help: "Time to the response headers, by route (streams: until the stream starts)",
+      labelNames: ["route"] as const,
+      buckets: LATENCY_BUCKETS,
+      registers,
+    }),
+    upstreamFirstByte: new Histogram({
+      name: "gateway_upstream_first_byte_seconds",
+      help: "Upstream time to response headers, by alias",
+      labelNames: ["alias"] as const,
+      buckets: LATENCY_BUCKETS,
+      registers,
+    }),
+    tokens: new Counter({
+      name: "gateway_tokens_total",
+      help: "Tokens by alias and direction (prompt, completion)",
+      labelNames: ["alias", "direction"] as const,
+      registers,
+    }),
+    rateLimited: new Counter({ name: "gateway_rate_limited_total", help: "Requests refused by the rate limit", registers }),
+    budgetExceeded: new Counter({ name: "gateway_budget_exceeded_total", help: "Requests refused because the quota is spent", registers }),
+    activeStreams: new Gauge({ name: "gateway_active_streams", help: "Streamed responses in progress", registers }),
+    upstreamAttempts: new Counter({
+      name: "gateway_upstream_attempts_total",
+      help: "Upstream attempts by alias, target and outcome (ok, http_<status>, timeout, connect_error, breaker_open)",
+      labelNames: ["alias", "target", "outcome"] as const,
+      registers,
+    }),
+    breakerOpen: new Gauge({
+      name: "gateway_upstream_breaker_open",
+      help: "1 while a target's circuit breaker is open",
+      labelNames: ["target"] as const,
+      registers,
+    }),
+    usageBuffered: new Gauge({
+      name: "gateway_usage_buffered_events",
+      help: "Usage records waiting to be written",
+      registers,
+      // Registered before the metrics it feeds, so one scrape reads fresh values.
+      collect() {
+        for (const fn of scrapeHooks) fn();
+      },
+    }),
+    usagePendingTokens: new Gauge({ name: "gateway_usage_pending_tokens", help: "Settled tokens not yet written to the database", registers }),
+    usageFlushFailures: new Gauge({ name: "gateway_usage_flush_failures", help: "Failed usage writes since start (retried)", registers }),
+    keyCache: new Counter({
+      name: "gateway_key_cache_total",
+      help: "Key verifications served from the cache (hit) or the database (miss)",
+      labelNames: ["result"] as const,
+      registers,
+    }),
+    dbUp: new Gauge({ name: "gateway_database_up", help: "1 when the last readiness check reached the database", registers }),
+  };
+}
+
+export type Metrics = ReturnType<typeof createMetrics>;

@@ -1,0 +1,91 @@
+import { createKey, createOrg, createUser } from "../../src/admin/service.ts";
+import { loadConfig, upstreamAliases } from "../../src/config/load.ts";
+import type { Config } from "../../src/config/schema.ts";
+import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { type Gateway, startGateway } from "../../src/server.ts";
+
+/**
+ * Test harness. One database per test process: embedded PGlite in memory by
+ * default, a real Postgres when TEST_DATABASE_URL is set (CI runs the suite
+ * both ways). Tests isolate themselves by creating their own organisations.
+ */
+
+export const TEST_DATABASE_URL = process.env.TEST_DATABASE_URL;
+
+let shared: Promise<Database> | undefined;
+export function sharedDatabase(): Promise<Database> {
+  shared ??= (async () => {
+    const db = await openDatabase({ databaseUrl: TEST_DATABASE_URL, dataDir: "memory://", poolMax: 10 });
+    await migrate(db);
+    return db;
+  })();
+  return shared;
+}
+
+/** A fresh, separate database (for migration and multi-instance tests). */
+export async function freshDatabase(): Promise<Database> {
+  const db = await openDatabase({ databaseUrl: TEST_DATABASE_URL, dataDir: "memory://", poolMax: 10 });
+  await migrate(db);
+  return db;
+}
+
+export async function testConfig(overrides: Record<string, unknown> = {}): Promise<Config> {
+  const base = await loadConfig({ env: {}, overrides: { host: "127.0.0.1", port: 0 } });
+  // Aliases point at a closed port unless a test brings its own upstream (a simulator).
+  const aliases = upstreamAliases("http://127.0.0.1:9/v1");
+  return { ...base, aliases, logLevel: "error", accessLog: false, drainMs: 2_000, ...overrides } as Config;
+}
+
+/** A gateway on a real socket (port 0), sharing the process's test database. */
+export async function startTestGateway(overrides: Record<string, unknown> = {}, database?: Database): Promise<Gateway> {
+  const config = await testConfig(overrides);
+  return startGateway({ config, database: database ?? (await sharedDatabase()), log: createLogger("error") });
+}
+
+export interface SeededOrg {
+  orgId: string;
+  userId: string;
+  personalKey: string;
+  personalKeyId: string;
+  serviceKey: string;
+  serviceKeyId: string;
+}
+
+export async function seedOrg(
+  database: Database,
+  opts: { plan?: string; quotaTokens?: number | null; quotaWindow?: "hour" | "day" | "month"; academyOnly?: boolean; plans?: string[]; models?: string[] } = {},
+): Promise<SeededOrg> {
+  const plans = opts.plans ?? ["Standard", "Ultra"];
+  const org = await createOrg(database, {
+    name: `org-${crypto.randomUUID().slice(0, 8)}`,
+    plan: opts.plan ?? "Standard",
+    plans,
+    quotaTokens: opts.quotaTokens ?? null,
+    quotaWindow: opts.quotaWindow ?? "month",
+    academyOnly: opts.academyOnly ?? false,
+  });
+  const user = await createUser(database, { orgId: org.id, name: "Test User", email: `u-${crypto.randomUUID().slice(0, 8)}@example.com` });
+  const knownModels = ["svc-fast", "svc-smart", "svc-bigthink", "svc-embed"];
+  const personal = await createKey(database, {
+    orgId: org.id,
+    userId: user.id,
+    kind: "personal",
+    scopes: ["inference"],
+    knownModels,
+    ...(opts.models ? { models: opts.models } : {}),
+    tag: "gw",
+  });
+  const service = await createKey(database, { orgId: org.id, kind: "service", scopes: ["inference", "audit:read"], knownModels, tag: "gw" });
+  return { orgId: org.id, userId: user.id, personalKey: personal.key, personalKeyId: personal.id, serviceKey: service.key, serviceKeyId: service.id };
+}
+
+export function bearer(key: string, extra: Record<string, string> = {}): Record<string, string> {
+  return { authorization: `Bearer ${key}`, ...extra };
+}
+
+/** Assert helper: the wire error shape with a given code. */
+export async function errorOf(res: Response): Promise<{ message: string; type: string; param: string | null; code: string }> {
+  const body = (await res.json()) as { error: { message: string; type: string; param: string | null; code: string } };
+  return body.error;
+}

@@ -1,0 +1,600 @@
+import { afterAll, beforeAll, describe, expect, test, setDefaultTimeout } from "bun:test";
+import { writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { sql } from "drizzle-orm";
+import { runCli } from "../../src/cli/index.ts";
+import { type Database, openDatabase } from "../../src/db/client.ts";
+import { MIGRATIONS } from "../../src/db/migrations.ts";
+import {
+  cleanEnv,
+  createScratchDatabase,
+  exitWithin,
+  freePort,
+  onlyJson,
+  removeScratch,
+  runGateway,
+  scratchDir,
+  startGatewayProcess,
+  waitFor200,
+} from "../helpers/process.ts";
+
+// Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
+// runs (test/helpers/setup.ts), so files that spawn processes or open PGlite set
+// their own: a cold PGlite start on a busy 2-core machine takes several seconds.
+setDefaultTimeout(60_000);
+
+/**
+ * Every CLI command and its bad-argument errors. Most cases call runCli
+ * in-process with a capturing `out` (fast: PGlite's wasm is compiled once);
+ * the process-level contract (exit codes, stdout holding only JSON, the
+ * demo, the simulator) is checked with real `bun run src/main.ts` processes.
+ */
+
+const ALL_TAGS = MIGRATIONS.map((m) => m.tag);
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
+const MISSING_UUID = "00000000-0000-4000-8000-000000000000";
+
+// runCli reads process.env: keep a developer's own settings out of these tests.
+const SCRUB = [
+  "DATABASE_URL",
+  "GATEWAY_CONFIG",
+  "GATEWAY_DATA_DIR",
+  "UPSTREAM_BASE_URL",
+  "UPSTREAM_API_KEY",
+  "HOST",
+  "PORT",
+  "LOG_LEVEL",
+  "GATEWAY_CURSOR_SECRET",
+  "GATEWAY_RATE_LIMIT_INSTANCES",
+];
+const saved = new Map<string, string | undefined>();
+
+const work = scratchDir("gw-cli-");
+const dataDir = join(work, "data");
+
+beforeAll(() => {
+  for (const k of SCRUB) {
+    saved.set(k, process.env[k]);
+    delete process.env[k];
+  }
+});
+afterAll(() => {
+  for (const [k, v] of saved) if (v !== undefined) process.env[k] = v;
+  removeScratch();
+});
+
+interface Result {
+  code: number;
+  stdout: string;
+  stderr: string;
+}
+
+/** runCli in-process on the shared data directory (unless the arguments name one). */
+async function cli(...args: string[]): Promise<Result> {
+  const r = { stdout: "", stderr: "" };
+  const argv = args.includes("--data-dir") ? args : [...args, "--data-dir", dataDir];
+  const code = await runCli(argv, { stdout: (s) => void (r.stdout += s), stderr: (s) => void (r.stderr += s) });
+  return { code, ...r };
+}
+
+/** runCli without a data directory (for commands that take none, or fail before opening one). */
+async function bare(...args: string[]): Promise<Result> {
+  const r = { stdout: "", stderr: "" };
+  const code = await runCli(args, { stdout: (s) => void (r.stdout += s), stderr: (s) => void (r.stderr += s) });
+  return { code, ...r };
+}
+
+/** A usage error: exit 2, one clear message on stderr, nothing on stdout. */
+function expectUsage(r: Result, message: string | RegExp) {
+  expect(r.stdout).toBe("");
+  if (typeof message === "string") expect(r.stderr).toContain(message);
+  else expect(r.stderr).toMatch(message);
+  expect(r.stderr).toStartWith("error: ");
+  expect(r.code).toBe(2);
+}
+
+async function inspect<T>(fn: (db: Database) => Promise<T>): Promise<T> {
+  const db = await openDatabase({ dataDir });
+  try {
+    return await fn(db);
+  } finally {
+    await db.close();
+  }
+}
+
+async function counts() {
+  return inspect(async (db) => {
+    const [row] = await db.rows<Record<string, number>>(sql`select
+      (select count(*)::int from organizations) as orgs,
+      (select count(*)::int from users) as users,
+      (select count(*)::int from api_keys) as keys,
+      (select count(*)::int from audit_events) as audit,
+      (select count(*)::int from usage_events) as usage`);
+    return row;
+  });
+}
+
+async function auditActions(orgId: string): Promise<{ action: string; category: string }[]> {
+  return inspect((db) =>
+    db.rows<{ action: string; category: string }>(sql`select action, category from audit_events where org_id = ${orgId} order by created_at, action`),
+  );
+}
+
+describe("help, version, unknown commands", () => {
+  test("--help, -h, help and no arguments print the usage", async () => {
+    for (const argv of [[], ["--help"], ["-h"], ["help"]]) {
+      const r = await bare(...argv);
+      expect(r.code).toBe(0);
+      expect(r.stdout).toContain("Usage: gateway <command> [options]");
+      for (const cmd of ["serve", "migrate", "orgs create", "orgs set", "users create", "keys create", "keys list", "keys revoke", "keys rotate", "audit import"]) {
+        expect(r.stdout).toContain(cmd);
+      }
+      expect(r.stderr).toBe("");
+    }
+  });
+
+  test("--version prints version and commit", async () => {
+    for (const argv of [["--version"], ["-v"], ["version"]]) {
+      const r = await bare(...argv);
+      expect(r.code).toBe(0);
+      expect(r.stdout).toMatch(/^gateway \S+ \(\S+\)\n$/);
+    }
+  });
+
+  test("unknown commands and subcommands: exit 2", async () => {
+    expectUsage(await bare("frobnicate"), 'unknown command "frobnicate"');
+    expectUsage(await bare("orgs"), "usage: gateway orgs create|set");
+    expectUsage(await bare("orgs", "delete"), "usage: gateway orgs create|set");
+    expectUsage(await bare("users", "list"), "usage: gateway users create");
+    expectUsage(await bare("keys", "delete"), "usage: gateway keys create|list|revoke|rotate");
+    expectUsage(await bare("audit", "export"), "usage: gateway audit import FILE");
+    expectUsage(await bare("config", "edit"), "usage: gateway config check|print");
+    expectUsage(await bare("usage", "total"), "usage: gateway usage report");
+  });
+});
+
+describe("migrate", () => {
+  test("applies every migration once, then reports the database up to date", async () => {
+    const r = await cli("migrate", "--json");
+    expect(r.code).toBe(0);
+    expect(onlyJson(r.stdout)).toEqual({ applied: ALL_TAGS });
+    const again = await cli("migrate", "--json");
+    expect(onlyJson(again.stdout)).toEqual({ applied: [] });
+    const human = await cli("migrate");
+    expect(human.stdout).toBe("database is up to date\n");
+  });
+
+  test("the human form names what it applied", async () => {
+    const r = await cli("migrate", "--data-dir", join(work, "other"));
+    expect(r.code).toBe(0);
+    expect(r.stdout).toBe(`applied: ${ALL_TAGS.join(", ")}\n`);
+  });
+
+  test("bad arguments", async () => {
+    expectUsage(await cli("migrate", "now"), 'unexpected argument "now"');
+    expectUsage(await cli("migrate", "--force"), "--force");
+  });
+});
+
+let orgId = "";
+let userId = "";
+let serviceKey = { id: "", key: "" };
+let personalKey = { id: "", key: "" };
+
+describe("orgs", () => {
+  test("create --json prints the organisation and writes org.created", async () => {
+    const r = await cli("orgs", "create", "--name", "Acme", "--json");
+    expect(r.code).toBe(0);
+    expect(r.stderr).toBe("");
+    const org = onlyJson<Record<string, unknown>>(r.stdout);
+    expect(org).toMatchObject({ name: "Acme", plan: "Standard", academy_only: false, quota_tokens: null, quota_window: "month" });
+    expect(org.id).toMatch(UUID);
+    orgId = org.id as string;
+    expect(await auditActions(orgId)).toEqual([{ action: "org.created", category: "org" }]);
+  });
+
+  test("create with every option; human output", async () => {
+    const r = await cli("orgs", "create", "--name", "Beta", "--plan", "Ultra", "--quota-tokens", "5000", "--quota-window", "day", "--academy-only", "--json");
+    expect(onlyJson(r.stdout)).toMatchObject({ name: "Beta", plan: "Ultra", academy_only: true, quota_tokens: 5000, quota_window: "day" });
+    const h = await cli("orgs", "create", "--name", "Gamma", "--quota-tokens", "none");
+    expect(h.code).toBe(0);
+    expect(h.stdout).toMatch(/^created organisation [0-9a-f-]{36} \(Gamma, plan Standard\)\n$/);
+  });
+
+  test("create: bad arguments exit 2 and write nothing", async () => {
+    const before = await counts();
+    expectUsage(await cli("orgs", "create"), "missing --name");
+    expectUsage(await cli("orgs", "create", "--name", ""), "missing --name");
+    expectUsage(await cli("orgs", "create", "--name", "   "), "--name must not be empty");
+    expectUsage(await cli("orgs", "create", "--name", "X", "--plan", "Gold"), 'unknown plan "Gold"; configured plans: Standard, Ultra');
+    expectUsage(await cli("orgs", "create", "--name", "X", "--quota-tokens", "lots"), "--quota-tokens must be a whole number");
+    expectUsage(await cli("orgs", "create", "--name", "X", "--quota-tokens", "-5"), /error: /);
+    expectUsage(await cli("orgs", "create", "--name", "X", "--quota-window", "week"), "--quota-window must be one of hour, day, month");
+    expectUsage(await cli("orgs", "create", "--name", "X", "--nmae", "Y"), "--nmae");
+    expectUsage(await cli("orgs", "create", "--name"), "--name");
+    expectUsage(await cli("orgs", "create", "--name", "X", "extra"), 'unexpected argument "extra"');
+    expect(await counts()).toEqual(before);
+  });
+
+  test("set changes plan, quota, window and access, each with its audit event", async () => {
+    const r = await cli("orgs", "set", "--id", orgId, "--plan", "Ultra", "--quota-tokens", "1000000", "--quota-window", "hour", "--academy-only", "true", "--json");
+    expect(r.code).toBe(0);
+    expect(onlyJson(r.stdout)).toMatchObject({ id: orgId, plan: "Ultra", quota_tokens: 1_000_000, quota_window: "hour", academy_only: true });
+    const actions = (await auditActions(orgId)).map((a) => `${a.category}/${a.action}`);
+    expect(actions).toEqual(expect.arrayContaining(["org/org.plan_changed", "billing/billing.quota_changed", "org/org.access_changed"]));
+
+    const back = await cli("orgs", "set", "--id", orgId, "--quota-tokens", "none", "--academy-only", "false");
+    expect(back.code).toBe(0);
+    expect(back.stdout).toBe(`updated organisation ${orgId}: plan Ultra, quota none per hour\n`);
+  });
+
+  test("set without changes writes no audit event", async () => {
+    const before = (await auditActions(orgId)).length;
+    const r = await cli("orgs", "set", "--id", orgId, "--json");
+    expect(r.code).toBe(0);
+    expect(onlyJson(r.stdout)).toMatchObject({ id: orgId });
+    expect((await auditActions(orgId)).length).toBe(before);
+  });
+
+  test("set: bad arguments exit 2 and write nothing", async () => {
+    const before = await counts();
+    expectUsage(await cli("orgs", "set", "--plan", "Ultra"), "missing --id");
+    expectUsage(await cli("orgs", "set", "--id", "acme"), '--id must be a UUID, got "acme"');
+    expectUsage(await cli("orgs", "set", "--id", MISSING_UUID, "--plan", "Ultra"), `no organisation ${MISSING_UUID}`);
+    expectUsage(await cli("orgs", "set", "--id", orgId, "--plan", "Gold"), 'unknown plan "Gold"');
+    expectUsage(await cli("orgs", "set", "--id", orgId, "--quota-tokens", "1e6"), "--quota-tokens must be a whole number");
+    expectUsage(await cli("orgs", "set", "--id", orgId, "--quota-window", "year"), "--quota-window must be one of");
+    expectUsage(await cli("orgs", "set", "--id", orgId, "--academy-only", "yes"), "--academy-only takes true or false");
+    expect(await counts()).toEqual(before);
+  });
+});
+
+describe("users", () => {
+  test("create --json prints the user and writes member.created", async () => {
+    const r = await cli("users", "create", "--org", orgId, "--name", "Ada Lovelace", "--email", "ada@acme.example", "--json");
+    expect(r.code).toBe(0);
+    const u = onlyJson<Record<string, unknown>>(r.stdout);
+    expect(u).toMatchObject({ org_id: orgId, name: "Ada Lovelace", email: "ada@acme.example", academy_only: false });
+    expect(u.id).toMatch(UUID);
+    userId = u.id as string;
+    expect((await auditActions(orgId)).map((a) => a.action)).toContain("member.created");
+    const academy = await cli("users", "create", "--org", orgId, "--name", "Bo", "--email", "bo@acme.example", "--academy-only", "--json");
+    expect(onlyJson(academy.stdout)).toMatchObject({ academy_only: true });
+  });
+
+  test("create: bad arguments exit 2 and write nothing", async () => {
+    const before = await counts();
+    expectUsage(await cli("users", "create", "--name", "X", "--email", "x@y.z"), "missing --org");
+    expectUsage(await cli("users", "create", "--org", orgId, "--email", "x@y.z"), "missing --name");
+    expectUsage(await cli("users", "create", "--org", orgId, "--name", "X"), "missing --email");
+    expectUsage(await cli("users", "create", "--org", orgId, "--name", "X", "--email", "not-an-address"), "--email is not an e-mail address");
+    expectUsage(await cli("users", "create", "--org", "acme", "--name", "X", "--email", "x@y.z"), "--org must be a UUID");
+    expectUsage(await cli("users", "create", "--org", MISSING_UUID, "--name", "X", "--email", "x@y.z"), `no organisation ${MISSING_UUID}`);
+    expectUsage(await cli("users", "create", "--org", orgId, "--name", "Ada 2", "--email", "ada@acme.example"), "already exists in this organisation");
+    expect(await counts()).toEqual(before);
+  });
+});
+
+describe("keys", () => {
+  test("create a service key: --json prints id, key, kind, scopes, expires_at; only the hash is stored", async () => {
+    const r = await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference,audit:read", "--name", "backend", "--json");
+    expect(r.code).toBe(0);
+    expect(r.stderr).toBe("");
+    const k = onlyJson<Record<string, unknown>>(r.stdout);
+    expect(k).toMatchObject({ org_id: orgId, user_id: null, kind: "service", scopes: ["inference", "audit:read"], expires_at: null, name: "backend", models: null });
+    expect(k.key).toMatch(/^sk-gw-[0-9A-Za-z]{43}$/);
+    expect(k.prefix).toBe((k.key as string).slice(0, 12));
+    serviceKey = { id: k.id as string, key: k.key as string };
+    const stored = await inspect((db) => db.rows<Record<string, unknown>>(sql`select * from api_keys where id = ${serviceKey.id}`));
+    expect(stored[0]?.hash).toBe(new Bun.CryptoHasher("sha256").update(serviceKey.key).digest("hex"));
+    expect(JSON.stringify(stored)).not.toContain(serviceKey.key);
+    expect((await auditActions(orgId)).map((a) => `${a.category}/${a.action}`)).toContain("api_key/api_key.created");
+  });
+
+  test("create a personal key with models and an expiry; the human form shows the secret once", async () => {
+    const r = await cli("keys", "create", "--org", orgId, "--user", userId, "--kind", "personal", "--scopes", "inference", "--models", "svc-fast,svc-embed", "--expires-in", "90d", "--json");
+    expect(r.code).toBe(0);
+    const k = onlyJson<Record<string, unknown>>(r.stdout);
+    expect(k).toMatchObject({ kind: "personal", user_id: userId, models: ["svc-fast", "svc-embed"] });
+    const expires = Date.parse(k.expires_at as string);
+    expect(Math.abs(expires - (Date.now() + 90 * 86_400_000))).toBeLessThan(60_000);
+    personalKey = { id: k.id as string, key: k.key as string };
+
+    const h = await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--expires-at", "2099-01-31T09:00:00Z");
+    expect(h.code).toBe(0);
+    expect(h.stdout).toMatch(/^created service key [0-9a-f-]{36}\nsk-gw-[0-9A-Za-z]{43}\n\(the key is shown only once; store it now\)\n$/);
+  });
+
+  test("a past --expires-at is allowed with a warning on stderr; stdout stays pure JSON", async () => {
+    const r = await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--expires-at", "2020-01-01T00:00:00Z", "--json");
+    expect(r.code).toBe(0);
+    expect(r.stderr).toContain("warning: --expires-at is in the past");
+    expect(onlyJson(r.stdout)).toMatchObject({ expires_at: "2020-01-01T00:00:00.000Z" });
+  });
+
+  test("create: bad arguments exit 2 and write nothing", async () => {
+    const before = await counts();
+    const base = ["keys", "create", "--org", orgId];
+    expectUsage(await cli("keys", "create", "--kind", "service", "--scopes", "inference"), "missing --org");
+    expectUsage(await cli(...base, "--scopes", "inference"), "missing --kind");
+    expectUsage(await cli(...base, "--kind", "service"), "missing --scopes");
+    expectUsage(await cli(...base, "--kind", "robot", "--scopes", "inference"), "--kind must be personal or service");
+    expectUsage(await cli(...base, "--kind", "personal", "--scopes", "inference"), "a personal key needs --user");
+    expectUsage(await cli(...base, "--kind", "service", "--user", userId, "--scopes", "inference"), "drop --user");
+    expectUsage(await cli(...base, "--kind", "personal", "--user", userId, "--scopes", "inference,audit:read"), "audit:read is for service keys only");
+    expectUsage(await cli(...base, "--kind", "service", "--scopes", "inference,root"), 'unknown scope "root"');
+    expectUsage(await cli(...base, "--kind", "service", "--scopes", ","), "--scopes must name at least one scope");
+    expectUsage(await cli(...base, "--kind", "service", "--scopes", "inference", "--models", "gpt-4o"), 'unknown model alias "gpt-4o"');
+    expectUsage(await cli(...base, "--kind", "service", "--scopes", "inference", "--expires-at", "tomorrow"), "--expires-at is not an ISO 8601 time");
+    expectUsage(await cli(...base, "--kind", "service", "--scopes", "inference", "--expires-in", "3 weeks"), "--expires-in takes a duration");
+    expectUsage(await cli(...base, "--kind", "service", "--scopes", "inference", "--expires-in", "0d"), "--expires-in takes a duration");
+    expectUsage(
+      await cli(...base, "--kind", "service", "--scopes", "inference", "--expires-in", "1d", "--expires-at", "2099-01-01"),
+      "give --expires-at or --expires-in, not both",
+    );
+    expectUsage(await cli("keys", "create", "--org", MISSING_UUID, "--kind", "service", "--scopes", "inference"), `no organisation ${MISSING_UUID}`);
+    expectUsage(await cli(...base, "--kind", "personal", "--user", MISSING_UUID, "--scopes", "inference"), `no user ${MISSING_UUID}`);
+    expect(await counts()).toEqual(before);
+  });
+
+  test("list: JSON rows without secrets or hashes; human form", async () => {
+    const r = await cli("keys", "list", "--org", orgId, "--json");
+    expect(r.code).toBe(0);
+    const rows = onlyJson<Record<string, unknown>[]>(r.stdout);
+    expect(rows.map((k) => k.id)).toEqual(expect.arrayContaining([serviceKey.id, personalKey.id]));
+    for (const k of rows) {
+      expect(k).not.toHaveProperty("key");
+      expect(k).not.toHaveProperty("hash");
+      expect(k.prefix).toMatch(/^sk-gw-[0-9A-Za-z]{6}$/);
+    }
+    expect(r.stdout).not.toContain(serviceKey.key);
+    const h = await cli("keys", "list", "--org", orgId);
+    expect(h.stdout).toContain(`${serviceKey.id}  ${serviceKey.key.slice(0, 12)}…  service`);
+    const none = await cli("orgs", "create", "--name", "Empty", "--json");
+    expect((await cli("keys", "list", "--org", onlyJson<{ id: string }>(none.stdout).id)).stdout).toBe("no keys\n");
+  });
+
+  test("list: bad arguments", async () => {
+    expectUsage(await cli("keys", "list"), "missing --org");
+    expectUsage(await cli("keys", "list", "--org", "acme"), "--org must be a UUID");
+  });
+
+  test("rotate: a new key with the same owner and scopes; the old one expires after the grace", async () => {
+    const r = await cli("keys", "rotate", personalKey.id, "--grace", "1h", "--json");
+    expect(r.code).toBe(0);
+    const k = onlyJson<Record<string, unknown>>(r.stdout);
+    expect(k).toMatchObject({ rotated_from: personalKey.id, kind: "personal", user_id: userId, scopes: ["inference"], models: ["svc-fast", "svc-embed"] });
+    expect(k.key).not.toBe(personalKey.key);
+    const rows = onlyJson<{ id: string; expires_at: string | null }[]>((await cli("keys", "list", "--org", orgId, "--json")).stdout);
+    const old = rows.find((x) => x.id === personalKey.id);
+    expect(Math.abs(Date.parse(old?.expires_at ?? "") - (Date.now() + 3_600_000))).toBeLessThan(60_000);
+    expect((await auditActions(orgId)).map((a) => a.action)).toContain("api_key.rotated");
+
+    const h = await cli("keys", "rotate", k.id as string);
+    expect(h.code).toBe(0);
+    expect(h.stdout).toContain("(the old key works for 24h more)");
+  });
+
+  test("revoke: sets revoked_at, writes api_key.revoked, and is idempotent", async () => {
+    const r = await cli("keys", "revoke", serviceKey.id, "--json");
+    expect(r.code).toBe(0);
+    const k = onlyJson<{ revoked_at: string | null }>(r.stdout);
+    expect(k.revoked_at).not.toBeNull();
+    const again = await cli("keys", "revoke", serviceKey.id, "--json");
+    expect(onlyJson<{ revoked_at: string }>(again.stdout).revoked_at).toBe(k.revoked_at ?? "");
+    const revocations = (await auditActions(orgId)).filter((a) => a.action === "api_key.revoked");
+    expect(revocations).toEqual([{ action: "api_key.revoked", category: "api_key" }]);
+    const h = await cli("keys", "revoke", personalKey.id);
+    expect(h.stdout).toBe(`revoked key ${personalKey.id}\n`);
+  });
+
+  test("revoke and rotate: bad arguments exit 2 and write nothing", async () => {
+    const before = await counts();
+    expectUsage(await cli("keys", "revoke"), "missing key ID");
+    expectUsage(await cli("keys", "revoke", "abc"), "key id must be a UUID");
+    expectUsage(await cli("keys", "revoke", MISSING_UUID), `no key ${MISSING_UUID}`);
+    expectUsage(await cli("keys", "revoke", serviceKey.id, personalKey.id), "unexpected argument");
+    expectUsage(await cli("keys", "rotate"), "missing key ID");
+    expectUsage(await cli("keys", "rotate", MISSING_UUID), `no key ${MISSING_UUID}`);
+    expectUsage(await cli("keys", "rotate", serviceKey.id), "is revoked; create a new key instead");
+    expectUsage(await cli("keys", "rotate", personalKey.id, "--grace", "soon"), "--grace takes a duration");
+    expect(await counts()).toEqual(before);
+  });
+});
+
+describe("audit import", () => {
+  const line = (extra: Record<string, unknown> = {}) =>
+    JSON.stringify({
+      org_id: orgId,
+      action: "member.invited",
+      category: "member",
+      actor: { type: "user", id: userId, name: "Ada Lovelace", email: "ada@acme.example" },
+      targets: [{ key: "target_user_id", kind: "user", id: MISSING_UUID, name: "Grace", email: "grace@acme.example" }],
+      details: { role: "member" },
+      origin: { ip_prefix: "203.0.113.0/24", user_agent_summary: "Firefox/131.0" },
+      ...extra,
+    });
+
+  test("imports JSON lines in one transaction", async () => {
+    const file = join(work, "events.jsonl");
+    writeFileSync(file, `${line()}\n\n${line({ id: "11111111-1111-4111-8111-111111111111", created_at: "2026-01-02T03:04:05.678Z" })}\n`);
+    const r = await cli("audit", "import", file, "--json");
+    expect(r.code).toBe(0);
+    expect(onlyJson(r.stdout)).toEqual({ imported: 2 });
+    const rows = await inspect((db) =>
+      db.rows<{ created_at: Date | string }>(sql`select created_at from audit_events where id = '11111111-1111-4111-8111-111111111111'`),
+    );
+    expect(new Date(rows[0]?.created_at ?? 0).toISOString()).toBe("2026-01-02T03:04:05.678Z");
+  });
+
+  test("a bad line names its number and nothing is imported", async () => {
+    const before = await counts();
+    const file = join(work, "bad.jsonl");
+    writeFileSync(file, `${line()}\n${line({ category: "nonsense" })}\n`);
+    expectUsage(await cli("audit", "import", file), /^error: line 2: \/category/);
+    writeFileSync(file, `${line()}\n{not json\n`);
+    expectUsage(await cli("audit", "import", file), "line 2: invalid JSON");
+    writeFileSync(file, `${line({ org_id: "acme" })}\n`);
+    expectUsage(await cli("audit", "import", file), "line 1: /org_id");
+    writeFileSync(file, `${line({ extra: 1 })}\n`);
+    expectUsage(await cli("audit", "import", file), "line 1:");
+    expect(await counts()).toEqual(before);
+  });
+
+  test("bad arguments", async () => {
+    expectUsage(await cli("audit", "import"), "missing FILE");
+    expectUsage(await cli("audit", "import", join(work, "nope.jsonl")), "no such file");
+    expectUsage(await cli("audit"), "usage: gateway audit import FILE");
+  });
+});
+
+describe("usage report", () => {
+  test("sums usage per alias and key", async () => {
+    expect((await cli("usage", "report", "--org", orgId)).stdout).toBe("no usage\n");
+    await inspect((db) =>
+      db.rows(sql`insert into usage_events (org_id, key_id, alias, target, prompt_tokens, completion_tokens, status, latency_ms, streamed)
+                  values (${orgId}, ${serviceKey.id}, 'svc-fast', 't', 10, 5, 200, 12, false),
+                         (${orgId}, ${serviceKey.id}, 'svc-fast', 't', 1, 2, 200, 12, true)`),
+    );
+    const r = await cli("usage", "report", "--org", orgId, "--json");
+    expect(r.code).toBe(0);
+    expect(onlyJson<unknown[]>(r.stdout)).toEqual([
+      { alias: "svc-fast", key_id: serviceKey.id, requests: 2, prompt_tokens: 11, completion_tokens: 7, total_tokens: 18 },
+    ]);
+    expect(onlyJson<unknown[]>((await cli("usage", "report", "--org", orgId, "--since", "2999-01-01", "--json")).stdout)).toEqual([]);
+  });
+
+  test("bad arguments", async () => {
+    expectUsage(await cli("usage", "report"), "missing --org");
+    expectUsage(await cli("usage", "report", "--org", "acme"), "--org must be a UUID");
+    expectUsage(await cli("usage", "report", "--org", orgId, "--since", "yesterday"), "--since is not an ISO 8601 time");
+  });
+});
+
+describe("serve and simulate-upstream: argument errors", () => {
+  test("serve: bad flags and missing upstream exit 2 before anything starts", async () => {
+    expectUsage(await cli("serve", "--port", "http"), "--port must be a whole number");
+    expectUsage(await cli("serve", "--port", "70000"), "/port");
+    expectUsage(await cli("serve", "--bogus"), "--bogus");
+    expectUsage(await cli("serve", "--port", "0"), "no upstream configured; set UPSTREAM_BASE_URL");
+  });
+
+  test("simulate-upstream: bad flags exit 2", async () => {
+    expectUsage(await bare("simulate-upstream", "--port", "x"), "--port must be a whole number");
+    expectUsage(await bare("simulate-upstream", "--ttft-ms", "-1"), /error: /);
+  });
+});
+
+describe("as a process (bun run src/main.ts)", () => {
+  test("exit codes reach the shell: 0, 2 for bad arguments, 2 for bad config", async () => {
+    const ok = await runGateway(["--version"]);
+    expect(ok.code).toBe(0);
+    expect(ok.stdout).toMatch(/^gateway \S+ \(\S+\)\n$/);
+    const bad = await runGateway(["orgs", "create", "--data-dir", join(work, "p1")]);
+    expect(bad).toEqual({ code: 2, stdout: "", stderr: "error: missing --name\n" });
+    const cfg = join(work, "bad-config.json");
+    writeFileSync(cfg, JSON.stringify({ port: "x", logLevel: "loud" }));
+    const cc = await runGateway(["config", "check", "--config", cfg]);
+    expect(cc.code).toBe(2);
+    expect(cc.stdout).toBe("");
+    expect(cc.stderr).toContain("  - /port:");
+    expect(cc.stderr).toContain("  - /logLevel:");
+    // GATEWAY_CONFIG is read by every command, not only serve.
+    const viaEnv = await runGateway(["migrate", "--data-dir", join(work, "p2")], { env: cleanEnv({ GATEWAY_CONFIG: cfg }) });
+    expect(viaEnv.code).toBe(2);
+    expect(viaEnv.stderr).toContain("invalid configuration");
+  });
+
+  test("--json: stdout holds exactly one JSON document, no log lines", async () => {
+    const dir = join(work, "p3");
+    const org = await runGateway(["orgs", "create", "--name", "Proc", "--json", "--data-dir", dir]);
+    expect(org.code).toBe(0);
+    expect(org.stderr).toBe("");
+    expect(org.stdout.trim().split("\n")).toHaveLength(1);
+    const id = onlyJson<{ id: string }>(org.stdout).id;
+    const key = await runGateway(["keys", "create", "--org", id, "--kind", "service", "--scopes", "inference", "--expires-at", "2001-01-01", "--json", "--data-dir", dir]);
+    expect(key.code).toBe(0);
+    expect(key.stdout.trim().split("\n")).toHaveLength(1);
+    expect(onlyJson<{ key: string }>(key.stdout).key).toMatch(/^sk-gw-/);
+    expect(key.stderr).toContain("warning:");
+  });
+
+  test("an unreachable database: one clear line and exit 1", async () => {
+    const r = await runGateway(["keys", "list", "--org", MISSING_UUID], { env: cleanEnv({ DATABASE_URL: "postgres://postgres@127.0.0.1:1/none" }) });
+    expect(r.code).toBe(1);
+    expect(r.stdout).toBe("");
+    expect(r.stderr).toStartWith("error: ");
+    expect(r.stderr.trim().split("\n")).toHaveLength(1);
+  });
+
+  test("simulate-upstream serves until SIGTERM, then exits 0", async () => {
+    const port = freePort();
+    const sim = startGatewayProcess(["simulate-upstream", "--port", String(port), "--ttft-ms", "1"]);
+    try {
+      const line = await sim.waitForLine(/simulator listening/);
+      expect(JSON.parse(line).url).toBe(`http://127.0.0.1:${port}/v1`);
+      const res = await fetch(`http://127.0.0.1:${port}/v1/models`);
+      expect(res.status).toBe(200);
+      sim.kill("SIGTERM");
+      expect(await exitWithin(sim, 10_000)).toBe(0);
+    } finally {
+      sim.kill("SIGKILL");
+    }
+  });
+
+  test("serve --demo: seeded keys work; SIGTERM exits 0", async () => {
+    const port = freePort();
+    const demo = startGatewayProcess(["serve", "--demo", "--port", String(port)]);
+    try {
+      const line = await demo.waitForLine(/personal key \(inference\):\s+sk-gw-/, 60_000);
+      const personal = /(sk-gw-[0-9A-Za-z]{43})/.exec(line)?.[1] ?? "";
+      const serviceLine = await demo.waitForLine(/service key\s+\(inference, audit:read\):\s+sk-gw-/);
+      const service = /(sk-gw-[0-9A-Za-z]{43})/.exec(serviceLine)?.[1] ?? "";
+      await waitFor200(`http://127.0.0.1:${port}/readyz`);
+      const me = await fetch(`http://127.0.0.1:${port}/v1/me`, { headers: { authorization: `Bearer ${personal}` } });
+      expect(me.status).toBe(200);
+      expect(((await me.json()) as { key: { kind: string } }).key.kind).toBe("personal");
+      const me2 = await fetch(`http://127.0.0.1:${port}/v1/me`, { headers: { authorization: `Bearer ${service}` } });
+      expect(((await me2.json()) as { key: { scopes: string[] } }).key.scopes).toEqual(["inference", "audit:read"]);
+      expect(demo.stdout()).toContain(`curl -s http://127.0.0.1:${port}/v1/me -H "Authorization: Bearer ${personal}"`);
+      demo.kill("SIGTERM");
+      expect(await exitWithin(demo, 15_000)).toBe(0);
+    } finally {
+      demo.kill("SIGKILL");
+    }
+  });
+});
+
+describe.skipIf(!process.env.TEST_DATABASE_URL)("against Postgres (DATABASE_URL), as processes", () => {
+  test("the admin flow, with its audit events in the same database", async () => {
+    const pg = await createScratchDatabase(process.env.TEST_DATABASE_URL ?? "", "gw_cli");
+    try {
+      const env = cleanEnv({ DATABASE_URL: pg.url });
+      const gw = (...args: string[]) => runGateway(args, { env });
+      const migrated = await gw("migrate", "--json");
+      expect(onlyJson(migrated.stdout)).toEqual({ applied: ALL_TAGS });
+      const org = onlyJson<{ id: string }>((await gw("orgs", "create", "--name", "PG", "--json")).stdout).id;
+      const user = onlyJson<{ id: string }>((await gw("users", "create", "--org", org, "--name", "U", "--email", "u@pg.example", "--json")).stdout).id;
+      const key = onlyJson<{ id: string }>((await gw("keys", "create", "--org", org, "--user", user, "--kind", "personal", "--scopes", "inference", "--json")).stdout);
+      const rotated = onlyJson<{ id: string }>((await gw("keys", "rotate", key.id, "--grace", "0", "--json")).stdout);
+      expect((await gw("keys", "revoke", rotated.id)).code).toBe(0);
+      expect((await gw("orgs", "set", "--id", org, "--plan", "Ultra")).code).toBe(0);
+      const bad = await gw("keys", "create", "--org", org, "--user", user, "--kind", "personal", "--scopes", "audit:read");
+      expect(bad.code).toBe(2);
+      const listed = onlyJson<{ id: string }[]>((await gw("keys", "list", "--org", org, "--json")).stdout);
+      expect(listed.map((k) => k.id).sort()).toEqual([key.id, rotated.id].sort());
+
+      const db = await openDatabase({ databaseUrl: pg.url, dataDir: "memory://", poolMax: 1 });
+      try {
+        const rows = await db.rows<{ action: string }>(sql`select action from audit_events where org_id = ${org} order by created_at, action`);
+        expect(rows.map((r) => r.action).sort()).toEqual(
+          ["api_key.created", "api_key.revoked", "api_key.rotated", "member.created", "org.created", "org.plan_changed"].sort(),
+        );
+      } finally {
+        await db.close();
+      }
+    } finally {
+      await pg.drop();
+    }
+  }, 60_000);
+});

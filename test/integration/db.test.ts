@@ -1,0 +1,233 @@
+import { afterAll, describe, expect, test, setDefaultTimeout } from "bun:test";
+import { existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { sql } from "drizzle-orm";
+import { createOrg } from "../../src/admin/service.ts";
+import { type Database, DataDirLockedError, migrate, migrationsCurrent, openDatabase } from "../../src/db/client.ts";
+import { MIGRATIONS } from "../../src/db/migrations.ts";
+import { createScratchDatabase, removeScratch, type ScratchPostgres, scratchDir } from "../helpers/process.ts";
+
+// Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
+// runs (test/helpers/setup.ts), so files that spawn processes or open PGlite set
+// their own: a cold PGlite start on a busy 2-core machine takes several seconds.
+setDefaultTimeout(60_000);
+
+/**
+ * One database suite, two drivers: embedded PGlite always, postgres.js when
+ * TEST_DATABASE_URL is set (CI sets it). Each Postgres case gets a scratch
+ * database of its own so it sees migrations run from nothing.
+ */
+
+const TEST_DATABASE_URL = process.env.TEST_DATABASE_URL;
+const ALL_TAGS = MIGRATIONS.map((m) => m.tag);
+
+const cleanups: (() => Promise<void>)[] = [];
+afterAll(async () => {
+  for (const c of cleanups.splice(0).reverse()) await c().catch(() => {});
+  removeScratch();
+});
+
+type Kind = "pglite" | "postgres";
+
+/** A fresh, empty (unmigrated) database of the given kind, closed after the file. */
+async function fresh(kind: Kind, poolMax = 4): Promise<Database> {
+  let url: string | undefined;
+  if (kind === "postgres") {
+    const pg: ScratchPostgres = await createScratchDatabase(TEST_DATABASE_URL ?? "", "gw_dbtest");
+    cleanups.push(() => pg.drop());
+    url = pg.url;
+  }
+  const db = await openDatabase({ databaseUrl: url, dataDir: "memory://", poolMax });
+  cleanups.push(() => db.close());
+  return db;
+}
+
+/** Driver errors are wrapped by drizzle ("Failed query: …"); the server's words are in the cause. */
+async function failure(p: Promise<unknown>): Promise<string> {
+  try {
+    await p;
+  } catch (e) {
+    const parts: string[] = [];
+    for (let c: unknown = e; c instanceof Error; c = c.cause) parts.push(c.message);
+    return parts.join(" | ");
+  }
+  throw new Error("expected the statement to fail");
+}
+
+async function insertAuditEvent(db: Database): Promise<string> {
+  const [row] = await db.rows<{ id: string }>(sql`
+    insert into audit_events (org_id, action, category, actor_type, actor_id, actor_name, actor_email,
+                              targets, details, origin_ip_prefix, origin_user_agent_summary, search_text)
+    values (gen_random_uuid(), 'member.invited', 'member', 'user', gen_random_uuid(), 'Ada', 'ada@example.com',
+            '[]'::jsonb, '{}'::jsonb, '203.0.113.0/24', 'Firefox/131.0', 'member.invited ada ada@example.com')
+    returning id`);
+  if (!row) throw new Error("no row");
+  return row.id;
+}
+
+function suite(kind: Kind) {
+  test("migrations apply once: a second run applies nothing and changes nothing", async () => {
+    const db = await fresh(kind);
+    expect(await migrationsCurrent(db)).toBe(false);
+    expect(await migrate(db)).toEqual(ALL_TAGS);
+    expect(await migrationsCurrent(db)).toBe(true);
+    const tables = async () =>
+      (await db.rows<{ t: string }>(sql`select table_name as t from information_schema.tables where table_schema = 'public' order by 1`)).map((r) => r.t);
+    const before = await tables();
+    expect(before).toEqual(
+      expect.arrayContaining(["api_keys", "audit_events", "gateway_migrations", "organizations", "settings", "usage_counters", "usage_events", "users"]),
+    );
+    expect(await migrate(db)).toEqual([]);
+    expect(await migrate(db)).toEqual([]);
+    expect(await tables()).toEqual(before);
+    const applied = await db.rows<{ tag: string }>(sql`select tag from gateway_migrations order by tag`);
+    expect(applied.map((r) => r.tag)).toEqual([...ALL_TAGS].sort());
+  });
+
+  test("migrations started concurrently apply each migration exactly once (advisory lock)", async () => {
+    // Postgres: several instances (pools) on one fresh database, as when several
+    // gateways start at once. PGlite: one process, several concurrent callers.
+    const first = await fresh(kind, 1);
+    let dbs: Database[] = [first, first, first, first];
+    if (kind === "postgres") {
+      const url = await urlOf(first);
+      const others = await Promise.all([1, 2, 3].map(() => openDatabase({ databaseUrl: url, dataDir: "memory://", poolMax: 1 })));
+      for (const o of others) cleanups.push(() => o.close());
+      dbs = [first, ...others];
+    }
+    const results = await Promise.all(dbs.map((d) => migrate(d)));
+    expect(results.flat().sort()).toEqual([...ALL_TAGS].sort());
+    expect(results.filter((r) => r.length > 0).length).toBe(1);
+    const counts = await first.rows<{ n: number }>(sql`select count(*)::int as n from gateway_migrations`);
+    expect(Number(counts[0]?.n)).toBe(ALL_TAGS.length);
+    for (const d of dbs) expect(await migrationsCurrent(d)).toBe(true);
+  });
+
+  test("pg_trgm (and every extension the migrations create) is installed and usable", async () => {
+    const db = await fresh(kind);
+    await migrate(db);
+    const wanted = [...MIGRATIONS.flatMap((m) => m.statements).join("\n").matchAll(/create extension if not exists "?(\w+)"?/gi)].map((m) => m[1]);
+    expect(wanted).toContain("pg_trgm");
+    const ext = await db.rows<{ extname: string }>(sql`select extname from pg_extension`);
+    expect(ext.map((r) => r.extname)).toEqual(expect.arrayContaining(wanted));
+    const [sim] = await db.rows<{ s: number }>(sql`select similarity('grace hopper', 'grace hoper')::float8 as s`);
+    expect(Number(sim?.s)).toBeGreaterThan(0.5);
+    const idx = await db.rows<{ indexdef: string }>(sql`select indexdef from pg_indexes where tablename = 'audit_events' and indexdef like '%gin_trgm_ops%'`);
+    expect(idx.length).toBeGreaterThan(0);
+    await insertAuditEvent(db);
+    const hits = await db.rows<{ n: number }>(sql`select count(*)::int as n from audit_events where search_text % 'ada@exampl.com'`);
+    expect(Number(hits[0]?.n)).toBe(1);
+  });
+
+  test("the audit log is append-only: UPDATE, DELETE and TRUNCATE are refused", async () => {
+    const db = await fresh(kind);
+    await migrate(db);
+    const id = await insertAuditEvent(db);
+    expect(await failure(db.rows(sql`update audit_events set action = 'member.removed' where id = ${id}`))).toContain("append-only");
+    expect(await failure(db.rows(sql`delete from audit_events where id = ${id}`))).toContain("append-only");
+    expect(await failure(db.rows(sql`truncate audit_events`))).toContain("append-only");
+    const rows = await db.rows<{ action: string }>(sql`select action from audit_events where id = ${id}`);
+    expect(rows).toEqual([{ action: "member.invited" }]);
+    // Inserting stays allowed.
+    await insertAuditEvent(db);
+  });
+
+  test("rows() has the same shape on both drivers; ping; LISTEN/NOTIFY", async () => {
+    const db = await fresh(kind);
+    await migrate(db);
+    expect(await db.rows<{ a: number; b: string }>(sql`select 1::int as a, 'x' as b`)).toEqual([{ a: 1, b: "x" }]);
+    expect(await db.ping()).toBe(true);
+    const got: string[] = [];
+    const unlisten = await db.listen("gw_test_channel", (p) => got.push(p), () => {});
+    await db.rows(sql`select pg_notify('gw_test_channel', 'hello')`);
+    for (let i = 0; i < 100 && got.length === 0; i++) await Bun.sleep(20);
+    expect(got).toEqual(["hello"]);
+    await unlisten();
+  });
+
+  test("a failed transaction leaves nothing behind", async () => {
+    const db = await fresh(kind);
+    await migrate(db);
+    await expect(
+      db.db.transaction(async (tx) => {
+        await tx.execute(sql`insert into settings (key, value) values ('k1', 'v')`);
+        throw new Error("abort");
+      }),
+    ).rejects.toThrow("abort");
+    expect(await db.rows(sql`select * from settings where key = 'k1'`)).toEqual([]);
+  });
+}
+
+/** The URL of the scratch database a postgres Database is connected to. */
+async function urlOf(db: Database): Promise<string> {
+  const [row] = await db.rows<{ d: string }>(sql`select current_database() as d`);
+  const u = new URL(TEST_DATABASE_URL ?? "");
+  u.pathname = `/${row?.d}`;
+  return u.toString();
+}
+
+describe("PGlite (embedded)", () => {
+  suite("pglite");
+
+  test("on disk: data survives a reopen; the data directory is locked while open", async () => {
+    const dir = join(scratchDir("gw-db-"), "data");
+    const a = await openDatabase({ dataDir: dir });
+    let org: { id: string };
+    try {
+      await migrate(a);
+      org = await createOrg(a, { name: "Persisted", plan: "Standard", plans: ["Standard"] });
+      expect(readFileSync(join(dir, "gateway.pid"), "utf8")).toBe(String(process.pid));
+      // A second open of the same directory in this process is refused, not allowed to corrupt it.
+      await expect(openDatabase({ dataDir: dir })).rejects.toBeInstanceOf(DataDirLockedError);
+    } finally {
+      await a.close();
+    }
+    expect(existsSync(join(dir, "gateway.pid"))).toBe(false);
+
+    const b = await openDatabase({ dataDir: dir });
+    try {
+      expect(await migrate(b)).toEqual([]);
+      const rows = await b.rows<{ name: string }>(sql`select name from organizations where id = ${org.id}`);
+      expect(rows).toEqual([{ name: "Persisted" }]);
+    } finally {
+      await b.close();
+    }
+  });
+
+  test("a lock held by a live process is refused with a clear message; a stale one is taken over", async () => {
+    const dir = join(scratchDir("gw-lock-"), "data");
+    mkdirSync(dir, { recursive: true });
+    // The test runner's parent (a shell or CI) is alive for the whole run.
+    writeFileSync(join(dir, "gateway.pid"), String(process.ppid));
+    const message = await failure(openDatabase({ dataDir: dir }));
+    expect(message).toContain(`in use by process ${process.ppid}`);
+    expect(message).toContain("DATABASE_URL");
+    expect(readFileSync(join(dir, "gateway.pid"), "utf8")).toBe(String(process.ppid));
+
+    // No process has pid 2^22 + 1 (above Linux's pid_max default and maximum).
+    writeFileSync(join(dir, "gateway.pid"), String(4_194_305));
+    const db = await openDatabase({ dataDir: dir });
+    try {
+      expect(readFileSync(join(dir, "gateway.pid"), "utf8")).toBe(String(process.pid));
+      expect(await db.ping()).toBe(true);
+    } finally {
+      await db.close();
+    }
+  });
+});
+
+describe.skipIf(!TEST_DATABASE_URL)("Postgres (TEST_DATABASE_URL)", () => {
+  suite("postgres");
+});
+
+describe("postgres.js without a server", () => {
+  test("ping and readiness are false, not an exception", async () => {
+    const db = await openDatabase({ databaseUrl: "postgres://postgres@127.0.0.1:1/none", dataDir: "memory://", poolMax: 1 });
+    try {
+      expect(await db.ping()).toBe(false);
+      expect(await migrationsCurrent(db)).toBe(false);
+    } finally {
+      await db.close();
+    }
+  });
+});

@@ -1,0 +1,116 @@
+import type { AliasConfig, Config } from "../../src/config/schema.ts";
+import type { Database } from "../../src/db/client.ts";
+import type { Gateway } from "../../src/server.ts";
+import { seedOrg, type SeededOrg } from "../helpers/harness.ts";
+
+/**
+ * Shared pieces of the inference tests. Aliases point at simulators under
+ * upstream model ids that differ from the alias, so the tests see the id
+ * swapped in both directions.
+ */
+
+export const CHAT_MODEL = "meta-llama/Llama-3.1-8B-Instruct";
+export const EMBED_MODEL = "BAAI/bge-m3";
+
+export interface TargetSpec {
+  baseUrl: string;
+  model?: string;
+  weight?: number;
+}
+
+export function chatAlias(targets: TargetSpec[], extra: Partial<AliasConfig> = {}): AliasConfig {
+  return {
+    kind: "chat",
+    contextWindow: 128_000,
+    capabilities: ["images", "tools"],
+    ownedBy: "gateway",
+    targets: targets.map((t) => ({ baseUrl: t.baseUrl, model: t.model ?? CHAT_MODEL, weight: t.weight ?? 1 })),
+    ...extra,
+  };
+}
+
+export function embedAlias(targets: TargetSpec[]): AliasConfig {
+  return {
+    kind: "embedding",
+    capabilities: [],
+    ownedBy: "gateway",
+    dimensions: 1024,
+    targets: targets.map((t) => ({ baseUrl: t.baseUrl, model: t.model ?? EMBED_MODEL, weight: t.weight ?? 1 })),
+  };
+}
+
+/** svc-fast (images, tools), svc-text (neither, 4096-token window), svc-smart, svc-embed: all on one simulator. */
+export function testAliases(simUrl: string): Record<string, AliasConfig> {
+  return {
+    "svc-fast": chatAlias([{ baseUrl: simUrl }]),
+    "svc-smart": chatAlias([{ baseUrl: simUrl }], { contextWindow: 180_000 }),
+    "svc-text": chatAlias([{ baseUrl: simUrl }], { capabilities: [], contextWindow: 4096 }),
+    "svc-embed": embedAlias([{ baseUrl: simUrl }]),
+  };
+}
+
+export function upstreamSettings(over: Partial<Config["upstream"]> = {}, timeouts: Partial<Config["upstream"]["timeouts"]> = {}): Config["upstream"] {
+  return {
+    attempts: 3,
+    backoffMs: 1,
+    breakerFailures: 5,
+    breakerCooldownMs: 30_000,
+    ...over,
+    timeouts: { connectMs: 2_000, firstByteMs: 10_000, idleMs: 10_000, ...timeouts },
+  };
+}
+
+/** A plan whose rate never binds, so tests can send as many requests as they like. */
+export const TEST_PLANS = {
+  Standard: { requestsPerMinute: 60 },
+  Ultra: { requestsPerMinute: 300 },
+  Test: { requestsPerMinute: 1_000_000 },
+  Tiny: { requestsPerMinute: 2 },
+};
+
+export function seedTestOrg(database: Database, opts: Parameters<typeof seedOrg>[1] = {}): Promise<SeededOrg> {
+  return seedOrg(database, { plan: "Test", plans: Object.keys(TEST_PLANS), ...opts });
+}
+
+export function post(gw: Gateway, path: string, key: string | undefined, body: unknown, init: RequestInit = {}): Promise<Response> {
+  const headers: Record<string, string> = { "content-type": "application/json" };
+  if (key) headers.authorization = `Bearer ${key}`;
+  return fetch(`${gw.url}${path}`, {
+    method: "POST",
+    body: typeof body === "string" ? body : JSON.stringify(body),
+    ...init,
+    headers: { ...headers, ...(init.headers as Record<string, string> | undefined) },
+  });
+}
+
+export const userMessages = (text = "hi") => [{ role: "user", content: text }];
+
+/** The `data:` payloads of an SSE body, in order. */
+export function sseData(text: string): string[] {
+  return text
+    .split("\n\n")
+    .filter((e) => e.length > 0)
+    .map((e) => {
+      if (!e.startsWith("data: ")) throw new Error(`not an SSE data event: ${JSON.stringify(e)}`);
+      return e.slice(6);
+    });
+}
+
+export function rec(v: unknown): Record<string, unknown> {
+  if (typeof v !== "object" || v === null || Array.isArray(v)) throw new Error(`expected an object, got ${JSON.stringify(v)}`);
+  return v as Record<string, unknown>;
+}
+
+export function arr(v: unknown): unknown[] {
+  if (!Array.isArray(v)) throw new Error(`expected an array, got ${JSON.stringify(v)}`);
+  return v;
+}
+
+/** Polls until `check` holds (the simulator sees aborts asynchronously). */
+export async function eventually(check: () => boolean, ms = 2_000): Promise<void> {
+  const until = performance.now() + ms;
+  while (!check()) {
+    if (performance.now() > until) throw new Error("condition not met in time");
+    await Bun.sleep(5);
+  }
+}

@@ -1,0 +1,301 @@
+import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { createLogger } from "../../src/lib/log.ts";
+import type { Config } from "../../src/config/schema.ts";
+import { createConnectProbe } from "../../src/inference/probe.ts";
+import { ClientGone, createUpstream } from "../../src/inference/upstream.ts";
+import type { Gateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { errorOf, type SeededOrg, startTestGateway, testConfig } from "../helpers/harness.ts";
+import { TEST_PLANS, chatAlias, eventually, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+
+// Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(30_000);
+
+/**
+ * Upstream routing through real HTTP: failover between two simulators,
+ * circuit breaking, attempts, timeouts, and what reaches the upstream.
+ * Target A has weight 1 and B weight 0 (a standby), so the order is fixed:
+ * A first, B only when A fails.
+ */
+
+let a: Simulator;
+let b: Simulator;
+let org: SeededOrg;
+const gateways: Gateway[] = [];
+
+beforeAll(async () => {
+  a = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 3 });
+  b = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 3 });
+});
+afterEach(() => {
+  a.reset();
+  b.reset();
+});
+afterAll(async () => {
+  for (const g of gateways) await g.stop();
+  await a.stop();
+  await b.stop();
+});
+
+async function gateway(upstream: Config["upstream"], aliases?: Config["aliases"]): Promise<Gateway> {
+  const gw = await startTestGateway({
+    aliases: aliases ?? {
+      "svc-fast": chatAlias([
+        { baseUrl: a.url, weight: 1 },
+        { baseUrl: b.url, weight: 0 },
+      ]),
+    },
+    plans: TEST_PLANS,
+    upstream,
+  });
+  gateways.push(gw);
+  org ??= await seedTestOrg(gw.database);
+  return gw;
+}
+
+const chat = (gw: Gateway, extra: Record<string, unknown> = {}) => post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", messages: userMessages(), ...extra });
+
+describe("failover", () => {
+  let gw: Gateway;
+  beforeAll(async () => {
+    // A high breaker threshold: these tests fail A over and over on purpose.
+    gw = await gateway(upstreamSettings({ attempts: 3, breakerFailures: 1_000 }, { firstByteMs: 300 }));
+  });
+
+  test("429, 500, 502, 503 and 504 from A: B answers, the client sees one success", async () => {
+    for (const status of [429, 500, 502, 503, 504] as const) {
+      a.reset();
+      b.reset();
+      a.setFault({ kind: "status", status, count: 1 });
+      const res = await chat(gw);
+      expect(res.status).toBe(200);
+      expect(rec(await res.json()).model).toBe("svc-fast");
+      expect(a.stats.requests).toBe(1);
+      expect(b.stats.requests).toBe(1);
+    }
+  });
+
+  test("A refuses connections: B answers", async () => {
+    a.setFault({ kind: "refuse" });
+    const res = await chat(gw);
+    expect(res.status).toBe(200);
+    expect(b.stats.requests).toBe(1);
+  });
+
+  test("A never answers: after the first-byte timeout B answers, and A's request is aborted", async () => {
+    a.setFault({ kind: "hang" });
+    const t0 = performance.now();
+    const res = await chat(gw);
+    expect(res.status).toBe(200);
+    expect(performance.now() - t0).toBeGreaterThanOrEqual(290);
+    expect(b.stats.requests).toBe(1);
+    await eventually(() => a.stats.aborts === 1);
+  });
+
+  test("a non-streamed answer cut off mid-body fails over (nothing reached the client yet)", async () => {
+    a.setFault({ kind: "drop-mid-stream", afterChunks: 1 });
+    const res = await chat(gw);
+    expect(res.status).toBe(200);
+    expect(rec(await res.json()).object).toBe("chat.completion");
+    expect(b.stats.requests).toBe(1);
+  });
+
+  test("an unreadable 200 answer is a 503, never passed on", async () => {
+    a.setFault({ kind: "malformed-sse" });
+    const res = await chat(gw);
+    expect(res.status).toBe(503);
+    expect((await errorOf(res)).code).toBe("service_unavailable");
+  });
+
+  test("slow headers within the first-byte timeout are fine", async () => {
+    a.setFault({ kind: "slow-headers", ms: 100 });
+    expect((await chat(gw)).status).toBe(200);
+    expect(b.stats.requests).toBe(0);
+  });
+
+  test("a streamed request fails over too while nothing reached the client", async () => {
+    a.setFault({ kind: "status", status: 503, count: 1 });
+    const res = await chat(gw, { stream: true });
+    expect(res.status).toBe(200);
+    expect(sseData(await res.text()).at(-1)).toBe("[DONE]");
+    expect(b.stats.requests).toBe(1);
+  });
+
+  test("an upstream 400 is the caller's fault: no failover", async () => {
+    a.setFault({ kind: "status", status: 400, message: "bad value for top_p" });
+    const res = await chat(gw);
+    expect(res.status).toBe(400);
+    expect((await errorOf(res)).message).toBe("bad value for top_p");
+    expect(b.stats.requests).toBe(0);
+  });
+
+  test("every target failing: 503 service_unavailable; every target overloaded: 429 with retry-after", async () => {
+    a.setFault({ kind: "status", status: 503 });
+    b.setFault({ kind: "status", status: 503 });
+    let res = await chat(gw);
+    expect(res.status).toBe(503);
+    expect((await errorOf(res)).code).toBe("service_unavailable");
+    a.setFault({ kind: "status", status: 429 });
+    b.setFault({ kind: "status", status: 429 });
+    res = await chat(gw);
+    expect(res.status).toBe(429);
+    expect(res.headers.get("retry-after")).toBe("1");
+    expect((await errorOf(res)).code).toBe("rate_limit_error");
+    // Mixed: not all back-pressure, so unavailable.
+    a.setFault({ kind: "status", status: 429 });
+    b.setFault({ kind: "status", status: 502 });
+    res = await chat(gw);
+    expect(res.status).toBe(503);
+  });
+});
+
+describe("attempts and weights", () => {
+  test("at most upstream.attempts requests in all", async () => {
+    const gw = await gateway(upstreamSettings({ attempts: 2 }), {
+      "svc-fast": chatAlias([{ baseUrl: a.url }, { baseUrl: b.url }, { baseUrl: a.url, model: "other" }]),
+    });
+    a.setFault({ kind: "status", status: 503 });
+    b.setFault({ kind: "status", status: 503 });
+    expect((await chat(gw)).status).toBe(503);
+    expect(a.stats.requests + b.stats.requests).toBe(2);
+  });
+
+  test("a single-target alias retries its one target", async () => {
+    const gw = await gateway(upstreamSettings({ attempts: 3 }), { "svc-fast": chatAlias([{ baseUrl: a.url }]) });
+    a.setFault({ kind: "status", status: 503, count: 2 });
+    expect((await chat(gw)).status).toBe(200);
+    expect(a.stats.requests).toBe(3);
+  });
+
+  test("traffic splits by weight", async () => {
+    const gw = await gateway(upstreamSettings(), {
+      "svc-fast": chatAlias([
+        { baseUrl: a.url, weight: 3 },
+        { baseUrl: b.url, weight: 1 },
+      ]),
+    });
+    await Promise.all(Array.from({ length: 200 }, () => chat(gw).then((r) => r.arrayBuffer())));
+    expect(a.stats.requests + b.stats.requests).toBe(200);
+    const share = a.stats.requests / 200;
+    expect(share).toBeGreaterThan(0.6);
+    expect(share).toBeLessThan(0.9);
+  });
+});
+
+describe("circuit breaker", () => {
+  test("opens after breakerFailures, skips the target, probes it after the cool-down, closes on success", async () => {
+    const gw = await gateway(upstreamSettings({ attempts: 2, breakerFailures: 2, breakerCooldownMs: 300 }));
+    a.setFault({ kind: "status", status: 503 });
+    for (let i = 0; i < 2; i++) expect((await chat(gw)).status).toBe(200);
+    expect(a.stats.requests).toBe(2);
+    // Open: A is not tried at all.
+    for (let i = 0; i < 3; i++) expect((await chat(gw)).status).toBe(200);
+    expect(a.stats.requests).toBe(2);
+    expect(b.stats.requests).toBe(5);
+    // Half-open after the cool-down: one probe, which fails and re-opens it.
+    await Bun.sleep(320);
+    expect((await chat(gw)).status).toBe(200);
+    expect(a.stats.requests).toBe(3);
+    expect((await chat(gw)).status).toBe(200);
+    expect(a.stats.requests).toBe(3);
+    // A recovers; the next probe succeeds and closes the breaker.
+    a.setFault(null);
+    await Bun.sleep(320);
+    expect((await chat(gw)).status).toBe(200);
+    expect(a.stats.requests).toBe(4);
+    expect((await chat(gw)).status).toBe(200);
+    expect(a.stats.requests).toBe(5);
+    expect(b.stats.requests).toBe(7);
+  });
+
+  test("every breaker open: 503 at once, without calling anyone", async () => {
+    const gw = await gateway(upstreamSettings({ attempts: 1, breakerFailures: 1, breakerCooldownMs: 60_000 }), {
+      "svc-fast": chatAlias([{ baseUrl: a.url }]),
+    });
+    a.setFault({ kind: "status", status: 502 });
+    expect((await chat(gw)).status).toBe(503);
+    a.setFault(null);
+    const res = await chat(gw);
+    expect(res.status).toBe(503);
+    expect((await errorOf(res)).code).toBe("service_unavailable");
+    expect(a.stats.requests).toBe(1);
+  });
+});
+
+describe("timeouts", () => {
+  test("first-byte timeout with no other target: 503 after about firstByteMs", async () => {
+    const gw = await gateway(upstreamSettings({ attempts: 1 }, { firstByteMs: 200 }), { "svc-fast": chatAlias([{ baseUrl: a.url }]) });
+    a.setFault({ kind: "hang" });
+    const t0 = performance.now();
+    const res = await chat(gw);
+    const took = performance.now() - t0;
+    expect(res.status).toBe(503);
+    expect(took).toBeGreaterThanOrEqual(190);
+    expect(took).toBeLessThan(1_000);
+    await eventually(() => a.stats.aborts === 1);
+  });
+
+  test("per-alias timeouts override the global ones", async () => {
+    const gw = await gateway(upstreamSettings({ attempts: 1 }, { firstByteMs: 100 }), {
+      "svc-fast": chatAlias([{ baseUrl: a.url }], { timeouts: { connectMs: 1_000, firstByteMs: 2_000, idleMs: 2_000 } }),
+    });
+    a.setFault({ kind: "slow-headers", ms: 300 });
+    expect((await chat(gw)).status).toBe(200);
+  });
+
+  test("connect timeout: a target that accepts no connection in connectMs fails over without waiting for firstByteMs", async () => {
+    const config = await testConfig({
+      aliases: { "svc-fast": chatAlias([{ baseUrl: a.url, weight: 1 }, { baseUrl: b.url, weight: 0 }]) },
+      upstream: upstreamSettings({ attempts: 2 }, { connectMs: 100, firstByteMs: 5_000 }),
+    });
+    // A connector that never completes for A stands in for dropped SYNs (the sandbox answers every address).
+    const probe = createConnectProbe({ connect: (_host, port) => (port === a.port ? new Promise(() => {}) : Promise.resolve()) });
+    const upstream = createUpstream({ config, log: createLogger("silent"), probe });
+    a.setFault({ kind: "hang" });
+    const t0 = performance.now();
+    const res = await upstream.complete("svc-fast", config.aliases["svc-fast"] as NonNullable<Config["aliases"][string]>, "/chat/completions", () => JSON.stringify({ model: "m", messages: userMessages() }), {
+      signal: new AbortController().signal,
+      requestId: "t",
+    });
+    expect(performance.now() - t0).toBeLessThan(1_000);
+    expect(res.target.cfg.baseUrl).toBe(b.url);
+    expect(rec(JSON.parse(res.body)).object).toBe("chat.completion");
+  });
+
+  test("a client that leaves during the backoff stops the attempts", async () => {
+    const config = await testConfig({
+      aliases: { "svc-fast": chatAlias([{ baseUrl: a.url }]) },
+      upstream: upstreamSettings({ attempts: 5, backoffMs: 200 }),
+    });
+    const upstream = createUpstream({ config, log: createLogger("silent") });
+    a.setFault({ kind: "status", status: 503 });
+    const ac = new AbortController();
+    setTimeout(() => ac.abort(), 50);
+    const err = await upstream
+      .complete("svc-fast", config.aliases["svc-fast"] as NonNullable<Config["aliases"][string]>, "/chat/completions", () => "{}", { signal: ac.signal, requestId: "t" })
+      .catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(ClientGone);
+    expect(a.stats.requests).toBe(1);
+  });
+});
+
+describe("what reaches the upstream", () => {
+  test("the target's API key from its env variable, never the client's key", async () => {
+    process.env.TEST_UPSTREAM_KEY = "upstream-secret";
+    const locked = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, apiKey: "upstream-secret" });
+    try {
+      const withKey = chatAlias([{ baseUrl: locked.url }]);
+      const first = withKey.targets[0];
+      if (first) first.apiKeyEnv = "TEST_UPSTREAM_KEY";
+      const gw = await gateway(upstreamSettings(), { "svc-fast": withKey, "svc-smart": chatAlias([{ baseUrl: locked.url }]) });
+      expect((await chat(gw)).status).toBe(200);
+      // Without a key the target refuses the gateway (401): an operator problem, reported as 503, never as the caller's 401.
+      const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-smart", messages: userMessages() });
+      expect(res.status).toBe(503);
+      expect((await errorOf(res)).code).toBe("service_unavailable");
+    } finally {
+      await locked.stop();
+      delete process.env.TEST_UPSTREAM_KEY;
+    }
+  });
+});

@@ -1,0 +1,500 @@
+import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { eq } from "drizzle-orm";
+import { usageEvents } from "../../src/db/schema.ts";
+import type { Gateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
+import {
+  CHAT_MODEL,
+  EMBED_MODEL,
+  TEST_PLANS,
+  arr,
+  post,
+  rec,
+  seedTestOrg,
+  testAliases,
+  upstreamSettings,
+  userMessages,
+} from "./inference-fixtures.ts";
+
+// Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(30_000);
+
+/**
+ * Spec 4.1-4.3 through real HTTP: request rules, response shapes and every
+ * error code, against the simulator.
+ */
+
+let sim: Simulator;
+let gw: Gateway;
+let org: SeededOrg;
+const BODY_LIMIT = 64 * 1024;
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
+  gw = await startTestGateway({
+    aliases: testAliases(sim.url),
+    plans: TEST_PLANS,
+    upstream: upstreamSettings({ attempts: 2 }),
+    bodyLimitBytes: BODY_LIMIT,
+  });
+  org = await seedTestOrg(gw.database);
+});
+afterEach(() => sim.reset());
+afterAll(async () => {
+  await gw.stop();
+  await sim.stop();
+});
+
+const chat = (body: unknown, key: string | undefined = org.personalKey, init?: RequestInit) => post(gw, "/v1/chat/completions", key, body, init);
+const embed = (body: unknown, key: string | undefined = org.personalKey) => post(gw, "/v1/embeddings", key, body);
+
+async function expectInvalid(res: Response, param: string | null, messageHas?: string): Promise<void> {
+  expect(res.status).toBe(400);
+  const err = await errorOf(res);
+  expect(err.code).toBe("invalid_request_error");
+  expect(err.type).toBe("invalid_request_error");
+  expect(err.param).toBe(param);
+  if (messageHas) expect(err.message).toContain(messageHas);
+}
+
+describe("POST /v1/chat/completions: answers", () => {
+  test("non-streamed: exactly spec 2.3, model = alias, upstream asked with its own model id", async () => {
+    const res = await chat({ model: "svc-fast", messages: userMessages("hello") });
+    expect(res.status).toBe(200);
+    expect(res.headers.get("content-type")).toContain("application/json");
+    expect(res.headers.get("x-request-id")).toMatch(/^req_/);
+    const body = rec(await res.json());
+    expect(Object.keys(body).sort()).toEqual(["choices", "created", "id", "model", "object", "usage"]);
+    expect(body.object).toBe("chat.completion");
+    expect(body.model).toBe("svc-fast");
+    expect(typeof body.id).toBe("string");
+    expect(Number.isInteger(body.created)).toBe(true);
+    const choice = rec(arr(body.choices)[0]);
+    expect(Object.keys(choice).sort()).toEqual(["finish_reason", "index", "message"]);
+    expect(choice.index).toBe(0);
+    expect(choice.finish_reason).toBe("stop");
+    expect(choice.message).toEqual({ role: "assistant", content: "token0 token1 token2 token3 token4 " });
+    const usage = rec(body.usage);
+    expect(Object.keys(usage).sort()).toEqual(["completion_tokens", "prompt_tokens", "total_tokens"]);
+    expect(usage.completion_tokens).toBe(5);
+    expect(usage.total_tokens).toBe(Number(usage.prompt_tokens) + 5);
+    expect(rec(sim.stats.lastBody).model).toBe(CHAT_MODEL);
+  });
+
+  test("finish_reason length passes through", async () => {
+    const body = rec(await (await chat({ model: "svc-fast", messages: userMessages(), max_tokens: 2 })).json());
+    expect(rec(arr(body.choices)[0]).finish_reason).toBe("length");
+    expect(rec(body.usage).completion_tokens).toBe(2);
+  });
+
+  test("tool call: tool_calls and finish_reason tool_calls pass through, content null", async () => {
+    const tools = [
+      {
+        type: "function",
+        function: {
+          name: "get_weather",
+          description: "Weather for a city",
+          parameters: { type: "object", properties: { location: { type: "string" } }, required: ["location"] },
+        },
+      },
+    ];
+    const res = await chat({ model: "svc-fast", messages: userMessages("What is the weather in Paris?"), tools, tool_choice: "auto" });
+    expect(res.status).toBe(200);
+    const choice = rec(arr(rec(await res.json()).choices)[0]);
+    expect(choice.finish_reason).toBe("tool_calls");
+    const message = rec(choice.message);
+    expect(message.content).toBeNull();
+    const call = rec(arr(message.tool_calls)[0]);
+    expect(call.type).toBe("function");
+    expect(typeof call.id).toBe("string");
+    expect(rec(call.function).name).toBe("get_weather");
+    expect(JSON.parse(String(rec(call.function).arguments))).toEqual({ location: "Paris" });
+  });
+
+  test("the tool round trip as real clients send it reaches the upstream unchanged", async () => {
+    const tools = [
+      {
+        type: "function",
+        function: {
+          name: "get_weather",
+          parameters: {
+            $schema: "http://json-schema.org/draft-07/schema#",
+            type: "object",
+            properties: { location: { type: "string" }, unit: { enum: ["celsius", "fahrenheit"] }, extra: { $ref: "#/$defs/x" } },
+            required: ["location"],
+            additionalProperties: false,
+            $defs: { x: { type: "object", additionalProperties: { type: "number" } } },
+          },
+          strict: true,
+        },
+      },
+    ];
+    const messages = [
+      { role: "system", content: "You are terse.", name: "policy" },
+      { role: "user", content: [{ type: "text", text: "Weather in Paris?" }], name: "alice" },
+      {
+        role: "assistant",
+        content: null,
+        refusal: null,
+        tool_calls: [{ id: "call_1", type: "function", function: { name: "get_weather", arguments: '{"location":"Paris"}' } }],
+      },
+      { role: "tool", tool_call_id: "call_1", content: '{"temp":21}' },
+    ];
+    const sent = { model: "svc-fast", messages, tools, tool_choice: { type: "function", function: { name: "get_weather" } }, parallel_tool_calls: false };
+    const res = await chat(sent);
+    expect(res.status).toBe(200);
+    expect(sim.stats.lastBody).toEqual({ ...sent, model: CHAT_MODEL });
+  });
+
+  test("standard parameters pass through to the upstream untouched", async () => {
+    const sent = {
+      model: "svc-fast",
+      messages: userMessages(),
+      temperature: 0.7,
+      top_p: 0.9,
+      n: 1,
+      stop: ["\n\n", "END"],
+      max_tokens: 3,
+      max_completion_tokens: 3,
+      presence_penalty: 0.1,
+      frequency_penalty: -0.2,
+      logit_bias: { "50256": -100 },
+      logprobs: false,
+      top_logprobs: 0,
+      seed: 42,
+      user: "user-123",
+      parallel_tool_calls: true,
+      reasoning_effort: "low",
+      metadata: { team: "a" },
+      store: false,
+      modalities: ["text"],
+      service_tier: "auto",
+      prediction: { type: "content", content: "x" },
+      response_format: { type: "json_schema", json_schema: { name: "r", schema: { type: "object", properties: { a: { type: "string" } } }, strict: true } },
+      prompt_cache_key: "k",
+      safety_identifier: "s",
+      verbosity: "low",
+      top_k: 40,
+      min_p: 0.05,
+      repetition_penalty: 1.1,
+      temperature_unused_by_null: undefined,
+    };
+    const res = await chat(sent);
+    expect(res.status).toBe(200);
+    expect(sim.stats.lastBody).toEqual({ ...JSON.parse(JSON.stringify(sent)), model: CHAT_MODEL });
+  });
+
+  test("null for optional parameters is accepted (the SDKs send it)", async () => {
+    const res = await chat({ model: "svc-fast", messages: userMessages(), temperature: null, max_tokens: null, stop: null, stream: null, seed: null });
+    expect(res.status).toBe(200);
+  });
+
+  test("images: image_url parts with a URL or a data URL reach an images-capable alias", async () => {
+    const content = [
+      { type: "text", text: "What is in these?" },
+      { type: "image_url", image_url: { url: "https://example.com/cat.png", detail: "low" } },
+      { type: "image_url", image_url: { url: "data:image/png;base64,iVBORw0KGgo=" } },
+    ];
+    const res = await chat({ model: "svc-fast", messages: [{ role: "user", content }] });
+    expect(res.status).toBe(200);
+    expect(rec(arr(rec(sim.stats.lastBody).messages)[0]).content).toEqual(content);
+  });
+
+  test("response_format json_object and text are accepted", async () => {
+    for (const rf of [{ type: "json_object" }, { type: "text" }]) {
+      expect((await chat({ model: "svc-fast", messages: userMessages(), response_format: rf })).status).toBe(200);
+    }
+  });
+
+  test("usage is recorded for the organisation with alias and target", async () => {
+    const o = await seedTestOrg(gw.database);
+    await chat({ model: "svc-fast", messages: userMessages() }, o.serviceKey);
+    await gw.quota.flush();
+    const rows = await gw.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, o.orgId));
+    expect(rows.length).toBe(1);
+    expect(rows[0]?.alias).toBe("svc-fast");
+    expect(rows[0]?.target).toBe(`${sim.url}|${CHAT_MODEL}`);
+    expect(rows[0]?.completionTokens).toBe(5);
+    expect(rows[0]?.status).toBe(200);
+    expect(rows[0]?.streamed).toBe(false);
+  });
+});
+
+describe("POST /v1/chat/completions: request rules (400 invalid_request_error with param)", () => {
+  test("unknown top-level parameters are refused by name", async () => {
+    await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), foo: 1 }), "foo", "Unrecognized request argument supplied: foo");
+    await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), guided_json: {} }), "guided_json");
+    await expectInvalid(await chat('{"__proto__":{"x":1},"model":"svc-fast","messages":[{"role":"user","content":"x"}]}'), "__proto__");
+    expect(sim.stats.requests).toBe(0);
+  });
+
+  test("required fields", async () => {
+    await expectInvalid(await chat({ messages: userMessages() }), "model", "Missing required parameter");
+    await expectInvalid(await chat({ model: "svc-fast" }), "messages", "Missing required parameter");
+    await expectInvalid(await chat({ model: "svc-fast", messages: [] }), "messages");
+    await expectInvalid(await chat({ model: 7, messages: userMessages() }), "model");
+    await expectInvalid(await chat({ model: "svc-fast", messages: [{ content: "x" }] }), "messages[0].role");
+    await expectInvalid(await chat({ model: "svc-fast", messages: [{ role: "user" }] }), "messages[0].content");
+  });
+
+  test("roles: system, user, assistant and tool only", async () => {
+    for (const role of ["developer", "function", "bot", ""]) {
+      await expectInvalid(await chat({ model: "svc-fast", messages: [{ role, content: "x" }] }), "messages[0].role");
+    }
+  });
+
+  test("message fields", async () => {
+    const ok = { role: "user", content: "x" };
+    await expectInvalid(await chat({ model: "svc-fast", messages: [ok, { role: "user", content: 5 }] }), "messages[1].content");
+    await expectInvalid(await chat({ model: "svc-fast", messages: [{ role: "user", content: "x", foo: 1 }] }), "messages[0].foo");
+    await expectInvalid(await chat({ model: "svc-fast", messages: [ok, { role: "tool", content: "r" }] }), "messages[1].tool_call_id");
+    await expectInvalid(await chat({ model: "svc-fast", messages: [{ role: "user", content: null }] }), "messages[0].content");
+    await expectInvalid(
+      await chat({ model: "svc-fast", messages: [ok, { role: "assistant", content: null, tool_calls: [{ id: "c", type: "function", function: { name: "f" } }] }] }),
+      "messages[1].tool_calls[0].function.arguments",
+    );
+  });
+
+  test("content parts", async () => {
+    const m = (content: unknown, role = "user") => ({ model: "svc-fast", messages: [{ role, content }] });
+    await expectInvalid(await chat(m([{ type: "input_audio", input_audio: {} }])), "messages[0].content[0].type");
+    await expectInvalid(await chat(m([{ type: "text" }])), "messages[0].content[0].text");
+    await expectInvalid(await chat(m([{ type: "text", text: "a" }, { type: "image_url", image_url: { url: "ftp://x" } }])), "messages[0].content[1].image_url.url");
+    await expectInvalid(await chat(m([{ type: "image_url", image_url: { url: "https://x/y.png", detail: "ultra" } }])), "messages[0].content[0].image_url.detail");
+    await expectInvalid(await chat(m([{ type: "image_url", image_url: { url: "https://x/y.png" } }], "system")), "messages[0].content[0].type");
+    await expectInvalid(await chat(m(["just a string"])), "messages[0].content[0]");
+  });
+
+  test("temperature 0 to 2", async () => {
+    for (const t of [-0.01, 2.01, "1"]) await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), temperature: t }), "temperature");
+    for (const t of [0, 2, 1.3]) expect((await chat({ model: "svc-fast", messages: userMessages(), temperature: t })).status).toBe(200);
+  });
+
+  test("max_tokens: a positive integer within the alias's context window", async () => {
+    for (const v of [0, -1, 1.5, "10"]) await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), max_tokens: v }), "max_tokens");
+    await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), max_tokens: 128_001 }), "max_tokens", "context window");
+    await expectInvalid(await chat({ model: "svc-text", messages: userMessages(), max_completion_tokens: 5000 }), "max_completion_tokens");
+    expect((await chat({ model: "svc-fast", messages: userMessages(), max_tokens: 128_000 })).status).toBe(200);
+    expect((await chat({ model: "svc-smart", messages: userMessages(), max_tokens: 180_000 })).status).toBe(200);
+  });
+
+  test("tools, tool_choice and response_format shapes", async () => {
+    const base = { model: "svc-fast", messages: userMessages() };
+    await expectInvalid(await chat({ ...base, tools: [{ type: "custom", custom: { name: "x" } }] }), "tools[0].type");
+    await expectInvalid(await chat({ ...base, tools: [{ type: "function", function: { description: "no name" } }] }), "tools[0].function.name");
+    await expectInvalid(await chat({ ...base, tools: { type: "function" } }), "tools");
+    await expectInvalid(await chat({ ...base, tool_choice: "sometimes" }), "tool_choice");
+    await expectInvalid(await chat({ ...base, response_format: { type: "yaml" } }), "response_format");
+    for (const tc of ["auto", "none", "required", { type: "function", function: { name: "f" } }]) {
+      const tools = [{ type: "function", function: { name: "f", parameters: { type: "object", properties: {} } } }];
+      expect((await chat({ ...base, tools, tool_choice: tc })).status).toBe(200);
+    }
+  });
+
+  test("stream and stream_options types", async () => {
+    await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), stream: "yes" }), "stream");
+    await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: "y" } }), "stream_options.include_usage");
+  });
+
+  test("images to an alias without the images capability, tools to one without tools", async () => {
+    const image = [{ type: "image_url", image_url: { url: "https://example.com/a.png" } }];
+    const imgRes = await chat({ model: "svc-text", messages: [{ role: "user", content: image }] });
+    await expectInvalid(imgRes, "messages[0].content[0]", "image");
+    const tools = [{ type: "function", function: { name: "f" } }];
+    await expectInvalid(await chat({ model: "svc-text", messages: userMessages(), tools }), "tools", "tools");
+    expect(sim.stats.requests).toBe(0);
+  });
+
+  test("body: invalid JSON, wrong content type, empty, not an object, over the limit", async () => {
+    await expectInvalid(await chat("{nope"), null, "not valid JSON");
+    await expectInvalid(await chat("[1,2]"), null, "JSON object");
+    await expectInvalid(await chat(JSON.stringify({ model: "svc-fast", messages: userMessages() }), org.personalKey, { headers: { "content-type": "text/plain" } }), null, "Content-Type");
+    await expectInvalid(await chat(""), null);
+    const big = { model: "svc-fast", messages: userMessages("x".repeat(BODY_LIMIT)) };
+    await expectInvalid(await chat(big), null, "too large");
+    // Without Content-Length (chunked), the limit applies as the body streams in.
+    const bytes = new TextEncoder().encode(JSON.stringify(big));
+    const chunked = new ReadableStream<Uint8Array>({
+      start(c) {
+        for (let i = 0; i < bytes.length; i += 8192) c.enqueue(bytes.subarray(i, i + 8192));
+        c.close();
+      },
+    });
+    await expectInvalid(await chat(JSON.stringify(big), org.personalKey, { body: chunked }), null, "too large");
+  });
+
+  test("authentication precedes parsing: no key and a broken body get 401", async () => {
+    const res = await fetch(`${gw.url}/v1/chat/completions`, { method: "POST", headers: { "content-type": "application/json" }, body: "{nope" });
+    expect(res.status).toBe(401);
+    expect((await errorOf(res)).code).toBe("unauthorized");
+  });
+});
+
+describe("404 model_not_found", () => {
+  test("unknown alias, an embedding alias on chat, a chat alias on embeddings", async () => {
+    for (const res of [
+      await chat({ model: "gpt-4o", messages: userMessages() }),
+      await chat({ model: "svc-embed", messages: userMessages() }),
+      await chat({ model: CHAT_MODEL, messages: userMessages() }),
+      await embed({ model: "svc-fast", input: "x" }),
+      await embed({ model: "nope", input: "x" }),
+    ]) {
+      expect(res.status).toBe(404);
+      const err = await errorOf(res);
+      expect(err.code).toBe("model_not_found");
+      expect(err.param).toBe("model");
+    }
+    expect(sim.stats.requests).toBe(0);
+  });
+
+  test("an alias outside the key's model list", async () => {
+    const limited = await seedTestOrg(gw.database, { models: ["svc-fast"] });
+    expect((await chat({ model: "svc-fast", messages: userMessages() }, limited.personalKey)).status).toBe(200);
+    const res = await chat({ model: "svc-smart", messages: userMessages() }, limited.personalKey);
+    expect(res.status).toBe(404);
+    expect((await errorOf(res)).code).toBe("model_not_found");
+    const e = await embed({ model: "svc-embed", input: "x" }, limited.personalKey);
+    expect(e.status).toBe(404);
+  });
+});
+
+describe("GET /v1/models", () => {
+  test("lists every alias for an unrestricted key, in the spec 2.2 shape", async () => {
+    const res = await fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${org.serviceKey}` } });
+    expect(res.status).toBe(200);
+    const body = rec(await res.json());
+    expect(body.object).toBe("list");
+    const data = arr(body.data).map(rec);
+    expect(data.map((d) => d.id).sort()).toEqual(["svc-embed", "svc-fast", "svc-smart", "svc-text"]);
+    for (const d of data) {
+      expect(d.object).toBe("model");
+      expect(d.owned_by).toBe("gateway");
+    }
+  });
+
+  test("lists only the aliases a restricted key may call", async () => {
+    const limited = await seedTestOrg(gw.database, { models: ["svc-fast", "svc-embed"] });
+    const body = rec(await (await fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${limited.personalKey}` } })).json());
+    expect(arr(body.data).map((d) => rec(d).id)).toEqual(["svc-fast", "svc-embed"]);
+  });
+
+  test("401 without a key", async () => {
+    const res = await fetch(`${gw.url}/v1/models`);
+    expect(res.status).toBe(401);
+    expect((await errorOf(res)).code).toBe("unauthorized");
+  });
+});
+
+describe("POST /v1/embeddings", () => {
+  test("a string input: spec 2.4 with 1024 floats and model = alias", async () => {
+    const res = await embed({ model: "svc-embed", input: "hello", encoding_format: "float" });
+    expect(res.status).toBe(200);
+    const body = rec(await res.json());
+    expect(Object.keys(body).sort()).toEqual(["data", "model", "object", "usage"]);
+    expect(body.object).toBe("list");
+    expect(body.model).toBe("svc-embed");
+    const d = rec(arr(body.data)[0]);
+    expect(d.object).toBe("embedding");
+    expect(d.index).toBe(0);
+    expect(arr(d.embedding).length).toBe(1024);
+    expect(typeof arr(d.embedding)[0]).toBe("number");
+    const usage = rec(body.usage);
+    expect(Object.keys(usage).sort()).toEqual(["prompt_tokens", "total_tokens"]);
+    expect(usage.total_tokens).toBe(usage.prompt_tokens);
+    expect(rec(sim.stats.lastBody).model).toBe(EMBED_MODEL);
+  });
+
+  test("arrays of strings and token arrays, base64, dimensions and user pass through", async () => {
+    const many = rec(await (await embed({ model: "svc-embed", input: ["a", "b", "c"] })).json());
+    expect(arr(many.data).map((d) => rec(d).index)).toEqual([0, 1, 2]);
+    const tokens = rec(await (await embed({ model: "svc-embed", input: [[1, 2, 3], [4]] })).json());
+    expect(rec(tokens.usage).prompt_tokens).toBe(4);
+    const b64 = rec(await (await embed({ model: "svc-embed", input: "a", encoding_format: "base64" })).json());
+    const s = rec(arr(b64.data)[0]).embedding;
+    expect(typeof s).toBe("string");
+    expect(Buffer.from(String(s), "base64").length).toBe(1024 * 4);
+    const small = rec(await (await embed({ model: "svc-embed", input: "a", dimensions: 256, user: "u1", encoding_format: "float" })).json());
+    expect(arr(rec(arr(small.data)[0]).embedding).length).toBe(256);
+    expect(rec(sim.stats.lastBody)).toEqual({ model: EMBED_MODEL, input: "a", dimensions: 256, user: "u1", encoding_format: "float" });
+  });
+
+  test("request rules", async () => {
+    await expectInvalid(await embed({ model: "svc-embed" }), "input");
+    await expectInvalid(await embed({ model: "svc-embed", input: 5 }), "input");
+    await expectInvalid(await embed({ model: "svc-embed", input: [] }), "input");
+    await expectInvalid(await embed({ model: "svc-embed", input: "x", encoding_format: "int8" }), "encoding_format");
+    await expectInvalid(await embed({ model: "svc-embed", input: "x", dimensions: 0 }), "dimensions");
+    await expectInvalid(await embed({ model: "svc-embed", input: "x", dimensions: 2048 }), "dimensions", "1024");
+    await expectInvalid(await embed({ model: "svc-embed", input: "x", foo: true }), "foo");
+    await expectInvalid(await embed({ input: "x" }), "model");
+    expect(sim.stats.requests).toBe(0);
+  });
+});
+
+describe("upstream errors become our errors", () => {
+  test("an upstream 400 is our 400 with the upstream's message, in both vLLM shapes", async () => {
+    for (const errorFormat of ["legacy", "nested"] as const) {
+      await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ errorFormat }) });
+      sim.setFault({ kind: "status", status: 400, message: "This model's maximum context length is 32768 tokens." });
+      const res = await chat({ model: "svc-fast", messages: userMessages() });
+      expect(res.status).toBe(400);
+      const body = rec(await res.json());
+      expect(Object.keys(body)).toEqual(["error"]);
+      expect(rec(body.error)).toEqual({
+        message: "This model's maximum context length is 32768 tokens.",
+        type: "invalid_request_error",
+        param: null,
+        code: "invalid_request_error",
+      });
+      const e = await embed({ model: "svc-embed", input: "x" });
+      expect(e.status).toBe(400);
+      expect((await errorOf(e)).message).toContain("maximum context length");
+    }
+  });
+
+  test("503 service_unavailable when every attempt fails", async () => {
+    sim.setFault({ kind: "status", status: 503 });
+    for (const res of [await chat({ model: "svc-fast", messages: userMessages() }), await embed({ model: "svc-embed", input: "x" })]) {
+      expect(res.status).toBe(503);
+      const err = await errorOf(res);
+      expect(err.code).toBe("service_unavailable");
+      expect(err.message).not.toContain("Simulated");
+    }
+  });
+
+  test("429 rate_limit_error with retry-after when the upstream is overloaded everywhere", async () => {
+    sim.setFault({ kind: "status", status: 429 });
+    const res = await chat({ model: "svc-fast", messages: userMessages() });
+    expect(res.status).toBe(429);
+    expect(Number(res.headers.get("retry-after"))).toBeGreaterThanOrEqual(1);
+    const err = await errorOf(res);
+    expect(err.code).toBe("rate_limit_error");
+    expect(err.message).not.toContain("budget_exceeded");
+  });
+});
+
+describe("gateway limits on the inference endpoints", () => {
+  test("429 rate_limit_error from the organisation's rate limit, with retry-after", async () => {
+    const tiny = await seedTestOrg(gw.database, { plan: "Tiny" });
+    expect((await chat({ model: "svc-fast", messages: userMessages() }, tiny.personalKey)).status).toBe(200);
+    expect((await embed({ model: "svc-embed", input: "x" }, tiny.personalKey)).status).toBe(200);
+    const res = await chat({ model: "svc-fast", messages: userMessages() }, tiny.personalKey);
+    expect(res.status).toBe(429);
+    expect(Number(res.headers.get("retry-after"))).toBeGreaterThan(0);
+    expect((await errorOf(res)).code).toBe("rate_limit_error");
+    expect((await fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${tiny.personalKey}` } })).status).toBe(429);
+  });
+
+  test("429 budget_exceeded once the organisation's quota is spent", async () => {
+    const poor = await seedTestOrg(gw.database, { quotaTokens: 5, quotaWindow: "month" });
+    expect((await chat({ model: "svc-fast", messages: userMessages() }, poor.personalKey)).status).toBe(200);
+    for (const res of [await chat({ model: "svc-fast", messages: userMessages() }, poor.personalKey), await embed({ model: "svc-embed", input: "x" }, poor.personalKey)]) {
+      expect(res.status).toBe(429);
+      const err = await errorOf(res);
+      expect(err.code).toBe("budget_exceeded");
+      expect(err.message).toContain("budget_exceeded");
+    }
+    expect(sim.stats.requests).toBe(1);
+  });
+});

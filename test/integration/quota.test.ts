@@ -1,0 +1,198 @@
+import { describe, expect, setDefaultTimeout, test } from "bun:test";
+import { and, eq, sql } from "drizzle-orm";
+import { createOrg } from "../../src/admin/service.ts";
+import type { Principal } from "../../src/auth/verify.ts";
+import { usageCounters, usageEvents } from "../../src/db/schema.ts";
+import { AppError } from "../../src/http/errors.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { createQuota, windowEnd, windowStart } from "../../src/limits/quota.ts";
+import { sharedDatabase } from "../helpers/harness.ts";
+
+// Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(30_000);
+
+const log = createLogger("silent");
+const outcome = { alias: "svc-fast", target: "t", status: 200, latencyMs: 5, streamed: false };
+
+async function org(quotaTokens: number | null, quotaWindow: "hour" | "day" | "month" = "day"): Promise<Principal> {
+  const db = await sharedDatabase();
+  const o = await createOrg(db, { name: "q", plan: "Standard", plans: ["Standard"], quotaTokens, quotaWindow });
+  return {
+    keyId: crypto.randomUUID(),
+    orgId: o.id,
+    userId: null,
+    kind: "service",
+    scopes: ["inference"],
+    models: null,
+    expiresAt: null,
+    revokedAt: null,
+    academyOnly: false,
+    plan: "Standard",
+    quotaTokens,
+    quotaWindow,
+    actorName: "",
+    actorEmail: "",
+  };
+}
+
+async function counters(orgId: string) {
+  const db = await sharedDatabase();
+  const rows = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, orgId));
+  return rows.reduce((a, r) => ({ used: a.used + r.used, leased: a.leased + r.leased }), { used: 0, leased: 0 });
+}
+
+describe("window arithmetic (UTC)", () => {
+  const t = Date.UTC(2026, 10, 22, 13, 45, 12, 345);
+  test("hour, day and calendar month windows", () => {
+    expect(windowStart("hour", t)).toBe(Date.UTC(2026, 10, 22, 13));
+    expect(windowEnd("hour", t)).toBe(Date.UTC(2026, 10, 22, 14));
+    expect(windowStart("day", t)).toBe(Date.UTC(2026, 10, 22));
+    expect(windowEnd("day", t)).toBe(Date.UTC(2026, 10, 23));
+    expect(windowStart("month", t)).toBe(Date.UTC(2026, 10, 1));
+    expect(windowEnd("month", t)).toBe(Date.UTC(2026, 11, 1));
+    expect(windowEnd("month", Date.UTC(2026, 11, 31, 23))).toBe(Date.UTC(2027, 0, 1));
+  });
+});
+
+describe("quota leases", () => {
+  test("admits against a local lease and writes used tokens in batches", async () => {
+    const db = await sharedDatabase();
+    const p = await org(10_000);
+    const q = createQuota(db, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    const t1 = await q.admit(p, 100);
+    expect(t1.reserved).toBe(100);
+    // The lease, not the usage, is what the shared row shows before a flush.
+    expect(await counters(p.orgId)).toEqual({ used: 0, leased: 1_000 });
+    q.settle(t1, { promptTokens: 30, completionTokens: 40 }, outcome);
+    q.settle(t1, { promptTokens: 30, completionTokens: 40 }, outcome); // idempotent
+    await q.flush();
+    expect(await counters(p.orgId)).toEqual({ used: 70, leased: 930 });
+    const ev = await db.db.select().from(usageEvents).where(eq(usageEvents.orgId, p.orgId));
+    expect(ev).toHaveLength(1);
+    expect(ev[0]).toMatchObject({ promptTokens: 30, completionTokens: 40, alias: "svc-fast", status: 200, streamed: false });
+    await q.stop();
+    // Unused lease is returned on stop.
+    expect(await counters(p.orgId)).toEqual({ used: 70, leased: 0 });
+  });
+
+  test("refuses with budget_exceeded once the quota is used, and audits it once per window", async () => {
+    const db = await sharedDatabase();
+    const p = await org(500);
+    const q = createQuota(db, log, { leaseTokens: 200, flushMs: 60_000, maxBuffered: 1000 });
+    let admitted = 0;
+    let refused: AppError | undefined;
+    for (let i = 0; i < 20 && !refused; i++) {
+      try {
+        const t = await q.admit(p, 100);
+        admitted++;
+        q.settle(t, { promptTokens: 50, completionTokens: 50 }, outcome);
+      } catch (e) {
+        refused = e as AppError;
+      }
+    }
+    expect(admitted).toBe(5);
+    expect(refused).toBeInstanceOf(AppError);
+    expect(refused?.code).toBe("budget_exceeded");
+    expect(refused?.message).toContain("budget_exceeded");
+    expect(refused?.headers["x-should-retry"]).toBe("false");
+    expect(refused?.headers["retry-after"]).toBeUndefined(); // a day window does not reset within 60 s
+    await expect(q.admit(p, 1)).rejects.toMatchObject({ code: "budget_exceeded" });
+    await q.flush();
+    expect((await counters(p.orgId)).used).toBe(500);
+    await Bun.sleep(50);
+    const audit = await db.rows<{ n: number }>(
+      sql`select count(*)::int as n from audit_events where org_id = ${p.orgId} and action = 'billing.budget_exceeded'`,
+    );
+    expect(Number(audit[0]?.n)).toBe(1);
+    await q.stop();
+  });
+
+  test("a new window resets the quota", async () => {
+    const db = await sharedDatabase();
+    const p = await org(100, "hour");
+    let now = Date.UTC(2026, 0, 1, 10, 59, 59, 500);
+    const q = createQuota(db, log, { leaseTokens: 100, flushMs: 60_000, maxBuffered: 1000, now: () => now });
+    const t = await q.admit(p, 100);
+    q.settle(t, { promptTokens: 100, completionTokens: 0 }, outcome);
+    const err = await q.admit(p, 1).catch((e: AppError) => e);
+    expect(err).toMatchObject({ code: "budget_exceeded" });
+    // Half a second before the hour ends the wait is worth announcing.
+    expect((err as AppError).headers["retry-after"]).toBe("1");
+    now = Date.UTC(2026, 0, 1, 11, 0, 0, 1);
+    const t2 = await q.admit(p, 10);
+    expect(t2.reserved).toBe(10);
+    await q.stop();
+  });
+
+  test("two instances share one quota; overshoot stays within in-flight excess", async () => {
+    const db = await sharedDatabase();
+    const quotaTokens = 5_000;
+    const p = await org(quotaTokens);
+    const a = createQuota(db, log, { leaseTokens: 400, flushMs: 60_000, maxBuffered: 10_000 });
+    const b = createQuota(db, log, { leaseTokens: 400, flushMs: 60_000, maxBuffered: 10_000 });
+    let delivered = 0;
+    let maxExcess = 0;
+    // 50 concurrent clients; each request reserves 100 but may use up to 130.
+    const client = async (i: number) => {
+      const q = i % 2 === 0 ? a : b;
+      for (;;) {
+        let t: Awaited<ReturnType<typeof q.admit>>;
+        try {
+          t = await q.admit(p, 100);
+        } catch (e) {
+          if ((e as AppError).code === "budget_exceeded") return;
+          throw e;
+        }
+        await Bun.sleep(1 + (i % 3));
+        const used = 70 + ((i * 7) % 61);
+        maxExcess = Math.max(maxExcess, used - t.reserved);
+        delivered += used;
+        q.settle(t, { promptTokens: used, completionTokens: 0 }, outcome);
+        if (i % 5 === 0) await q.flush().catch(() => {});
+      }
+    };
+    await Promise.all(Array.from({ length: 50 }, (_, i) => client(i)));
+    await a.stop();
+    await b.stop();
+    const c = await counters(p.orgId);
+    // Nothing lost: the database holds exactly what clients were given.
+    expect(c.used).toBe(delivered);
+    expect(c.leased).toBe(0);
+    // Stated bound: at most (requests in flight) × (actual − reserved) beyond the quota.
+    expect(delivered).toBeGreaterThanOrEqual(quotaTokens - 200);
+    expect(delivered - quotaTokens).toBeLessThanOrEqual(50 * maxExcess);
+  });
+
+  test("usage is buffered while the database is unreachable and written when it returns", async () => {
+    const db = await sharedDatabase();
+    const p = await org(null);
+    let broken = true;
+    // Fault injection at the driver boundary: the database itself, not our code, fails.
+    const flaky = {
+      ...db,
+      db: new Proxy(db.db, {
+        get(target, prop, recv) {
+          if (broken && (prop === "insert" || prop === "update" || prop === "transaction")) {
+            return () => {
+              throw new Error("connection refused");
+            };
+          }
+          return Reflect.get(target, prop, recv);
+        },
+      }),
+    };
+    const q = createQuota(flaky, log, { leaseTokens: 100, flushMs: 60_000, maxBuffered: 1000 });
+    for (let i = 0; i < 3; i++) q.settle(await q.admit(p, 10), { promptTokens: 5, completionTokens: 6 }, outcome);
+    await expect(q.flush()).rejects.toThrow("connection refused");
+    expect(q.stats()).toMatchObject({ bufferedEvents: 3, pendingTokens: 33 });
+    broken = false;
+    await q.flush();
+    expect(q.stats()).toMatchObject({ bufferedEvents: 0, pendingTokens: 0 });
+    const rows = await db.db
+      .select()
+      .from(usageCounters)
+      .where(and(eq(usageCounters.orgId, p.orgId)));
+    expect(rows.reduce((a, r) => a + r.used, 0)).toBe(33);
+    await q.stop();
+  });
+});

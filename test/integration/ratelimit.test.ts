@@ -1,0 +1,91 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import OpenAI from "openai";
+import type { Gateway } from "../../src/server.ts";
+import { bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+
+// Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(30_000);
+
+let gw: Gateway;
+beforeAll(async () => {
+  gw = await startTestGateway();
+});
+afterAll(async () => {
+  await gw.stop();
+});
+
+const me = (key: string) => fetch(`${gw.url}/v1/me`, { headers: bearer(key) });
+
+describe("per-organisation rate limit", () => {
+  test("the 61st request in a minute gets 429 rate_limit_error with the wait", async () => {
+    const org = await seedOrg(gw.database);
+    for (let i = 1; i <= 60; i++) {
+      const res = await me(i % 2 ? org.personalKey : org.serviceKey); // both keys count against the organisation
+      expect(res.status).toBe(200);
+      expect(res.headers.get("x-ratelimit-limit-requests")).toBe("60");
+      expect(res.headers.get("x-ratelimit-remaining-requests")).toBe(String(60 - i));
+      expect(res.headers.get("x-ratelimit-reset-requests")).toMatch(/^\d+(\.\d+)?(ms|s|m\d+(\.\d+)?s)$|^0s$/);
+    }
+    const res = await me(org.personalKey);
+    expect(res.status).toBe(429);
+    const err = await errorOf(res);
+    expect(err.code).toBe("rate_limit_error");
+    expect(err.message).not.toContain("budget_exceeded");
+    const retryAfter = Number(res.headers.get("retry-after"));
+    const retryAfterMs = Number(res.headers.get("retry-after-ms"));
+    expect(retryAfter).toBeGreaterThanOrEqual(1);
+    expect(retryAfter).toBeLessThanOrEqual(60);
+    expect(retryAfterMs).toBeGreaterThan(55_000);
+    expect(Math.ceil(retryAfterMs / 1000)).toBe(retryAfter);
+    expect(res.headers.get("x-ratelimit-remaining-requests")).toBe("0");
+  });
+
+  test("organisations are limited separately", async () => {
+    const a = await seedOrg(gw.database);
+    const b = await seedOrg(gw.database);
+    for (let i = 0; i < 60; i++) await me(a.serviceKey);
+    expect((await me(a.serviceKey)).status).toBe(429);
+    expect((await me(b.serviceKey)).status).toBe(200);
+  });
+
+  test("the Ultra plan gets 300 per minute", async () => {
+    const org = await seedOrg(gw.database, { plan: "Ultra" });
+    const results = await Promise.all(Array.from({ length: 301 }, () => me(org.serviceKey).then((r) => r.status)));
+    expect(results.filter((s) => s === 200)).toHaveLength(300);
+    expect(results.filter((s) => s === 429)).toHaveLength(1);
+  });
+
+  test("unauthenticated requests do not consume an organisation's budget", async () => {
+    const org = await seedOrg(gw.database);
+    for (let i = 0; i < 70; i++) await fetch(`${gw.url}/v1/me`, { headers: bearer(`sk-gw-${"x".repeat(43)}`) });
+    const res = await me(org.serviceKey);
+    expect(res.headers.get("x-ratelimit-remaining-requests")).toBe("59");
+  });
+});
+
+describe("with the official SDK", () => {
+  test("openai with retries waits for retry-after and then succeeds", async () => {
+    // A 4-second window keeps the test short; the arithmetic is the same as for a minute.
+    const fast = await startTestGateway({ rateLimit: { instances: 1, maxOrgs: 1000, windowMs: 4_000 } });
+    try {
+      const org = await seedOrg(fast.database);
+      // Fill the window at once (in parallel, so a slow machine cannot let it slide meanwhile).
+      const fill = () => Promise.all(Array.from({ length: 60 }, () => fetch(`${fast.url}/v1/models`, { headers: bearer(org.serviceKey) }).then((r) => r.status)));
+      expect((await fill()).filter((s) => s === 200).length).toBe(60);
+      const client = new OpenAI({ baseURL: `${fast.url}/v1`, apiKey: org.serviceKey, maxRetries: 3 });
+      const started = Date.now();
+      const page = await client.models.list();
+      const waited = Date.now() - started;
+      expect(page.data.length).toBeGreaterThan(0);
+      // It got a 429, honoured retry-after-ms, and succeeded once a slot freed.
+      expect(waited).toBeGreaterThanOrEqual(1_000);
+      await Bun.sleep(4_100);
+      await fill();
+      const noRetry = new OpenAI({ baseURL: `${fast.url}/v1`, apiKey: org.serviceKey, maxRetries: 0 });
+      const err = await noRetry.models.list().catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(OpenAI.RateLimitError);
+    } finally {
+      await fast.stop();
+    }
+  });
+});

@@ -1,0 +1,123 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { readdirSync } from "node:fs";
+import { revokeKey } from "../../src/admin/service.ts";
+import { upstreamAliases } from "../../src/config/load.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { type Gateway, startGateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { bearer, type SeededOrg, seedOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
+
+// Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(30_000);
+
+/**
+ * Hardening: keys and content never leak into logs, metrics or the audit log,
+ * and upstream faults leave no descriptors behind.
+ */
+
+let sim: Simulator;
+let gw: Gateway;
+let org: SeededOrg;
+const lines: string[] = [];
+const PROMPT = "the secret prompt Zebra-42";
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 1, completionTokens: 8 });
+  const config = await testConfig({
+    aliases: upstreamAliases(sim.url),
+    accessLog: true,
+    logLevel: "debug",
+    plans: { Standard: { requestsPerMinute: 1_000_000 }, Ultra: { requestsPerMinute: 1_000_000 } },
+  });
+  // Debug level and the access log on: everything the gateway would ever write.
+  gw = await startGateway({ config, database: await sharedDatabase(), log: createLogger("debug", (l) => lines.push(l)) });
+  org = await seedOrg(gw.database);
+});
+afterAll(async () => {
+  await gw.stop();
+  await sim.stop();
+});
+
+const chat = (key: string, stream = false) =>
+  fetch(`${gw.url}/v1/chat/completions`, {
+    method: "POST",
+    headers: bearer(key, { "content-type": "application/json", "user-agent": "openai-node/6.1 secret-ua" }),
+    body: JSON.stringify({ model: "svc-fast", stream, messages: [{ role: "user", content: PROMPT }] }),
+  }).then(async (r) => ({ status: r.status, text: await r.text() }));
+
+describe("secrets and content stay out of logs, metrics and the audit log", () => {
+  test("valid, unknown, revoked and browser-borne keys; prompts and replies", async () => {
+    const revoked = await seedOrg(gw.database);
+    await revokeKey(gw.database, revoked.serviceKeyId);
+    await Bun.sleep(100);
+    const unknown = `sk-gw-${"K".repeat(43)}`;
+    expect((await chat(org.serviceKey)).status).toBe(200);
+    expect((await chat(org.serviceKey, true)).status).toBe(200);
+    expect((await chat(unknown)).status).toBe(401);
+    const rev = await chat(revoked.serviceKey);
+    expect(rev.status).toBe(401);
+    expect(rev.text).not.toContain(revoked.serviceKey);
+    const browser = await fetch(`${gw.url}/v1/me`, { headers: bearer(org.personalKey, { origin: "https://x.example" }) });
+    expect(browser.status).toBe(403);
+    await gw.quota.flush();
+    await Bun.sleep(200);
+    const metrics = await (await fetch(`${gw.url}/metrics`)).text();
+    const audit = await (await fetch(`${gw.url}/v1/audit-events?limit=200`, { headers: bearer(org.serviceKey) })).text();
+    const auditRevoked = await (await fetch(`${gw.url}/v1/audit-events?limit=200`, { headers: bearer(org.serviceKey) })).text();
+    const logs = lines.join("");
+    expect(logs).toContain('"msg":"request"'); // the access log did run
+    for (const secret of [org.serviceKey, org.personalKey, revoked.serviceKey, unknown, PROMPT, "token0 token1"]) {
+      expect(logs).not.toContain(secret);
+      expect(metrics).not.toContain(secret);
+      expect(audit).not.toContain(secret);
+      expect(auditRevoked).not.toContain(secret);
+    }
+    // The audit log holds a prefix of the address and a summary of the client, never more.
+    expect(audit).toContain("security.browser_request_rejected");
+    expect(audit).not.toContain("secret-ua");
+    expect(audit).not.toContain("127.0.0.1\"");
+  });
+});
+
+describe("upstream faults leave nothing behind", () => {
+  test("hangs, drops, 503s and client aborts: descriptors return to where they were", async () => {
+    const fds = () => readdirSync("/proc/self/fd").length;
+    // Warm the pools first so the baseline includes them.
+    for (let i = 0; i < 5; i++) await chat(org.serviceKey);
+    await Bun.sleep(200);
+    const before = fds();
+    const rounds: (() => Promise<unknown>)[] = [];
+    for (let i = 0; i < 20; i++) {
+      rounds.push(async () => {
+        sim.setFault({ kind: "drop-mid-stream", afterChunks: 3 });
+        await chat(org.serviceKey, true);
+        sim.setFault({ kind: "status", status: 503 });
+        await chat(org.serviceKey);
+        sim.setFault({ kind: "hang" });
+        const ac = new AbortController();
+        const pending = fetch(`${gw.url}/v1/chat/completions`, {
+          method: "POST",
+          signal: ac.signal,
+          headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+          body: JSON.stringify({ model: "svc-fast", stream: true, messages: [{ role: "user", content: "hang" }] }),
+        }).catch(() => undefined);
+        await Bun.sleep(20);
+        ac.abort();
+        await pending;
+        sim.setFault(null);
+      });
+    }
+    for (const r of rounds) await r();
+    sim.setFault(null);
+    // Aborted upstream requests must be gone from the simulator too.
+    const deadline = Date.now() + 5_000;
+    while (sim.stats.inFlight > 0 && Date.now() < deadline) await Bun.sleep(50);
+    expect(sim.stats.inFlight).toBe(0);
+    expect((await chat(org.serviceKey)).status).toBe(200);
+    await Bun.sleep(300);
+    const after = fds();
+    console.log(`descriptors: before=${before} after=${after} (60 faulty requests)`);
+    // Keep-alive pools may hold a few more connections; a leak would grow with the 60 requests.
+    expect(after - before).toBeLessThanOrEqual(10);
+  });
+});

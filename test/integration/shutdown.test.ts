@@ -1,0 +1,196 @@
+import { afterAll, beforeAll, describe, expect, test, setDefaultTimeout } from "bun:test";
+import { writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { sql } from "drizzle-orm";
+import { createKey, createOrg } from "../../src/admin/service.ts";
+import { migrate, openDatabase } from "../../src/db/client.ts";
+import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { cleanEnv, exitWithin, freePort, type Proc, removeScratch, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
+
+// Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
+// runs (test/helpers/setup.ts), so files that spawn processes or open PGlite set
+// their own: a cold PGlite start on a busy 2-core machine takes several seconds.
+setDefaultTimeout(60_000);
+
+/**
+ * Graceful shutdown of a real `gateway serve` process: on SIGTERM it stops
+ * accepting connections, lets in-flight requests and streams finish (up to
+ * drainMs), writes buffered usage, closes the database and exits 0.
+ * The slow in-flight work is a chat completion against the simulator with a
+ * long time-to-first-token, so the request is provably in flight at SIGTERM.
+ */
+
+const work = scratchDir("gw-shutdown-");
+const dataDir = join(work, "data");
+let sim: Simulator;
+let orgId = "";
+let key = "";
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 1_500, interTokenMs: 40, completionTokens: 20 });
+  // Set up the embedded database before the gateway owns it (one process at a time).
+  const db = await openDatabase({ dataDir });
+  try {
+    await migrate(db);
+    const org = await createOrg(db, { name: "Shutdown", plan: "Ultra", plans: ["Standard", "Ultra"] });
+    orgId = org.id;
+    key = (await createKey(db, { orgId, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" })).key;
+  } finally {
+    await db.close();
+  }
+});
+afterAll(async () => {
+  await sim?.stop();
+  removeScratch();
+});
+
+async function startGateway(drainMs: number, upstream = sim): Promise<{ proc: Proc; base: string; port: number }> {
+  const config = join(work, `config-${drainMs}.json`);
+  writeFileSync(config, JSON.stringify({ drainMs, accessLog: true }));
+  const port = freePort();
+  const proc = startGatewayProcess(["serve", "--port", String(port), "--data-dir", dataDir, "--config", config], {
+    env: cleanEnv({ UPSTREAM_BASE_URL: upstream.url }),
+  });
+  const base = `http://127.0.0.1:${port}`;
+  try {
+    await proc.waitForLine(/"msg":"listening"/, 60_000);
+    await waitFor200(`${base}/readyz`);
+  } catch (e) {
+    proc.kill("SIGKILL");
+    throw e;
+  }
+  return { proc, base, port };
+}
+
+function chat(base: string, stream: boolean): Promise<Response> {
+  return fetch(`${base}/v1/chat/completions`, {
+    method: "POST",
+    headers: { authorization: `Bearer ${key}`, "content-type": "application/json" },
+    body: JSON.stringify({ model: "svc-fast", stream, messages: [{ role: "user", content: "Say something slowly." }] }),
+  });
+}
+
+/** Wait until the simulator is serving `n` requests, i.e. they are in flight through the gateway. */
+async function inFlight(n: number, timeoutMs = 10_000) {
+  const deadline = Date.now() + timeoutMs;
+  while (sim.stats.inFlight < n) {
+    if (Date.now() > deadline) throw new Error(`only ${sim.stats.inFlight} requests reached the upstream`);
+    await Bun.sleep(10);
+  }
+}
+
+/** True when a new TCP connection to the port is refused. */
+async function refusesConnections(port: number): Promise<boolean> {
+  try {
+    const s = await Bun.connect({ hostname: "127.0.0.1", port, socket: { data() {} } });
+    s.end();
+    return false;
+  } catch {
+    return true;
+  }
+}
+
+describe("graceful shutdown of `gateway serve`", () => {
+  test("SIGTERM: an in-flight stream and an in-flight JSON request complete, new connections are refused, exit 0", async () => {
+    const { proc, base, port } = await startGateway(15_000);
+    try {
+      sim.reset();
+      const streaming = chat(base, true);
+      const plain = chat(base, false);
+      await inFlight(2);
+      const t0 = Date.now();
+      proc.kill("SIGTERM");
+      await proc.waitForLine(/"msg":"shutting down"/, 5_000);
+
+      // Refusing new work: the listener closes at once, while the two requests go on.
+      let refused = false;
+      for (let i = 0; i < 50 && !refused; i++) {
+        refused = await refusesConnections(port);
+        if (!refused) await Bun.sleep(20);
+      }
+      expect(refused).toBe(true);
+
+      const s = await streaming;
+      expect(s.status).toBe(200);
+      expect(s.headers.get("content-type")).toContain("text/event-stream");
+      const text = await s.text();
+      expect(text.trimEnd().endsWith("data: [DONE]")).toBe(true);
+      const chunks = text.split("\n\n").filter((e) => e.startsWith("data: {"));
+      expect(chunks.length).toBeGreaterThanOrEqual(20);
+
+      const p = await plain;
+      expect(p.status).toBe(200);
+      const body = (await p.json()) as { choices: { message: { content: string } }[]; usage: { completion_tokens: number } };
+      expect(body.choices[0]?.message.content.length).toBeGreaterThan(0);
+      expect(body.usage.completion_tokens).toBe(20);
+
+      expect(await exitWithin(proc, 10_000)).toBe(0);
+      // It waited for the requests (ttft 1.5 s + 20 tokens), not for the drain limit.
+      expect(Date.now() - t0).toBeLessThan(10_000);
+      expect(proc.stdout()).toContain('"msg":"stopped"');
+      expect(proc.stdout()).not.toContain("drain time over");
+    } finally {
+      proc.kill("SIGKILL");
+    }
+
+    // Usage of both requests was written before the database closed.
+    const db = await openDatabase({ dataDir });
+    try {
+      const rows = await db.rows<{ n: number; streamed: number }>(
+        sql`select count(*)::int as n, count(*) filter (where streamed)::int as streamed from usage_events where org_id = ${orgId}`,
+      );
+      expect(rows[0]).toEqual({ n: 2, streamed: 1 });
+    } finally {
+      await db.close();
+    }
+  }, 60_000);
+
+  test("SIGTERM with a stream longer than drainMs: cut at the drain limit, still exit 0", async () => {
+    // A 40-second stream (200 tokens, 200 ms apart) against a 0.5 s drain limit.
+    const slow = await startSimulator({ port: 0, ttftMs: 100, interTokenMs: 200, completionTokens: 200 });
+    const { proc, base } = await startGateway(500, slow);
+    try {
+      const res = await chat(base, true);
+      expect(res.status).toBe(200);
+      const reader = res.body?.getReader();
+      const first = await reader?.read();
+      expect(first?.done).toBe(false);
+      const t0 = Date.now();
+      proc.kill("SIGTERM");
+      expect(await exitWithin(proc, 10_000)).toBe(0);
+      expect(Date.now() - t0).toBeLessThan(5_000);
+      expect(proc.stdout()).toContain("drain time over");
+      // The client sees the stream end (closed or errored) instead of hanging.
+      let ended = false;
+      try {
+        for (;;) {
+          const r = await reader?.read();
+          if (!r || r.done) break;
+        }
+        ended = true;
+      } catch {
+        ended = true;
+      }
+      expect(ended).toBe(true);
+    } finally {
+      proc.kill("SIGKILL");
+      await slow.stop();
+    }
+  }, 60_000);
+
+  test("SIGINT is graceful too; an idle gateway stops at once and releases the data directory", async () => {
+    const { proc } = await startGateway(15_000);
+    try {
+      const t0 = Date.now();
+      proc.kill("SIGINT");
+      expect(await exitWithin(proc, 10_000)).toBe(0);
+      expect(Date.now() - t0).toBeLessThan(5_000);
+      expect(proc.stdout()).toContain('"signal":"SIGINT"');
+    } finally {
+      proc.kill("SIGKILL");
+    }
+    // The pid lock is gone: another process may open the directory now.
+    const db = await openDatabase({ dataDir });
+    await db.close();
+  }, 60_000);
+});

@@ -1,0 +1,300 @@
+import { afterAll, describe, expect, test } from "bun:test";
+import { writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { runCli } from "../../src/cli/index.ts";
+import { ConfigError, loadConfig, maskConfig, upstreamAliases } from "../../src/config/load.ts";
+import { DEFAULT_PLANS, SPEC_ALIASES } from "../../src/config/schema.ts";
+import { removeScratch, scratchDir } from "../helpers/process.ts";
+
+const dir = scratchDir("gw-config-");
+afterAll(() => removeScratch());
+
+let n = 0;
+function file(content: unknown): string {
+  const p = join(dir, `c${n++}.json`);
+  writeFileSync(p, typeof content === "string" ? content : JSON.stringify(content));
+  return p;
+}
+
+/** The problems loadConfig reports, or [] when it accepts the input. */
+async function problems(input: Parameters<typeof loadConfig>[0]): Promise<string[]> {
+  try {
+    await loadConfig(input);
+    return [];
+  } catch (e) {
+    if (e instanceof ConfigError) return e.problems;
+    throw e;
+  }
+}
+
+function capture() {
+  const o = { out: "", err: "" };
+  return { o, out: { stdout: (s: string) => void (o.out += s), stderr: (s: string) => void (o.err += s) } };
+}
+
+describe("defaults", () => {
+  test("an empty environment gives the documented defaults", async () => {
+    const c = await loadConfig({ env: {} });
+    expect(c).toMatchObject({
+      host: "127.0.0.1",
+      port: 8080,
+      dataDir: "./data",
+      dbPoolMax: 10,
+      logLevel: "info",
+      accessLog: true,
+      bodyLimitBytes: 16 * 1024 * 1024,
+      drainMs: 30_000,
+      keyTag: "gw",
+      defaultPlan: "Standard",
+      keyCache: { ttlMs: 60_000, max: 100_000, negativeTtlMs: 5_000, negativeMax: 10_000 },
+      rateLimit: { instances: 1, maxOrgs: 100_000 },
+      upstream: { attempts: 3, backoffMs: 50, timeouts: { connectMs: 5_000, firstByteMs: 60_000, idleMs: 60_000 } },
+    });
+    expect(c.databaseUrl).toBeUndefined();
+    expect(c.cursorSecret).toBeUndefined();
+    expect(c.plans).toEqual(DEFAULT_PLANS);
+    expect(c.aliases).toEqual({});
+  });
+
+  test("a file may set any subset; nested objects are completed", async () => {
+    const c = await loadConfig({ env: {}, file: file({ drainMs: 5_000, keyCache: { ttlMs: 1_000 }, upstream: { timeouts: { idleMs: 7 } } }) });
+    expect(c.drainMs).toBe(5_000);
+    expect(c.port).toBe(8080);
+    expect(c.keyCache).toEqual({ ttlMs: 1_000, max: 100_000, negativeTtlMs: 5_000, negativeMax: 10_000 });
+    expect(c.upstream.timeouts).toEqual({ connectMs: 5_000, firstByteMs: 60_000, idleMs: 7 });
+    expect(c.upstream.attempts).toBe(3);
+  });
+
+  test("GATEWAY_CONFIG names the file when --config is absent", async () => {
+    const c = await loadConfig({ env: { GATEWAY_CONFIG: file({ port: 9001 }) } });
+    expect(c.port).toBe(9001);
+  });
+});
+
+describe("precedence: file < env < flags", () => {
+  test("env overrides the file", async () => {
+    const c = await loadConfig({
+      env: {
+        HOST: "0.0.0.0",
+        PORT: "9000",
+        GATEWAY_DATA_DIR: "/var/lib/gateway",
+        DATABASE_URL: "postgres://u:p@db:5432/gw",
+        LOG_LEVEL: "warn",
+        GATEWAY_CURSOR_SECRET: "x".repeat(32),
+        GATEWAY_RATE_LIMIT_INSTANCES: "3",
+      },
+      file: file({ host: "10.0.0.1", port: 1, dataDir: "/elsewhere", logLevel: "debug", rateLimit: { maxOrgs: 5 } }),
+    });
+    expect(c).toMatchObject({
+      host: "0.0.0.0",
+      port: 9000,
+      dataDir: "/var/lib/gateway",
+      databaseUrl: "postgres://u:p@db:5432/gw",
+      logLevel: "warn",
+      cursorSecret: "x".repeat(32),
+      rateLimit: { instances: 3, maxOrgs: 5 },
+    });
+  });
+
+  test("flags override env; empty env values are ignored", async () => {
+    const c = await loadConfig({ env: { HOST: "0.0.0.0", PORT: "9000", GATEWAY_DATA_DIR: "" }, overrides: { port: 7000, dataDir: "./d" } });
+    expect(c).toMatchObject({ host: "0.0.0.0", port: 7000, dataDir: "./d" });
+  });
+});
+
+describe("plans", () => {
+  test("a file's plans are merged with the built-in ones", async () => {
+    const c = await loadConfig({ env: {}, file: file({ plans: { Enterprise: { requestsPerMinute: 1_200 } } }) });
+    expect(c.plans).toEqual({ ...DEFAULT_PLANS, Enterprise: { requestsPerMinute: 1_200 } });
+  });
+
+  test("a file may override a built-in plan's limit", async () => {
+    const c = await loadConfig({ env: {}, file: file({ plans: { Standard: { requestsPerMinute: 10 } } }) });
+    expect(c.plans.Standard).toEqual({ requestsPerMinute: 10 });
+    expect(c.plans.Ultra).toEqual({ requestsPerMinute: 300 });
+  });
+
+  test("defaultPlan must name a configured plan", async () => {
+    expect(await problems({ env: {}, file: file({ defaultPlan: "Gold" }) })).toEqual([`/defaultPlan: plan "Gold" is not in /plans`]);
+    const c = await loadConfig({ env: {}, file: file({ defaultPlan: "Gold", plans: { Gold: { requestsPerMinute: 5 } } }) });
+    expect(c.defaultPlan).toBe("Gold");
+  });
+});
+
+describe("aliases", () => {
+  test("UPSTREAM_BASE_URL points the four spec aliases at one server", async () => {
+    const c = await loadConfig({ env: { UPSTREAM_BASE_URL: "http://10.0.0.5:8000/v1" } });
+    expect(Object.keys(c.aliases).sort()).toEqual(["svc-bigthink", "svc-embed", "svc-fast", "svc-smart"]);
+    for (const [name, a] of Object.entries(c.aliases)) {
+      expect(a.targets).toEqual([{ baseUrl: "http://10.0.0.5:8000/v1", model: name, weight: 1 }]);
+      const spec = SPEC_ALIASES[name];
+      expect(spec).toBeDefined();
+      expect(a.kind).toBe(spec?.kind ?? a.kind);
+      expect(a.contextWindow).toBe(spec?.contextWindow);
+      expect(a.capabilities).toEqual(spec?.capabilities ?? []);
+    }
+    expect(c.aliases["svc-embed"]).toMatchObject({ kind: "embedding", dimensions: 1024 });
+    expect(c.aliases["svc-fast"]).toMatchObject({ kind: "chat", contextWindow: 128_000, capabilities: ["images", "tools"] });
+    // Only svc-bigthink has its own (long) timeouts; the others inherit upstream.timeouts.
+    expect(c.aliases["svc-bigthink"]?.timeouts).toEqual({ connectMs: 5_000, firstByteMs: 600_000, idleMs: 300_000 });
+    expect(c.aliases["svc-fast"]?.timeouts).toBeUndefined();
+  });
+
+  test("UPSTREAM_API_KEY makes every target send that key (by env name, not value)", async () => {
+    const c = await loadConfig({ env: { UPSTREAM_BASE_URL: "http://u:1/v1", UPSTREAM_API_KEY: "secret" } });
+    for (const a of Object.values(c.aliases)) expect(a.targets[0]?.apiKeyEnv).toBe("UPSTREAM_API_KEY");
+    expect(JSON.stringify(c)).not.toContain("secret");
+  });
+
+  test("upstreamAliases is what the env shortcut uses", () => {
+    const a = upstreamAliases("http://x/v1") as Record<string, { targets: { model: string }[] }>;
+    expect(Object.keys(a)).toEqual(Object.keys(SPEC_ALIASES));
+    expect(a["svc-smart"]?.targets[0]?.model).toBe("svc-smart");
+  });
+
+  test("aliases in a file win over UPSTREAM_BASE_URL and inherit the spec table", async () => {
+    const c = await loadConfig({
+      env: { UPSTREAM_BASE_URL: "http://ignored/v1" },
+      file: file({ aliases: { "svc-fast": { targets: [{ baseUrl: "http://10.0.0.5:8000/v1", model: "mistral" }] } } }),
+    });
+    expect(Object.keys(c.aliases)).toEqual(["svc-fast"]);
+    expect(c.aliases["svc-fast"]).toMatchObject({
+      kind: "chat",
+      contextWindow: 128_000,
+      capabilities: ["images", "tools"],
+      ownedBy: "gateway",
+      // weight defaults inside a record entry (TypeBox's Default does not descend there by itself)
+      targets: [{ baseUrl: "http://10.0.0.5:8000/v1", model: "mistral", weight: 1 }],
+    });
+  });
+
+  test("a custom alias takes defaults for capabilities, owner and weight; partial timeouts are completed", async () => {
+    const c = await loadConfig({
+      env: {},
+      file: file({ aliases: { "my-model": { kind: "chat", targets: [{ baseUrl: "https://h/v1", model: "m" }], timeouts: { firstByteMs: 9 } } } }),
+    });
+    expect(c.aliases["my-model"]).toEqual({
+      kind: "chat",
+      capabilities: [],
+      ownedBy: "gateway",
+      targets: [{ baseUrl: "https://h/v1", model: "m", weight: 1 }],
+      timeouts: { connectMs: 5_000, firstByteMs: 9, idleMs: 60_000 },
+    });
+  });
+
+  test("the README's example config file is valid", async () => {
+    const c = await loadConfig({
+      env: { GPU2_KEY: "k" },
+      file: file({
+        aliases: {
+          "svc-fast": {
+            targets: [
+              { baseUrl: "http://10.0.0.5:8000/v1", model: "mistralai/Mistral-Small-3.2-24B-Instruct-2506", weight: 2 },
+              { baseUrl: "http://10.0.0.6:8000/v1", model: "mistralai/Mistral-Small-3.2-24B-Instruct-2506", weight: 1, apiKeyEnv: "GPU2_KEY" },
+            ],
+          },
+          "svc-bigthink": {
+            targets: [{ baseUrl: "http://10.0.0.7:8000/v1", model: "big" }],
+            timeouts: { connectMs: 5000, firstByteMs: 600000, idleMs: 300000 },
+          },
+        },
+        plans: { Enterprise: { requestsPerMinute: 1200 } },
+      }),
+    });
+    expect(Object.keys(c.aliases)).toEqual(["svc-fast", "svc-bigthink"]);
+    expect(c.plans.Enterprise).toEqual({ requestsPerMinute: 1200 });
+  });
+});
+
+describe("errors: all listed at once, each with its path", () => {
+  test("schema errors from the file and env together", async () => {
+    const p = await problems({
+      env: { PORT: "eighty", GATEWAY_RATE_LIMIT_INSTANCES: "-1" },
+      file: file({
+        logLevel: "loud",
+        bogus: 1,
+        keyCache: { ttlMs: -1 },
+        databaseUrl: "mysql://x",
+        keyTag: "Has-Dash",
+        aliases: { "bad name!": { kind: "chat", targets: [] } },
+      }),
+    });
+    expect(p).toContain(`env PORT: expected a whole number, got "eighty"`);
+    expect(p).toContain(`env GATEWAY_RATE_LIMIT_INSTANCES: expected a whole number, got "-1"`);
+    expect(p).toContain("/bogus: Unexpected property (got 1)");
+    expect(p).toContain(`/logLevel: expected one of "debug", "info", "warn", "error", "silent" (got "loud")`);
+    expect(p.some((m) => m.startsWith("/keyCache/ttlMs:"))).toBe(true);
+    expect(p.some((m) => m.startsWith("/databaseUrl:"))).toBe(true);
+    expect(p.some((m) => m.startsWith("/keyTag:"))).toBe(true);
+    // An alias name outside the pattern is refused, not silently accepted unvalidated.
+    expect(p.some((m) => m.startsWith("/aliases/bad name!:"))).toBe(true);
+    expect(p.length).toBeGreaterThanOrEqual(8);
+  });
+
+  test("semantic errors: bad URL, missing key env, all-zero weights", async () => {
+    const p = await problems({
+      env: {},
+      file: file({
+        aliases: {
+          "svc-fast": { targets: [{ baseUrl: "ftp://h/v1", model: "m", apiKeyEnv: "NOT_SET_ANYWHERE" }] },
+          x: { kind: "chat", targets: [{ baseUrl: "http://h/v1", model: "m", weight: 0 }] },
+        },
+      }),
+    });
+    expect(p).toEqual([
+      "/aliases/svc-fast/targets/0/baseUrl: not an http(s) URL",
+      "/aliases/svc-fast/targets/0/apiKeyEnv: env NOT_SET_ANYWHERE is not set",
+      "/aliases/x/targets: every target has weight 0",
+    ]);
+  });
+
+  test("a missing file, invalid JSON, or a non-object", async () => {
+    expect(await problems({ env: {}, file: join(dir, "nope.json") })).toEqual([`config file ${join(dir, "nope.json")}: not found`]);
+    const bad = file("{ not json");
+    expect((await problems({ env: {}, file: bad }))[0]).toStartWith(`config file ${bad}: invalid JSON`);
+    const arr = file([1, 2]);
+    expect(await problems({ env: {}, file: arr })).toEqual([`config file ${arr}: must hold a JSON object`]);
+  });
+
+  test("the error message lists every problem on its own line", () => {
+    const e = new ConfigError(["/a: x", "/b: y"]);
+    expect(e.message).toBe("invalid configuration:\n  - /a: x\n  - /b: y");
+  });
+});
+
+describe("gateway config check|print", () => {
+  test("check: exit 2, every problem on stderr, nothing on stdout", async () => {
+    const { o, out } = capture();
+    const code = await runCli(["config", "check", "--config", file({ port: "x", logLevel: "loud", drainMs: -5 })], out);
+    expect(code).toBe(2);
+    expect(o.out).toBe("");
+    expect(o.err).toContain("invalid configuration:");
+    for (const path of ["/port", "/logLevel", "/drainMs"]) expect(o.err).toContain(`  - ${path}:`);
+  });
+
+  test("check: a valid file exits 0; --json prints only JSON", async () => {
+    const { o, out } = capture();
+    expect(await runCli(["config", "check", "--config", file({ port: 9000 }), "--json"], out)).toBe(0);
+    expect(JSON.parse(o.out)).toEqual({ ok: true });
+    expect(o.err).toBe("");
+  });
+
+  test("print masks secrets", async () => {
+    const { o, out } = capture();
+    const cfg = file({ databaseUrl: "postgres://gw:hunter2@db:5432/gw", cursorSecret: "s".repeat(40) });
+    expect(await runCli(["config", "print", "--config", cfg], out)).toBe(0);
+    expect(o.out).not.toContain("hunter2");
+    expect(o.out).not.toContain("s".repeat(40));
+    const printed = JSON.parse(o.out) as { databaseUrl: string; cursorSecret: string };
+    expect(printed.databaseUrl).toBe("postgres://gw:***@db:5432/gw");
+    expect(printed.cursorSecret).toBe("***");
+  });
+
+  test("maskConfig leaves a password-less URL alone and does not mutate its input", async () => {
+    const c = await loadConfig({ env: { DATABASE_URL: "postgres://gw@db/gw" } });
+    expect(maskConfig(c).databaseUrl).toBe("postgres://gw@db/gw");
+    const s = await loadConfig({ env: { DATABASE_URL: "postgres://gw:pw@db/gw" } });
+    expect(maskConfig(s).databaseUrl).toBe("postgres://gw:***@db/gw");
+    expect(s.databaseUrl).toBe("postgres://gw:pw@db/gw");
+  });
+});

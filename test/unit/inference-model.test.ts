@@ -1,0 +1,94 @@
+import { describe, expect, test } from "bun:test";
+import { AppError } from "../../src/http/errors.ts";
+import { firstImage, paramOf, parseChatBody, parseEmbeddingsBody } from "../../src/inference/model.ts";
+import { estimateEmbeddingTokens, estimatePromptTokens } from "../../src/inference/tokens.ts";
+
+function paramFor(f: () => unknown): string | null {
+  try {
+    f();
+  } catch (e) {
+    if (e instanceof AppError) {
+      expect(e.code).toBe("invalid_request_error");
+      return e.param;
+    }
+    throw e;
+  }
+  throw new Error("expected a validation error");
+}
+
+const user = [{ role: "user", content: "hi" }];
+
+describe("paramOf", () => {
+  test("JSON pointers become OpenAI-style paths", () => {
+    expect(paramOf("/messages/0/content/1/image_url/url")).toBe("messages[0].content[1].image_url.url");
+    expect(paramOf("/temperature")).toBe("temperature");
+    expect(paramOf("/logit_bias/a~1b")).toBe("logit_bias.a/b");
+    expect(paramOf("")).toBe("");
+  });
+});
+
+describe("parseChatBody", () => {
+  test("a minimal body is accepted and returned as is", () => {
+    const body = { model: "svc-fast", messages: user };
+    expect(parseChatBody(body)).toBe(body as never);
+  });
+
+  test("unknown fields are named, at the top level and inside messages", () => {
+    expect(paramFor(() => parseChatBody({ model: "m", messages: user, foo: 1 }))).toBe("foo");
+    expect(paramFor(() => parseChatBody({ model: "m", messages: [{ role: "user", content: "x", bar: 1 }] }))).toBe("messages[0].bar");
+  });
+
+  test("the wrong tag is reported rather than the fields another tag would need", () => {
+    expect(paramFor(() => parseChatBody({ model: "m", messages: user, tools: [{ type: "custom" }] }))).toBe("tools[0].type");
+    expect(paramFor(() => parseChatBody({ model: "m", messages: user, response_format: { type: "json_schema" } }))).toBe("response_format.json_schema");
+    expect(paramFor(() => parseChatBody({ model: "m", messages: user, tool_choice: { type: "function", function: {} } }))).toBe("tool_choice.function.name");
+  });
+
+  test("nullable fields report the inner field", () => {
+    expect(paramFor(() => parseChatBody({ model: "m", messages: user, stream_options: { include_usage: 1 } }))).toBe("stream_options.include_usage");
+    expect(paramFor(() => parseChatBody({ model: "m", messages: user, temperature: 9 }))).toBe("temperature");
+  });
+
+  test("assistant messages as the SDK returns them are accepted back", () => {
+    const echoed = {
+      role: "assistant",
+      content: null,
+      refusal: null,
+      annotations: [],
+      audio: null,
+      function_call: null,
+      reasoning_content: null,
+      tool_calls: [{ id: "c1", type: "function", function: { name: "f", arguments: "{}" } }],
+    };
+    expect(() => parseChatBody({ model: "m", messages: [...user, echoed, { role: "tool", tool_call_id: "c1", content: [{ type: "text", text: "ok" }] }] })).not.toThrow();
+  });
+
+  test("tool parameters are arbitrary JSON Schema", () => {
+    const parameters = { $schema: "x", type: "object", additionalProperties: false, properties: { a: { anyOf: [{ type: "string" }, { type: "null" }] } }, "x-anything": [1, { deep: true }] };
+    expect(() => parseChatBody({ model: "m", messages: user, tools: [{ type: "function", function: { name: "f", parameters } }] })).not.toThrow();
+  });
+
+  test("firstImage", () => {
+    expect(firstImage([{ role: "user", content: "x" }, { role: "user", content: [{ type: "text" }, { type: "image_url" }] }] as never)).toBe("messages[1].content[1]");
+    expect(firstImage([{ role: "user", content: "x" }] as never)).toBeUndefined();
+  });
+});
+
+describe("parseEmbeddingsBody", () => {
+  test("input shapes", () => {
+    for (const input of ["a", ["a", "b"], [1, 2], [[1], [2, 3]]]) expect(() => parseEmbeddingsBody({ model: "e", input })).not.toThrow();
+    for (const input of [[], [[]], [1, "a"], { text: "a" }, null]) expect(paramFor(() => parseEmbeddingsBody({ model: "e", input }))).toContain("input");
+  });
+});
+
+describe("token estimates", () => {
+  test("~4 characters a token plus per-message overhead, images at a flat cost", () => {
+    const body = parseChatBody({
+      model: "m",
+      messages: [{ role: "user", content: [{ type: "text", text: "x".repeat(400) }, { type: "image_url", image_url: { url: "https://a/b.png" } }] }],
+    });
+    expect(estimatePromptTokens(body)).toBe(3 + 4 + 100 + 85);
+    expect(estimateEmbeddingTokens(parseEmbeddingsBody({ model: "e", input: ["abcd", "abcdefgh"] }))).toBe(3);
+    expect(estimateEmbeddingTokens(parseEmbeddingsBody({ model: "e", input: [[1, 2, 3], [4]] }))).toBe(4);
+  });
+});

@@ -1,0 +1,240 @@
+import { describe, expect, test } from "bun:test";
+import { Breaker } from "../../src/inference/breaker.ts";
+import { createConnectProbe, originOf } from "../../src/inference/probe.ts";
+import { relayStream, type StreamEnd } from "../../src/inference/stream.ts";
+import { type ByteReader, type Opened, type Target, upstreamMessage } from "../../src/inference/upstream.ts";
+
+const enc = new TextEncoder();
+const UP = "org/upstream-model";
+
+function chunk(content: string | null, extra = ""): string {
+  const delta = content === null ? "{}" : `{"content":${JSON.stringify(content)}}`;
+  return `data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"${UP}","choices":[{"index":0,"delta":${delta},"finish_reason":null}]${extra}}\n\n`;
+}
+const USAGE = `data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"${UP}","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n`;
+const DONE = "data: [DONE]\n\n";
+
+/** An Opened over scripted reads; `null` in the script means "fail this read", a number means "hang". */
+function fakeOpened(parts: (string | null | number)[]) {
+  const calls = { aborted: [] as string[], finished: [] as (boolean | null)[] };
+  let i = 1;
+  let reject: ((e: unknown) => void) | undefined;
+  const reader: ByteReader = {
+    read() {
+      const p = parts[i++];
+      if (p === undefined) return Promise.resolve({ done: true });
+      if (p === null) return Promise.reject(new Error("reset"));
+      if (typeof p === "number") return new Promise((_, rej) => (reject = rej));
+      return Promise.resolve({ done: false, value: enc.encode(p) });
+    },
+    cancel() {
+      reject?.(new Error("cancelled"));
+      return Promise.resolve();
+    },
+  };
+  const target = { modelField: enc.encode(`"model":${JSON.stringify(UP)}`), label: "t" } as unknown as Target;
+  const opened: Opened = {
+    target,
+    reader,
+    first: enc.encode(String(parts[0])),
+    abort(reason) {
+      calls.aborted.push(reason);
+      reject?.(new Error(reason));
+    },
+    finish(ok) {
+      calls.finished.push(ok);
+    },
+  };
+  return { opened, calls };
+}
+
+async function relay(parts: (string | null | number)[], opts: { clientWantsUsage?: boolean; idleMs?: number } = {}) {
+  const { opened, calls } = fakeOpened(parts);
+  let ended: StreamEnd | undefined;
+  const s = relayStream(opened, {
+    alias: "svc-fast",
+    clientWantsUsage: opts.clientWantsUsage ?? false,
+    idleMs: opts.idleMs ?? 10_000,
+    signal: new AbortController().signal,
+    onEnd: (e) => {
+      ended = e;
+    },
+  });
+  const out: string[] = [];
+  const reader = s.getReader();
+  for (;;) {
+    const r = await reader.read();
+    if (r.done) break;
+    out.push(new TextDecoder().decode(r.value));
+  }
+  return { out, text: out.join(""), ended, calls };
+}
+
+/** Splits a string into pieces of `n` characters (ASCII here, so bytes too). */
+const pieces = (s: string, n: number) => Array.from({ length: Math.ceil(s.length / n) }, (_, k) => s.slice(k * n, k * n + n));
+
+describe("relayStream", () => {
+  const whole = chunk("Hel") + chunk("lo") + chunk(null, ',"x":1') + USAGE + DONE;
+  const expected = (whole.replaceAll(`"model":"${UP}"`, '"model":"svc-fast"')).replace(USAGE.replace(UP, "svc-fast"), "");
+
+  test("swaps the model id, drops the usage-only chunk, keeps the usage for metering", async () => {
+    const r = await relay([whole]);
+    expect(r.text).toBe(expected);
+    expect(r.ended?.outcome).toBe("done");
+    expect(r.ended?.usage).toEqual({ promptTokens: 7, completionTokens: 3 });
+    expect(r.calls.finished).toEqual([true]);
+  });
+
+  test("events split at any byte boundary come out whole and unchanged", async () => {
+    for (const n of [1, 2, 3, 7, 50]) {
+      const r = await relay(pieces(whole, n));
+      expect(r.text).toBe(expected);
+      // Every chunk the client gets is one or more complete events.
+      for (const o of r.out) expect(o.endsWith("\n\n")).toBe(true);
+    }
+  });
+
+  test("usage reaches the client when asked for", async () => {
+    const r = await relay([whole], { clientWantsUsage: true });
+    expect(r.text).toContain('"usage":{"prompt_tokens":7');
+    expect(r.text).toContain('"choices":[],"usage"');
+  });
+
+  test("\\r\\n\\r\\n-terminated events (sse-starlette servers)", async () => {
+    const crlf = whole.replaceAll("\n\n", "\r\n\r\n");
+    const r = await relay(pieces(crlf, 5));
+    expect(r.text).toBe(expected.replaceAll("\n\n", "\r\n\r\n"));
+  });
+
+  test("a cut-off stream: error event, no usage, delivered text counted", async () => {
+    const r = await relay([chunk("abcdefgh"), chunk('q\\"uote'), null]);
+    const last = r.out.at(-1) ?? "";
+    expect(last.startsWith('data: {"error":{')).toBe(true);
+    expect(JSON.parse(last.slice(6)).error.code).toBe("service_unavailable");
+    expect(r.ended?.outcome).toBe("failed");
+    expect(r.ended?.usage).toBeUndefined();
+    // "abcdefgh" + q\\\"uote: JSON escapes count as sent
+    expect(r.ended?.deliveredChars).toBe(8 + 9);
+    expect(r.calls.finished).toEqual([false]);
+  });
+
+  test("a stream that ends without [DONE] is reported as failed", async () => {
+    const r = await relay([chunk("a"), chunk(null)]);
+    expect(r.out.at(-1)).toContain('"error"');
+    expect(r.ended?.outcome).toBe("failed");
+  });
+
+  test("an upstream error event is translated into our shape", async () => {
+    const r = await relay([chunk("a"), 'data: {"error": {"object": "error", "message": "boom", "type": "X", "param": null, "code": 500}}\n\n', chunk("never")]);
+    expect(r.out.length).toBe(2);
+    const err = JSON.parse((r.out[1] ?? "").slice(6)).error;
+    expect(err.message).toContain("boom");
+    expect(err.code).toBe("service_unavailable");
+    expect(r.text).not.toContain("never");
+  });
+
+  test("the model id is swapped with Python's spaced separators too", async () => {
+    const spaced = `data: {"id": "c1", "model": "${UP}", "choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n${DONE}`;
+    const r = await relay([spaced]);
+    expect(r.text).toContain('"model":"svc-fast"');
+    expect(r.text).not.toContain(UP);
+  });
+
+  test("comments and keep-alives pass through", async () => {
+    const r = await relay([": keep-alive\n\n", chunk("a") + DONE]);
+    expect(r.text.startsWith(": keep-alive\n\n")).toBe(true);
+  });
+
+  test("idle upstream: aborted after idleMs, error event", async () => {
+    const t0 = performance.now();
+    const r = await relay([chunk("a"), 1], { idleMs: 60 });
+    expect(performance.now() - t0).toBeGreaterThanOrEqual(55);
+    expect(r.calls.aborted[0]).toContain("idle");
+    expect(r.out.at(-1)).toContain("stopped sending");
+    expect(r.ended?.outcome).toBe("failed");
+  });
+
+  test("client cancel aborts the upstream and ends without a verdict", async () => {
+    const { opened, calls } = fakeOpened([chunk("a"), 1]);
+    let ended: StreamEnd | undefined;
+    const s = relayStream(opened, { alias: "svc-fast", clientWantsUsage: false, idleMs: 10_000, signal: new AbortController().signal, onEnd: (e) => (ended = e) });
+    const reader = s.getReader();
+    await reader.read();
+    await reader.cancel();
+    expect(calls.aborted).toEqual(["client disconnected"]);
+    expect(ended?.outcome).toBe("client_gone");
+    expect(calls.finished).toEqual([null]);
+  });
+});
+
+describe("upstreamMessage", () => {
+  test("reads every upstream error shape, never returns the shape", () => {
+    expect(upstreamMessage('{"object":"error","message":"legacy","type":"BadRequestError","param":null,"code":400}').message).toBe("legacy");
+    expect(upstreamMessage('{"error":{"message":"nested","type":"x","param":"top_p","code":400}}')).toEqual({ message: "nested", param: "top_p" });
+    expect(upstreamMessage('{"detail":[{"msg":"field required"},{"msg":"bad"}]}').message).toBe("field required; bad");
+    expect(upstreamMessage('{"error":"Unauthorized"}').message).toBe("Unauthorized");
+    expect(upstreamMessage("plain text").message).toBe("plain text");
+    expect(upstreamMessage("").message).toContain("rejected");
+    expect(upstreamMessage(JSON.stringify({ message: "x".repeat(5000) })).message.length).toBeLessThan(1100);
+  });
+});
+
+describe("Breaker", () => {
+  test("closed → open after N failures → half-open after the cool-down, one probe at a time", () => {
+    const b = new Breaker({ failures: 2, cooldownMs: 100 });
+    expect(b.failure(0)).toBe(false);
+    expect(b.state(0)).toBe("closed");
+    expect(b.failure(1)).toBe(true);
+    expect(b.available(50)).toBe(false);
+    expect(b.state(101)).toBe("half-open");
+    expect(b.available(101)).toBe(true);
+    b.acquire(101);
+    expect(b.available(102)).toBe(false);
+    // The probe fails: open again for a full cool-down.
+    expect(b.failure(110)).toBe(true);
+    expect(b.available(200)).toBe(false);
+    b.acquire(211);
+    b.success();
+    expect(b.state(212)).toBe("closed");
+  });
+
+  test("a success resets the count; a probe without verdict frees the slot", () => {
+    const b = new Breaker({ failures: 2, cooldownMs: 100 });
+    b.failure(0);
+    b.success();
+    expect(b.failure(1)).toBe(false);
+    expect(b.failure(2)).toBe(true);
+    b.acquire(150);
+    expect(b.available(150)).toBe(false);
+    b.release();
+    expect(b.available(150)).toBe(true);
+  });
+});
+
+describe("connect probe", () => {
+  test("times out a connect that never completes; shares one probe; skips fresh origins", async () => {
+    let connects = 0;
+    let t = 0;
+    const probe = createConnectProbe({ freshMs: 1_000, now: () => t, connect: () => (connects++, new Promise(() => {})) });
+    const origin = originOf("http://10.0.0.9:8000/v1");
+    expect(origin).toEqual({ hostname: "10.0.0.9", port: 8000, key: "10.0.0.9:8000" });
+    const [x, y] = await Promise.all([probe.check(origin, 20), probe.check(origin, 20)]);
+    expect([x, y]).toEqual(["timeout", "timeout"]);
+    expect(connects).toBe(1);
+    probe.alive(origin);
+    expect(probe.check(origin, 20)).toBeUndefined();
+    t = 2_000;
+    expect(probe.check(origin, 20)).toBeInstanceOf(Promise);
+  });
+
+  test("refused and ok", async () => {
+    const refused = createConnectProbe({ connect: () => Promise.reject(new Error("ECONNREFUSED")) });
+    expect(await refused.check(originOf("https://example.com/v1"), 50)).toBe("refused");
+    const ok = createConnectProbe({ connect: () => Promise.resolve() });
+    const o = originOf("https://[::1]/v1");
+    expect(o.port).toBe(443);
+    expect(o.hostname).toBe("::1");
+    expect(await ok.check(o, 50)).toBe("ok");
+    expect(ok.check(o, 50)).toBeUndefined();
+  });
+});
