@@ -336,6 +336,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     id: string;
     deltas: CounterDelta[];
     events: QueuedEvent[];
+    /** Records were already waiting beyond this batch when it was cut (a backlog larger than one batch). */
+    more: boolean;
   }
   /** The batch being written; retried as it is until it lands, so its id makes the write idempotent. */
   let batch: Batch | undefined;
@@ -371,7 +373,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     const taken = events.length <= per ? events : events.slice(0, per);
     events = taken === events ? [] : events.slice(per);
     if (deltas.length === 0 && taken.length === 0) return undefined;
-    return { id: crypto.randomUUID(), deltas, events: taken };
+    return { id: crypto.randomUUID(), deltas, events: taken, more: events.length > 0 };
   }
 
   async function apply(b: Batch): Promise<void> {
@@ -422,8 +424,12 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         batch ??= cut(final);
         if (!batch) return;
         await apply(batch);
+        const more = batch.more;
         batch = undefined;
-        if (events.length === 0) return;
+        // Only a backlog that was already there continues at once; what
+        // requests settled during the write waits for the next interval, or a
+        // busy instance would write back to back instead of once per flushMs.
+        if (!more) return;
         // Let requests run between batches of a backlog.
         await new Promise((r) => setImmediate(r));
       }

@@ -163,6 +163,45 @@ describe("quota leases", () => {
     expect(delivered - quotaTokens).toBeLessThanOrEqual(50 * maxExcess);
   });
 
+  test("one flush writes what was waiting; requests settled during the write wait for the next interval", async () => {
+    // Regression: under load every write found new records and the flush loop
+    // wrote back to back (100 transactions in 15 s instead of 15).
+    const db = await sharedDatabase();
+    const p = await org(null);
+    let transactions = 0;
+    let settleDuringWrite: (() => void) | undefined;
+    const counting = {
+      ...db,
+      db: new Proxy(db.db, {
+        get(target, prop, recv) {
+          const v = Reflect.get(target, prop, recv);
+          if (prop !== "transaction") return v;
+          return (...args: unknown[]) => {
+            transactions++;
+            settleDuringWrite?.();
+            return (v as (...a: unknown[]) => unknown).apply(target, args);
+          };
+        },
+      }),
+    };
+    const q = createQuota(counting, log, { leaseTokens: 100, flushMs: 60_000, maxBuffered: 100_000, eventsPerBatch: 10 });
+    const one = async () => q.settle(await q.admit(p, 10), { promptTokens: 1, completionTokens: 1 }, outcome);
+    for (let i = 0; i < 5; i++) await one();
+    settleDuringWrite = () => void one();
+    await q.flush();
+    expect(transactions).toBe(1);
+    await Bun.sleep(0);
+    expect(q.stats().bufferedEvents).toBe(1); // arrived during the write: next flush
+    // A backlog larger than one batch goes out in one flush, batch after batch.
+    settleDuringWrite = undefined;
+    for (let i = 0; i < 24; i++) await one();
+    transactions = 0;
+    await q.flush();
+    expect(transactions).toBe(3); // 25 records, 10 a batch
+    expect(q.stats().bufferedEvents).toBe(0);
+    await q.stop();
+  });
+
   test("usage is buffered while the database is unreachable and written when it returns", async () => {
     const db = await sharedDatabase();
     const p = await org(null);
