@@ -29,7 +29,12 @@
  * Options: --streams N (phase 3 size), --duration S (phase 1 seconds),
  * --phases 1,2,3, --skip-direct, --keep (keep the temporary directory),
  * --quota-tokens N|none (the organisation's quota; default 10^12, i.e. on but never binding),
- * --profile DIR (write the gateway's CPU profile there).
+ * --profile DIR (write the gateway's CPU profile there),
+ * --gateway-config JSON (merged into the gateway's config: e.g. '{"accessLog":false}' to see what a feature costs),
+ * --open-seconds S (length of the 1,000 req/s open loop; default 5).
+ * Phase "o" runs only phase 1's open loop.
+ * --bare also measures bench/bare-proxy.ts (a 20-line Bun proxy with nothing
+ * else, pinned like the gateway) in phase 1: what Bun itself costs here.
  * With DATABASE_URL set, the gateway uses that Postgres instead of the
  * embedded database (use a throwaway database: the bench creates an
  * organisation and a key in it).
@@ -53,6 +58,9 @@ const { values: args } = parseArgs({
     phases: { type: "string", default: "1,2,3" },
     "quota-tokens": { type: "string", default: "1000000000000" },
     profile: { type: "string" },
+    "gateway-config": { type: "string" },
+    "open-seconds": { type: "string", default: "5" },
+    bare: { type: "boolean", default: false },
   },
 });
 
@@ -370,6 +378,7 @@ async function main() {
       aliases: {
         "svc-fast": { targets: [{ baseUrl: simUrl, model: UPSTREAM_MODEL, weight: 1 }] },
       },
+      ...(args["gateway-config"] ? (JSON.parse(args["gateway-config"]) as Record<string, unknown>) : {}),
     }),
   );
   const org = cli(["orgs", "create", "--name", "bench", "--plan", "Bench", "--quota-tokens", args["quota-tokens"] ?? "none", "--quota-window", "month"]) as { id: string };
@@ -395,9 +404,16 @@ async function main() {
   });
 
   const direct = { url: `${simUrl}/chat/completions`, headers: { "content-type": "application/json" } };
+  let bare: Endpoint | undefined;
+  if (args.bare) {
+    const bp = Bun.spawn(pin(0, ["bun", "bench/bare-proxy.ts", "--upstream", simUrl]), { env, stdout: "pipe", stderr: "inherit" });
+    children.push(bp);
+    bare = { url: `${(JSON.parse(await firstLine(bp.stdout)) as { url: string }).url}/chat/completions`, headers: { "content-type": "application/json" } };
+  }
   const viaGw = { url: `${gwUrl}/v1/chat/completions`, headers: { "content-type": "application/json", authorization: `Bearer ${key}` } };
   const phases = new Set((args.phases ?? "").split(",").map((x) => x.trim()));
-  if (phases.has("1")) await nonStreamed(direct, viaGw, durationMs);
+  if (phases.has("1")) await nonStreamed(direct, viaGw, durationMs, bare);
+  else if (phases.has("o")) await openLoop(direct, viaGw, bare);
   if (phases.has("2")) await streamed(simRoot, direct, viaGw);
   if (phases.has("3")) await manyStreams(simRoot, viaGw, gwProc.pid, streams, fdNote);
 }
@@ -410,30 +426,45 @@ const streamBody = (model: string) => JSON.stringify({ model, messages: [{ role:
 const num = (r: Record<string, number> | undefined, k: string) => r?.[k] ?? Number.NaN;
 
 /** Phase 1: non-streamed chat at concurrency 64; the simulator answers at once, so this is pure overhead. */
-async function nonStreamed(direct: Endpoint, viaGw: Endpoint, durationMs: number) {
+async function nonStreamed(direct: Endpoint, viaGw: Endpoint, durationMs: number, bare?: Endpoint) {
   console.log(`1. non-streamed chat, concurrency 64, ${durationMs / 1000} s (16 tokens, no simulated latency)`);
   const base = { concurrency: 64, durationMs, warmupMs: 2_000 };
   const d = args["skip-direct"] ? undefined : await loadgen({ kind: "json", ...direct, body: jsonBody(UPSTREAM_MODEL), ...base });
+  const b = bare ? await loadgen({ kind: "json", ...bare, body: jsonBody(UPSTREAM_MODEL), ...base }) : undefined;
   const g = await loadgen({ kind: "json", ...viaGw, body: jsonBody("svc-fast"), ...base });
   const line = (name: string, r: Record<string, number>) =>
     `   ${name} ${f1(num(r, "rps"))} req/s   p50 ${f2(num(r, "p50"))} ms   p99 ${f2(num(r, "p99"))} ms   errors ${r.errors}`;
   if (d) console.log(line("direct: ", d));
+  if (b) console.log(line("bare:   ", b));
   console.log(line("gateway:", g));
+  if (d && b) console.log(`   bare Bun proxy/direct: throughput ${f2(num(b, "rps") / num(d, "rps"))}x (the ceiling for any Bun proxy here)`);
   if (d) {
     console.log(
       `   gateway/direct: throughput ${f2(num(g, "rps") / num(d, "rps"))}x (target >= 0.40)   added latency at saturation p50 ${f2(num(g, "p50") - num(d, "p50"))} ms, p99 ${f2(num(g, "p99") - num(d, "p99"))} ms`,
     );
   }
-  // At saturation latency is concurrency / throughput (Little's law), so "added
-  // latency" there mostly restates the throughput ratio; the gateway's own
-  // cost per request shows at a rate it handles without queueing.
+  await openLoop(direct, viaGw, bare);
+}
+
+/**
+ * At saturation latency is concurrency / throughput (Little's law), so "added
+ * latency" there mostly restates the throughput ratio; the gateway's own
+ * cost per request shows at a rate it handles without queueing.
+ */
+async function openLoop(direct: Endpoint, viaGw: Endpoint, bare?: Endpoint) {
   const rate = 1_000;
-  console.log(`   open loop at ${rate} req/s, 5 s:`);
-  const paced = { durationMs: 5_000, warmupMs: 1_000, concurrency: 0, rate };
+  const seconds = Number(args["open-seconds"]);
+  console.log(`   open loop at ${rate} req/s, ${seconds} s:`);
+  const paced = { durationMs: seconds * 1_000, warmupMs: 1_000, concurrency: 0, rate };
+  const line = (name: string, r: Record<string, number>) =>
+    `   ${name} ${f1(num(r, "rps"))} req/s   p50 ${f2(num(r, "p50"))} ms   p99 ${f2(num(r, "p99"))} ms   errors ${r.errors}`;
   const dp = args["skip-direct"] ? undefined : await loadgen({ kind: "paced", ...direct, body: jsonBody(UPSTREAM_MODEL), ...paced });
+  const bp = bare ? await loadgen({ kind: "paced", ...bare, body: jsonBody(UPSTREAM_MODEL), ...paced }) : undefined;
   const gp = await loadgen({ kind: "paced", ...viaGw, body: jsonBody("svc-fast"), ...paced });
   if (dp) console.log(line("direct: ", dp));
+  if (bp) console.log(line("bare:   ", bp));
   console.log(line("gateway:", gp));
+  if (dp && bp) console.log(`   added by the bare Bun proxy: p50 ${f2(num(bp, "p50") - num(dp, "p50"))} ms, p99 ${f2(num(bp, "p99") - num(dp, "p99"))} ms`);
   if (dp) console.log(`   added latency p50 ${f2(num(gp, "p50") - num(dp, "p50"))} ms, p99 ${f2(num(gp, "p99") - num(dp, "p99"))} ms (target <= 2)`);
 }
 

@@ -76,8 +76,10 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     const metrics = createMetrics();
     const quota = createQuota(database, log, {
       ...config.quota,
-      // PGlite executes on this thread: 500 rows is a ~10 ms pause, 5,000 would be ~100 ms.
-      eventsPerBatch: database.kind === "pglite" ? 500 : 5_000,
+      // The embedded database runs in its own thread (src/db/pglite-worker.ts),
+      // so a batch's insert no longer pauses request handling; it still runs
+      // on the same cores, so batches stay moderate there.
+      eventsPerBatch: database.kind === "pglite" ? 1_000 : 5_000,
       onSettle: (alias, prompt, completion) => {
         metrics.tokens.inc({ alias, direction: "prompt" }, prompt);
         metrics.tokens.inc({ alias, direction: "completion" }, completion);

@@ -1,7 +1,6 @@
 import { existsSync, mkdirSync, readFileSync, renameSync, unlinkSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
-import { PGlite } from "@electric-sql/pglite";
 import { type SQL, sql } from "drizzle-orm";
 import type { PgDatabase, PgQueryResultHKT } from "drizzle-orm/pg-core";
 import { drizzle as drizzlePglite } from "drizzle-orm/pglite";
@@ -15,6 +14,7 @@ import pgliteWasmPath from "@electric-sql/pglite/pglite.wasm" with { type: "file
 import btreeGinPath from "../../node_modules/@electric-sql/pglite/dist/btree_gin.tar.gz" with { type: "file" };
 import pgTrgmPath from "../../node_modules/@electric-sql/pglite/dist/pg_trgm.tar.gz" with { type: "file" };
 import { MIGRATIONS } from "./migrations.ts";
+import { PGliteRemote } from "./pglite-remote.ts";
 import * as schema from "./schema.ts";
 
 export type Db = PgDatabase<PgQueryResultHKT, typeof schema>;
@@ -136,24 +136,21 @@ function lockDataDir(dir: string): () => void {
 async function openPglite(dataDir: string): Promise<Database> {
   const memory = dataDir.startsWith("memory://");
   const unlock = memory ? () => {} : lockDataDir(resolve(dataDir));
-  let pg: PGlite;
+  let pg: PGliteRemote;
   try {
     const modules = await loadPgliteModules();
     const [trgm, btreeGin] = await Promise.all([extensionBundleUrl("pg_trgm", pgTrgmPath), extensionBundleUrl("btree_gin", btreeGinPath)]);
-    pg = new PGlite({
+    // The database runs in its own worker thread: its statements never pause request handling.
+    pg = await PGliteRemote.open({
       dataDir: memory ? dataDir : resolve(dataDir, "pg"),
       ...modules,
-      extensions: {
-        pg_trgm: { name: "pg_trgm", setup: async () => ({ bundlePath: trgm }) },
-        btree_gin: { name: "btree_gin", setup: async () => ({ bundlePath: btreeGin }) },
-      },
+      extensions: { pg_trgm: trgm.href, btree_gin: btreeGin.href },
     });
-    await pg.waitReady;
   } catch (e) {
     unlock();
     throw e;
   }
-  const db = drizzlePglite(pg, { schema }) as unknown as Db;
+  const db = drizzlePglite({ client: pg as never, schema }) as unknown as Db;
   return {
     kind: "pglite",
     db,

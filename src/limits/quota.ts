@@ -105,7 +105,7 @@ export interface QuotaOptions {
   flushMs: number;
   maxBuffered: number;
   now?: () => number;
-  /** Usage records per write (default 5,000); the embedded database wants small ones. */
+  /** Usage records per transaction (default 5,000); a larger backlog goes out as several. */
   eventsPerBatch?: number;
   /** Called once per settled request (token metrics). */
   onSettle?: (alias: string, promptTokens: number, completionTokens: number) => void;
@@ -366,9 +366,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       if (u.pending > 0) deltas.push({ orgId: u.orgId, start: u.start, used: u.pending, leased: 0 });
       unmetered.delete(k);
     }
-    // A batch carries at most eventsPerBatch usage records: on the embedded
-    // database an insert runs on the main thread (about 20 µs a row), so small
-    // batches keep each stall short; larger backlogs go out as several batches.
+    // A batch carries at most eventsPerBatch usage records; larger backlogs go out as several batches.
     const per = opts.eventsPerBatch ?? 5_000;
     const taken = events.length <= per ? events : events.slice(0, per);
     events = taken === events ? [] : events.slice(per);

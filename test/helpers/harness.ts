@@ -89,3 +89,18 @@ export async function errorOf(res: Response): Promise<{ message: string; type: s
   const body = (await res.json()) as { error: { message: string; type: string; param: string | null; code: string } };
   return body.error;
 }
+
+/**
+ * What a promise rejects with (or a failure if it resolves). Used instead of
+ * `expect(p).rejects`: in Bun 1.4.5 that waits without delivering worker
+ * messages, so a promise that needs the embedded database's worker to settle
+ * never does.
+ */
+export async function rejectionOf(p: Promise<unknown>): Promise<unknown> {
+  try {
+    await p;
+  } catch (e) {
+    return e;
+  }
+  throw new Error("expected a rejection, but the promise resolved");
+}

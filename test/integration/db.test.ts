@@ -6,6 +6,7 @@ import { createOrg } from "../../src/admin/service.ts";
 import { type Database, DataDirLockedError, migrate, migrationsCurrent, openDatabase } from "../../src/db/client.ts";
 import { MIGRATIONS } from "../../src/db/migrations.ts";
 import { createScratchDatabase, removeScratch, type ScratchPostgres, scratchDir } from "../helpers/process.ts";
+import { rejectionOf } from "../helpers/harness.ts";
 
 // Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
 // runs (test/helpers/setup.ts), so files that spawn processes or open PGlite set
@@ -148,12 +149,13 @@ function suite(kind: Kind) {
   test("a failed transaction leaves nothing behind", async () => {
     const db = await fresh(kind);
     await migrate(db);
-    await expect(
+    const err = await rejectionOf(
       db.db.transaction(async (tx) => {
         await tx.execute(sql`insert into settings (key, value) values ('k1', 'v')`);
         throw new Error("abort");
       }),
-    ).rejects.toThrow("abort");
+    );
+    expect((err as Error).message).toBe("abort");
     expect(await db.rows(sql`select * from settings where key = 'k1'`)).toEqual([]);
   });
 }
@@ -178,7 +180,7 @@ describe("PGlite (embedded)", () => {
       org = await createOrg(a, { name: "Persisted", plan: "Standard", plans: ["Standard"] });
       expect(readFileSync(join(dir, "gateway.pid"), "utf8")).toBe(String(process.pid));
       // A second open of the same directory in this process is refused, not allowed to corrupt it.
-      await expect(openDatabase({ dataDir: dir })).rejects.toBeInstanceOf(DataDirLockedError);
+      expect(await rejectionOf(openDatabase({ dataDir: dir }))).toBeInstanceOf(DataDirLockedError);
     } finally {
       await a.close();
     }
