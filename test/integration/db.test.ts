@@ -196,6 +196,64 @@ describe("PGlite (embedded)", () => {
     }
   });
 
+  test("the worker thread: errors keep their fields, transactions hold other statements back, savepoints, priority", async () => {
+    const db = await fresh("pglite");
+    await migrate(db);
+    // A database error crosses the thread with its SQLSTATE and its words.
+    await db.rows(sql`insert into settings (key, value) values ('dup', '1')`);
+    const dup = (await rejectionOf(db.rows(sql`insert into settings (key, value) values ('dup', '2')`))) as Error & { cause?: { code?: string } };
+    expect(dup.cause?.code ?? (dup as { code?: string }).code).toBe("23505");
+    expect(String(dup.cause ?? dup)).toContain("duplicate key");
+
+    // A statement from outside waits for an open transaction and never sees its uncommitted rows.
+    let release!: () => void;
+    const held = new Promise<void>((r) => {
+      release = r;
+    });
+    let inserted!: () => void;
+    const insertedP = new Promise<void>((r) => {
+      inserted = r;
+    });
+    const tx = db.db.transaction(async (t) => {
+      await t.execute(sql`insert into settings (key, value) values ('tx', 'pending')`);
+      inserted();
+      await held;
+    });
+    await insertedP;
+    let outsideSaw: unknown;
+    const outside = db.rows<{ value: string }>(sql`select value from settings where key = 'tx'`).then((r) => {
+      outsideSaw = r;
+    });
+    await Bun.sleep(50);
+    expect(outsideSaw).toBeUndefined(); // still waiting behind the transaction
+    release();
+    await tx;
+    await outside;
+    expect(outsideSaw).toEqual([{ value: "pending" }]); // ran after the commit
+
+    // A nested transaction is a savepoint: its failure rolls back only its own work.
+    await db.db.transaction(async (t) => {
+      await t.execute(sql`insert into settings (key, value) values ('outer', '1')`);
+      await rejectionOf(
+        t.transaction(async (inner) => {
+          await inner.execute(sql`insert into settings (key, value) values ('inner', '1')`);
+          throw new Error("inner fails");
+        }),
+      );
+    });
+    const keys = (await db.rows<{ key: string }>(sql`select key from settings where key in ('outer', 'inner') order by key`)).map((r) => r.key);
+    expect(keys).toEqual(["outer"]);
+
+    // On Linux the database thread runs at nice 10, below the request thread.
+    if (process.platform === "linux") {
+      const { readdirSync } = await import("node:fs");
+      const niceOf = (tid: string) => Number(readFileSync(`/proc/self/task/${tid}/stat`, "utf8").split(") ")[1]?.split(" ")[16]);
+      const nices = readdirSync("/proc/self/task").map(niceOf);
+      expect(nices).toContain(10);
+      expect(niceOf(String(process.pid))).toBe(0);
+    }
+  });
+
   test("a lock held by a live process is refused with a clear message; a stale one is taken over", async () => {
     const dir = join(scratchDir("gw-lock-"), "data");
     mkdirSync(dir, { recursive: true });
