@@ -106,7 +106,9 @@ async function handle(m: WorkerRequest): Promise<void> {
         );
         // A failed BEGIN answers the begin request; a failed COMMIT answers the end request.
         done.catch((e: unknown) => {
-          if (!txs.has(tx)) reply({ id: m.id, error: errorFields(e) });
+          if (txs.has(tx)) return;
+          pending.delete(tx);
+          reply({ id: m.id, error: errorFields(e) });
         });
         pending.set(tx, done);
         return;
