@@ -107,6 +107,7 @@ async function post(s: LoadSpec): Promise<boolean> {
 async function loadJson(s: LoadSpec) {
   const lat: number[] = [];
   let errors = 0;
+  let sent = 0;
   const start = performance.now();
   const measureFrom = start + s.warmupMs;
   const end = measureFrom + s.durationMs;
@@ -114,6 +115,7 @@ async function loadJson(s: LoadSpec) {
     Array.from({ length: s.concurrency }, async () => {
       while (performance.now() < end) {
         const t0 = performance.now();
+        sent++;
         if (!(await post(s))) errors++;
         const t1 = performance.now();
         if (t0 >= measureFrom && t1 <= end) lat.push(t1 - t0);
@@ -121,7 +123,7 @@ async function loadJson(s: LoadSpec) {
     }),
   );
   const sorted = Array.from(sortNum(lat));
-  return { requests: lat.length, rps: lat.length / (s.durationMs / 1000), p50: percentile(sorted, 50), p99: percentile(sorted, 99), errors };
+  return { requests: lat.length, sent, rps: lat.length / (s.durationMs / 1000), p50: percentile(sorted, 50), p99: percentile(sorted, 99), errors };
 }
 
 /** Open loop at a fixed rate: latency as a client sees it when the gateway is not the bottleneck. */
@@ -148,7 +150,7 @@ async function loadPaced(s: LoadSpec) {
   }
   await Promise.all(pending);
   const sorted = Array.from(sortNum(lat));
-  return { requests: lat.length, rps: lat.length / (s.durationMs / 1000), p50: percentile(sorted, 50), p99: percentile(sorted, 99), errors };
+  return { requests: lat.length, sent, rps: lat.length / (s.durationMs / 1000), p50: percentile(sorted, 50), p99: percentile(sorted, 99), errors };
 }
 
 /** One streamed request: time to first chunk, gaps between chunks, events and reads. */
@@ -320,6 +322,26 @@ async function loadgen(spec: LoadSpec): Promise<Record<string, number>> {
   return JSON.parse(out.trim().split("\n").at(-1) ?? "{}") as Record<string, number>;
 }
 
+/** CPU time a process (all its threads) has used, in ms, from /proc (NaN where there is none). */
+function cpuMs(pid: number | undefined): number {
+  if (pid === undefined) return Number.NaN;
+  try {
+    const fields = readFileSync(`/proc/${pid}/stat`, "utf8").split(") ")[1]?.split(" ") ?? [];
+    // utime and stime are fields 14 and 15 of stat(5), in clock ticks (100 a second on Linux).
+    return (Number(fields[11]) + Number(fields[12])) * 10;
+  } catch {
+    return Number.NaN;
+  }
+}
+
+/** Run a load against a server process and add the CPU it used per request sent (µs), a figure the machine's noise moves far less than latency. */
+async function measured(pid: number | undefined, spec: LoadSpec): Promise<Record<string, number>> {
+  const before = cpuMs(pid);
+  const r = await loadgen(spec);
+  r.cpuUsPerRequest = ((cpuMs(pid) - before) * 1000) / (r.sent ?? Number.NaN);
+  return r;
+}
+
 function rssKb(pid: number, field: "VmRSS" | "VmHWM"): number {
   try {
     const m = readFileSync(`/proc/${pid}/status`, "utf8").match(new RegExp(`${field}:\\s+(\\d+)`));
@@ -408,9 +430,9 @@ async function main() {
   if (args.bare) {
     const bp = Bun.spawn(pin(0, ["bun", "bench/bare-proxy.ts", "--upstream", simUrl]), { env, stdout: "pipe", stderr: "inherit" });
     children.push(bp);
-    bare = { url: `${(JSON.parse(await firstLine(bp.stdout)) as { url: string }).url}/chat/completions`, headers: { "content-type": "application/json" } };
+    bare = { url: `${(JSON.parse(await firstLine(bp.stdout)) as { url: string }).url}/chat/completions`, headers: { "content-type": "application/json" }, pid: bp.pid };
   }
-  const viaGw = { url: `${gwUrl}/v1/chat/completions`, headers: { "content-type": "application/json", authorization: `Bearer ${key}` } };
+  const viaGw = { url: `${gwUrl}/v1/chat/completions`, headers: { "content-type": "application/json", authorization: `Bearer ${key}` }, pid: gwProc.pid };
   const phases = new Set((args.phases ?? "").split(",").map((x) => x.trim()));
   if (phases.has("1")) await nonStreamed(direct, viaGw, durationMs, bare);
   else if (phases.has("o")) await openLoop(direct, viaGw, bare);
@@ -418,22 +440,24 @@ async function main() {
   if (phases.has("3")) await manyStreams(simRoot, viaGw, gwProc.pid, streams, fdNote);
 }
 
-type Endpoint = { url: string; headers: Record<string, string> };
+/** Where load goes; `pid` is the serving process whose CPU is measured (gateway and bare proxy). */
+type Endpoint = { url: string; headers: Record<string, string>; pid?: number };
 
 const jsonBody = (model: string) =>
   JSON.stringify({ model, messages: [{ role: "user", content: "Summarise the plot of Hamlet in two sentences." }], max_tokens: 64 });
 const streamBody = (model: string) => JSON.stringify({ model, messages: [{ role: "user", content: "Count to forty." }], stream: true });
 const num = (r: Record<string, number> | undefined, k: string) => r?.[k] ?? Number.NaN;
+const cpuNote = (r: Record<string, number>) => (Number.isFinite(num(r, "cpuUsPerRequest")) ? `   CPU ${f1(num(r, "cpuUsPerRequest"))} µs/request` : "");
 
 /** Phase 1: non-streamed chat at concurrency 64; the simulator answers at once, so this is pure overhead. */
 async function nonStreamed(direct: Endpoint, viaGw: Endpoint, durationMs: number, bare?: Endpoint) {
   console.log(`1. non-streamed chat, concurrency 64, ${durationMs / 1000} s (16 tokens, no simulated latency)`);
   const base = { concurrency: 64, durationMs, warmupMs: 2_000 };
   const d = args["skip-direct"] ? undefined : await loadgen({ kind: "json", ...direct, body: jsonBody(UPSTREAM_MODEL), ...base });
-  const b = bare ? await loadgen({ kind: "json", ...bare, body: jsonBody(UPSTREAM_MODEL), ...base }) : undefined;
-  const g = await loadgen({ kind: "json", ...viaGw, body: jsonBody("svc-fast"), ...base });
+  const b = bare ? await measured(bare.pid, { kind: "json", ...bare, body: jsonBody(UPSTREAM_MODEL), ...base }) : undefined;
+  const g = await measured(viaGw.pid, { kind: "json", ...viaGw, body: jsonBody("svc-fast"), ...base });
   const line = (name: string, r: Record<string, number>) =>
-    `   ${name} ${f1(num(r, "rps"))} req/s   p50 ${f2(num(r, "p50"))} ms   p99 ${f2(num(r, "p99"))} ms   errors ${r.errors}`;
+    `   ${name} ${f1(num(r, "rps"))} req/s   p50 ${f2(num(r, "p50"))} ms   p99 ${f2(num(r, "p99"))} ms   errors ${r.errors}${cpuNote(r)}`;
   if (d) console.log(line("direct: ", d));
   if (b) console.log(line("bare:   ", b));
   console.log(line("gateway:", g));
@@ -457,10 +481,10 @@ async function openLoop(direct: Endpoint, viaGw: Endpoint, bare?: Endpoint) {
   console.log(`   open loop at ${rate} req/s, ${seconds} s:`);
   const paced = { durationMs: seconds * 1_000, warmupMs: 1_000, concurrency: 0, rate };
   const line = (name: string, r: Record<string, number>) =>
-    `   ${name} ${f1(num(r, "rps"))} req/s   p50 ${f2(num(r, "p50"))} ms   p99 ${f2(num(r, "p99"))} ms   errors ${r.errors}`;
+    `   ${name} ${f1(num(r, "rps"))} req/s   p50 ${f2(num(r, "p50"))} ms   p99 ${f2(num(r, "p99"))} ms   errors ${r.errors}${cpuNote(r)}`;
   const dp = args["skip-direct"] ? undefined : await loadgen({ kind: "paced", ...direct, body: jsonBody(UPSTREAM_MODEL), ...paced });
-  const bp = bare ? await loadgen({ kind: "paced", ...bare, body: jsonBody(UPSTREAM_MODEL), ...paced }) : undefined;
-  const gp = await loadgen({ kind: "paced", ...viaGw, body: jsonBody("svc-fast"), ...paced });
+  const bp = bare ? await measured(bare.pid, { kind: "paced", ...bare, body: jsonBody(UPSTREAM_MODEL), ...paced }) : undefined;
+  const gp = await measured(viaGw.pid, { kind: "paced", ...viaGw, body: jsonBody("svc-fast"), ...paced });
   if (dp) console.log(line("direct: ", dp));
   if (bp) console.log(line("bare:   ", bp));
   console.log(line("gateway:", gp));

@@ -11,7 +11,15 @@ export function authPlugin(guard: Guard) {
   return new Elysia({ name: "auth", seed: guard }).macro({
     auth: (requirement: Requirement) => ({
       async resolve({ request, set, server }) {
-        const meta = { ip: server?.requestIP(request)?.address ?? null, userAgent: request.headers.get("user-agent") };
+        // Read only when a rejected key is audited: most requests never need the address.
+        const meta = {
+          get ip() {
+            return server?.requestIP(request)?.address ?? null;
+          },
+          get userAgent() {
+            return request.headers.get("user-agent");
+          },
+        };
         const g = await guard(request.headers.get("authorization"), requirement, meta);
         Object.assign(set.headers, g.headers);
         annotate(request, { orgId: g.principal.orgId, keyId: g.principal.keyId });

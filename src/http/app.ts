@@ -4,7 +4,7 @@ import type { Guard } from "../auth/guard.ts";
 import type { KeyVerifier } from "../auth/verify.ts";
 import type { SecurityAuditor } from "../auth/security.ts";
 import type { Logger } from "../lib/log.ts";
-import { type Metrics, routeLabel } from "../metrics/registry.ts";
+import { type Metrics, methodLabel, routeLabel } from "../metrics/registry.ts";
 import { beginRequest, requestIdOf, stateOf } from "./context.ts";
 import { AppError, errorBody } from "./errors.ts";
 
@@ -84,8 +84,8 @@ export function createApp(deps: AppDeps) {
       const status = typeof set.status === "number" ? set.status : 200;
       const route = routeLabel(path);
       const seconds = (performance.now() - s.start) / 1000;
-      metrics.requests.inc({ route, method: request.method, status, code: s.errorCode ?? "" });
-      metrics.duration.observe({ route }, seconds);
+      metrics.hot.request(route, methodLabel(request.method), String(status), s.errorCode ?? "").inc();
+      metrics.hot.duration(route).observe(seconds);
       if (s.errorCode === "rate_limit_error") metrics.rateLimited.inc();
       else if (s.errorCode === "budget_exceeded") metrics.budgetExceeded.inc();
       if (!deps.accessLog) return;

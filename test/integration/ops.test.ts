@@ -50,6 +50,8 @@ describe("GET /metrics", () => {
     await chat(true);
     await fetch(`${gw.url}/v1/me`, { headers: bearer(org.serviceKey) });
     await fetch(`${gw.url}/v1/me`, { headers: bearer(`sk-gw-${"Z".repeat(43)}`) });
+    // A method a client invents becomes "other", so clients cannot grow the label set.
+    await fetch(`${gw.url}/v1/me`, { method: "PROPFIND", headers: bearer(org.serviceKey) });
     await gw.quota.flush();
     const res = await fetch(`${gw.url}/metrics`);
     expect(res.status).toBe(200);
@@ -70,6 +72,8 @@ describe("GET /metrics", () => {
     expect(after).not.toContain("gateway_process_process_");
     expect(after).not.toContain(org.serviceKey);
     expect(after).not.toContain("secret prompt text");
+    expect(sample(after, "gateway_http_requests_total", { method: "other" })).toBeGreaterThanOrEqual(1);
+    expect(after).not.toContain("PROPFIND");
   });
 
   test("metrics.listen moves /metrics to its own address", async () => {
