@@ -81,8 +81,8 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       // on the same cores, so batches stay moderate there.
       eventsPerBatch: database.kind === "pglite" ? 1_000 : 5_000,
       onSettle: (alias, prompt, completion) => {
-        metrics.hot.tokens(alias, "prompt").inc(prompt);
-        metrics.hot.tokens(alias, "completion").inc(completion);
+        metrics.tokens.inc({ alias, direction: "prompt" }, prompt);
+        metrics.tokens.inc({ alias, direction: "completion" }, completion);
       },
     });
     quota.start();

@@ -84,8 +84,8 @@ export function createApp(deps: AppDeps) {
       const status = typeof set.status === "number" ? set.status : 200;
       const route = routeLabel(path);
       const seconds = (performance.now() - s.start) / 1000;
-      metrics.hot.request(route, methodLabel(request.method), String(status), s.errorCode ?? "").inc();
-      metrics.hot.duration(route).observe(seconds);
+      metrics.requests.inc({ route, method: methodLabel(request.method), status, code: s.errorCode ?? "" });
+      metrics.duration.observe({ route }, seconds);
       if (s.errorCode === "rate_limit_error") metrics.rateLimited.inc();
       else if (s.errorCode === "budget_exceeded") metrics.budgetExceeded.inc();
       if (!deps.accessLog) return;

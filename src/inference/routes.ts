@@ -39,8 +39,8 @@ export function createInference(deps: InferenceDeps) {
       ? {
           observe: {
             attempt(alias, target, outcome, seconds) {
-              m.hot.upstreamAttempt(alias, target, outcome).inc();
-              if (seconds !== undefined) m.hot.upstreamFirstByte(alias).observe(seconds);
+              m.upstreamAttempts.inc({ alias, target, outcome });
+              if (seconds !== undefined) m.upstreamFirstByte.observe({ alias }, seconds);
             },
           },
         }

@@ -31,31 +31,13 @@ export function methodLabel(method: string): string {
   return KNOWN_METHODS.has(method) ? method : "other";
 }
 
-/**
- * Label children found by one joined string. prom-client hashes the label
- * object on every inc/observe (sorting its keys); per request, with six
- * labelled updates, that was a few percent of the request thread.
- */
-function childCache<T>(make: (values: string[]) => T): (...values: string[]) => T {
-  const children = new Map<string, T>();
-  return (...values) => {
-    const k = values.join("\u0000");
-    let c = children.get(k);
-    if (c === undefined) {
-      c = make(values);
-      children.set(k, c);
-    }
-    return c;
-  };
-}
-
 export function createMetrics() {
   const registry = new Registry();
   const registers = [registry];
   collectDefaultMetrics({ register: registry, prefix: "gateway_" });
   // Values owned by other components (cache and buffer counters) are read at scrape time, never on the hot path.
   const scrapeHooks: (() => void)[] = [];
-  const m = {
+  return {
     registry,
     onScrape(fn: () => void) {
       scrapeHooks.push(fn);
@@ -119,17 +101,6 @@ export function createMetrics() {
       registers,
     }),
     dbUp: new Gauge({ name: "gateway_database_up", help: "1 when the last readiness check reached the database", registers }),
-  };
-  return {
-    ...m,
-    /** The hot-path updates, through cached label children. */
-    hot: {
-      request: childCache(([route, method, status, code]) => m.requests.labels(route ?? "", method ?? "", status ?? "", code ?? "")),
-      duration: childCache(([route]) => m.duration.labels(route ?? "")),
-      tokens: childCache(([alias, direction]) => m.tokens.labels(alias ?? "", direction ?? "")),
-      upstreamAttempt: childCache(([alias, target, outcome]) => m.upstreamAttempts.labels(alias ?? "", target ?? "", outcome ?? "")),
-      upstreamFirstByte: childCache(([alias]) => m.upstreamFirstByte.labels(alias ?? "")),
-    },
   };
 }
 
