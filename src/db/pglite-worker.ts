@@ -70,6 +70,13 @@ async function init(m: WorkerInit): Promise<void> {
   await pg.waitReady;
 }
 
+/** Where a statement runs: inside the named open transaction, or on the database. */
+function target(tx: number | undefined): PGlite | Transaction {
+  const db = tx ? txs.get(tx) : pg;
+  if (!db) throw new Error(tx ? "Transaction is closed" : "database is not open");
+  return db;
+}
+
 async function handle(m: WorkerRequest): Promise<void> {
   try {
     switch (m.op) {
@@ -78,16 +85,12 @@ async function handle(m: WorkerRequest): Promise<void> {
         reply({ id: m.id, value: null });
         return;
       case "query": {
-        const db = m.tx ? txs.get(m.tx) : pg;
-        if (!db) throw new Error(m.tx ? "Transaction is closed" : "database is not open");
-        const r = await db.query(m.sql, m.params, queryOptions(m.rawTypes, m.rowMode));
+        const r = await target(m.tx).query(m.sql, m.params, queryOptions(m.rawTypes, m.rowMode));
         reply({ id: m.id, value: { rows: r.rows, fields: r.fields, affectedRows: r.affectedRows } });
         return;
       }
       case "exec": {
-        const db = m.tx ? txs.get(m.tx) : pg;
-        if (!db) throw new Error(m.tx ? "Transaction is closed" : "database is not open");
-        const rs = await db.exec(m.sql);
+        const rs = await target(m.tx).exec(m.sql);
         reply({ id: m.id, value: rs.map((r) => ({ rows: r.rows, fields: r.fields, affectedRows: r.affectedRows })) });
         return;
       }
