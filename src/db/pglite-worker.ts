@@ -63,6 +63,10 @@ async function init(m: WorkerInit): Promise<void> {
     pgliteWasmModule: m.pgliteWasmModule,
     initdbWasmModule: m.initdbWasmModule,
     fsBundle: m.fsBundle,
+    // Postgres's default 128 MB of shared buffers is most of the embedded
+    // database's memory; its tables are small and its files sit in the
+    // operating system's page cache anyway. 16 MB saves ~125 MB of RSS.
+    postgresqlconf: ["shared_buffers = 16MB"],
     extensions: Object.fromEntries(
       Object.entries(m.extensions).map(([name, href]) => [name, { name, setup: async () => ({ bundlePath: new URL(href) }) }]),
     ),

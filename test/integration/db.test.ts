@@ -244,6 +244,9 @@ describe("PGlite (embedded)", () => {
     const keys = (await db.rows<{ key: string }>(sql`select key from settings where key in ('outer', 'inner') order by key`)).map((r) => r.key);
     expect(keys).toEqual(["outer"]);
 
+    // Shared buffers are kept small (most of the embedded database's memory otherwise).
+    expect(await db.rows(sql`show shared_buffers`)).toEqual([{ shared_buffers: "16MB" }]);
+
     // On Linux the database thread runs at nice 10, below the request thread.
     if (process.platform === "linux") {
       const { readdirSync } = await import("node:fs");
