@@ -46,9 +46,6 @@ interface QueryOptions {
 export interface RemoteTransaction {
   query<T>(sql: string, params?: unknown[], options?: QueryOptions): Promise<Results<T>>;
   exec(sql: string): Promise<Results[]>;
-  sql<T>(strings: TemplateStringsArray, ...params: unknown[]): Promise<Results<T>>;
-  rollback(): Promise<void>;
-  readonly closed: boolean;
 }
 
 /** Turn the worker's plain error back into an Error carrying the same fields (code, detail, …). */
@@ -67,10 +64,6 @@ function rawTypes(options: QueryOptions | undefined): number[] | undefined {
     out.push(Number(oid));
   }
   return out;
-}
-
-function templateToQuery(strings: TemplateStringsArray, params: unknown[]): string {
-  return strings.reduce((acc, s, i) => `${acc}${s}${i < params.length ? `$${i + 1}` : ""}`, "");
 }
 
 /**
@@ -151,10 +144,6 @@ export class PGliteRemote {
     return this.call<Results[]>({ op: "exec", sql, tx });
   }
 
-  sql<T = Record<string, unknown>>(strings: TemplateStringsArray, ...params: unknown[]): Promise<Results<T>> {
-    return this.query<T>(templateToQuery(strings, params), params);
-  }
-
   /**
    * BEGIN in the worker, run `fn` here with a handle whose statements go into
    * that transaction, then COMMIT (or ROLLBACK if `fn` throws). The worker
@@ -174,17 +163,6 @@ export class PGliteRemote {
       exec: async (sql) => {
         check();
         return this.exec(sql, id);
-      },
-      sql: async (strings, ...params) => {
-        check();
-        return this.query(templateToQuery(strings, params), params, undefined, id);
-      },
-      rollback: async () => {
-        check();
-        throw new Error("rolled back");
-      },
-      get closed() {
-        return closed;
       },
     };
     let result: T;
