@@ -16,9 +16,14 @@ import type { WorkerInit, WorkerReply, WorkerRequest } from "./pglite-remote.ts"
 declare const self: Worker;
 
 let pg: PGlite | undefined;
-const txs = new Map<number, Transaction>();
-const ends = new Map<number, { commit: () => void; rollback: (e: Error) => void }>();
-const pending = new Map<number, Promise<void>>();
+/** Open transactions: PGlite's handle, the promise of its end, and how to end it. */
+interface OpenTx {
+  t: Transaction;
+  done: Promise<void>;
+  commit: () => void;
+  rollback: (e: Error) => void;
+}
+const open = new Map<number, OpenTx>();
 let nextTx = 1;
 
 const reply = (m: WorkerReply) => self.postMessage(m);
@@ -76,7 +81,7 @@ async function init(m: WorkerInit): Promise<void> {
 
 /** Where a statement runs: inside the named open transaction, or on the database. */
 function target(tx: number | undefined): PGlite | Transaction {
-  const db = tx ? txs.get(tx) : pg;
+  const db = tx ? open.get(tx)?.t : pg;
   if (!db) throw new Error(tx ? "Transaction is closed" : "database is not open");
   return db;
 }
@@ -103,39 +108,32 @@ async function handle(m: WorkerRequest): Promise<void> {
         const tx = nextTx++;
         // The transaction stays open until the main thread ends it; PGlite
         // queues every other statement behind it, as it does in-process.
-        const done = pg.transaction(
+        const done: Promise<void> = pg.transaction(
           (t) =>
             new Promise<void>((commit, rollback) => {
-              txs.set(tx, t);
-              ends.set(tx, { commit, rollback });
+              open.set(tx, { t, done, commit, rollback });
               reply({ id: m.id, value: tx });
             }),
         );
-        // A failed BEGIN answers the begin request; a failed COMMIT answers the end request.
+        // A failed BEGIN (never opened) answers the begin request; a failed COMMIT answers the end request.
         done.catch((e: unknown) => {
-          if (txs.has(tx)) return;
-          pending.delete(tx);
-          reply({ id: m.id, error: errorFields(e) });
+          if (!open.has(tx)) reply({ id: m.id, error: errorFields(e) });
         });
-        pending.set(tx, done);
         return;
       }
       case "end": {
-        const end = ends.get(m.tx);
-        const done = pending.get(m.tx);
-        if (!end || !done) throw new Error("Transaction is closed");
-        ends.delete(m.tx);
-        pending.delete(m.tx);
-        if (m.commit) end.commit();
-        else end.rollback(new Error("rolled back"));
+        const o = open.get(m.tx);
+        if (!o) throw new Error("Transaction is closed");
+        if (m.commit) o.commit();
+        else o.rollback(new Error("rolled back"));
         try {
-          await done;
+          await o.done;
         } catch (e) {
-          txs.delete(m.tx);
           // A rollback that was asked for is its own success.
           if (m.commit) throw e;
+        } finally {
+          open.delete(m.tx);
         }
-        txs.delete(m.tx);
         reply({ id: m.id, value: null });
         return;
       }
