@@ -7,7 +7,7 @@ import type { Metrics } from "../metrics/registry.ts";
 import type { Metering } from "../limits/metering.ts";
 import { allowedAliases } from "./aliases.ts";
 import { FETCH_CONCURRENCY, fetchCapRaised } from "./fetchcap.ts";
-import { createInferenceService } from "./service.ts";
+import { createInferenceService, type Reply } from "./service.ts";
 import { type ConnectProbe, createConnectProbe } from "./probe.ts";
 import { createUpstream } from "./upstream.ts";
 
@@ -70,6 +70,12 @@ export function createInference(deps: InferenceDeps) {
     return body;
   }
 
+  /** JSON text gets its content type here; a Response carries its own. */
+  function send(set: { headers: Record<string, string | number> }, reply: Reply): Reply {
+    if (typeof reply === "string") set.headers["content-type"] = "application/json";
+    return reply;
+  }
+
   return {
     upstream,
     routes: (auth: ReturnType<typeof authPlugin>) =>
@@ -87,12 +93,12 @@ export function createInference(deps: InferenceDeps) {
         // Bodies are read after authentication (parse: "none"), so an anonymous caller gets 401 before any 400.
         .post(
           "/v1/chat/completions",
-          async ({ principal, request, server }) => service.chat(principal, await readBody(request, server), request),
+          async ({ principal, request, server, set }) => send(set, await service.chat(principal, await readBody(request, server), request)),
           { auth: { scope: "inference" }, parse: "none" },
         )
         .post(
           "/v1/embeddings",
-          async ({ principal, request, server }) => service.embeddings(principal, await readBody(request, server), request),
+          async ({ principal, request, server, set }) => send(set, await service.embeddings(principal, await readBody(request, server), request)),
           { auth: { scope: "inference" }, parse: "none" },
         ),
     async stop() {},

@@ -82,6 +82,21 @@ describe("POST /v1/chat/completions: answers", () => {
     expect(rec(sim.stats.lastBody).model).toBe(CHAT_MODEL);
   });
 
+  test("non-streamed answers are sent whole: a content-length, no chunked encoding, rate-limit headers kept", async () => {
+    for (const res of [
+      await chat({ model: "svc-fast", messages: userMessages("hello") }),
+      await embed({ model: "svc-embed", input: "hello" }),
+    ]) {
+      expect(res.status).toBe(200);
+      expect(res.headers.get("content-type")).toBe("application/json");
+      expect(res.headers.get("transfer-encoding")).toBeNull();
+      expect(res.headers.get("x-ratelimit-limit-requests")).not.toBeNull();
+      expect(res.headers.get("x-request-id")).toMatch(/^req_/);
+      const bytes = new Uint8Array(await res.arrayBuffer());
+      expect(Number(res.headers.get("content-length"))).toBe(bytes.byteLength);
+    }
+  });
+
   test("finish_reason length passes through", async () => {
     const body = rec(await (await chat({ model: "svc-fast", messages: userMessages(), max_tokens: 2 })).json());
     expect(rec(arr(body.choices)[0]).finish_reason).toBe("length");
