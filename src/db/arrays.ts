@@ -5,7 +5,7 @@
  * to build and parse on the main thread). Every element is quoted and escaped,
  * so commas, quotes and backslashes in values are safe.
  */
-export function pgArray(values: readonly (string | number | boolean)[]): string {
+export function pgArray(values: ArrayLike<string | number | boolean>): string {
   let out = "{";
   for (let i = 0; i < values.length; i++) {
     if (i > 0) out += ",";

@@ -8,6 +8,7 @@ import { AppError } from "../http/errors.ts";
 import { SYSTEM_ACTOR_ID } from "../lib/ids.ts";
 import type { Logger } from "../lib/log.ts";
 import type { Metering, RequestOutcome, Ticket, UsageReport } from "./metering.ts";
+import { type UsageColumns, UsageLog } from "./usage-log.ts";
 
 /**
  * The organisation token quota, shared by all instances through Postgres,
@@ -80,19 +81,6 @@ interface OrgState {
   lastUsed: number;
 }
 
-interface QueuedEvent {
-  orgId: string;
-  keyId: string;
-  alias: string;
-  target: string;
-  promptTokens: number;
-  completionTokens: number;
-  status: number;
-  latencyMs: number;
-  streamed: boolean;
-  createdAt: Date;
-}
-
 /** Usage of orgs without a quota: still counted per window, for reports and a later quota. */
 interface Unmetered {
   orgId: string;
@@ -134,8 +122,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   const now = opts.now ?? Date.now;
   const states = new Map<string, OrgState>();
   const unmetered = new Map<string, Unmetered>();
-  let events: QueuedEvent[] = [];
-  let droppedEvents = 0;
+  const events = new UsageLog(opts.maxBuffered);
   let flushFailures = 0;
   let timer: ReturnType<typeof setInterval> | undefined;
   let flushing: Promise<void> | undefined;
@@ -306,23 +293,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       u.pending += tokens;
       unmetered.set(k, u);
     }
-    if (events.length >= opts.maxBuffered) {
-      // Bounded buffer: per-request records give way first; token counters are never dropped.
-      events.shift();
-      droppedEvents++;
-    }
-    events.push({
-      orgId: p.orgId,
-      keyId: p.keyId,
-      alias: outcome.alias,
-      target: outcome.target,
-      promptTokens: Math.max(0, Math.round(usage.promptTokens)),
-      completionTokens: Math.max(0, Math.round(usage.completionTokens)),
-      status: outcome.status,
-      latencyMs: Math.max(0, Math.round(outcome.latencyMs)),
-      streamed: outcome.streamed,
-      createdAt: new Date(now()),
-    });
+    // Bounded: when full, the oldest per-request record gives way (token counters above are never dropped).
+    events.push(p.orgId, p.keyId, outcome.alias, outcome.target, usage.promptTokens, usage.completionTokens, outcome.status, outcome.latencyMs, outcome.streamed, now());
   }
 
   interface CounterDelta {
@@ -335,7 +307,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   interface Batch {
     id: string;
     deltas: CounterDelta[];
-    events: QueuedEvent[];
+    events: UsageColumns;
     /** Records were already waiting beyond this batch when it was cut (a backlog larger than one batch). */
     more: boolean;
   }
@@ -367,9 +339,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       unmetered.delete(k);
     }
     // A batch carries at most eventsPerBatch usage records; larger backlogs go out as several batches.
-    const per = opts.eventsPerBatch ?? 5_000;
-    const taken = events.length <= per ? events : events.slice(0, per);
-    events = taken === events ? [] : events.slice(per);
+    const taken = events.take(opts.eventsPerBatch ?? 5_000);
     if (deltas.length === 0 && taken.length === 0) return undefined;
     return { id: crypto.randomUUID(), deltas, events: taken, more: events.length > 0 };
   }
@@ -388,7 +358,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
             set: { used: sql`${usageCounters.used} + ${d.used}`, leased: sql`greatest(0, ${usageCounters.leased} + ${d.leased})` },
           });
       }
-      for (let i = 0; i < b.events.length; i += 5000) await insertEvents(tx, b.events.slice(i, i + 5000));
+      if (b.events.length > 0) await insertEvents(tx, b.events);
     });
     // Batch ids only guard retries of the last few seconds; keep a day of them.
     if (++applied % 1000 === 1) {
@@ -397,14 +367,15 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   }
 
   /** One statement per chunk: each column is one array parameter, unnested into rows. */
-  async function insertEvents(tx: Pick<Database["db"], "execute">, rows: QueuedEvent[]): Promise<void> {
-    const col = <K extends keyof QueuedEvent>(k: K) => rows.map((r) => r[k]);
+  async function insertEvents(tx: Pick<Database["db"], "execute">, c: UsageColumns): Promise<void> {
+    // Times travel as epoch milliseconds (exact), turned into timestamptz by the database.
     await tx.execute(sql`
       insert into usage_events (org_id, key_id, alias, target, prompt_tokens, completion_tokens, status, latency_ms, streamed, created_at)
-      select * from unnest(
-        ${pgArray(col("orgId"))}::uuid[], ${pgArray(col("keyId"))}::uuid[], ${pgArray(col("alias"))}::text[], ${pgArray(col("target"))}::text[],
-        ${pgArray(col("promptTokens"))}::int[], ${pgArray(col("completionTokens"))}::int[], ${pgArray(col("status"))}::int[],
-        ${pgArray(col("latencyMs"))}::int[], ${pgArray(col("streamed"))}::bool[], ${pgArray(rows.map((r) => r.createdAt.toISOString()))}::timestamptz[])`);
+      select o, k, a, t, p, c, s, l, st, timestamptz 'epoch' + ms * interval '1 millisecond' from unnest(
+        ${pgArray(c.orgId)}::uuid[], ${pgArray(c.keyId)}::uuid[], ${pgArray(c.alias)}::text[], ${pgArray(c.target)}::text[],
+        ${pgArray(c.promptTokens)}::int[], ${pgArray(c.completionTokens)}::int[], ${pgArray(c.status)}::int[],
+        ${pgArray(c.latencyMs)}::int[], ${pgArray(Array.from(c.streamed, (x) => x === 1))}::bool[], ${pgArray(c.createdAt)}::float8[])
+        as u(o, k, a, t, p, c, s, l, st, ms)`);
   }
 
   function bufferedTokens(): number {
@@ -480,7 +451,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         orgs: states.size,
         bufferedEvents: events.length + (batch?.events.length ?? 0),
         pendingTokens: bufferedTokens(),
-        droppedEvents,
+        droppedEvents: events.dropped,
         flushFailures,
       };
     },

@@ -75,6 +75,22 @@ describe("quota leases", () => {
     expect(await counters(p.orgId)).toEqual({ used: 70, leased: 0 });
   });
 
+  test("a usage record lands with every field, its time exact to the millisecond, odd characters intact", async () => {
+    const db = await sharedDatabase();
+    const p = await org(10_000);
+    const at = Date.UTC(2026, 10, 23, 8, 30, 15, 123);
+    const q = createQuota(db, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000, now: () => at });
+    const t = await q.admit(p, 10);
+    const target = 'http://gpu-1:8000/v1|model "x", {y}\\z';
+    q.settle(t, { promptTokens: 7, completionTokens: 9 }, { alias: "svc-smart", target, status: 499, latencyMs: 1234.6, streamed: true });
+    await q.flush();
+    const ev = await db.db.select().from(usageEvents).where(eq(usageEvents.orgId, p.orgId));
+    expect(ev).toHaveLength(1);
+    expect(ev[0]).toMatchObject({ keyId: p.keyId, alias: "svc-smart", target, promptTokens: 7, completionTokens: 9, status: 499, latencyMs: 1235, streamed: true });
+    expect(ev[0]?.createdAt.getTime()).toBe(at);
+    await q.stop();
+  });
+
   test("refuses with budget_exceeded once the quota is used, and audits it once per window", async () => {
     const db = await sharedDatabase();
     const p = await org(500);
