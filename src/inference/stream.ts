@@ -15,11 +15,12 @@ import { upstreamMessage } from "./upstream.ts";
  *    so a stream that ends without usage is still counted (~4 chars a token);
  *  - turn an upstream error event into our wire shape.
  *
- * A pull-based ReadableStream rather than `pipeThrough(TransformStream)`:
+ * A Bun "direct" ReadableStream rather than `pipeThrough(TransformStream)`:
  * when the upstream fails mid-stream, a TransformStream's readable side errors
  * with it, and the client would see a reset connection; here we still write a
  * final `data: {"error":…}` event (which the SDKs raise as an APIError) and
- * close the response cleanly.
+ * close the response cleanly. Direct, rather than a pull-based stream, because
+ * it holds less per open stream (see `relay`).
  */
 
 export interface StreamEnd {
@@ -176,8 +177,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     return out;
   };
 
-  /** Splits a read into complete events; keeps a trailing partial event for the next read. */
-  const feed = (chunk: Uint8Array, c: ReadableStreamDefaultController<Uint8Array>) => {
+  /** Splits a read into complete events, adding what goes to the client to `out`; keeps a trailing partial event for the next read. */
+  const feed = (chunk: Uint8Array, out: Buffer[]) => {
     const buf = carry ? Buffer.concat([carry, chunk]) : asBuffer(chunk);
     carry = undefined;
     if (!sep) {
@@ -194,13 +195,10 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     for (;;) {
       const idx = buf.indexOf(sep, start);
       if (idx === -1) break;
-      const out = handle(buf.subarray(start, idx + sep.length));
+      const event = handle(buf.subarray(start, idx + sep.length));
       start = idx + sep.length;
       if (upstreamError !== undefined) return;
-      if (out) {
-        c.enqueue(out);
-        sent++;
-      }
+      if (event) out.push(event);
     }
     if (start < buf.length) {
       // Copy: the rest may be a view into a chunk the runtime reuses.
@@ -209,75 +207,98 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     }
   };
 
-  const fail = (c: ReadableStreamDefaultController<Uint8Array>, message: string) => {
+  /** Writes events and pushes them out now (one write per upstream read, so no event waits for the next). */
+  const send = async (c: DirectController, out: Buffer[]) => {
+    for (const event of out) {
+      const w = c.write(event);
+      if (typeof w !== "number") await w;
+    }
+    const f = c.flush();
+    if (typeof f !== "number") await f;
+  };
+
+  const fail = async (c: DirectController, message: string) => {
     up.abort(message);
+    end("failed", message);
     try {
-      c.enqueue(errorEvent(message));
+      await send(c, [asBuffer(errorEvent(message))]);
       c.close();
     } catch {
       // The client is already gone.
     }
-    end("failed", message);
   };
 
-  return new ReadableStream<Uint8Array>({
-    start(c) {
-      try {
-        feed(up.first, c);
-        if (upstreamError !== undefined) fail(c, `The model '${opts.alias}' failed while generating: ${upstreamError}`);
-      } catch (e) {
-        fail(c, `The model '${opts.alias}' sent an unreadable stream: ${(e as Error).message}`);
-      }
-    },
-    async pull(c) {
-      // A read may complete no event (a partial one is carried over), and a
-      // pull that enqueues nothing is not called again: read until something
-      // goes out or the stream ends.
-      const before = sent;
-      while (!ended && sent === before) {
-        waitingSince = performance.now();
-        let r: Awaited<ReturnType<Opened["reader"]["read"]>>;
+  /**
+   * The upstream's reads, relayed until the stream ends. A Bun "direct"
+   * stream: events are written straight to the response (awaiting the write is
+   * the back-pressure), with no queue, read request or promise per chunk:
+   * ~5 KB less per open stream than a pull-based ReadableStream (measured).
+   */
+  async function relay(c: DirectController): Promise<void> {
+    const out: Buffer[] = [];
+    try {
+      feed(up.first, out);
+    } catch (e) {
+      return fail(c, `The model '${opts.alias}' sent an unreadable stream: ${(e as Error).message}`);
+    }
+    for (;;) {
+      // Events before an upstream error event still go out, then the error.
+      if (out.length > 0) {
         try {
-          r = await up.reader.read();
+          await send(c, out);
         } catch {
-          if (ended) return;
-          if (opts.signal.aborted) {
-            end("client_gone");
-            return;
-          }
-          fail(
-            c,
-            idleFired
-              ? `The model '${opts.alias}' stopped sending for ${opts.idleMs} ms; the stream was ended.`
-              : `The connection to the model '${opts.alias}' was lost mid-stream.`,
-          );
+          up.abort("client disconnected");
+          end("client_gone");
           return;
         }
-        waitingSince = undefined;
-        if (ended) return;
-        if (r.done) {
-          if (sawDone) {
-            c.close();
-            end("done");
-          } else fail(c, `The model '${opts.alias}' ended the stream early.`);
-          return;
-        }
-        try {
-          feed(r.value, c);
-        } catch (e) {
-          fail(c, `The model '${opts.alias}' sent an unreadable stream: ${(e as Error).message}`);
-          return;
-        }
-        if (upstreamError !== undefined) {
-          fail(c, `The model '${opts.alias}' failed while generating: ${upstreamError}`);
-          return;
-        }
+        out.length = 0;
       }
-    },
+      if (ended) return;
+      if (upstreamError !== undefined) return fail(c, `The model '${opts.alias}' failed while generating: ${upstreamError}`);
+      waitingSince = performance.now();
+      let r: Awaited<ReturnType<Opened["reader"]["read"]>>;
+      try {
+        r = await up.reader.read();
+      } catch {
+        if (ended) return;
+        if (opts.signal.aborted) {
+          end("client_gone");
+          return;
+        }
+        return fail(
+          c,
+          idleFired
+            ? `The model '${opts.alias}' stopped sending for ${opts.idleMs} ms; the stream was ended.`
+            : `The connection to the model '${opts.alias}' was lost mid-stream.`,
+        );
+      }
+      waitingSince = undefined;
+      if (ended) return;
+      if (r.done) {
+        if (!sawDone) return fail(c, `The model '${opts.alias}' ended the stream early.`);
+        c.close();
+        end("done");
+        return;
+      }
+      try {
+        feed(r.value, out);
+      } catch (e) {
+        return fail(c, `The model '${opts.alias}' sent an unreadable stream: ${(e as Error).message}`);
+      }
+    }
+  }
+
+  return new ReadableStream<Uint8Array>({
+    type: "direct",
+    pull: relay,
     cancel() {
       // The client went away: stop generation upstream at once.
       up.abort("client disconnected");
       end("client_gone");
     },
-  });
+  } satisfies DirectUnderlyingSource);
 }
+
+/** Bun's controller for `type: "direct"` streams (bun-types: ReadableStreamDirectController). */
+type DirectController = ReadableStreamDirectController;
+type DirectUnderlyingSource = import("bun").DirectUnderlyingSource<Uint8Array>;
