@@ -45,6 +45,7 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { missingRuntimeEnv } from "../src/inference/fetchcap.ts";
 
 const { values: args } = parseArgs({
   args: Bun.argv.slice(2),
@@ -65,8 +66,6 @@ const { values: args } = parseArgs({
 });
 
 const UPSTREAM_MODEL = "sim/bench-model";
-/** Raised for every process that holds thousands of requests (Bun accepts at most 65535; see README "Decisions"). */
-const FETCH_CAP = "16384";
 
 // ---------------------------------------------------------------------------
 // Load generator (runs in its own process)
@@ -283,7 +282,9 @@ if (args.role === "loadgen") {
 const hasTaskset = Bun.spawnSync(["sh", "-c", "command -v taskset"]).exitCode === 0;
 const cpus = navigator.hardwareConcurrency;
 const pin = (cpu: number, cmd: string[]) => (hasTaskset && cpus >= 2 ? ["taskset", "-c", String(cpu), ...cmd] : cmd);
-const env = { ...process.env, BUN_CONFIG_MAX_HTTP_REQUESTS: FETCH_CAP };
+// What `serve` would re-execute itself to get (the fetch cap, the allocator option), given to
+// every process up front: the gateway then runs as the process measured, as under systemd.
+const env = { ...process.env, ...missingRuntimeEnv() };
 const dir = mkdtempSync(join(tmpdir(), "gateway-bench-"));
 const children: ReturnType<typeof Bun.spawn>[] = [];
 
