@@ -5,12 +5,12 @@
  * already exist in the principal and the config, so nothing is copied).
  *
  * Why not an array of objects: every record lives about one flush interval
- * (1 s), long enough to survive a young-generation collection and be promoted.
- * At thousands of requests a second, an object and a Date per request made
- * each of the request thread's young collections copy thousands of them
- * (pauses of 2-11 ms, measured with BUN_JSC_logGC=1) and grew the old
- * generation until a full collection. Recording a request here allocates
- * nothing; the arrays grow by doubling up to the bound.
+ * (1 s), long enough to survive a young-generation collection and be promoted,
+ * so an object and a Date per request grew the old generation at thousands of
+ * requests a second. Recording a request here allocates nothing; the arrays
+ * grow by doubling up to the bound. (Measured with BUN_JSC_logGC=1: fewer
+ * allocations and less memory per waiting record, but no measurable change in
+ * the request thread's collection pauses.)
  *
  * Bounded: when `max` records are waiting (the database is unreachable for a
  * long time), the oldest record gives way to the newest and is counted as
