@@ -17,7 +17,8 @@
  * kernel every 100 ms by default, and under steady load the server touches
  * them again at once: 2.2 minor page faults a request at 1,000 req/s, ~0.35
  * without (and the open-loop p99 drops from ~2.3 to ~1.6 ms; README
- * "Benchmarks"). Idle RSS grows ~30 MB; the 10,000-stream peak does not.
+ * "Benchmarks"). The price is memory kept for reuse: ~30 MB at idle, and
+ * ~80 MB on the 10,000-stream peak after heavy load (README "Decisions").
  * An operator's own value of either variable is kept.
  */
 
