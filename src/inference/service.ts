@@ -8,7 +8,7 @@ import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
 import { relayStream } from "./stream.ts";
 import { charsToTokens, completionLimit, DEFAULT_COMPLETION_RESERVE, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
-import { ClientGone, type Target, type Upstream, timeoutsFor } from "./upstream.ts";
+import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream.ts";
 import { isRecord } from "../lib/guards.ts";
 
 /**
@@ -173,18 +173,32 @@ export function createInferenceService(deps: ServiceDeps) {
       }
     }
 
-    let opened: Awaited<ReturnType<Upstream["open"]>>;
+    let opened: Opened;
     try {
       opened = await upstream.open(name, alias, "/chat/completions", payloadFor, ctx);
     } catch (e) {
       return settleFailure(ticket, name, start, true, e);
     }
+    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, ticket, start, request, requestId: ctx.requestId });
+  }
+
+  /**
+   * The streamed answer. Its own function so that what the stream keeps alive
+   * until it ends (the onEnd closure's scope) holds no request body: a closure
+   * made inside `chat` would keep the parsed messages (large prompts, base64
+   * images) for the stream's whole life.
+   */
+  function relay(
+    opened: Opened,
+    r: { name: string; alias: AliasConfig; clientWantsUsage: boolean; promptEstimate: number; ticket: Ticket; start: number; request: Request; requestId: string },
+  ): Response {
+    const { name, ticket, start, request, promptEstimate } = r;
     const target = opened.target;
     deps.streams?.inc();
     const stream = relayStream(opened, {
       alias: name,
-      clientWantsUsage,
-      idleMs: timeoutsFor(config, alias).idleMs,
+      clientWantsUsage: r.clientWantsUsage,
+      idleMs: timeoutsFor(config, r.alias).idleMs,
       signal: request.signal,
       onEnd(end) {
         deps.streams?.dec();
@@ -193,7 +207,7 @@ export function createInferenceService(deps: ServiceDeps) {
         const status = end.outcome === "done" ? 200 : end.outcome === "client_gone" ? 499 : 503;
         metering.settle(ticket, usage, outcome(name, target, status, start, true));
         annotate(request, { promptTokens: usage.promptTokens, completionTokens: usage.completionTokens });
-        if (end.outcome === "failed") log.warn("upstream stream failed", { alias: name, target: target.label, reason: end.reason, request_id: ctx.requestId });
+        if (end.outcome === "failed") log.warn("upstream stream failed", { alias: name, target: target.label, reason: end.reason, request_id: r.requestId });
       },
     });
     return new Response(stream, { headers: SSE_HEADERS });
