@@ -366,7 +366,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     }
   }
 
-  /** One statement per chunk: each column is one array parameter, unnested into rows. */
+  /** One statement per batch: each column is one array parameter, unnested into rows. */
   async function insertEvents(tx: Pick<Database["db"], "execute">, c: UsageColumns): Promise<void> {
     // Times travel as epoch milliseconds (exact), turned into timestamptz by the database.
     await tx.execute(sql`
