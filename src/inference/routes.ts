@@ -101,6 +101,8 @@ export function createInference(deps: InferenceDeps) {
           async ({ principal, request, server, set }) => send(set, await service.embeddings(principal, await readBody(request, server), request)),
           { auth: { scope: "inference" }, parse: "none" },
         ),
-    async stop() {},
+    async stop() {
+      upstream.close();
+    },
   };
 }

@@ -2,7 +2,10 @@ import type { AliasConfig, Config, TargetConfig, TimeoutsConfig } from "../confi
 import { AppError } from "../http/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import { Breaker } from "./breaker.ts";
+import { type ByteReader, createHttp1Client, type Endpoint, type Http1Client, type UpstreamResponse } from "./http1.ts";
 import { type ConnectProbe, type Origin, createConnectProbe, originOf } from "./probe.ts";
+
+export type { ByteReader } from "./http1.ts";
 
 /**
  * Calls to the upstream model servers: target choice, timeouts, failover and
@@ -23,7 +26,10 @@ export interface Target {
   /** `<baseUrl>|<model>`, the label usage records and logs carry. */
   readonly label: string;
   readonly origin: Origin;
-  readonly base: string;
+  /** The connection pool of the target's origin. */
+  readonly endpoint: Endpoint;
+  /** The base URL's path without a trailing slash (`/v1`); request paths are appended to it. */
+  readonly basePath: string;
   readonly authorization: string | undefined;
   readonly breaker: Breaker;
   /** The upstream model id as it appears in response bytes: `"model":"<id>"`. */
@@ -42,12 +48,6 @@ export interface CallContext {
 export interface Completed {
   target: Target;
   body: string;
-}
-
-/** The part of a stream reader the relay uses. */
-export interface ByteReader {
-  read(): Promise<{ done: true; value?: undefined } | { done: false; value: Uint8Array }>;
-  cancel(reason?: unknown): Promise<void>;
 }
 
 /** An upstream stream whose first bytes have arrived; from here on it belongs to the caller. */
@@ -79,6 +79,8 @@ export interface UpstreamDeps {
   probe?: ConnectProbe;
   random?: () => number;
   now?: () => number;
+  /** The HTTP client (tests share one); by default the upstream owns one and closes it on stop. */
+  http?: Http1Client;
 }
 
 const enc = new TextEncoder();
@@ -153,6 +155,7 @@ export function createUpstream(deps: UpstreamDeps) {
   const random = deps.random ?? Math.random;
   const now = deps.now ?? Date.now;
   const up = config.upstream;
+  const http = deps.http ?? createHttp1Client();
 
   const targets = new Map<string, Target[]>();
   for (const [alias, a] of Object.entries(config.aliases)) {
@@ -165,7 +168,8 @@ export function createUpstream(deps: UpstreamDeps) {
           cfg,
           label: `${cfg.baseUrl}|${cfg.model}`,
           origin: originOf(cfg.baseUrl),
-          base: cfg.baseUrl.replace(/\/+$/, ""),
+          endpoint: http.endpoint(cfg.baseUrl),
+          basePath: new URL(cfg.baseUrl).pathname.replace(/\/+$/, ""),
           authorization: key ? `Bearer ${key}` : undefined,
           breaker: new Breaker({ failures: up.breakerFailures, cooldownMs: up.breakerCooldownMs }),
           modelField: enc.encode(`"model":${JSON.stringify(cfg.model)}`),
@@ -216,11 +220,11 @@ export function createUpstream(deps: UpstreamDeps) {
   }
 
   /** Reads a non-2xx answer and decides: retry elsewhere, or a final error for the client. */
-  async function judge<T>(target: Target, res: Response, aliasName: string): Promise<Attempt<T>> {
+  async function judge<T>(target: Target, res: UpstreamResponse, aliasName: string): Promise<Attempt<T>> {
     const text = await res.text().catch(() => "");
     const status = res.status;
     if (RETRY_STATUS.has(status)) {
-      const retryAfter = status === 429 ? retryAfterSeconds(res.headers.get("retry-after"), now()) : undefined;
+      const retryAfter = status === 429 ? retryAfterSeconds(res.header("retry-after") ?? null, now()) : undefined;
       // A 429 is back-pressure from a healthy server, not a fault: it does not trip the breaker.
       return { kind: "retry", why: `status ${status}`, status, ...(retryAfter !== undefined ? { retryAfter } : {}), countsAsFailure: status !== 429 };
     }
@@ -263,7 +267,7 @@ export function createUpstream(deps: UpstreamDeps) {
     timeouts: TimeoutsConfig,
     ctx: CallContext,
     stream: boolean,
-    onHead: (res: Response, ac: AbortController, clearTimer: () => void, unlink: () => void) => Promise<T>,
+    onHead: (res: UpstreamResponse, ac: AbortController, clearTimer: () => void, unlink: () => void) => Promise<T>,
   ): Promise<Attempt<T>> {
     const ac = new AbortController();
     const onClientAbort = () => ac.abort(new ClientGone());
@@ -285,13 +289,12 @@ export function createUpstream(deps: UpstreamDeps) {
     let handedOver = false;
     const sentAt = performance.now();
     try {
-      const res = await fetch(`${target.base}${path}`, {
+      const res = await target.endpoint.request({
         method: "POST",
+        path: `${target.basePath}${path}`,
         body: payload,
         headers: headersFor(target, ctx, stream),
         signal: ac.signal,
-        // Our own timers bound the request; Bun's socket idle timeout (5 min) would cut slow models short.
-        timeout: false,
       });
       headed = true;
       probe.alive(target.origin);
@@ -329,7 +332,7 @@ export function createUpstream(deps: UpstreamDeps) {
     payloadFor: (t: Target) => string,
     ctx: CallContext,
     stream: boolean,
-    onHead: (res: Response, ac: AbortController, clearTimer: () => void, unlink: () => void, target: Target) => Promise<T>,
+    onHead: (res: UpstreamResponse, ac: AbortController, clearTimer: () => void, unlink: () => void, target: Target) => Promise<T>,
   ): Promise<{ target: Target; value: T }> {
     const list = targets.get(aliasName) ?? [];
     const timeouts = timeoutsFor(config, alias);
@@ -391,9 +394,7 @@ export function createUpstream(deps: UpstreamDeps) {
   /** A streamed call, handed over once the first body bytes arrived (still under the first-byte timer). */
   function open(aliasName: string, alias: AliasConfig, path: string, payloadFor: (t: Target) => string, ctx: CallContext) {
     return run<Opened>(aliasName, alias, path, payloadFor, ctx, true, async (res, ac, clearTimer, unlink, target) => {
-      const body = res.body;
-      if (!body) throw new AttemptFailed("empty stream");
-      const reader: ByteReader = body.getReader();
+      const reader: ByteReader = res.body;
       let first: Uint8Array | undefined;
       try {
         while (first === undefined) {
@@ -436,7 +437,12 @@ export function createUpstream(deps: UpstreamDeps) {
     return out;
   }
 
-  return { complete, open, breakers };
+  /** Closes idle upstream connections (streams still open keep theirs until they end). */
+  function close(): void {
+    if (!deps.http) http.close();
+  }
+
+  return { complete, open, breakers, close };
 }
 
 export type Upstream = ReturnType<typeof createUpstream>;

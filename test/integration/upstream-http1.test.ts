@@ -1,0 +1,471 @@
+import { afterEach, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { Socket, TCPSocketListener } from "bun";
+import { createHttp1Client, type Http1Client, UpstreamConnectionError } from "../../src/inference/http1.ts";
+import { rejectionOf } from "../helpers/harness.ts";
+
+setDefaultTimeout(20_000);
+
+/**
+ * The upstream HTTP/1.1 client against raw TCP servers, so that framing,
+ * splits across reads and connection behaviour are exactly what each test
+ * writes.
+ */
+
+interface Peer {
+  socket: Socket<PeerData>;
+  /** Everything received on this connection. */
+  received: string;
+  closed: boolean;
+  /** Called when the socket can take more (a test that streams a large answer). */
+  pump?: () => void;
+}
+interface PeerData {
+  peer: Peer;
+}
+
+/** A TCP server; `onRequest` gets each complete request (head and body) of each connection. */
+function rawServer(onRequest: (s: Socket<PeerData>, req: string, index: number, peer: Peer) => void) {
+  const peers: Peer[] = [];
+  let requests = 0;
+  const listener: TCPSocketListener<PeerData> = Bun.listen<PeerData>({
+    hostname: "127.0.0.1",
+    port: 0,
+    socket: {
+      open(s) {
+        const peer: Peer = { socket: s, received: "", closed: false };
+        s.data = { peer };
+        peers.push(peer);
+      },
+      data(s, d) {
+        const peer = s.data.peer;
+        peer.received += d.toString("latin1");
+        // Complete requests: head, then content-length bytes.
+        for (;;) {
+          const end = peer.received.indexOf("\r\n\r\n");
+          if (end === -1) return;
+          const len = Number(/content-length: (\d+)/i.exec(peer.received.slice(0, end))?.[1] ?? 0);
+          if (peer.received.length < end + 4 + len) return;
+          const req = peer.received.slice(0, end + 4 + len);
+          peer.received = peer.received.slice(end + 4 + len);
+          onRequest(s, req, requests++, peer);
+        }
+      },
+      drain(s) {
+        s.data.peer.pump?.();
+      },
+      close(s) {
+        s.data.peer.closed = true;
+      },
+      error() {},
+    },
+  });
+  return { url: `http://127.0.0.1:${listener.port}`, peers, stop: () => listener.stop(true), requests: () => requests };
+}
+
+const okResponse = (body: string, extra = "") => `HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: ${Buffer.byteLength(body)}\r\n${extra}\r\n${body}`;
+const post = (signal = new AbortController().signal, body = "{}") => ({ method: "POST" as const, path: "/v1/x", headers: { "content-type": "application/json" }, body, signal });
+
+async function until(cond: () => boolean, ms = 5_000) {
+  const end = performance.now() + ms;
+  while (!cond()) {
+    if (performance.now() > end) throw new Error("condition not met in time");
+    await Bun.sleep(5);
+  }
+}
+
+let client: Http1Client;
+const servers: { stop(): void }[] = [];
+afterEach(() => {
+  client?.close();
+  for (const s of servers.splice(0)) s.stop();
+});
+
+describe("upstream HTTP/1.1 client", () => {
+  test("sends the request as given, with host and content-length, and reads a content-length body", async () => {
+    const seen: string[] = [];
+    const srv = rawServer((s, req) => {
+      seen.push(req);
+      s.write(okResponse("héllo"));
+    });
+    servers.push(srv);
+    client = createHttp1Client();
+    const res = await client.endpoint(`${srv.url}/v1`).request(post(undefined, '{"a":"é"}'));
+    expect(res.status).toBe(200);
+    expect(res.ok).toBe(true);
+    expect(res.header("content-type")).toBe("text/plain");
+    expect(await res.text()).toBe("héllo");
+    const port = new URL(srv.url).port;
+    expect(seen[0]).toBe(`POST /v1/x HTTP/1.1\r\nhost: 127.0.0.1:${port}\r\ncontent-type: application/json\r\ncontent-length: 10\r\n\r\n{"a":"é"}`.replace("{\"a\":\"é\"}", Buffer.from('{"a":"é"}').toString("latin1")));
+  });
+
+  test("keeps the connection alive and reuses it for the next request", async () => {
+    const srv = rawServer((s, _req, i) => s.write(okResponse(`r${i}`)));
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    for (let i = 0; i < 5; i++) expect(await (await ep.request(post())).text()).toBe(`r${i}`);
+    expect(srv.peers.length).toBe(1);
+  });
+
+  test("concurrent requests each get their own connection; all return to the pool", async () => {
+    const srv = rawServer((s, _req, i) => setTimeout(() => s.write(okResponse(`r${i}`)), 20));
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    const texts = await Promise.all(Array.from({ length: 8 }, async () => (await ep.request(post())).text()));
+    expect(new Set(texts).size).toBe(8);
+    expect(srv.peers.length).toBe(8);
+    await Promise.all(Array.from({ length: 8 }, async () => (await ep.request(post())).text()));
+    expect(srv.peers.length).toBe(8);
+  });
+
+  test("`connection: close` and HTTP/1.0 answers are not reused", async () => {
+    let n = 0;
+    const srv = rawServer((s) => {
+      s.write(n++ % 2 === 0 ? okResponse("a", "connection: close\r\n") : `HTTP/1.0 200 OK\r\ncontent-length: 1\r\n\r\nb`);
+    });
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    expect(await (await ep.request(post())).text()).toBe("a");
+    expect(await (await ep.request(post())).text()).toBe("b");
+    expect(await (await ep.request(post())).text()).toBe("a");
+    expect(srv.peers.length).toBe(3);
+  });
+
+  test("a chunked body arriving one byte per read decodes exactly (extensions and trailers too), and the connection is reused", async () => {
+    const wire =
+      "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" +
+      "5;ext=1\r\nhello\r\n" +
+      "1\r\n \r\n" +
+      "A\r\n0123456789\r\n" +
+      "0\r\nx-trailer: yes\r\n\r\n";
+    const srv = rawServer(async (s, _req, i) => {
+      if (i > 0) {
+        s.write(okResponse("again"));
+        return;
+      }
+      for (const ch of wire) {
+        s.write(ch);
+        s.flush();
+        await Bun.sleep(1);
+      }
+    });
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    const res = await ep.request(post());
+    const parts: string[] = [];
+    for (;;) {
+      const r = await res.body.read();
+      if (r.done) break;
+      parts.push(Buffer.from(r.value).toString());
+    }
+    expect(parts.join("")).toBe("hello 0123456789");
+    // Body bytes are handed over as they arrive, not when a chunk is whole.
+    expect(parts.length).toBeGreaterThan(3);
+    expect(await (await ep.request(post())).text()).toBe("again");
+    expect(srv.peers.length).toBe(1);
+  });
+
+  test("a chunked body whose events arrive together is read in one piece per arrival", async () => {
+    const srv = rawServer((s) => {
+      s.write("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n");
+    });
+    servers.push(srv);
+    client = createHttp1Client();
+    const res = await client.endpoint(srv.url).request(post());
+    await Bun.sleep(50);
+    const r = await res.body.read();
+    expect(r.done ? "" : Buffer.from(r.value).toString()).toBe("abcdef");
+    expect((await res.body.read()).done).toBe(true);
+  });
+
+  test("a body without length or chunking ends when the server closes, and the connection is not reused", async () => {
+    const srv = rawServer((s) => {
+      s.write("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: 1\n\n");
+      setTimeout(() => {
+        s.write("data: 2\n\n");
+        s.end();
+      }, 20);
+    });
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    expect(await (await ep.request(post())).text()).toBe("data: 1\n\ndata: 2\n\n");
+    expect(await (await ep.request(post())).text()).toBe("data: 1\n\ndata: 2\n\n");
+    expect(srv.peers.length).toBe(2);
+  });
+
+  test("interim 1xx answers are skipped; 204 has no body", async () => {
+    let n = 0;
+    const srv = rawServer((s) => {
+      if (n++ === 0) s.write("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + okResponse("real"));
+      else s.write("HTTP/1.1 204 No Content\r\n\r\n");
+    });
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    const res = await ep.request(post());
+    expect(res.status).toBe(200);
+    expect(await res.text()).toBe("real");
+    const empty = await ep.request(post());
+    expect(empty.status).toBe(204);
+    expect(await empty.text()).toBe("");
+    expect(srv.peers.length).toBe(1);
+  });
+
+  test("error statuses are answers like any other", async () => {
+    const srv = rawServer((s) => s.write(`HTTP/1.1 429 Too Many Requests\r\nretry-after: 7\r\ncontent-length: 2\r\n\r\n{}`));
+    servers.push(srv);
+    client = createHttp1Client();
+    const res = await client.endpoint(srv.url).request(post());
+    expect(res.status).toBe(429);
+    expect(res.ok).toBe(false);
+    expect(res.header("retry-after")).toBe("7");
+    expect(await res.text()).toBe("{}");
+  });
+
+  test("a pooled connection the server closed as the request arrived is retried once on a new connection", async () => {
+    const srv = rawServer((s, _req, i) => {
+      // The second request on the first connection meets a server that has just given up on it.
+      if (i === 1) s.terminate();
+      else s.write(okResponse(`r${i}`));
+    });
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    expect(await (await ep.request(post())).text()).toBe("r0");
+    expect(await (await ep.request(post())).text()).toBe("r2");
+    expect(srv.peers.length).toBe(2);
+  });
+
+  test("a new connection that closes before answering fails the request (no retry)", async () => {
+    const srv = rawServer((s) => s.terminate());
+    servers.push(srv);
+    client = createHttp1Client();
+    const e = await rejectionOf(client.endpoint(srv.url).request(post()));
+    expect(e).toBeInstanceOf(UpstreamConnectionError);
+    expect(srv.requests()).toBe(1);
+  });
+
+  test("a refused connection fails the request", async () => {
+    const srv = rawServer(() => {});
+    const url = srv.url;
+    srv.stop();
+    client = createHttp1Client();
+    expect(await rejectionOf(client.endpoint(url).request(post()))).toBeInstanceOf(UpstreamConnectionError);
+  });
+
+  test("a connection cut mid-body fails the read; a body cut short of its content-length too", async () => {
+    let n = 0;
+    const srv = rawServer((s) => {
+      if (n++ === 0) s.write("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n");
+      else s.write("HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc");
+      setTimeout(() => s.terminate(), 20);
+    });
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    const res = await ep.request(post());
+    const first = await res.body.read();
+    expect(first.done ? "" : Buffer.from(first.value).toString()).toBe("abc");
+    expect(await rejectionOf(res.body.read())).toBeInstanceOf(UpstreamConnectionError);
+    expect(await rejectionOf((await ep.request(post())).text())).toBeInstanceOf(UpstreamConnectionError);
+  });
+
+  test("malformed answers fail with a reason and close the connection", async () => {
+    const answers = ["SSH-2.0-OpenSSH\r\n\r\n", "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n"];
+    let n = 0;
+    const srv = rawServer((s) => s.write(answers[n++] ?? ""));
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    const e1 = await rejectionOf(ep.request(post()));
+    expect(String(e1)).toContain("status line");
+    const res = await ep.request(post());
+    expect(String(await rejectionOf(res.text()))).toContain("chunk size");
+    expect(String(await rejectionOf(ep.request(post())))).toContain("content-length");
+    await until(() => srv.peers.every((p) => p.closed));
+  });
+
+  test("a response head larger than the limit fails", async () => {
+    const srv = rawServer((s) => s.write(`HTTP/1.1 200 OK\r\nx-big: ${"a".repeat(2_000)}\r\n\r\n`));
+    servers.push(srv);
+    client = createHttp1Client({ maxHeaderBytes: 1_000 });
+    expect(String(await rejectionOf(client.endpoint(srv.url).request(post())))).toContain("too large");
+  });
+
+  test("aborting before the answer rejects with the signal's reason and closes the connection", async () => {
+    const srv = rawServer(() => {});
+    servers.push(srv);
+    client = createHttp1Client();
+    const ac = new AbortController();
+    const p = client.endpoint(srv.url).request(post(ac.signal));
+    await until(() => srv.requests() === 1);
+    const reason = new Error("client left");
+    ac.abort(reason);
+    expect(await rejectionOf(p)).toBe(reason);
+    await until(() => srv.peers[0]?.closed === true);
+  });
+
+  test("aborting mid-body fails the next read and closes the connection; cancel() closes it too", async () => {
+    const srv = rawServer((s) => s.write("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n"));
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    const ac = new AbortController();
+    const res = await ep.request(post(ac.signal));
+    await res.body.read();
+    const pending = res.body.read();
+    ac.abort(new Error("gone"));
+    expect(String(await rejectionOf(pending))).toContain("gone");
+    await until(() => srv.peers[0]?.closed === true);
+
+    const res2 = await ep.request(post());
+    await res2.body.read();
+    await res2.body.cancel();
+    await until(() => srv.peers[1]?.closed === true);
+    expect(srv.peers.length).toBe(2);
+  });
+
+  test("an aborted request's listener is removed once the exchange is over", async () => {
+    const srv = rawServer((s) => s.write(okResponse("x")));
+    servers.push(srv);
+    client = createHttp1Client();
+    const ac = new AbortController();
+    let added = 0;
+    let removed = 0;
+    const signal = ac.signal;
+    const add = signal.addEventListener.bind(signal);
+    const remove = signal.removeEventListener.bind(signal);
+    signal.addEventListener = ((...a: Parameters<typeof add>) => (added++, add(...a))) as typeof add;
+    signal.removeEventListener = ((...a: Parameters<typeof remove>) => (removed++, remove(...a))) as typeof remove;
+    await (await client.endpoint(srv.url).request(post(signal))).text();
+    expect(added).toBe(1);
+    expect(removed).toBe(1);
+  });
+
+  test("a large request body is written completely, whatever the socket takes per write", async () => {
+    const big = "x".repeat(12 * 1024 * 1024);
+    let got = -1;
+    const srv = rawServer((s, req) => {
+      got = req.length - (req.indexOf("\r\n\r\n") + 4);
+      s.write(okResponse("ok"));
+    });
+    servers.push(srv);
+    client = createHttp1Client();
+    const res = await client.endpoint(srv.url).request(post(undefined, big));
+    expect(await res.text()).toBe("ok");
+    expect(got).toBe(big.length);
+  });
+
+  test("a reader that does not read stops the socket from reading (back-pressure)", async () => {
+    const total = 64 * 1024 * 1024;
+    let written = 0;
+    const block = Buffer.alloc(1024 * 1024, 97);
+    const srv = rawServer((s, _req, _i, peer) => {
+      s.write(`HTTP/1.1 200 OK\r\ncontent-length: ${total}\r\n\r\n`);
+      const pump = () => {
+        while (written < total) {
+          const n = s.write(block);
+          written += n;
+          if (n < block.length) return; // kernel buffers full: wait for drain
+        }
+      };
+      peer.pump = pump;
+      pump();
+    });
+    servers.push(srv);
+    client = createHttp1Client({ highWaterMark: 64 * 1024 });
+    const res = await client.endpoint(srv.url).request(post());
+    await Bun.sleep(300);
+    // Socket buffers hold a few MB at most; without back-pressure the client would have taken it all.
+    expect(written).toBeLessThan(total / 2);
+    // Reading resumes the socket: the whole body arrives.
+    let got = 0;
+    for (;;) {
+      const r = await res.body.read();
+      if (r.done) break;
+      got += r.value.byteLength;
+    }
+    expect(got).toBe(total);
+  });
+
+  test("header values with line breaks are refused before anything is sent", async () => {
+    const srv = rawServer(() => {});
+    servers.push(srv);
+    client = createHttp1Client();
+    const e = await rejectionOf(client.endpoint(srv.url).request({ ...post(), headers: { "x-request-id": "a\r\nx-evil: 1" } }));
+    expect(String(e)).toContain("invalid upstream request header");
+    expect(srv.peers.length).toBe(0);
+  });
+
+  test("idle connections are closed after idleMs", async () => {
+    const srv = rawServer((s) => s.write(okResponse("x")));
+    servers.push(srv);
+    client = createHttp1Client({ idleMs: 1_000 });
+    await (await client.endpoint(srv.url).request(post())).text();
+    expect(srv.peers[0]?.closed).toBe(false);
+    await until(() => srv.peers[0]?.closed === true, 4_000);
+  });
+
+  test("idle connections do not keep the process alive", async () => {
+    const srv = rawServer((s) => s.write(okResponse("x")));
+    servers.push(srv);
+    const dir = mkdtempSync(join(tmpdir(), "http1-"));
+    const script = join(dir, "idle.ts");
+    writeFileSync(
+      script,
+      `import { createHttp1Client } from ${JSON.stringify(join(import.meta.dir, "../../src/inference/http1.ts"))};
+const c = createHttp1Client({ idleMs: 60_000 });
+const r = await c.endpoint(${JSON.stringify(srv.url)}).request({ method: "POST", path: "/", headers: {}, body: "", signal: new AbortController().signal });
+console.log(await r.text());`,
+    );
+    try {
+      const t0 = performance.now();
+      const p = Bun.spawn([process.execPath, script], { stdout: "pipe" });
+      expect(await p.exited).toBe(0);
+      expect((await new Response(p.stdout).text()).trim()).toBe("x");
+      expect(performance.now() - t0).toBeLessThan(10_000);
+      expect(srv.peers.length).toBe(1);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  test("https: the server's certificate is verified (refused when untrusted, accepted with its CA)", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "http1-tls-"));
+    try {
+      const key = join(dir, "key.pem");
+      const cert = join(dir, "cert.pem");
+      const gen = Bun.spawnSync(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"]);
+      expect(gen.exitCode).toBe(0);
+      const server = Bun.serve({ hostname: "127.0.0.1", port: 0, tls: { key: Bun.file(key), cert: Bun.file(cert) }, fetch: async (r) => new Response(`tls ${r.method} ${await r.text()}`) });
+      servers.push({ stop: () => server.stop(true) });
+      const script = join(dir, "tls.ts");
+      writeFileSync(
+        script,
+        `import { createHttp1Client } from ${JSON.stringify(join(import.meta.dir, "../../src/inference/http1.ts"))};
+const c = createHttp1Client();
+try {
+  const r = await c.endpoint("https://localhost:${server.port}/v1").request({ method: "POST", path: "/v1/x", headers: {}, body: "hi", signal: new AbortController().signal });
+  console.log(r.status, await r.text());
+} catch (e) { console.log("error", e instanceof Error ? e.constructor.name : String(e)); }`,
+      );
+      // Spawned (the CA is read at start); not spawnSync, which would stall this process's server.
+      const run = async (env: Record<string, string>) => {
+        const p = Bun.spawn([process.execPath, script], { env: { ...process.env, ...env }, stdout: "pipe" });
+        await p.exited;
+        return (await new Response(p.stdout).text()).trim();
+      };
+      expect(await run({})).toBe("error UpstreamConnectionError");
+      expect(await run({ NODE_EXTRA_CA_CERTS: cert })).toBe("200 tls POST hi");
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});
