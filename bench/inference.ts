@@ -45,7 +45,7 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
-import { missingRuntimeEnv } from "../src/inference/fetchcap.ts";
+import { missingRuntimeEnv } from "../src/lib/runtime-env.ts";
 
 const { values: args } = parseArgs({
   args: Bun.argv.slice(2),

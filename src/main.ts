@@ -1,11 +1,11 @@
 #!/usr/bin/env bun
 import { runCli } from "./cli/index.ts";
-import { relaunchWithRuntimeEnv, watchParent } from "./inference/fetchcap.ts";
+import { relaunchWithRuntimeEnv, watchParent } from "./lib/runtime-env.ts";
 
 // argv -> command; everything else lives in src/cli.
 const argv = process.argv.slice(2);
 if (argv[0] === "serve") {
-  // Bun's fetch cap and an allocator option are read only at start (src/inference/fetchcap.ts).
+  // An allocator option is read only at start (src/lib/runtime-env.ts).
   const relaunched = await relaunchWithRuntimeEnv();
   if (relaunched !== undefined) process.exit(relaunched);
   watchParent(() => process.kill(process.pid, "SIGTERM"));

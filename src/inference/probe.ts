@@ -1,10 +1,10 @@
 /**
- * Connect timeout for `fetch`, which has no connect phase of its own to time:
- * a TCP connect to the target's host and port, raced against `connectMs`, run
- * beside the real request. A target that does not accept a connection in
- * time (dropped SYNs, a dead host behind a pooled keep-alive socket) fails
- * over after connectMs instead of waiting out firstByteMs, which is minutes
- * for slow models.
+ * Connect timeout for upstream requests: a TCP connect to the target's host
+ * and port, raced against `connectMs`, run beside the real request. A target
+ * that does not accept a connection in time (dropped SYNs, or a dead host
+ * behind a pooled keep-alive connection, where the request itself has no
+ * connect phase to time) fails over after connectMs instead of waiting out
+ * firstByteMs, which is minutes for slow models.
  *
  * Any sign of life from an origin (a probe or an upstream response) is
  * remembered for `freshMs`, so under load probes are rare: at most about one

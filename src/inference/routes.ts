@@ -6,7 +6,6 @@ import type { Logger } from "../lib/log.ts";
 import type { Metrics } from "../metrics/registry.ts";
 import type { Metering } from "../limits/metering.ts";
 import { allowedAliases } from "./aliases.ts";
-import { FETCH_CONCURRENCY, fetchCapRaised } from "./fetchcap.ts";
 import { createInferenceService, type Reply } from "./service.ts";
 import { type ConnectProbe, createConnectProbe } from "./probe.ts";
 import { createUpstream } from "./upstream.ts";
@@ -24,12 +23,6 @@ export interface InferenceDeps {
 
 export function createInference(deps: InferenceDeps) {
   const { config, log } = deps;
-  if (!fetchCapRaised() && Object.keys(config.aliases).length > 0) {
-    // See fetchcap.ts: beyond 256 upstream requests Bun's fetch queues silently.
-    log.warn("upstream requests are capped at 256 in flight by Bun's fetch", {
-      fix: `start the gateway with BUN_CONFIG_MAX_HTTP_REQUESTS=${FETCH_CONCURRENCY} in its environment`,
-    });
-  }
   const m = deps.metrics;
   const upstream = createUpstream({
     config,

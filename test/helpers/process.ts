@@ -2,7 +2,7 @@ import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import postgres from "postgres";
-import { missingRuntimeEnv } from "../../src/inference/fetchcap.ts";
+import { missingRuntimeEnv } from "../../src/lib/runtime-env.ts";
 
 /**
  * Helpers for tests that run the gateway as a real process (CLI, shutdown,

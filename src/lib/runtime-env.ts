@@ -1,41 +1,24 @@
 /**
- * Bun's fetch sends at most BUN_CONFIG_MAX_HTTP_REQUESTS requests at once
- * (default 256) and silently queues the rest, so an upstream stream beyond the
- * 256th would wait for one to finish. Bun reads the variable once, from the
- * environment it was started with (or a .env file it autoloads):
- * assigning process.env at runtime, even before the first fetch, has no
- * effect, and neither does setenv(3) through FFI (both tested on Bun 1.4.5).
- * Values above 65535 are refused (and the default applies).
+ * Settings the runtime reads only from the environment it was started with.
  *
- * So `serve` re-executes itself once with the variable set when the operator
- * has not set it. This works the same under `bun run src/main.ts` and in the
- * compiled executable (where Bun.main is inside /$bunfs/ and argv[1] is not a
- * script). The parent only forwards signals and the exit code.
- *
- * The same re-execution sets one allocator option, also read only at start:
- * MIMALLOC_PURGE_HOLES=0. Bun's mimalloc hands partly free pages back to the
- * kernel every 100 ms by default, and under steady load the server touches
- * them again at once: 2.2 minor page faults a request at 1,000 req/s, ~0.35
- * without (and the open-loop p99 drops from ~2.3 to ~1.6 ms; README
- * "Benchmarks"). The price is memory kept for reuse: ~30 MB at idle, and
- * ~80 MB on the 10,000-stream peak after heavy load (README "Decisions").
- * An operator's own value of either variable is kept.
+ * One, for now: MIMALLOC_PURGE_HOLES=0. Bun's mimalloc hands partly free
+ * pages back to the kernel every 100 ms by default, and under steady load
+ * the server touches them again at once: 2.2 minor page faults a request at
+ * 1,000 req/s, ~0.35 without (and the open-loop p99 drops from ~2.3 to
+ * ~1.6 ms; README "Benchmarks"). The price is memory kept for reuse: ~30 MB
+ * at idle, more after a burst (README "Decisions"). Assigning process.env at
+ * runtime has no effect on it, so `serve` re-executes itself once with the
+ * variable set when the operator has not set it. This works the same under
+ * `bun run src/main.ts` and in the compiled executable (where Bun.main is
+ * inside /$bunfs/ and argv[1] is not a script). The parent only forwards
+ * signals and the exit code. An operator's own value is kept.
  */
-
-export const FETCH_CONCURRENCY = 16_384;
 
 /** Variables `serve` wants at start, each with the value used when the operator set none. */
 export function missingRuntimeEnv(env: Record<string, string | undefined> = process.env): Record<string, string> {
   const add: Record<string, string> = {};
-  if (!fetchCapRaised(env)) add.BUN_CONFIG_MAX_HTTP_REQUESTS = String(FETCH_CONCURRENCY);
   if (env.MIMALLOC_PURGE_HOLES === undefined) add.MIMALLOC_PURGE_HOLES = "0";
   return add;
-}
-
-/** Whether this process already runs with a raised cap (set by the operator, or by a re-exec). */
-export function fetchCapRaised(env: Record<string, string | undefined> = process.env): boolean {
-  const v = Number(env.BUN_CONFIG_MAX_HTTP_REQUESTS);
-  return Number.isInteger(v) && v > 256 && v <= 65_535;
 }
 
 /**
