@@ -282,9 +282,11 @@ if (args.role === "loadgen") {
 const hasTaskset = Bun.spawnSync(["sh", "-c", "command -v taskset"]).exitCode === 0;
 const cpus = navigator.hardwareConcurrency;
 const pin = (cpu: number, cmd: string[]) => (hasTaskset && cpus >= 2 ? ["taskset", "-c", String(cpu), ...cmd] : cmd);
-// What `serve` would re-execute itself to get (the fetch cap, the allocator option), given to
-// every process up front: the gateway then runs as the process measured, as under systemd.
-const env = { ...process.env, ...missingRuntimeEnv() };
+// What `serve` would re-execute itself to get (the allocator option), given to every process
+// up front: the gateway then runs as the process measured, as under systemd. The load
+// generator is a fetch client: Bun's fetch keeps at most 256 requests in flight unless
+// BUN_CONFIG_MAX_HTTP_REQUESTS is set when the process starts.
+const env = { ...process.env, ...missingRuntimeEnv(), BUN_CONFIG_MAX_HTTP_REQUESTS: "65535" };
 const dir = mkdtempSync(join(tmpdir(), "gateway-bench-"));
 const children: ReturnType<typeof Bun.spawn>[] = [];
 

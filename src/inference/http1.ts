@@ -134,8 +134,12 @@ class Exchange implements UpstreamResponse, ByteReader {
   conn: Conn | undefined;
   /** Set while the request is on a reused connection for the first time: sends it again on a new one. */
   retry: (() => void) | undefined;
-  /** Removes the abort listener once the exchange is over. */
-  unlisten: (() => void) | undefined;
+  /**
+   * The request's bytes, until an answer starts (a retry needs them): a
+   * stream must not keep its request body (large prompts, base64 images)
+   * alive for its whole life.
+   */
+  payload: Uint8Array | undefined;
   private queue: Uint8Array[] = [];
   private queued = 0;
   private ended = false;
@@ -145,15 +149,25 @@ class Exchange implements UpstreamResponse, ByteReader {
   private headReject: ((e: Error) => void) | undefined;
   readonly headPromise: Promise<UpstreamResponse>;
 
+  /** The abort listener: closes the connection, or fails the exchange while it has none. */
+  private readonly onAbort = () => {
+    const r: unknown = this.signal.reason;
+    const reason = r instanceof Error ? r : new UpstreamConnectionError("aborted");
+    if (this.conn) this.conn.destroy(reason);
+    else this.fail(reason);
+  };
+
   constructor(
-    readonly opts: RequestOptions,
-    readonly payload: Uint8Array,
+    readonly signal: AbortSignal,
+    payload: Uint8Array,
     private readonly highWaterMark: number,
   ) {
+    this.payload = payload;
     this.headPromise = new Promise<UpstreamResponse>((resolve, reject) => {
       this.headResolve = resolve;
       this.headReject = reject;
     });
+    signal.addEventListener("abort", this.onAbort, { once: true });
   }
 
   header(name: string): string | undefined {
@@ -161,6 +175,8 @@ class Exchange implements UpstreamResponse, ByteReader {
   }
 
   onHead(head: Head): void {
+    this.payload = undefined;
+    this.retry = undefined;
     this.status = head.status;
     this.ok = head.status >= 200 && head.status <= 299;
     this.headers = head.headers;
@@ -183,11 +199,11 @@ class Exchange implements UpstreamResponse, ByteReader {
     if (this.queued > this.highWaterMark) this.conn?.pauseReading();
   }
 
+  /** The exchange is over: nothing more to retry or abort. */
   private settled(): void {
     this.retry = undefined;
-    const u = this.unlisten;
-    this.unlisten = undefined;
-    u?.();
+    this.payload = undefined;
+    this.signal.removeEventListener("abort", this.onAbort);
   }
 
   /** The body is complete. */
@@ -317,8 +333,13 @@ class Conn {
     this.keepAlive = false;
     s.timeout(0);
     s.ref();
-    const n = s.write(ex.payload);
-    if (n < ex.payload.byteLength) this.pendingWrite = ex.payload.subarray(Math.max(0, n));
+    const payload = ex.payload;
+    if (!payload) {
+      this.destroy(new UpstreamConnectionError("request already answered"));
+      return;
+    }
+    const n = s.write(payload);
+    if (n < payload.byteLength) this.pendingWrite = payload.subarray(Math.max(0, n));
   }
 
   onDrain(): void {
@@ -498,7 +519,7 @@ class Conn {
     this.ex = undefined;
     if (!ex) return;
     ex.conn = undefined;
-    if (ex.retry && !ex.gotBytes && !ex.opts.signal.aborted) {
+    if (ex.retry && !ex.gotBytes && !ex.signal.aborted) {
       // A kept-alive connection the server had closed meanwhile: nothing was processed; send it again.
       ex.retry();
       return;
@@ -583,14 +604,7 @@ class Pool implements Endpoint {
       head += `${k}: ${v}\r\n`;
     }
     if (opts.method === "POST" || body !== "") head += `content-length: ${Buffer.byteLength(body)}\r\n`;
-    const ex = new Exchange(opts, enc.encode(`${head}\r\n${body}`), this.highWaterMark);
-    const onAbort = () => {
-      const reason = opts.signal.reason instanceof Error ? opts.signal.reason : new UpstreamConnectionError("aborted");
-      if (ex.conn) ex.conn.destroy(reason);
-      else ex.fail(reason);
-    };
-    opts.signal.addEventListener("abort", onAbort, { once: true });
-    ex.unlisten = () => opts.signal.removeEventListener("abort", onAbort);
+    const ex = new Exchange(opts.signal, enc.encode(`${head}\r\n${body}`), this.highWaterMark);
     this.dispatch(ex, false);
     return ex.headPromise;
   }
@@ -616,7 +630,7 @@ class Pool implements Endpoint {
     fresh.ready.then(
       () => {
         // Aborted while connecting: the exchange has failed already; the connection is kept for the next request.
-        if (ex.opts.signal.aborted) this.release(fresh);
+        if (ex.signal.aborted) this.release(fresh);
         else fresh.send(ex);
       },
       (e: unknown) => ex.fail(e instanceof Error ? e : new UpstreamConnectionError(String(e))),
