@@ -68,7 +68,7 @@ export interface Endpoint {
 export interface Http1ClientOptions {
   /** Idle connections kept per origin. */
   maxIdle?: number;
-  /** An idle connection is closed after this long (below common server keep-alive timeouts: uvicorn's is 5 s). */
+  /** An idle connection is closed after this long (below common server keep-alive timeouts: uvicorn's is 5 s); default 3 s. */
   idleMs?: number;
   /** Largest response head accepted. */
   maxHeaderBytes?: number;
@@ -280,6 +280,8 @@ class Conn {
   socket: UpSocket | undefined;
   ex: Exchange | undefined;
   dead = false;
+  /** When the connection last went back to the pool. */
+  idleSince = 0;
   private opened: { resolve: () => void; reject: (e: Error) => void } | undefined;
   private headBuf: Buffer | undefined;
   private framing = Framing.None;
@@ -331,7 +333,6 @@ class Conn {
     this.headBuf = undefined;
     this.framing = Framing.None;
     this.keepAlive = false;
-    s.timeout(0);
     s.ref();
     const payload = ex.payload;
     if (!payload) {
@@ -561,10 +562,6 @@ const HANDLERS: import("bun").SocketHandler<Conn> = {
   connectError(s, err) {
     s.data.closed(new UpstreamConnectionError(err.message));
   },
-  timeout(s) {
-    // Only idle pooled connections have a timeout.
-    s.data.destroy(undefined);
-  },
 };
 
 /** The connections of one origin. */
@@ -576,7 +573,10 @@ class Pool implements Endpoint {
   readonly tls: boolean;
   private readonly hostHeader: string;
   private readonly idle: Conn[] = [];
-  private readonly idleSeconds: number;
+  /** Sweeps idle connections older than idleMs (Bun's socket timeouts tick in 4 s steps, too coarse here). */
+  private sweeper: ReturnType<typeof setInterval> | undefined;
+
+  private readonly idleMs: number;
 
   constructor(
     url: URL,
@@ -591,7 +591,7 @@ class Pool implements Endpoint {
     this.hostname = this.servername;
     this.hostHeader = url.host;
     this.origin = `${url.protocol}//${url.host}`;
-    this.idleSeconds = Math.max(1, Math.round(idleMs / 1000));
+    this.idleMs = idleMs;
   }
 
   request(opts: RequestOptions): Promise<UpstreamResponse> {
@@ -643,9 +643,25 @@ class Pool implements Endpoint {
       conn.destroy(undefined);
       return;
     }
-    s.timeout(this.idleSeconds);
     s.unref();
+    conn.idleSince = performance.now();
     this.idle.push(conn);
+    if (!this.sweeper) {
+      this.sweeper = setInterval(() => this.sweep(), Math.max(100, Math.min(1_000, this.idleMs / 4)));
+      this.sweeper.unref?.();
+    }
+  }
+
+  /** Closes connections idle for idleMs; the stack's oldest are at its bottom. */
+  private sweep(): void {
+    const before = performance.now() - this.idleMs;
+    let n = 0;
+    while (n < this.idle.length && (this.idle[n] as Conn).idleSince <= before) n++;
+    for (const c of this.idle.splice(0, n)) c.destroy(undefined);
+    if (this.idle.length === 0) {
+      clearInterval(this.sweeper);
+      this.sweeper = undefined;
+    }
   }
 
   forget(conn: Conn): void {
@@ -655,6 +671,8 @@ class Pool implements Endpoint {
 
   close(): void {
     for (const c of this.idle.splice(0)) c.destroy(undefined);
+    clearInterval(this.sweeper);
+    this.sweeper = undefined;
   }
 }
 
@@ -674,7 +692,7 @@ export function createHttp1Client(opts: Http1ClientOptions = {}): Http1Client {
       const key = `${url.protocol}//${url.host}`;
       let p = pools.get(key);
       if (!p) {
-        p = new Pool(url, opts.maxIdle ?? 512, opts.idleMs ?? 4_000, opts.maxHeaderBytes ?? 64 * 1024, opts.highWaterMark ?? 64 * 1024);
+        p = new Pool(url, opts.maxIdle ?? 512, opts.idleMs ?? 3_000, opts.maxHeaderBytes ?? 64 * 1024, opts.highWaterMark ?? 64 * 1024);
         pools.set(key, p);
       }
       return p;

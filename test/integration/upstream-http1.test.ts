@@ -408,9 +408,14 @@ describe("upstream HTTP/1.1 client", () => {
     const srv = rawServer((s) => s.write(okResponse("x")));
     servers.push(srv);
     client = createHttp1Client({ idleMs: 1_000 });
+    const t0 = performance.now();
     await (await client.endpoint(srv.url).request(post())).text();
+    await Bun.sleep(500);
     expect(srv.peers[0]?.closed).toBe(false);
-    await until(() => srv.peers[0]?.closed === true, 4_000);
+    await until(() => srv.peers[0]?.closed === true, 3_000);
+    const after = performance.now() - t0;
+    expect(after).toBeGreaterThanOrEqual(1_000);
+    expect(after).toBeLessThan(2_500);
   });
 
   test("idle connections do not keep the process alive", async () => {
