@@ -386,6 +386,9 @@ class Conn {
       b = b.subarray(end + 4);
       if (typeof head === "string") return this.destroy(new UpstreamConnectionError(head));
       if (head.status < 200) continue; // 100 Continue, 103 Early Hints: the real answer follows
+      // We ask for no encoding (no accept-encoding), so a compressed body is a server we cannot read.
+      const ce = head.headers.get("content-encoding");
+      if (ce !== undefined && ce.toLowerCase() !== "identity") return this.destroy(new UpstreamConnectionError(`unsupported content-encoding: ${ce}`));
       const te = head.headers.get("transfer-encoding");
       const cl = head.headers.get("content-length");
       this.keepAlive = head.keepAlive;

@@ -299,3 +299,34 @@ describe("what reaches the upstream", () => {
     }
   });
 });
+
+describe("upstream connections", () => {
+  test("sequential requests, streamed or not, reuse one kept-alive connection to the upstream", async () => {
+    // A minimal OpenAI-compatible upstream that records the client port of each request.
+    const ports = new Set<number>();
+    const sse = (obj: unknown) => `data: ${JSON.stringify(obj)}\n\n`;
+    const chunk = { id: "c", object: "chat.completion.chunk", created: 1, model: "m", choices: [{ index: 0, delta: { content: "hi" }, finish_reason: null }] };
+    const usage = { ...chunk, choices: [], usage: { prompt_tokens: 3, completion_tokens: 1, total_tokens: 4 } };
+    const upstream = Bun.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      async fetch(req, srv) {
+        ports.add(srv.requestIP(req)?.port ?? -1);
+        const body = (await req.json()) as { stream?: boolean };
+        if (body.stream) return new Response(sse(chunk) + sse(usage) + "data: [DONE]\n\n", { headers: { "content-type": "text/event-stream" } });
+        return Response.json({ id: "c", object: "chat.completion", created: 1, model: "m", choices: [{ index: 0, message: { role: "assistant", content: "hi" }, finish_reason: "stop" }], usage: { prompt_tokens: 3, completion_tokens: 1, total_tokens: 4 } });
+      },
+    });
+    try {
+      const gw = await gateway(upstreamSettings(), { "svc-fast": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }]) });
+      for (let i = 0; i < 10; i++) {
+        const res = await chat(gw, i % 2 === 0 ? {} : { stream: true });
+        expect(res.status).toBe(200);
+        expect(await res.text()).toContain("hi");
+      }
+      expect(ports.size).toBe(1);
+    } finally {
+      upstream.stop(true);
+    }
+  });
+});

@@ -278,7 +278,12 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("malformed answers fail with a reason and close the connection", async () => {
-    const answers = ["SSH-2.0-OpenSSH\r\n\r\n", "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n"];
+    const answers = [
+      "SSH-2.0-OpenSSH\r\n\r\n",
+      "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+      "HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+      "HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 3\r\n\r\nabc",
+    ];
     let n = 0;
     const srv = rawServer((s) => s.write(answers[n++] ?? ""));
     servers.push(srv);
@@ -289,6 +294,7 @@ describe("upstream HTTP/1.1 client", () => {
     const res = await ep.request(post());
     expect(String(await rejectionOf(res.text()))).toContain("chunk size");
     expect(String(await rejectionOf(ep.request(post())))).toContain("content-length");
+    expect(String(await rejectionOf(ep.request(post())))).toContain("content-encoding");
     await until(() => srv.peers.every((p) => p.closed));
   });
 
