@@ -24,8 +24,9 @@ import type { Socket } from "bun";
  * `idleMs`, never keeping the process alive) and reused most recent first. A
  * reused connection that the server had already closed (its keep-alive
  * timeout raced our request) fails before any response byte arrives; such a
- * request is sent once more on a new connection, as browsers and Go do,
- * instead of being reported as an upstream failure.
+ * request is sent once more on a new connection (only when the failure
+ * comes within STALE_RETRY_MS of the write), as browsers do, instead of
+ * being reported as an upstream failure.
  */
 
 /** The part of a stream reader the relay uses (also what a `fetch` body's reader offers). */
@@ -72,11 +73,18 @@ export interface Http1ClientOptions {
   idleMs?: number;
   /** Largest response head accepted. */
   maxHeaderBytes?: number;
-  /** Body bytes queued for a reader that is not reading before the socket stops reading. */
+  /** Body bytes queued for a reader that is not reading before the socket stops reading (default 16 KB: 10,000 slow readers hold at most ~160 MB). */
   highWaterMark?: number;
 }
 
 const CRLF2 = Buffer.from("\r\n\r\n");
+/**
+ * A pooled connection that fails within this long after the request was
+ * written, before any answer byte, was closed by the server before it read
+ * the request (the keep-alive race): the request is sent once more. A later
+ * failure may follow work the server did, and is reported instead.
+ */
+const STALE_RETRY_MS = 100;
 const CRLF = Buffer.from("\r\n");
 const enc = new TextEncoder();
 
@@ -102,7 +110,7 @@ interface Head {
 
 function parseHead(text: string): Head | string {
   const lines = text.split("\r\n");
-  const m = /^HTTP\/1\.([01]) (\d{3})(?: .*)?$/.exec(lines[0] ?? "");
+  const m = /^HTTP\/1\.([01]) ([1-5]\d\d)(?: .*)?$/.exec(lines[0] ?? "");
   if (!m) return `not an HTTP/1.x status line: ${JSON.stringify((lines[0] ?? "").slice(0, 80))}`;
   const headers = new Map<string, string>();
   for (let i = 1; i < lines.length; i++) {
@@ -282,6 +290,8 @@ class Conn {
   dead = false;
   /** When the connection last went back to the pool. */
   idleSince = 0;
+  /** When the current request was written. */
+  sentAt = 0;
   private opened: { resolve: () => void; reject: (e: Error) => void } | undefined;
   private headBuf: Buffer | undefined;
   private framing = Framing.None;
@@ -339,6 +349,7 @@ class Conn {
       this.destroy(new UpstreamConnectionError("request already answered"));
       return;
     }
+    this.sentAt = performance.now();
     const n = s.write(payload);
     if (n < payload.byteLength) this.pendingWrite = payload.subarray(Math.max(0, n));
   }
@@ -373,9 +384,13 @@ class Conn {
     ex.gotBytes = true;
     let b: Buffer = buf;
     while (ex.headPending) {
-      if (this.headBuf) b = Buffer.concat([this.headBuf, b]);
+      let from = 0;
+      if (this.headBuf) {
+        from = Math.max(0, this.headBuf.byteLength - 3);
+        b = Buffer.concat([this.headBuf, b]);
+      }
       this.headBuf = undefined;
-      const end = b.indexOf(CRLF2);
+      const end = b.indexOf(CRLF2, from);
       if (end === -1) {
         if (b.byteLength > this.pool.maxHeaderBytes) return this.destroy(new UpstreamConnectionError("response head too large"));
         this.headBuf = b;
@@ -394,7 +409,7 @@ class Conn {
       this.keepAlive = head.keepAlive;
       if (head.status === 204 || head.status === 304) this.framing = Framing.None;
       else if (te !== undefined) {
-        if (!/(?:^|,)\s*chunked\s*$/i.test(te)) return this.destroy(new UpstreamConnectionError(`unsupported transfer-encoding: ${te}`));
+        if (te.trim().toLowerCase() !== "chunked") return this.destroy(new UpstreamConnectionError(`unsupported transfer-encoding: ${te}`));
         this.framing = Framing.Chunked;
         this.chunk = Chunk.Size;
         this.line = "";
@@ -509,7 +524,10 @@ class Conn {
     const wasDead = this.dead;
     // First the exchange learns why (closing the socket reports a plain close).
     this.closed(why);
-    if (!wasDead) this.socket?.terminate();
+    if (wasDead) return;
+    // A failure or an abort resets the connection (the server stops at once); a finished one closes politely.
+    if (why) this.socket?.terminate();
+    else this.socket?.end();
   }
 
   /** The socket is gone (or never opened): whatever was waiting on it fails. */
@@ -523,8 +541,9 @@ class Conn {
     this.ex = undefined;
     if (!ex) return;
     ex.conn = undefined;
-    if (ex.retry && !ex.gotBytes && !ex.signal.aborted) {
-      // A kept-alive connection the server had closed meanwhile: nothing was processed; send it again.
+    if (ex.retry && !ex.gotBytes && !ex.signal.aborted && performance.now() - this.sentAt < STALE_RETRY_MS) {
+      // A kept-alive connection the server had closed as we sent: it processed nothing; send it again.
+      // Later than that, the server may have been working on it (a crash mid-prefill): not resent here.
       ex.retry();
       return;
     }
@@ -543,7 +562,10 @@ const HANDLERS: import("bun").SocketHandler<Conn> = {
   },
   handshake(s, ok, authorizationError) {
     if (ok && !authorizationError) s.data.onOpen(s);
-    else s.data.destroy(new UpstreamConnectionError(`TLS handshake failed: ${authorizationError?.message ?? "unknown reason"}`));
+    else {
+      s.data.destroy(new UpstreamConnectionError(`TLS handshake failed: ${authorizationError?.message ?? "unknown reason"}`));
+      s.terminate();
+    }
   },
   data(s, d) {
     s.data.onData(d);
@@ -560,7 +582,8 @@ const HANDLERS: import("bun").SocketHandler<Conn> = {
     s.data.closed(err ? new UpstreamConnectionError(err.message) : undefined);
   },
   error(s, err) {
-    s.data.closed(new UpstreamConnectionError(err.message));
+    s.data.destroy(new UpstreamConnectionError(err.message));
+    s.terminate();
   },
   connectError(s, err) {
     s.data.closed(new UpstreamConnectionError(err.message));
@@ -598,7 +621,11 @@ class Pool implements Endpoint {
   }
 
   request(opts: RequestOptions): Promise<UpstreamResponse> {
-    if (opts.signal.aborted) return Promise.reject(opts.signal.reason);
+    if (opts.signal.aborted) {
+      const r: unknown = opts.signal.reason;
+      return Promise.reject(r instanceof Error ? r : new UpstreamConnectionError("aborted"));
+    }
+    if (/[\s]/.test(opts.path)) return Promise.reject(new Error(`invalid upstream request path ${JSON.stringify(opts.path)}`));
     const body = opts.body ?? "";
     let head = `${opts.method} ${opts.path} HTTP/1.1\r\nhost: ${this.hostHeader}\r\n`;
     for (const k in opts.headers) {
@@ -612,20 +639,18 @@ class Pool implements Endpoint {
     return ex.headPromise;
   }
 
-  /** Sends on the most recently used idle connection, or on a new one. */
+  /** Sends on the most recently used idle connection, or on a new one (always new for a retry). */
   private dispatch(ex: Exchange, retried: boolean): void {
     let conn: Conn | undefined;
-    for (;;) {
+    while (!retried) {
       conn = this.idle.pop();
       if (!conn || !conn.dead) break;
     }
     if (conn) {
-      if (!retried) {
-        ex.retry = () => {
-          ex.retry = undefined;
-          this.dispatch(ex, true);
-        };
-      }
+      ex.retry = () => {
+        ex.retry = undefined;
+        this.dispatch(ex, true);
+      };
       conn.send(ex);
       return;
     }
@@ -695,7 +720,7 @@ export function createHttp1Client(opts: Http1ClientOptions = {}): Http1Client {
       const key = `${url.protocol}//${url.host}`;
       let p = pools.get(key);
       if (!p) {
-        p = new Pool(url, opts.maxIdle ?? 512, opts.idleMs ?? 3_000, opts.maxHeaderBytes ?? 64 * 1024, opts.highWaterMark ?? 64 * 1024);
+        p = new Pool(url, opts.maxIdle ?? 512, opts.idleMs ?? 3_000, opts.maxHeaderBytes ?? 64 * 1024, opts.highWaterMark ?? 16 * 1024);
         pools.set(key, p);
       }
       return p;

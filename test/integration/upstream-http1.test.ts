@@ -243,6 +243,35 @@ describe("upstream HTTP/1.1 client", () => {
     expect(srv.peers.length).toBe(2);
   });
 
+  test("a pooled connection that fails later than the keep-alive race is not resent (the server may have worked on it)", async () => {
+    const srv = rawServer((s, _req, i) => {
+      if (i === 1) setTimeout(() => s.terminate(), 300);
+      else s.write(okResponse(`r${i}`));
+    });
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    expect(await (await ep.request(post())).text()).toBe("r0");
+    expect(await rejectionOf(ep.request(post()))).toBeInstanceOf(UpstreamConnectionError);
+    await Bun.sleep(50);
+    expect(srv.requests()).toBe(2);
+  });
+
+  test("the one resend goes on a new connection, even when other pooled connections are idle", async () => {
+    const srv = rawServer((s, _req, i) => {
+      // The third request meets a connection the server is dropping; the other idle one is fine.
+      if (i === 2) s.terminate();
+      else setTimeout(() => s.write(okResponse(`r${i}`)), i < 2 ? 20 : 0);
+    });
+    servers.push(srv);
+    client = createHttp1Client();
+    const ep = client.endpoint(srv.url);
+    await Promise.all([ep.request(post()).then((r) => r.text()), ep.request(post()).then((r) => r.text())]);
+    expect(srv.peers.length).toBe(2);
+    expect(await (await ep.request(post())).text()).toBe("r3");
+    expect(srv.peers.length).toBe(3);
+  });
+
   test("a new connection that closes before answering fails the request (no retry)", async () => {
     const srv = rawServer((s) => s.terminate());
     servers.push(srv);
@@ -283,6 +312,8 @@ describe("upstream HTTP/1.1 client", () => {
       "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
       "HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
       "HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 3\r\n\r\nabc",
+      "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+      "HTTP/1.1 099 Odd\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
     ];
     let n = 0;
     const srv = rawServer((s) => s.write(answers[n++] ?? ""));
@@ -295,6 +326,8 @@ describe("upstream HTTP/1.1 client", () => {
     expect(String(await rejectionOf(res.text()))).toContain("chunk size");
     expect(String(await rejectionOf(ep.request(post())))).toContain("content-length");
     expect(String(await rejectionOf(ep.request(post())))).toContain("content-encoding");
+    expect(String(await rejectionOf(ep.request(post())))).toContain("transfer-encoding");
+    expect(String(await rejectionOf(ep.request(post())))).toContain("status line");
     await until(() => srv.peers.every((p) => p.closed));
   });
 
