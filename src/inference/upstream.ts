@@ -79,7 +79,7 @@ export interface UpstreamDeps {
   probe?: ConnectProbe;
   random?: () => number;
   now?: () => number;
-  /** The HTTP client (tests share one); by default the upstream owns one and closes it on stop. */
+  /** An HTTP client of the caller's (other pool settings); by default the upstream makes its own and closes its idle connections on stop. */
   http?: Http1Client;
 }
 
