@@ -1,4 +1,5 @@
 import type { Socket } from "bun";
+import { originOf } from "./probe.ts";
 
 /**
  * The gateway's HTTP/1.1 client for upstream model servers, on Bun's TCP/TLS
@@ -61,8 +62,6 @@ export interface RequestOptions {
 export class UpstreamConnectionError extends Error {}
 
 export interface Endpoint {
-  /** `http://host:port` or `https://host:port`, the pool's key. */
-  readonly origin: string;
   request(opts: RequestOptions): Promise<UpstreamResponse>;
 }
 
@@ -317,7 +316,7 @@ class Conn {
     Bun.connect<Conn>({
       hostname: pool.hostname,
       port: pool.port,
-      ...(pool.tls ? { tls: { serverName: pool.servername } } : {}),
+      ...(pool.tls ? { tls: { serverName: pool.hostname } } : {}),
       data: conn,
       socket: HANDLERS,
     }).catch((e: unknown) => conn.closed(e instanceof Error ? e : new Error(String(e))));
@@ -592,9 +591,8 @@ const HANDLERS: import("bun").SocketHandler<Conn> = {
 
 /** The connections of one origin. */
 class Pool implements Endpoint {
-  readonly origin: string;
+  /** Host (IPv6 without brackets) and port, as the connect probe reads them from the same URL. */
   readonly hostname: string;
-  readonly servername: string;
   readonly port: number;
   readonly tls: boolean;
   private readonly hostHeader: string;
@@ -612,11 +610,8 @@ class Pool implements Endpoint {
     private readonly highWaterMark: number,
   ) {
     this.tls = url.protocol === "https:";
-    this.port = url.port ? Number(url.port) : this.tls ? 443 : 80;
-    this.servername = url.hostname.replace(/^\[|\]$/g, "");
-    this.hostname = this.servername;
+    ({ hostname: this.hostname, port: this.port } = originOf(url.href));
     this.hostHeader = url.host;
-    this.origin = `${url.protocol}//${url.host}`;
     this.idleMs = idleMs;
   }
 
