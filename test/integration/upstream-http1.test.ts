@@ -3,7 +3,7 @@ import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { Socket, TCPSocketListener } from "bun";
-import { createHttp1Client, type Http1Client, UpstreamConnectionError } from "../../src/inference/http1.ts";
+import { createHttp1Client, type Http1Client, type Http1ClientOptions, UpstreamConnectionError } from "../../src/inference/http1.ts";
 import { rejectionOf } from "../helpers/harness.ts";
 
 setDefaultTimeout(20_000);
@@ -83,15 +83,21 @@ afterEach(() => {
   for (const s of servers.splice(0)) s.stop();
 });
 
+/** A raw server, a new client and the client's endpoint for that server; both are closed after the test. */
+function setup(onRequest: Parameters<typeof rawServer>[0], opts?: Http1ClientOptions) {
+  const srv = rawServer(onRequest);
+  servers.push(srv);
+  client = createHttp1Client(opts);
+  return { srv, ep: client.endpoint(srv.url) };
+}
+
 describe("upstream HTTP/1.1 client", () => {
   test("sends the request as given, with host and content-length, and reads a content-length body", async () => {
     const seen: string[] = [];
-    const srv = rawServer((s, req) => {
+    const { srv } = setup((s, req) => {
       seen.push(req);
       s.write(okResponse("héllo"));
     });
-    servers.push(srv);
-    client = createHttp1Client();
     const res = await client.endpoint(`${srv.url}/v1`).request(post(undefined, '{"a":"é"}'));
     expect(res.status).toBe(200);
     expect(res.ok).toBe(true);
@@ -102,19 +108,13 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("keeps the connection alive and reuses it for the next request", async () => {
-    const srv = rawServer((s, _req, i) => s.write(okResponse(`r${i}`)));
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
+    const { srv, ep } = setup((s, _req, i) => s.write(okResponse(`r${i}`)));
     for (let i = 0; i < 5; i++) expect(await (await ep.request(post())).text()).toBe(`r${i}`);
     expect(srv.peers.length).toBe(1);
   });
 
   test("concurrent requests each get their own connection; all return to the pool", async () => {
-    const srv = rawServer((s, _req, i) => setTimeout(() => s.write(okResponse(`r${i}`)), 20));
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
+    const { srv, ep } = setup((s, _req, i) => setTimeout(() => s.write(okResponse(`r${i}`)), 20));
     const texts = await Promise.all(Array.from({ length: 8 }, async () => (await ep.request(post())).text()));
     expect(new Set(texts).size).toBe(8);
     expect(srv.peers.length).toBe(8);
@@ -124,12 +124,9 @@ describe("upstream HTTP/1.1 client", () => {
 
   test("`connection: close` and HTTP/1.0 answers are not reused", async () => {
     let n = 0;
-    const srv = rawServer((s) => {
+    const { srv, ep } = setup((s) => {
       s.write(n++ % 2 === 0 ? okResponse("a", "connection: close\r\n") : `HTTP/1.0 200 OK\r\ncontent-length: 1\r\n\r\nb`);
     });
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
     expect(await (await ep.request(post())).text()).toBe("a");
     expect(await (await ep.request(post())).text()).toBe("b");
     expect(await (await ep.request(post())).text()).toBe("a");
@@ -143,7 +140,7 @@ describe("upstream HTTP/1.1 client", () => {
       "1\r\n \r\n" +
       "A\r\n0123456789\r\n" +
       "0\r\nx-trailer: yes\r\n\r\n";
-    const srv = rawServer(async (s, _req, i) => {
+    const { srv, ep } = setup(async (s, _req, i) => {
       if (i > 0) {
         s.write(okResponse("again"));
         return;
@@ -154,9 +151,6 @@ describe("upstream HTTP/1.1 client", () => {
         await Bun.sleep(1);
       }
     });
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
     const res = await ep.request(post());
     const parts: string[] = [];
     for (;;) {
@@ -172,12 +166,10 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("a chunked body whose events arrive together is read in one piece per arrival", async () => {
-    const srv = rawServer((s) => {
+    const { ep } = setup((s) => {
       s.write("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n");
     });
-    servers.push(srv);
-    client = createHttp1Client();
-    const res = await client.endpoint(srv.url).request(post());
+    const res = await ep.request(post());
     await Bun.sleep(50);
     const r = await res.body.read();
     expect(r.done ? "" : Buffer.from(r.value).toString()).toBe("abcdef");
@@ -185,16 +177,13 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("a body without length or chunking ends when the server closes, and the connection is not reused", async () => {
-    const srv = rawServer((s) => {
+    const { srv, ep } = setup((s) => {
       s.write("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: 1\n\n");
       setTimeout(() => {
         s.write("data: 2\n\n");
         s.end();
       }, 20);
     });
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
     expect(await (await ep.request(post())).text()).toBe("data: 1\n\ndata: 2\n\n");
     expect(await (await ep.request(post())).text()).toBe("data: 1\n\ndata: 2\n\n");
     expect(srv.peers.length).toBe(2);
@@ -202,13 +191,10 @@ describe("upstream HTTP/1.1 client", () => {
 
   test("interim 1xx answers are skipped; 204 has no body", async () => {
     let n = 0;
-    const srv = rawServer((s) => {
+    const { srv, ep } = setup((s) => {
       if (n++ === 0) s.write("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + okResponse("real"));
       else s.write("HTTP/1.1 204 No Content\r\n\r\n");
     });
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
     const res = await ep.request(post());
     expect(res.status).toBe(200);
     expect(await res.text()).toBe("real");
@@ -219,10 +205,8 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("error statuses are answers like any other", async () => {
-    const srv = rawServer((s) => s.write(`HTTP/1.1 429 Too Many Requests\r\nretry-after: 7\r\ncontent-length: 2\r\n\r\n{}`));
-    servers.push(srv);
-    client = createHttp1Client();
-    const res = await client.endpoint(srv.url).request(post());
+    const { ep } = setup((s) => s.write(`HTTP/1.1 429 Too Many Requests\r\nretry-after: 7\r\ncontent-length: 2\r\n\r\n{}`));
+    const res = await ep.request(post());
     expect(res.status).toBe(429);
     expect(res.ok).toBe(false);
     expect(res.header("retry-after")).toBe("7");
@@ -230,27 +214,21 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("a pooled connection the server closed as the request arrived is retried once on a new connection", async () => {
-    const srv = rawServer((s, _req, i) => {
+    const { srv, ep } = setup((s, _req, i) => {
       // The second request on the first connection meets a server that has just given up on it.
       if (i === 1) s.terminate();
       else s.write(okResponse(`r${i}`));
     });
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
     expect(await (await ep.request(post())).text()).toBe("r0");
     expect(await (await ep.request(post())).text()).toBe("r2");
     expect(srv.peers.length).toBe(2);
   });
 
   test("a pooled connection that fails later than the keep-alive race is not resent (the server may have worked on it)", async () => {
-    const srv = rawServer((s, _req, i) => {
+    const { srv, ep } = setup((s, _req, i) => {
       if (i === 1) setTimeout(() => s.terminate(), 300);
       else s.write(okResponse(`r${i}`));
     });
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
     expect(await (await ep.request(post())).text()).toBe("r0");
     expect(await rejectionOf(ep.request(post()))).toBeInstanceOf(UpstreamConnectionError);
     await Bun.sleep(50);
@@ -258,14 +236,11 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("the one resend goes on a new connection, even when other pooled connections are idle", async () => {
-    const srv = rawServer((s, _req, i) => {
+    const { srv, ep } = setup((s, _req, i) => {
       // The third request meets a connection the server is dropping; the other idle one is fine.
       if (i === 2) s.terminate();
       else setTimeout(() => s.write(okResponse(`r${i}`)), i < 2 ? 20 : 0);
     });
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
     await Promise.all([ep.request(post()).then((r) => r.text()), ep.request(post()).then((r) => r.text())]);
     expect(srv.peers.length).toBe(2);
     expect(await (await ep.request(post())).text()).toBe("r3");
@@ -273,10 +248,8 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("a new connection that closes before answering fails the request (no retry)", async () => {
-    const srv = rawServer((s) => s.terminate());
-    servers.push(srv);
-    client = createHttp1Client();
-    const e = await rejectionOf(client.endpoint(srv.url).request(post()));
+    const { srv, ep } = setup((s) => s.terminate());
+    const e = await rejectionOf(ep.request(post()));
     expect(e).toBeInstanceOf(UpstreamConnectionError);
     expect(srv.requests()).toBe(1);
   });
@@ -291,14 +264,11 @@ describe("upstream HTTP/1.1 client", () => {
 
   test("a connection cut mid-body fails the read; a body cut short of its content-length too", async () => {
     let n = 0;
-    const srv = rawServer((s) => {
+    const { ep } = setup((s) => {
       if (n++ === 0) s.write("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n");
       else s.write("HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc");
       setTimeout(() => s.terminate(), 20);
     });
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
     const res = await ep.request(post());
     const first = await res.body.read();
     expect(first.done ? "" : Buffer.from(first.value).toString()).toBe("abc");
@@ -316,10 +286,7 @@ describe("upstream HTTP/1.1 client", () => {
       "HTTP/1.1 099 Odd\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
     ];
     let n = 0;
-    const srv = rawServer((s) => s.write(answers[n++] ?? ""));
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
+    const { srv, ep } = setup((s) => s.write(answers[n++] ?? ""));
     const e1 = await rejectionOf(ep.request(post()));
     expect(String(e1)).toContain("status line");
     const res = await ep.request(post());
@@ -332,18 +299,14 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("a response head larger than the limit fails", async () => {
-    const srv = rawServer((s) => s.write(`HTTP/1.1 200 OK\r\nx-big: ${"a".repeat(2_000)}\r\n\r\n`));
-    servers.push(srv);
-    client = createHttp1Client({ maxHeaderBytes: 1_000 });
-    expect(String(await rejectionOf(client.endpoint(srv.url).request(post())))).toContain("too large");
+    const { ep } = setup((s) => s.write(`HTTP/1.1 200 OK\r\nx-big: ${"a".repeat(2_000)}\r\n\r\n`), { maxHeaderBytes: 1_000 });
+    expect(String(await rejectionOf(ep.request(post())))).toContain("too large");
   });
 
   test("aborting before the answer rejects with the signal's reason and closes the connection", async () => {
-    const srv = rawServer(() => {});
-    servers.push(srv);
-    client = createHttp1Client();
+    const { srv, ep } = setup(() => {});
     const ac = new AbortController();
-    const p = client.endpoint(srv.url).request(post(ac.signal));
+    const p = ep.request(post(ac.signal));
     await until(() => srv.requests() === 1);
     const reason = new Error("client left");
     ac.abort(reason);
@@ -352,10 +315,7 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("aborting mid-body fails the next read and closes the connection; cancel() closes it too", async () => {
-    const srv = rawServer((s) => s.write("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n"));
-    servers.push(srv);
-    client = createHttp1Client();
-    const ep = client.endpoint(srv.url);
+    const { srv, ep } = setup((s) => s.write("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n"));
     const ac = new AbortController();
     const res = await ep.request(post(ac.signal));
     await res.body.read();
@@ -372,9 +332,7 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("an aborted request's listener is removed once the exchange is over", async () => {
-    const srv = rawServer((s) => s.write(okResponse("x")));
-    servers.push(srv);
-    client = createHttp1Client();
+    const { ep } = setup((s) => s.write(okResponse("x")));
     const ac = new AbortController();
     let added = 0;
     let removed = 0;
@@ -383,7 +341,7 @@ describe("upstream HTTP/1.1 client", () => {
     const remove = signal.removeEventListener.bind(signal);
     signal.addEventListener = ((...a: Parameters<typeof add>) => (added++, add(...a))) as typeof add;
     signal.removeEventListener = ((...a: Parameters<typeof remove>) => (removed++, remove(...a))) as typeof remove;
-    await (await client.endpoint(srv.url).request(post(signal))).text();
+    await (await ep.request(post(signal))).text();
     expect(added).toBe(1);
     expect(removed).toBe(1);
   });
@@ -391,13 +349,11 @@ describe("upstream HTTP/1.1 client", () => {
   test("a large request body is written completely, whatever the socket takes per write", async () => {
     const big = "x".repeat(12 * 1024 * 1024);
     let got = -1;
-    const srv = rawServer((s, req) => {
+    const { ep } = setup((s, req) => {
       got = req.length - (req.indexOf("\r\n\r\n") + 4);
       s.write(okResponse("ok"));
     });
-    servers.push(srv);
-    client = createHttp1Client();
-    const res = await client.endpoint(srv.url).request(post(undefined, big));
+    const res = await ep.request(post(undefined, big));
     expect(await res.text()).toBe("ok");
     expect(got).toBe(big.length);
   });
@@ -406,7 +362,7 @@ describe("upstream HTTP/1.1 client", () => {
     const total = 64 * 1024 * 1024;
     let written = 0;
     const block = Buffer.alloc(1024 * 1024, 97);
-    const srv = rawServer((s, _req, _i, peer) => {
+    const { ep } = setup((s, _req, _i, peer) => {
       s.write(`HTTP/1.1 200 OK\r\ncontent-length: ${total}\r\n\r\n`);
       const pump = () => {
         while (written < total) {
@@ -417,10 +373,8 @@ describe("upstream HTTP/1.1 client", () => {
       };
       peer.pump = pump;
       pump();
-    });
-    servers.push(srv);
-    client = createHttp1Client({ highWaterMark: 64 * 1024 });
-    const res = await client.endpoint(srv.url).request(post());
+    }, { highWaterMark: 64 * 1024 });
+    const res = await ep.request(post());
     await Bun.sleep(300);
     // Socket buffers hold a few MB at most; without back-pressure the client would have taken it all.
     expect(written).toBeLessThan(total / 2);
@@ -435,20 +389,16 @@ describe("upstream HTTP/1.1 client", () => {
   });
 
   test("header values with line breaks are refused before anything is sent", async () => {
-    const srv = rawServer(() => {});
-    servers.push(srv);
-    client = createHttp1Client();
-    const e = await rejectionOf(client.endpoint(srv.url).request({ ...post(), headers: { "x-request-id": "a\r\nx-evil: 1" } }));
+    const { srv, ep } = setup(() => {});
+    const e = await rejectionOf(ep.request({ ...post(), headers: { "x-request-id": "a\r\nx-evil: 1" } }));
     expect(String(e)).toContain("invalid upstream request header");
     expect(srv.peers.length).toBe(0);
   });
 
   test("idle connections are closed after idleMs", async () => {
-    const srv = rawServer((s) => s.write(okResponse("x")));
-    servers.push(srv);
-    client = createHttp1Client({ idleMs: 1_000 });
+    const { srv, ep } = setup((s) => s.write(okResponse("x")), { idleMs: 1_000 });
     const t0 = performance.now();
-    await (await client.endpoint(srv.url).request(post())).text();
+    await (await ep.request(post())).text();
     await Bun.sleep(500);
     expect(srv.peers[0]?.closed).toBe(false);
     await until(() => srv.peers[0]?.closed === true, 3_000);
