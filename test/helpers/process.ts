@@ -30,7 +30,10 @@ export function cleanEnv(extra: Record<string, string | undefined> = {}): Record
   return env;
 }
 
-/** A port that was free a moment ago (the gateway is also given it, so it must be a concrete number). */
+/**
+ * A port that was free a moment ago. Racy (another process may take it before
+ * the child binds it): prefer `--port 0` and `listeningUrl()`.
+ */
 export function freePort(): number {
   const s = Bun.serve({ port: 0, hostname: "127.0.0.1", fetch: () => new Response() });
   const port = s.port;
@@ -139,6 +142,17 @@ export function start(cmd: string[], opts: Omit<RunOptions, "timeoutMs" | "stdin
 /** `bun run src/main.ts …` in the background. */
 export function startGatewayProcess(args: string[], opts: Omit<RunOptions, "timeoutMs" | "stdin"> = {}): Proc {
   return start([BUN, "run", MAIN, ...args], opts);
+}
+
+/**
+ * The base URL a child `serve` (or `simulate-upstream`) bound, read from its
+ * "listening" log line: children bind port 0, so no port is picked and then
+ * released for them to race for.
+ */
+export async function listeningUrl(proc: Proc, timeoutMs = 60_000, line: RegExp = /"msg":"listening"/): Promise<string> {
+  const url: unknown = JSON.parse(await proc.waitForLine(line, timeoutMs)).url;
+  if (typeof url !== "string" || !/^http:\/\/[^/]+:\d+/.test(url)) throw new Error(`no listening url in the log line: ${String(url)}`);
+  return url;
 }
 
 /** Poll `GET url` until it answers 200. */

@@ -1,6 +1,6 @@
 import { afterAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { join } from "node:path";
-import { cleanEnv, exitWithin, freePort, onlyJson, removeScratch, runGateway, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
+import { cleanEnv, exitWithin, listeningUrl, onlyJson, removeScratch, runGateway, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -23,9 +23,12 @@ describe("CLI against a running server on the embedded database", () => {
     await Bun.write(cfg, JSON.stringify({ plans: { Gold: { requestsPerMinute: 1000 } }, accessLog: false }));
     const env = cleanEnv({ UPSTREAM_BASE_URL: "http://127.0.0.1:9/v1", LOG_LEVEL: "error" });
     await runGateway(["migrate", "--data-dir", dataDir], { env });
-    const port = freePort();
-    const server = startGatewayProcess(["serve", "--port", String(port), "--data-dir", dataDir, "--config", cfg], { env });
+    const server = startGatewayProcess(["serve", "--port", "0", "--data-dir", dataDir, "--config", cfg], {
+      // Info level: the "listening" line carries the bound port.
+      env: { ...env, LOG_LEVEL: "info" },
+    });
     try {
+      const port = Number(new URL(await listeningUrl(server)).port);
       await waitFor200(`http://127.0.0.1:${port}/readyz`, 60_000);
       const org = await runGateway(["orgs", "create", "--name", "live", "--plan", "Gold", "--data-dir", dataDir, "--json"], { env });
       expect(org.code).toBe(0);

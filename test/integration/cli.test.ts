@@ -9,7 +9,7 @@ import {
   cleanEnv,
   createScratchDatabase,
   exitWithin,
-  freePort,
+  listeningUrl,
   onlyJson,
   removeScratch,
   runGateway,
@@ -528,12 +528,11 @@ describe("as a process (bun run src/main.ts)", () => {
   });
 
   test("simulate-upstream serves until SIGTERM, then exits 0", async () => {
-    const port = freePort();
-    const sim = startGatewayProcess(["simulate-upstream", "--port", String(port), "--ttft-ms", "1"]);
+    const sim = startGatewayProcess(["simulate-upstream", "--port", "0", "--ttft-ms", "1"]);
     try {
-      const line = await sim.waitForLine(/simulator listening/);
-      expect(JSON.parse(line).url).toBe(`http://127.0.0.1:${port}/v1`);
-      const res = await fetch(`http://127.0.0.1:${port}/v1/models`);
+      const url = await listeningUrl(sim, 30_000, /simulator listening/);
+      expect(url).toMatch(/^http:\/\/127\.0\.0\.1:\d+\/v1$/);
+      const res = await fetch(`${url}/models`);
       expect(res.status).toBe(200);
       sim.kill("SIGTERM");
       expect(await exitWithin(sim, 10_000)).toBe(0);
@@ -543,9 +542,9 @@ describe("as a process (bun run src/main.ts)", () => {
   });
 
   test("serve --demo: seeded keys work; SIGTERM exits 0", async () => {
-    const port = freePort();
-    const demo = startGatewayProcess(["serve", "--demo", "--port", String(port)]);
+    const demo = startGatewayProcess(["serve", "--demo", "--port", "0"]);
     try {
+      const port = Number(new URL(await listeningUrl(demo)).port);
       const line = await demo.waitForLine(/personal key \(inference\):\s+sk-gw-/, 60_000);
       const personal = /(sk-gw-[0-9A-Za-z]{43})/.exec(line)?.[1] ?? "";
       const serviceLine = await demo.waitForLine(/service key\s+\(inference, audit:read\):\s+sk-gw-/);

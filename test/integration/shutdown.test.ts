@@ -5,7 +5,7 @@ import { sql } from "drizzle-orm";
 import { createKey, createOrg } from "../../src/admin/service.ts";
 import { migrate, openDatabase } from "../../src/db/client.ts";
 import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
-import { cleanEnv, exitWithin, freePort, type Proc, removeScratch, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
+import { cleanEnv, exitWithin, listeningUrl, type Proc, removeScratch, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 
 // Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
 // runs (test/helpers/setup.ts), so files that spawn processes or open PGlite set
@@ -47,13 +47,14 @@ afterAll(async () => {
 async function startGateway(drainMs: number, upstream = sim): Promise<{ proc: Proc; base: string; port: number }> {
   const config = join(work, `config-${drainMs}.json`);
   writeFileSync(config, JSON.stringify({ drainMs, accessLog: true }));
-  const port = freePort();
-  const proc = startGatewayProcess(["serve", "--port", String(port), "--data-dir", dataDir, "--config", config], {
+  const proc = startGatewayProcess(["serve", "--port", "0", "--data-dir", dataDir, "--config", config], {
     env: cleanEnv({ UPSTREAM_BASE_URL: upstream.url }),
   });
-  const base = `http://127.0.0.1:${port}`;
+  let base: string;
+  let port: number;
   try {
-    await proc.waitForLine(/"msg":"listening"/, 60_000);
+    base = await listeningUrl(proc);
+    port = Number(new URL(base).port);
     await waitFor200(`${base}/readyz`);
   } catch (e) {
     proc.kill("SIGKILL");

@@ -1,6 +1,7 @@
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
 import OpenAI from "openai";
 import { DEFAULT_SIM_MODELS, SIM_EMBEDDING_DIMS, startSimulator, type Simulator } from "../../src/sim/upstream";
+import { until } from "../helpers/poll.ts";
 
 function isRecord(v: unknown): v is Record<string, unknown> {
   return typeof v === "object" && v !== null && !Array.isArray(v);
@@ -584,15 +585,14 @@ describe("simulator (timed)", () => {
     sim.setFault({ kind: "hang" });
     const ac = new AbortController();
     const pending = post(sim, "/chat/completions", { model: "m", messages: userMsg("hi") }, { signal: ac.signal });
-    await Bun.sleep(50);
-    expect(sim.stats.inFlight).toBe(1);
+    await until(() => sim.stats.inFlight === 1, "the request to reach the simulator");
     ac.abort();
     const err: unknown = await pending.then(
       () => null,
       (e: unknown) => e,
     );
     expect(err).toBeInstanceOf(Error);
-    await Bun.sleep(30);
+    await until(() => sim.stats.aborts >= 1 && sim.stats.inFlight === 0, "the abort to be counted");
     expect(sim.stats.aborts).toBe(1);
     expect(sim.stats.inFlight).toBe(0);
   });
@@ -610,7 +610,7 @@ describe("simulator (timed)", () => {
     await reader.read();
     expect(sim.stats.inFlight).toBe(1);
     ac.abort();
-    await Bun.sleep(50);
+    await until(() => sim.stats.aborts >= 1 && sim.stats.inFlight === 0, "the abort to be counted");
     expect(sim.stats.aborts).toBe(1);
     expect(sim.stats.inFlight).toBe(0);
   });
@@ -620,8 +620,7 @@ describe("simulator (timed)", () => {
     const pending = post(other, "/chat/completions", { model: "m", messages: userMsg("hi"), stream: true }).then(
       (r) => r.text(),
     );
-    await Bun.sleep(30);
-    expect(other.stats.inFlight).toBe(1);
+    await until(() => other.stats.inFlight === 1, "the stream to reach the simulator");
     await other.stop();
     expect(other.stats.inFlight).toBe(0);
     await pending.catch(() => undefined);
