@@ -109,6 +109,9 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     app.listen({
       hostname: config.host,
       port: config.port,
+      // Elysia turns SO_REUSEPORT on by default, which lets a second instance
+      // on a taken port start and quietly take part of the traffic.
+      reusePort: config.reusePort,
       // Our own reader enforces bodyLimitBytes and answers 400 (spec 7), so
       // Bun's limit (which would answer 413 itself) sits above it.
       maxRequestBodySize: config.bodyLimitBytes * 2 + 1024 * 1024,

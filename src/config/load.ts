@@ -66,6 +66,7 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
   set("databaseUrl", env.DATABASE_URL);
   set("logLevel", env.LOG_LEVEL);
   set("cursorSecret", env.GATEWAY_CURSOR_SECRET);
+  if (env.GATEWAY_REUSE_PORT !== undefined && env.GATEWAY_REUSE_PORT !== "") raw.reusePort = /^(1|true|yes)$/i.test(env.GATEWAY_REUSE_PORT);
   const instances = envInt(env, "GATEWAY_RATE_LIMIT_INSTANCES", problems);
   if (instances !== undefined) raw.rateLimit = { ...(isRecord(raw.rateLimit) ? raw.rateLimit : {}), instances };
   for (const [k, v] of Object.entries(input.overrides ?? {})) set(k, v);
@@ -104,6 +105,9 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
     problems.push(`${err.path || "/"}: ${describe(err.schema, err.message)}${err.value === undefined ? "" : ` (got ${clip(JSON.stringify(err.value))})`}`);
   }
   if (problems.length === 0) {
+    // The embedded database belongs to one process, so instances sharing a port
+    // would each have their own keys and quota: only a shared Postgres makes sense.
+    if (config.reusePort && !config.databaseUrl) problems.push("/reusePort: several instances on one port need a shared Postgres (databaseUrl)");
     if (!(config.defaultPlan in config.plans)) problems.push(`/defaultPlan: plan ${JSON.stringify(config.defaultPlan)} is not in /plans`);
     for (const [name, alias] of Object.entries(config.aliases)) {
       for (const [i, t] of alias.targets.entries()) {

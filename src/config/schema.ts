@@ -47,6 +47,10 @@ export const ConfigSchema = T.Object(
   {
     host: T.String({ default: "127.0.0.1" }),
     port: T.Integer({ minimum: 0, maximum: 65535, default: 8080 }),
+    reusePort: T.Boolean({
+      default: false,
+      description: "Share the port with other instances on this host (SO_REUSEPORT); needs databaseUrl. Off: a taken port is an error",
+    }),
     dataDir: T.String({ default: "./data", description: "Embedded database directory (when databaseUrl is unset)" }),
     databaseUrl: T.Optional(T.String({ pattern: "^postgres(ql)?://" })),
     dbPoolMax: T.Integer({ minimum: 1, maximum: 200, default: 10 }),
