@@ -312,6 +312,78 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: "y" } }), "stream_options.include_usage");
   });
 
+  test("unknown fields inside nested objects are refused by their path, never forwarded", async () => {
+    const base = { model: "svc-fast", messages: userMessages() };
+    const fnTool = { type: "function", function: { name: "f" } };
+    const cases: [Record<string, unknown>, string][] = [
+      [{ stream: true, stream_options: { include_usage: true, evil_param: 1 } }, "stream_options.evil_param"],
+      [{ response_format: { type: "json_object", evil: 1 } }, "response_format.evil"],
+      [{ response_format: { type: "json_schema", json_schema: { name: "r", evil: 1 } } }, "response_format.json_schema.evil"],
+      [{ tools: [{ type: "function", function: { name: "f", evil: 1 } }] }, "tools[0].function.evil"],
+      [{ tools: [{ ...fnTool, evil: 1 }] }, "tools[0].evil"],
+      [{ tools: [fnTool], tool_choice: { type: "function", function: { name: "f", evil: 1 } } }, "tool_choice.function.evil"],
+      [{ tools: [fnTool], tool_choice: { type: "function", function: { name: "f" }, evil: 1 } }, "tool_choice.evil"],
+      [{ prediction: { type: "content", content: "x", evil: 1 } }, "prediction.evil"],
+      [{ prediction: { type: "content", content: [{ type: "text", text: "x", evil: 1 }] } }, "prediction.content[0].evil"],
+      [{ audio: { format: "wav", voice: "alloy", evil: 1 } }, "audio.evil"],
+      [{ web_search_options: { evil: 1 } }, "web_search_options.evil"],
+      [{ web_search_options: { user_location: { type: "approximate", approximate: { city: "Paris", evil: 1 } } } }, "web_search_options.user_location.approximate.evil"],
+      [{ moderation: { model: "m", evil: 1 } }, "moderation.evil"],
+      [{ prompt_cache_options: { mode: "implicit", evil: 1 } }, "prompt_cache_options.evil"],
+      [{ functions: [{ name: "f", evil: 1 }] }, "functions[0].evil"],
+      [{ function_call: { name: "f", evil: 1 } }, "function_call.evil"],
+      [{ messages: [{ role: "user", content: [{ type: "image_url", image_url: { url: "data:image/png;base64,AA==", evil: 1 } }] }] }, "messages[0].content[0].image_url.evil"],
+      [{ messages: [{ role: "user", content: [{ type: "text", text: "x", prompt_cache_breakpoint: { mode: "explicit", evil: 1 } }] }] }, "messages[0].content[0].prompt_cache_breakpoint.evil"],
+      [{ messages: [{ role: "assistant", content: "x", audio: { id: "a", evil: 1 } }] }, "messages[0].audio.evil"],
+      [{ messages: [{ role: "assistant", content: "x", function_call: { name: "f", arguments: "{}", evil: 1 } }] }, "messages[0].function_call.evil"],
+      [
+        { messages: [{ role: "assistant", content: "x", annotations: [{ type: "url_citation", url_citation: { start_index: 0, end_index: 1, title: "t", url: "https://x", evil: 1 } }] }] },
+        "messages[0].annotations[0].url_citation.evil",
+      ],
+    ];
+    for (const [extra, param] of cases) {
+      const res = await chat({ ...base, ...extra });
+      await expectInvalid(res, param, `Unrecognized request argument supplied: ${param}`);
+    }
+    expect(sim.stats.requests).toBe(0);
+  });
+
+  test("every nested field the openai SDK 7.x types declare is accepted and forwarded unchanged", async () => {
+    const sent = {
+      model: "svc-fast",
+      messages: [
+        {
+          role: "user",
+          content: [
+            { type: "text", text: "look", prompt_cache_breakpoint: { mode: "explicit", ttl: "30m" } },
+            { type: "image_url", image_url: { url: "data:image/png;base64,AA==", detail: "original" }, prompt_cache_breakpoint: { mode: "explicit" } },
+          ],
+        },
+        {
+          role: "assistant",
+          content: "earlier",
+          refusal: null,
+          audio: { id: "aud_1" },
+          function_call: { name: "f", arguments: "{}" },
+          annotations: [{ type: "url_citation", url_citation: { start_index: 0, end_index: 3, title: "t", url: "https://example.com" } }],
+        },
+        { role: "user", content: "go on" },
+      ],
+      stream_options: { include_usage: false, include_obfuscation: false },
+      prediction: { type: "content", content: [{ type: "text", text: "x" }] },
+      audio: { format: "wav", voice: { id: "voice_1" } },
+      web_search_options: { search_context_size: "low", user_location: { type: "approximate", approximate: { city: "Paris", country: "FR", region: "IDF", timezone: "Europe/Paris" } } },
+      moderation: { model: "omni-moderation-latest", policy: { input: { mode: "score" }, output: { mode: "block" } } },
+      prompt_cache_options: { mode: "explicit", ttl: "30m" },
+      functions: [{ name: "f", description: "d", parameters: { type: "object" } }],
+      function_call: { name: "f" },
+    };
+    const res = await chat(sent);
+    expect(res.status).toBe(200);
+    expect(sim.stats.lastBody).toEqual({ ...sent, model: CHAT_MODEL });
+    for (const fc of ["auto", "none"]) expect((await chat({ model: "svc-fast", messages: userMessages(), function_call: fc })).status).toBe(200);
+  });
+
   test("images to an alias without the images capability, tools to one without tools", async () => {
     const image = [{ type: "image_url", image_url: { url: "https://example.com/a.png" } }];
     const imgRes = await chat({ model: "svc-text", messages: [{ role: "user", content: image }] });
