@@ -6,6 +6,7 @@ import type { Logger } from "../lib/log.ts";
 import type { Metering, RequestOutcome, Ticket, UsageReport } from "../limits/metering.ts";
 import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
+import type { ImageUrlCheck } from "./image-url.ts";
 import { relayStream } from "./stream.ts";
 import { charsToTokens, completionLimit, DEFAULT_COMPLETION_RESERVE, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream.ts";
@@ -23,6 +24,8 @@ export interface ServiceDeps {
   metering: Metering;
   log: Logger;
   upstream: Upstream;
+  /** Refuses image URLs that name internal hosts (image-url.ts). */
+  imageUrls: ImageUrlCheck;
   /** Streams in progress (a metrics gauge). */
   streams?: { inc(): void; dec(): void };
 }
@@ -138,6 +141,9 @@ export function createInferenceService(deps: ServiceDeps) {
     const name = body.model;
     const alias = resolveAlias(config, name, principal, "chat");
     checkChatAgainstAlias(body, name, alias);
+    // Synchronous (and allocation-free) unless an image URL names a host to resolve.
+    const resolving = deps.imageUrls(body.messages);
+    if (resolving) await resolving;
     const streamed = body.stream === true;
     annotate(request, { alias: name, streamed });
 

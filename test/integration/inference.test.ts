@@ -208,7 +208,7 @@ describe("POST /v1/chat/completions: answers", () => {
   test("images: image_url parts with a URL or a data URL reach an images-capable alias", async () => {
     const content = [
       { type: "text", text: "What is in these?" },
-      { type: "image_url", image_url: { url: "https://example.com/cat.png", detail: "low" } },
+      { type: "image_url", image_url: { url: "https://93.184.216.34/cat.png", detail: "low" } },
       { type: "image_url", image_url: { url: "data:image/png;base64,iVBORw0KGgo=" } },
     ];
     const res = await chat({ model: "svc-fast", messages: [{ role: "user", content }] });
