@@ -8,6 +8,7 @@ import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
 import type { ImageUrlCheck } from "./image-url.ts";
 import { relayStream } from "./stream.ts";
+import { countUsage } from "./usage.ts";
 import { charsToTokens, completionLimit, DEFAULT_COMPLETION_RESERVE, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream.ts";
 import { isRecord } from "../lib/guards.ts";
@@ -135,6 +136,11 @@ export function createInferenceService(deps: ServiceDeps) {
     return new AppError("service_unavailable", `The model '${name}' sent an unreadable answer; retry with backoff.`);
   }
 
+  /** An upstream reported token counts no model produces: its figures were replaced by our estimate. */
+  function implausibleUsage(name: string, target: Target, rejected: Record<string, string | undefined>, requestId: string): void {
+    log.warn("upstream sent implausible usage; counted the gateway's estimate instead", { alias: name, target: target.label, ...rejected, request_id: requestId });
+  }
+
   async function chat(principal: Principal, raw: unknown, request: Request): Promise<Reply> {
     const start = performance.now();
     const body = parseChatBody(raw);
@@ -168,8 +174,9 @@ export function createInferenceService(deps: ServiceDeps) {
         const shaped = shapeCompletion(parsed, name);
         if (!shaped) throw badUpstreamAnswer(name, res.target);
         const rawUsage = isRecord(parsed) && isRecord(parsed.usage) ? parsed.usage : undefined;
-        const promptTokens = int(rawUsage?.prompt_tokens) ?? promptEstimate;
-        const completionTokens = int(rawUsage?.completion_tokens) ?? charsToTokens(shaped.completionChars);
+        const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionChars) });
+        if (counted.rejected) implausibleUsage(name, res.target, counted.rejected, ctx.requestId);
+        const { promptTokens, completionTokens } = counted;
         shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens };
         metering.settle(ticket, { promptTokens, completionTokens }, outcome(name, target, 200, start, false));
         annotate(request, { promptTokens, completionTokens });
@@ -206,6 +213,8 @@ export function createInferenceService(deps: ServiceDeps) {
       clientWantsUsage: r.clientWantsUsage,
       idleMs: timeoutsFor(config, r.alias).idleMs,
       signal: request.signal,
+      promptEstimate,
+      onImplausibleUsage: (rejected) => implausibleUsage(name, target, rejected, r.requestId),
       onEnd(end) {
         deps.streams?.dec();
         // Without the upstream's count (stream cut off), estimate from what the client received.
@@ -247,8 +256,9 @@ export function createInferenceService(deps: ServiceDeps) {
         const e = isRecord(d) ? d : {};
         return { object: "embedding", index: int(e.index) ?? i, embedding: e.embedding };
       });
-      const usage = isRecord(parsed.usage) ? parsed.usage : {};
-      const promptTokens = int(usage.prompt_tokens) ?? estimate;
+      const counted = countUsage(isRecord(parsed.usage) ? parsed.usage : undefined, { promptTokens: estimate, completionTokens: 0 });
+      if (counted.rejected) implausibleUsage(name, res.target, { prompt_tokens: counted.rejected.prompt_tokens }, ctx.requestId);
+      const promptTokens = counted.promptTokens;
       metering.settle(ticket, { promptTokens, completionTokens: 0 }, outcome(name, res.target, 200, start, false));
       annotate(request, { promptTokens, completionTokens: 0 });
       // Spec 2.4; the embedding stays as the upstream wrote it (floats, or base64 when asked).
