@@ -208,6 +208,8 @@ export function createInferenceService(deps: ServiceDeps) {
     const { name, ticket, start, request, promptEstimate } = r;
     const target = opened.target;
     deps.streams?.inc();
+    let ended: (status: number) => void = () => {};
+    annotate(request, { ended: new Promise<number>((resolve) => (ended = resolve)) });
     const stream = relayStream(opened, {
       alias: name,
       clientWantsUsage: r.clientWantsUsage,
@@ -221,8 +223,9 @@ export function createInferenceService(deps: ServiceDeps) {
         const usage = end.usage ?? { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) };
         const status = end.outcome === "done" ? 200 : end.outcome === "client_gone" ? 499 : 503;
         metering.settle(ticket, usage, outcome(name, target, status, start, true));
-        annotate(request, { promptTokens: usage.promptTokens, completionTokens: usage.completionTokens });
+        annotate(request, { promptTokens: usage.promptTokens, completionTokens: usage.completionTokens, ...(status === 503 ? { errorCode: "service_unavailable" } : {}) });
         if (end.outcome === "failed") log.warn("upstream stream failed", { alias: name, target: target.label, reason: end.reason, request_id: r.requestId });
+        ended(status);
       },
     });
     return new Response(stream, { headers: SSE_HEADERS });
