@@ -200,6 +200,31 @@ describe("POST /v1/chat/completions: answers", () => {
     expect(sim.stats.lastBody).toEqual({ ...JSON.parse(JSON.stringify(sent)), model: CHAT_MODEL });
   });
 
+  test("reasoning text, refusals and requested logprobs pass through; logprobs only when asked", async () => {
+    await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Let me think it over." }) });
+    const asked = rec(await (await chat({ model: "svc-fast", messages: userMessages(), logprobs: true, top_logprobs: 2 })).json());
+    const choice = rec(arr(asked.choices)[0]);
+    expect(choice.message).toEqual({ role: "assistant", content: "token0 token1 token2 token3 token4 ", reasoning_content: "Let me think it over." });
+    const lp = arr(rec(choice.logprobs).content).map(rec);
+    expect(lp.map((t) => t.token)).toEqual(["token0 ", "token1 ", "token2 ", "token3 ", "token4 "]);
+    expect(lp[0]).toEqual({
+      token: "token0 ",
+      logprob: -0.25,
+      bytes: [...Buffer.from("token0 ")],
+      top_logprobs: [
+        { token: "token0 ", logprob: -0.25, bytes: [...Buffer.from("token0 ")] },
+        { token: "alt1", logprob: -2, bytes: [...Buffer.from("alt1")] },
+      ],
+    });
+    // The reasoning's tokens are part of the completion (6 pieces of 4 characters, plus the 5 answer tokens).
+    expect(rec(asked.usage).completion_tokens).toBe(11);
+
+    const refused = rec(await (await chat({ model: "svc-fast", messages: userMessages("Please refuse this.") })).json());
+    const r = rec(arr(refused.choices)[0]);
+    expect(r.message).toEqual({ role: "assistant", content: null, refusal: "I can't help with that.", reasoning_content: "Let me think it over." });
+    expect(Object.keys(r).sort()).toEqual(["finish_reason", "index", "message"]);
+  });
+
   test("null for optional parameters is accepted (the SDKs send it)", async () => {
     const res = await chat({ model: "svc-fast", messages: userMessages(), temperature: null, max_tokens: null, stop: null, stream: null, seed: null });
     expect(res.status).toBe(200);
