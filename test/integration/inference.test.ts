@@ -226,8 +226,11 @@ describe("POST /v1/chat/completions: answers", () => {
   });
 
   test("null for optional parameters is accepted (the SDKs send it)", async () => {
-    const res = await chat({ model: "svc-fast", messages: userMessages(), temperature: null, max_tokens: null, stop: null, stream: null, seed: null });
+    const sent = { model: "svc-fast", messages: userMessages(), temperature: null, max_tokens: null, stop: null, stream: null, seed: null };
+    const res = await chat(sent);
     expect(res.status).toBe(200);
+    expect(rec(await res.json()).object).toBe("chat.completion");
+    expect(sim.stats.lastBody).toEqual({ ...sent, model: CHAT_MODEL });
   });
 
   test("images: image_url parts with a URL or a data URL reach an images-capable alias", async () => {
@@ -243,7 +246,12 @@ describe("POST /v1/chat/completions: answers", () => {
 
   test("response_format json_object and text are accepted", async () => {
     for (const rf of [{ type: "json_object" }, { type: "text" }]) {
-      expect((await chat({ model: "svc-fast", messages: userMessages(), response_format: rf })).status).toBe(200);
+      const res = await chat({ model: "svc-fast", messages: userMessages(), response_format: rf });
+      expect(res.status).toBe(200);
+      expect(rec(sim.stats.lastBody).response_format).toEqual(rf);
+      const content = String(rec(rec(arr(rec(await res.json()).choices)[0]).message).content);
+      if (rf.type === "json_object") expect(rec(JSON.parse(content)).answer).toBe("token0 token1 token2 token3 token4");
+      else expect(content).toBe("token0 token1 token2 token3 token4 ");
     }
   });
 
@@ -308,7 +316,10 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
 
   test("temperature 0 to 2", async () => {
     for (const t of [-0.01, 2.01, "1"]) await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), temperature: t }), "temperature");
-    for (const t of [0, 2, 1.3]) expect((await chat({ model: "svc-fast", messages: userMessages(), temperature: t })).status).toBe(200);
+    for (const t of [0, 2, 1.3]) {
+      expect((await chat({ model: "svc-fast", messages: userMessages(), temperature: t })).status).toBe(200);
+      expect(rec(sim.stats.lastBody).temperature).toBe(t);
+    }
   });
 
   test("max_tokens: a positive integer within the alias's context window", async () => {
@@ -316,7 +327,9 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), max_tokens: 128_001 }), "max_tokens", "context window");
     await expectInvalid(await chat({ model: "svc-text", messages: userMessages(), max_completion_tokens: 5000 }), "max_completion_tokens");
     expect((await chat({ model: "svc-fast", messages: userMessages(), max_tokens: 128_000 })).status).toBe(200);
+    expect(rec(sim.stats.lastBody).max_tokens).toBe(128_000);
     expect((await chat({ model: "svc-smart", messages: userMessages(), max_tokens: 180_000 })).status).toBe(200);
+    expect(rec(sim.stats.lastBody).max_tokens).toBe(180_000);
   });
 
   test("tools, tool_choice and response_format shapes", async () => {
@@ -328,7 +341,12 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     await expectInvalid(await chat({ ...base, response_format: { type: "yaml" } }), "response_format");
     for (const tc of ["auto", "none", "required", { type: "function", function: { name: "f" } }]) {
       const tools = [{ type: "function", function: { name: "f", parameters: { type: "object", properties: {} } } }];
-      expect((await chat({ ...base, tools, tool_choice: tc })).status).toBe(200);
+      const res = await chat({ ...base, tools, tool_choice: tc });
+      expect(res.status).toBe(200);
+      expect(sim.stats.lastBody).toEqual({ ...base, model: CHAT_MODEL, tools, tool_choice: tc });
+      // "required" and a named function make the model call f; "auto" without a trigger word and "none" answer in text.
+      const finish = rec(arr(rec(await res.json()).choices)[0]).finish_reason;
+      expect(finish).toBe(tc === "auto" || tc === "none" ? "stop" : "tool_calls");
     }
   });
 
