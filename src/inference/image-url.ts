@@ -240,7 +240,13 @@ export function createImageUrlCheck(given: Partial<ImageUrlPolicy>, lookup: Host
       const answers = new Map<string, string[] | "timeout" | "failed">();
       await Promise.all(
         hosts.map(async (h) => {
-          const r = await Promise.race([lookup(h).catch(() => "failed" as const), deadline]);
+          // Promise.resolve().then: a resolver that throws synchronously is a failed lookup too, never a 500.
+          const r = await Promise.race([
+            Promise.resolve()
+              .then(() => lookup(h))
+              .catch(() => "failed" as const),
+            deadline,
+          ]);
           answers.set(h, r);
         }),
       );
