@@ -28,12 +28,14 @@ const DNS: Record<string, string[] | "nx" | "hang"> = {
   "slow.example.com": "hang",
 };
 const lookups: string[] = [];
-async function lookup(host: string): Promise<string[]> {
+function lookup(host: string): Promise<string[]> {
   lookups.push(host);
+  // A resolver may also fail before it returns a promise.
+  if (host === "throws.example.com") throw new Error("resolver crashed");
   const a = DNS[host];
   if (a === "hang") return new Promise<string[]>(() => {});
-  if (a === undefined || a === "nx") throw Object.assign(new Error(`getaddrinfo ENOTFOUND ${host}`), { code: "ENOTFOUND" });
-  return a;
+  if (a === undefined || a === "nx") return Promise.reject(Object.assign(new Error(`getaddrinfo ENOTFOUND ${host}`), { code: "ENOTFOUND" }));
+  return Promise.resolve(a);
 }
 
 let sim: Simulator;
@@ -136,6 +138,7 @@ describe("image URLs naming internal addresses are refused", () => {
     await expectRefused(await chat(gw, withImage("https://linklocal.example.com/a.png")), "internal address");
     await expectRefused(await chat(gw, withImage("https://Internal.Example.COM./a.png")), "internal address");
     await expectRefused(await chat(gw, withImage("https://nx.example.com/a.png")), "does not resolve");
+    await expectRefused(await chat(gw, withImage("https://throws.example.com/a.png")), "does not resolve");
     const t0 = performance.now();
     await expectRefused(await chat(gw, withImage("https://slow.example.com/a.png")), "could not be resolved");
     const took = performance.now() - t0;
