@@ -42,6 +42,13 @@ export const DEFAULT_IMAGE_URL_POLICY: ImageUrlPolicy = { allowPrivate: false, a
 
 /** Distinct host names resolved for one request; more is refused (a body can hold thousands of parts). */
 export const MAX_HOSTS = 16;
+/**
+ * Lookups in flight across all requests, counted until the resolver returns
+ * (a lookup we stopped waiting for still holds a resolver thread). Beyond
+ * it, image hosts are not resolved: 429 with retry-after, so names whose DNS
+ * never answers cannot starve the resolver the upstream connections need.
+ */
+export const MAX_LOOKUPS_IN_FLIGHT = 64;
 
 export const systemLookup: HostLookup = async (host) => (await dns.lookup(host, { all: true, verbatim: true })).map((a) => a.address);
 
@@ -230,8 +237,14 @@ export function createImageUrlCheck(given: Partial<ImageUrlPolicy>, lookup: Host
     else names.add(e.toLowerCase().replace(/\.+$/, ""));
   }
 
+  let inFlight = 0;
+
   async function resolveAll(pending: Pending[]): Promise<void> {
     const hosts = pending.map((p) => p.name);
+    if (inFlight + hosts.length > MAX_LOOKUPS_IN_FLIGHT) {
+      throw new AppError("rate_limit_error", "Too many image hosts are being resolved at the moment; retry after 1 s.", null, { "retry-after": "1" });
+    }
+    inFlight += hosts.length;
     let timer: ReturnType<typeof setTimeout> | undefined;
     const deadline = new Promise<"timeout">((resolve) => {
       timer = setTimeout(() => resolve("timeout"), policy.resolveTimeoutMs);
@@ -241,12 +254,11 @@ export function createImageUrlCheck(given: Partial<ImageUrlPolicy>, lookup: Host
       await Promise.all(
         hosts.map(async (h) => {
           // Promise.resolve().then: a resolver that throws synchronously is a failed lookup too, never a 500.
-          const r = await Promise.race([
-            Promise.resolve()
-              .then(() => lookup(h))
-              .catch(() => "failed" as const),
-            deadline,
-          ]);
+          const looked = Promise.resolve()
+            .then(() => lookup(h))
+            .catch(() => "failed" as const)
+            .finally(() => inFlight--);
+          const r = await Promise.race([looked, deadline]);
           answers.set(h, r);
         }),
       );

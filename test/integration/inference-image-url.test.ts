@@ -72,13 +72,14 @@ const withImage = (url: string) => ({
 const chat = (g: Gateway, body: unknown, key: string | undefined = org.personalKey) => post(g, "/v1/chat/completions", key, body);
 const forwardedUrl = () => rec(rec(arr(rec(arr(rec(sim.stats.lastBody).messages)[0]).content)[1]).image_url).url;
 
-async function expectRefused(res: Response, messageHas?: string): Promise<void> {
+async function expectRefusedAt(res: Response, param: string, messageHas?: string): Promise<void> {
   expect(res.status).toBe(400);
   const err = await errorOf(res);
   expect(err.code).toBe("invalid_request_error");
-  expect(err.param).toBe("messages[0].content[1].image_url.url");
+  expect(err.param).toBe(param);
   if (messageHas) expect(err.message).toContain(messageHas);
 }
+const expectRefused = (res: Response, messageHas?: string) => expectRefusedAt(res, "messages[0].content[1].image_url.url", messageHas);
 
 describe("image URLs naming internal addresses are refused", () => {
   test("IP literals in every spelling: loopback, private, link-local, CGNAT, unique-local, metadata", async () => {
@@ -156,6 +157,38 @@ describe("image URLs naming internal addresses are refused", () => {
     expect(err.param).toBe("messages[0].content[17].image_url.url");
     expect(err.message).toContain("16");
     expect(lookups).toEqual([]);
+  });
+});
+
+describe("lookups are bounded across requests", () => {
+  test("names whose DNS never answers hold at most 64 lookups; beyond that 429 with retry-after, until the resolver returns", async () => {
+    const stuck: (() => void)[] = [];
+    const stalling = (host: string): Promise<string[]> =>
+      host.endsWith(".stall.example.com") ? new Promise((resolve) => stuck.push(() => resolve(["93.184.216.34"]))) : lookup(host);
+    const config = await testConfig({ aliases: testAliases(sim.url), plans: TEST_PLANS, upstream: { ...upstreamSettings(), imageUrls: { resolveTimeoutMs: RESOLVE_MS } } });
+    const g = await startGateway({ config, database: await sharedDatabase(), log: createLogger("silent"), lookup: stalling });
+    gateways.push(g);
+    const sixteen = (r: number) => {
+      const content: unknown[] = [{ type: "text", text: "x" }];
+      for (let i = 0; i < 16; i++) content.push({ type: "image_url", image_url: { url: `https://h${i}.r${r}.stall.example.com/a.png` } });
+      return { model: "svc-fast", messages: [{ role: "user", content }] };
+    };
+    const first = await Promise.all([0, 1, 2, 3].map((r) => chat(g, sixteen(r))));
+    for (const res of first) await expectRefusedAt(res, "messages[0].content[1].image_url.url", "could not be resolved");
+    expect(stuck.length).toBe(64);
+    // 64 lookups still hold the resolver: no further name is looked up.
+    const busy = await chat(g, withImage("https://cdn.example.com/a.png"));
+    expect(busy.status).toBe(429);
+    expect(busy.headers.get("retry-after")).toBe("1");
+    expect((await errorOf(busy)).code).toBe("rate_limit_error");
+    expect(lookups).toEqual([]);
+    // Literal addresses and data: images need no lookup and still pass.
+    expect((await chat(g, withImage("https://93.184.216.34/a.png"))).status).toBe(200);
+    // The resolver returns: lookups are possible again.
+    for (const release of stuck) release();
+    let res = await chat(g, withImage("https://cdn.example.com/a.png"));
+    for (const until = performance.now() + 5_000; res.status === 429 && performance.now() < until; ) res = await chat(g, withImage("https://cdn.example.com/a.png"));
+    expect(res.status).toBe(200);
   });
 });
 
