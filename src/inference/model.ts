@@ -294,7 +294,7 @@ export const ChatBodySchema = T.Object(
       { minItems: 1, description: "The conversation in order; image parts only for aliases with the images capability" },
     ),
   },
-  { ...Strict, description: "Unknown top-level fields are refused (400 with param = the field)" },
+  { ...Strict, description: "Unknown fields are refused at any depth (400 with param = the field's path, e.g. stream_options.evil_param); tool parameters and response_format schemas are free-form JSON Schema" },
 );
 
 /** Spec 4.2. */
