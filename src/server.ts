@@ -15,6 +15,7 @@ import { createMetrics, type Metrics } from "./metrics/registry.ts";
 import { type QuotaManager, createQuota } from "./limits/quota.ts";
 import { createLimiter } from "./limits/store.ts";
 import { createInference } from "./inference/routes.ts";
+import type { HostLookup } from "./inference/image-url.ts";
 
 export interface Gateway {
   url: string;
@@ -36,6 +37,8 @@ export interface StartOptions {
   /** An already-open database (tests share one); otherwise opened from config and closed on stop. */
   database?: Database;
   log?: Logger;
+  /** How image URL hosts are resolved (tests stand in for DNS); the system resolver by default. */
+  lookup?: HostLookup;
 }
 
 /** The cursor HMAC secret: configured, or generated once and kept in the database (shared by instances). */
@@ -86,7 +89,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       },
     });
     quota.start();
-    const inference = createInference({ config, metering: quota, log, metrics });
+    const inference = createInference({ config, metering: quota, log, metrics, ...(opts.lookup ? { lookup: opts.lookup } : {}) });
 
     observeInternals(metrics, verifier, quota);
     const app = createApp({

@@ -102,6 +102,17 @@ export const ConfigSchema = T.Object(
         breakerFailures: T.Integer({ minimum: 1, default: 5 }),
         breakerCooldownMs: T.Integer({ minimum: 1, default: 30_000 }),
         timeouts: Timeouts,
+        // Image URLs the inference servers are asked to fetch (src/inference/image-url.ts).
+        imageUrls: T.Optional(
+          T.Object(
+            {
+              allowPrivate: T.Boolean({ default: false, description: "Let image URLs name loopback, private, link-local and metadata hosts" }),
+              allow: T.Array(T.String(), { default: [], description: "Host names, addresses or CIDRs image URLs may name although internal" }),
+              resolveTimeoutMs: T.Integer({ minimum: 1, default: 2_000, description: "Deadline for resolving a request's image hosts" }),
+            },
+            { additionalProperties: false, default: {} },
+          ),
+        ),
       },
       { additionalProperties: false, default: {} },
     ),

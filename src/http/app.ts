@@ -5,7 +5,7 @@ import type { KeyVerifier } from "../auth/verify.ts";
 import type { SecurityAuditor } from "../auth/security.ts";
 import type { Logger } from "../lib/log.ts";
 import { type Metrics, methodLabel, routeLabel } from "../metrics/registry.ts";
-import { beginRequest, requestIdOf, stateOf } from "./context.ts";
+import { beginRequest, type RequestState, requestIdOf, stateOf } from "./context.ts";
 import { AppError, errorBody } from "./errors.ts";
 
 export interface AppDeps {
@@ -41,6 +41,22 @@ function validationCode(path: string) {
 export function createApp(deps: AppDeps) {
   const { log, metrics } = deps;
   const auth = authPlugin(deps.guard);
+
+  const accessLine = (method: string, route: string, status: number, s: RequestState) =>
+    log.info("request", {
+      request_id: s.id,
+      method,
+      route,
+      status,
+      latency_ms: Math.round((performance.now() - s.start) * 100) / 100,
+      org_id: s.orgId,
+      key_id: s.keyId,
+      alias: s.alias,
+      prompt_tokens: s.promptTokens,
+      completion_tokens: s.completionTokens,
+      streamed: s.streamed,
+      error: s.errorCode,
+    });
 
   const app = new Elysia({ normalize: false })
     // Registered first: hooks apply only to routes added after them.
@@ -89,20 +105,9 @@ export function createApp(deps: AppDeps) {
       if (s.errorCode === "rate_limit_error") metrics.rateLimited.inc();
       else if (s.errorCode === "budget_exceeded") metrics.budgetExceeded.inc();
       if (!deps.accessLog) return;
-      log.info("request", {
-        request_id: s.id,
-        method: request.method,
-        route: path,
-        status,
-        latency_ms: Math.round(seconds * 100_000) / 100,
-        org_id: s.orgId,
-        key_id: s.keyId,
-        alias: s.alias,
-        prompt_tokens: s.promptTokens,
-        completion_tokens: s.completionTokens,
-        streamed: s.streamed,
-        error: s.errorCode,
-      });
+      // A stream is logged when it ends: its real duration, outcome and tokens (the metrics above time the headers).
+      if (s.ended) void s.ended.then((outcome) => accessLine(request.method, path, outcome, s));
+      else accessLine(request.method, path, status, s);
     })
     .get("/healthz", () => ({ status: "ok" }))
     .get("/openapi.json", () => deps.openapi)

@@ -12,6 +12,12 @@ export interface RequestState {
   completionTokens?: number;
   streamed?: boolean;
   errorCode?: string;
+  /**
+   * Set while a streamed answer is still being sent: settles with the status
+   * the request came to (200, 499 the client left, 503 the upstream failed),
+   * and the access line waits for it.
+   */
+  ended?: Promise<number>;
 }
 
 const states = new WeakMap<Request, RequestState>();

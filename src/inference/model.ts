@@ -15,7 +15,9 @@ import { isRecord } from "../lib/guards.ts";
  * and the Vercel AI SDK's provider options commonly carry (top_k, min_p,
  * repetition_penalty). Fields the gateway acts on are typed precisely; the
  * rest get a type check only (ranges are the upstream's to enforce, and its
- * 4xx comes back as our 400 with its message).
+ * 4xx comes back as our 400 with its message). Every nested object is closed
+ * too, to the fields the SDK's types declare: only the JSON Schemas a client
+ * supplies (tool parameters, response_format's schema) are free-form.
  *
  * Messages and content parts are tagged unions (by `role`, by `type`). TypeBox
  * reports a failed union as one "Expected union value" at the union's path,
@@ -31,19 +33,22 @@ const Strict = { additionalProperties: false } as const;
 // Content parts
 // ---------------------------------------------------------------------------
 
-const TextPart = T.Object({ type: T.Literal("text"), text: T.String() }, Strict);
+/** The SDK's explicit prompt-cache marker on a content part. */
+const PromptCacheBreakpoint = T.Object({ mode: T.Literal("explicit"), ttl: T.Optional(T.String()) }, Strict);
+const TextPart = T.Object({ type: T.Literal("text"), text: T.String(), prompt_cache_breakpoint: T.Optional(PromptCacheBreakpoint) }, Strict);
 const RefusalPart = T.Object({ type: T.Literal("refusal"), refusal: T.String() }, Strict);
 const ImagePart = T.Object(
   {
     type: T.Literal("image_url"),
     image_url: T.Object(
       {
-        // A URL the upstream fetches, or the image inline as a data URL.
+        // A URL the upstream fetches (checked against private addresses, see image-url.ts), or the image inline as a data URL.
         url: T.String({ pattern: "^(https?://|data:image/)" }),
-        detail: T.Optional(T.Union([T.Literal("auto"), T.Literal("low"), T.Literal("high")])),
+        detail: T.Optional(T.Union([T.Literal("auto"), T.Literal("low"), T.Literal("high"), T.Literal("original")])),
       },
       Strict,
     ),
+    prompt_cache_breakpoint: T.Optional(PromptCacheBreakpoint),
   },
   Strict,
 );
@@ -56,11 +61,15 @@ const ContentOf = (nullable: boolean) => (nullable ? T.Union([T.String(), T.Null
 // Messages (spec 4.1: roles system, user, assistant, tool)
 // ---------------------------------------------------------------------------
 
-const ToolCall = T.Object(
+const FunctionCall = T.Object({ name: T.String(), arguments: T.String() }, Strict);
+const ToolCall = T.Object({ id: T.String(), type: T.Literal("function"), function: FunctionCall }, Strict);
+/** A citation in a previous reply (the SDK's ChatCompletionMessage.annotations), echoed back by clients. */
+const Annotation = T.Object(
   {
-    id: T.String(),
-    type: T.Literal("function"),
-    function: T.Object({ name: T.String(), arguments: T.String() }, Strict),
+    type: T.String(),
+    url_citation: T.Optional(
+      T.Object({ start_index: T.Integer(), end_index: T.Integer(), title: T.String(), url: T.String() }, Strict),
+    ),
   },
   Strict,
 );
@@ -78,9 +87,9 @@ const AssistantMessage = T.Object(
     // (`messages.push(completion.choices[0].message)`): the SDK's message type
     // and vLLM's reasoning fields.
     refusal: T.Optional(Nullable(T.String())),
-    annotations: T.Optional(Loose),
-    audio: T.Optional(Loose),
-    function_call: T.Optional(Loose),
+    annotations: T.Optional(Nullable(T.Array(Annotation))),
+    audio: T.Optional(Nullable(T.Object({ id: T.String() }, Strict))),
+    function_call: T.Optional(Nullable(FunctionCall)),
     reasoning_content: T.Optional(Nullable(T.String())),
     reasoning: T.Optional(Nullable(T.String())),
   },
@@ -147,13 +156,60 @@ const ResponseFormat = T.Union([
 
 const PositiveInt = T.Integer({ minimum: 1 });
 
+/*
+ * Nested objects of the SDK's ChatCompletionCreateParams, each closed like the
+ * top level: an unknown field inside one is refused by its path
+ * (`stream_options.evil_param`), not forwarded. Enumerations the gateway does
+ * not act on are plain strings (the upstream judges the value).
+ */
+const StreamOptions = T.Object(
+  { include_usage: T.Optional(Nullable(T.Boolean())), include_obfuscation: T.Optional(Nullable(T.Boolean())) },
+  Strict,
+);
+const Prediction = T.Object({ type: T.Literal("content"), content: T.Union([T.String(), T.Array(TextPart)]) }, Strict);
+const AudioParam = T.Object({ format: T.String(), voice: T.Union([T.String(), T.Object({ id: T.String() }, Strict)]) }, Strict);
+const LegacyFunction = T.Object(
+  { name: T.String({ minLength: 1 }), description: T.Optional(T.String()), parameters: T.Optional(T.Record(T.String(), Loose)) },
+  Strict,
+);
+const LegacyFunctionCall = T.Union([T.Literal("none"), T.Literal("auto"), T.Object({ name: T.String({ minLength: 1 }) }, Strict)]);
+const ModerationMode = T.Object({ mode: T.String() }, Strict);
+const Moderation = T.Object(
+  {
+    model: T.String(),
+    policy: T.Optional(Nullable(T.Object({ input: T.Optional(Nullable(ModerationMode)), output: T.Optional(Nullable(ModerationMode)) }, Strict))),
+  },
+  Strict,
+);
+const PromptCacheOptions = T.Object({ mode: T.Optional(T.String()), ttl: T.Optional(T.String()) }, Strict);
+const WebSearchOptions = T.Object(
+  {
+    search_context_size: T.Optional(T.String()),
+    user_location: T.Optional(
+      Nullable(
+        T.Object(
+          {
+            type: T.Literal("approximate"),
+            approximate: T.Object(
+              { city: T.Optional(T.String()), country: T.Optional(T.String()), region: T.Optional(T.String()), timezone: T.Optional(T.String()) },
+              Strict,
+            ),
+          },
+          Strict,
+        ),
+      ),
+    ),
+  },
+  Strict,
+);
+
 const ChatBody = T.Object(
   {
     model: T.String({ minLength: 1 }),
     // Each item is dispatched by role afterwards (see checkMessage).
     messages: T.Array(T.Object({ role: T.String() }), { minItems: 1 }),
     stream: T.Optional(Nullable(T.Boolean())),
-    stream_options: T.Optional(Nullable(T.Object({ include_usage: T.Optional(Nullable(T.Boolean())) }))),
+    stream_options: T.Optional(Nullable(StreamOptions)),
     temperature: T.Optional(Nullable(T.Number({ minimum: 0, maximum: 2 }))),
     max_tokens: T.Optional(Nullable(PositiveInt)),
     max_completion_tokens: T.Optional(Nullable(PositiveInt)),
@@ -177,17 +233,17 @@ const ChatBody = T.Object(
     store: T.Optional(Nullable(T.Boolean())),
     modalities: T.Optional(Nullable(T.Array(T.String()))),
     service_tier: T.Optional(Nullable(T.String())),
-    prediction: T.Optional(Loose),
-    audio: T.Optional(Loose),
-    function_call: T.Optional(Loose),
-    functions: T.Optional(Loose),
-    moderation: T.Optional(Loose),
+    prediction: T.Optional(Nullable(Prediction)),
+    audio: T.Optional(Nullable(AudioParam)),
+    function_call: T.Optional(LegacyFunctionCall),
+    functions: T.Optional(T.Array(LegacyFunction)),
+    moderation: T.Optional(Nullable(Moderation)),
     prompt_cache_key: T.Optional(Nullable(T.String())),
-    prompt_cache_options: T.Optional(Loose),
+    prompt_cache_options: T.Optional(PromptCacheOptions),
     prompt_cache_retention: T.Optional(Nullable(T.String())),
     safety_identifier: T.Optional(Nullable(T.String())),
     verbosity: T.Optional(Nullable(T.String())),
-    web_search_options: T.Optional(Loose),
+    web_search_options: T.Optional(WebSearchOptions),
     // vLLM sampling extras.
     top_k: T.Optional(Nullable(T.Integer())),
     min_p: T.Optional(Nullable(T.Number())),
@@ -238,7 +294,7 @@ export const ChatBodySchema = T.Object(
       { minItems: 1, description: "The conversation in order; image parts only for aliases with the images capability" },
     ),
   },
-  { ...Strict, description: "Unknown top-level fields are refused (400 with param = the field)" },
+  { ...Strict, description: "Unknown fields are refused at any depth (400 with param = the field's path, e.g. stream_options.evil_param); tool parameters and response_format schemas are free-form JSON Schema" },
 );
 
 /** Spec 4.2. */

@@ -9,6 +9,7 @@ import { allowedAliases } from "./aliases.ts";
 import { createInferenceService, type Reply } from "./service.ts";
 import { type ConnectProbe, createConnectProbe } from "./probe.ts";
 import { createUpstream } from "./upstream.ts";
+import { createImageUrlCheck, type HostLookup } from "./image-url.ts";
 
 export { allowedAliases } from "./aliases.ts";
 
@@ -19,6 +20,8 @@ export interface InferenceDeps {
   /** Tests inject a connector that never connects, to exercise the connect timeout. */
   probe?: ConnectProbe;
   metrics?: Metrics;
+  /** Resolves image URL hosts; the system resolver by default. */
+  lookup?: HostLookup;
 }
 
 export function createInference(deps: InferenceDeps) {
@@ -47,6 +50,7 @@ export function createInference(deps: InferenceDeps) {
     metering: deps.metering,
     log,
     upstream,
+    imageUrls: createImageUrlCheck(config.upstream.imageUrls ?? {}, deps.lookup),
     ...(m ? { streams: { inc: () => m.activeStreams.inc(), dec: () => m.activeStreams.dec() } } : {}),
   });
   const created = Math.floor(Date.now() / 1000);

@@ -6,7 +6,9 @@ import type { Logger } from "../lib/log.ts";
 import type { Metering, RequestOutcome, Ticket, UsageReport } from "../limits/metering.ts";
 import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
+import type { ImageUrlCheck } from "./image-url.ts";
 import { relayStream } from "./stream.ts";
+import { countUsage } from "./usage.ts";
 import { charsToTokens, completionLimit, DEFAULT_COMPLETION_RESERVE, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream.ts";
 import { isRecord } from "../lib/guards.ts";
@@ -23,6 +25,8 @@ export interface ServiceDeps {
   metering: Metering;
   log: Logger;
   upstream: Upstream;
+  /** Refuses image URLs that name internal hosts (image-url.ts). */
+  imageUrls: ImageUrlCheck;
   /** Streams in progress (a metrics gauge). */
   streams?: { inc(): void; dec(): void };
 }
@@ -132,12 +136,20 @@ export function createInferenceService(deps: ServiceDeps) {
     return new AppError("service_unavailable", `The model '${name}' sent an unreadable answer; retry with backoff.`);
   }
 
+  /** An upstream reported token counts no model produces: its figures were replaced by our estimate. */
+  function implausibleUsage(name: string, target: Target, rejected: Record<string, string | undefined>, requestId: string): void {
+    log.warn("upstream sent implausible usage; counted the gateway's estimate instead", { alias: name, target: target.label, ...rejected, request_id: requestId });
+  }
+
   async function chat(principal: Principal, raw: unknown, request: Request): Promise<Reply> {
     const start = performance.now();
     const body = parseChatBody(raw);
     const name = body.model;
     const alias = resolveAlias(config, name, principal, "chat");
     checkChatAgainstAlias(body, name, alias);
+    // Synchronous (and allocation-free) unless an image URL names a host to resolve.
+    const resolving = deps.imageUrls(body.messages);
+    if (resolving) await resolving;
     const streamed = body.stream === true;
     annotate(request, { alias: name, streamed });
 
@@ -162,8 +174,9 @@ export function createInferenceService(deps: ServiceDeps) {
         const shaped = shapeCompletion(parsed, name);
         if (!shaped) throw badUpstreamAnswer(name, res.target);
         const rawUsage = isRecord(parsed) && isRecord(parsed.usage) ? parsed.usage : undefined;
-        const promptTokens = int(rawUsage?.prompt_tokens) ?? promptEstimate;
-        const completionTokens = int(rawUsage?.completion_tokens) ?? charsToTokens(shaped.completionChars);
+        const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionChars) });
+        if (counted.rejected) implausibleUsage(name, res.target, counted.rejected, ctx.requestId);
+        const { promptTokens, completionTokens } = counted;
         shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens };
         metering.settle(ticket, { promptTokens, completionTokens }, outcome(name, target, 200, start, false));
         annotate(request, { promptTokens, completionTokens });
@@ -195,19 +208,24 @@ export function createInferenceService(deps: ServiceDeps) {
     const { name, ticket, start, request, promptEstimate } = r;
     const target = opened.target;
     deps.streams?.inc();
+    let ended: (status: number) => void = () => {};
+    annotate(request, { ended: new Promise<number>((resolve) => (ended = resolve)) });
     const stream = relayStream(opened, {
       alias: name,
       clientWantsUsage: r.clientWantsUsage,
       idleMs: timeoutsFor(config, r.alias).idleMs,
       signal: request.signal,
+      promptEstimate,
+      onImplausibleUsage: (rejected) => implausibleUsage(name, target, rejected, r.requestId),
       onEnd(end) {
         deps.streams?.dec();
         // Without the upstream's count (stream cut off), estimate from what the client received.
         const usage = end.usage ?? { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) };
         const status = end.outcome === "done" ? 200 : end.outcome === "client_gone" ? 499 : 503;
         metering.settle(ticket, usage, outcome(name, target, status, start, true));
-        annotate(request, { promptTokens: usage.promptTokens, completionTokens: usage.completionTokens });
+        annotate(request, { promptTokens: usage.promptTokens, completionTokens: usage.completionTokens, ...(status === 503 ? { errorCode: "service_unavailable" } : {}) });
         if (end.outcome === "failed") log.warn("upstream stream failed", { alias: name, target: target.label, reason: end.reason, request_id: r.requestId });
+        ended(status);
       },
     });
     return new Response(stream, { headers: SSE_HEADERS });
@@ -241,8 +259,9 @@ export function createInferenceService(deps: ServiceDeps) {
         const e = isRecord(d) ? d : {};
         return { object: "embedding", index: int(e.index) ?? i, embedding: e.embedding };
       });
-      const usage = isRecord(parsed.usage) ? parsed.usage : {};
-      const promptTokens = int(usage.prompt_tokens) ?? estimate;
+      const counted = countUsage(isRecord(parsed.usage) ? parsed.usage : undefined, { promptTokens: estimate, completionTokens: 0 });
+      if (counted.rejected) implausibleUsage(name, res.target, { prompt_tokens: counted.rejected.prompt_tokens }, ctx.requestId);
+      const promptTokens = counted.promptTokens;
       metering.settle(ticket, { promptTokens, completionTokens: 0 }, outcome(name, res.target, 200, start, false));
       annotate(request, { promptTokens, completionTokens: 0 });
       // Spec 2.4; the embedding stays as the upstream wrote it (floats, or base64 when asked).

@@ -1,6 +1,9 @@
 import { errorBody } from "../http/errors.ts";
 import type { Opened } from "./upstream.ts";
 import { upstreamMessage } from "./upstream.ts";
+import { isRecord } from "../lib/guards.ts";
+import { charsToTokens } from "./tokens.ts";
+import { type Counted, countUsage } from "./usage.ts";
 
 /**
  * SSE passthrough: the upstream's bytes go to the client event by event, with
@@ -39,6 +42,10 @@ export interface RelayOptions {
   idleMs: number;
   /** The client's request signal (Bun aborts it when the client disconnects). */
   signal: AbortSignal;
+  /** Stands in for an implausible upstream prompt count (usage.ts); 0 when not given. */
+  promptEstimate?: number;
+  /** The usage chunk carried implausible counts; they were replaced before the client saw them. */
+  onImplausibleUsage?(rejected: Record<string, string>): void;
   onEnd(end: StreamEnd): void;
 }
 
@@ -81,15 +88,28 @@ function startsWithAt(b: Buffer, at: number, prefix: Buffer): boolean {
   return b.length - at >= prefix.length && b.compare(prefix, 0, prefix.length, at, at + prefix.length) === 0;
 }
 
-function usageOf(payload: string): { promptTokens: number; completionTokens: number; onlyUsage: boolean } | undefined {
+/**
+ * The usage in an event's JSON, its counts checked (usage.ts). When one had
+ * to be replaced, `rewritten` is the event's JSON with the replaced figures,
+ * so the client never sees what the upstream made up.
+ */
+function usageOf(
+  payload: string,
+  estimate: { promptTokens: number; completionTokens: number },
+): { counted: Counted; onlyUsage: boolean; rewritten: string | undefined } | undefined {
+  let v: unknown;
   try {
-    const v = JSON.parse(payload) as { usage?: { prompt_tokens?: unknown; completion_tokens?: unknown }; choices?: unknown };
-    const u = v.usage;
-    if (!u || typeof u.prompt_tokens !== "number" || typeof u.completion_tokens !== "number") return undefined;
-    return { promptTokens: u.prompt_tokens, completionTokens: u.completion_tokens, onlyUsage: Array.isArray(v.choices) && v.choices.length === 0 };
+    v = JSON.parse(payload);
   } catch {
     return undefined;
   }
+  if (!isRecord(v) || !isRecord(v.usage)) return undefined;
+  const counted = countUsage(v.usage, estimate);
+  const onlyUsage = Array.isArray(v.choices) && v.choices.length === 0;
+  if (!counted.rejected) return { counted, onlyUsage, rewritten: undefined };
+  const { promptTokens: p, completionTokens: c } = counted;
+  const usage = { ...v.usage, prompt_tokens: p, completion_tokens: c, total_tokens: p + c };
+  return { counted, onlyUsage, rewritten: JSON.stringify({ ...v, usage }) };
 }
 
 export function errorEvent(message: string): Uint8Array {
@@ -134,7 +154,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   };
 
   /** Handles one complete event (terminator included); returns the bytes for the client, or undefined to drop it. */
-  const handle = (event: Buffer): Buffer | undefined => {
+  const handle = (received: Buffer): Buffer | undefined => {
+    let event = received;
     if (!startsWithAt(event, 0, DATA)) return event; // comments, keep-alives, `event:` lines: pass through
     let at = DATA.length;
     if (event[at] === SPACE) at++;
@@ -151,10 +172,17 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       let v = u + USAGE.length;
       while (event[v] === SPACE) v++;
       if (event[v] === OPEN_BRACE) {
-        const parsed = usageOf(event.toString("utf8", at, event.length - (sep?.length ?? 2)));
+        const estimate = { promptTokens: opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars + deltaTextBytes(event)) };
+        const parsed = usageOf(event.toString("utf8", at, event.length - (sep?.length ?? 2)), estimate);
         if (parsed) {
-          usage = { promptTokens: parsed.promptTokens, completionTokens: parsed.completionTokens };
+          usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
+          if (parsed.counted.rejected) opts.onImplausibleUsage?.(parsed.counted.rejected);
           if (!opts.clientWantsUsage && parsed.onlyUsage) return undefined;
+          if (parsed.counted.rejected) {
+            // Rare: the event is rebuilt around the checked figures (and still gets the model swap below).
+            event = Buffer.from(`data: ${parsed.rewritten}${(sep ?? LF2).toString()}`);
+            at = DATA.length + 1;
+          }
         }
       }
     }

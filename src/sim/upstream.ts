@@ -28,10 +28,18 @@ export interface SimOptions {
    * (current vLLM). Gateways meet both in the wild.
    */
   errorFormat?: "legacy" | "nested";
+  /**
+   * Reasoning text sent before every chat answer, as vLLM's reasoning parsers
+   * do (`reasoning_content` in the message, or in deltas when streaming).
+   */
+  reasoning?: string;
 }
 
+/** Statuses a status fault may answer with: overload and failures, a bad request, and a misconfigured target's 401/403/404/405. */
+export type FaultStatus = 500 | 503 | 429 | 400 | 401 | 403 | 404 | 405 | 502 | 504;
+
 export type Fault =
-  | { kind: "status"; status: 500 | 503 | 429 | 400 | 502 | 504; count?: number; message?: string }
+  | { kind: "status"; status: FaultStatus; count?: number; message?: string }
   | { kind: "hang" }
   | { kind: "slow-headers"; ms: number }
   | { kind: "drop-mid-stream"; afterChunks: number }
@@ -46,6 +54,8 @@ export interface SimStats {
   /** Inference requests currently being served (including open streams). */
   inFlight: number;
   lastBody: unknown;
+  /** The request headers of the most recent inference request, as received. */
+  lastHeaders: Headers | undefined;
   /** Most recent parsed request bodies, oldest first, capped at 50. */
   bodies: unknown[];
 }
@@ -75,6 +85,7 @@ interface Config {
   apiKey: string | undefined;
   models: string[];
   errorFormat: "legacy" | "nested";
+  reasoning: string | undefined;
 }
 
 type Usage = { prompt_tokens: number; completion_tokens: number; total_tokens: number };
@@ -102,7 +113,10 @@ function newId(prefix: string): string {
 
 const ERROR_TYPES: Record<number, string> = {
   400: "BadRequestError",
+  401: "AuthenticationError",
+  403: "PermissionDeniedError",
   404: "NotFoundError",
+  405: "MethodNotAllowedError",
   429: "RateLimitError",
   500: "InternalServerError",
   502: "BadGatewayError",
@@ -281,11 +295,68 @@ interface ChatPlan {
   tails: Uint8Array[];
   completionTokens: number;
   finishReason: "stop" | "length" | "tool_calls";
+  /** Set when the model declines (see planChat); content is then null. */
+  refusal?: string;
+  reasoning?: string;
+  /** Per generated token, when the request asked for logprobs (plain text answers only). */
+  logprobs?: TokenLogprob[];
+}
+
+interface TokenLogprob {
+  token: string;
+  logprob: number;
+  bytes: number[];
+  top_logprobs: { token: string; logprob: number; bytes: number[] }[];
+}
+
+const REFUSAL_TEXT = "I can't help with that.";
+
+/** Deterministic logprobs for a token, with `top` alternatives (the token itself first). */
+function logprobOf(token: string, top: number): TokenLogprob {
+  const bytes = Array.from(enc.encode(token));
+  const alts = Array.from({ length: top }, (_, k) => (k === 0 ? { token, logprob: -0.25, bytes } : { token: `alt${k}`, logprob: -1 - k, bytes: Array.from(enc.encode(`alt${k}`)) }));
+  return { token, logprob: -0.25, bytes, top_logprobs: alts };
+}
+
+function logprobTail(delta: unknown, lp: TokenLogprob): Uint8Array {
+  return enc.encode(`${JSON.stringify(delta)},"logprobs":${JSON.stringify({ content: [lp] })},"finish_reason":null}]}\n\n`);
+}
+
+/** Adds the configured reasoning before the answer: its own deltas first when streaming, and its tokens to the count. */
+function withReasoning(plan: ChatPlan, reasoning: string | undefined, stream: boolean): ChatPlan {
+  if (!reasoning) return plan;
+  const pieces = splitPieces(reasoning);
+  return {
+    ...plan,
+    reasoning,
+    tails: stream ? [...pieces.map((p) => deltaTail({ reasoning_content: p })), ...plan.tails] : plan.tails,
+    completionTokens: plan.completionTokens + pieces.length,
+  };
 }
 
 function planChat(cfg: Config, body: Record<string, unknown>, messages: unknown[], stream: boolean): ChatPlan {
+  return withReasoning(planAnswer(cfg, body, messages, stream), cfg.reasoning, stream);
+}
+
+function planAnswer(cfg: Config, body: Record<string, unknown>, messages: unknown[], stream: boolean): ChatPlan {
   const model = typeof body.model === "string" ? body.model : (cfg.models[0] ?? "sim");
   const promptTokens = estimatePromptTokens(body, messages);
+
+  // A trigger word, like "weather" for tools: the model declines.
+  const last = messages[messages.length - 1];
+  if (isRecord(last) && last.role === "user" && /\brefuse\b/i.test(messageText(last.content))) {
+    const pieces = splitPieces(REFUSAL_TEXT);
+    return {
+      model,
+      promptTokens,
+      content: null,
+      tool: undefined,
+      tails: stream ? pieces.map((p) => deltaTail({ refusal: p })) : [],
+      completionTokens: pieces.length,
+      finishReason: "stop",
+      refusal: REFUSAL_TEXT,
+    };
+  }
 
   const tool = pickTool(body, messages);
   if (tool !== undefined) {
@@ -338,7 +409,14 @@ function planChat(cfg: Config, body: Record<string, unknown>, messages: unknown[
   const n = limit !== undefined ? Math.min(limit, cfg.completionTokens) : cfg.completionTokens;
   const tails: Uint8Array[] = [];
   let content = "";
-  if (stream) for (let i = 0; i < n; i++) tails.push(contentTail(i));
+  // Logprobs only when asked for, so the common path keeps its shared, pre-encoded tails.
+  const logprobs = body.logprobs === true ? Array.from({ length: n }, (_, i) => logprobOf(tokenText(i), nonNegInt(body.top_logprobs) ?? 0)) : undefined;
+  if (stream) {
+    for (let i = 0; i < n; i++) {
+      const lp = logprobs?.[i];
+      tails.push(lp ? logprobTail({ content: tokenText(i) }, lp) : contentTail(i));
+    }
+  }
   else for (let i = 0; i < n; i++) content += tokenText(i);
   return {
     model,
@@ -348,6 +426,7 @@ function planChat(cfg: Config, body: Record<string, unknown>, messages: unknown[
     tails,
     completionTokens: n,
     finishReason: n < cfg.completionTokens ? "length" : "stop",
+    ...(logprobs ? { logprobs } : {}),
   };
 }
 
@@ -652,7 +731,8 @@ function finishJson(job: Job, fault: Fault | null, payload: unknown): Response {
 // Control-plane parsing
 // ---------------------------------------------------------------------------
 
-const STATUS_FAULTS = new Set([500, 503, 429, 400, 502, 504]);
+const STATUS_FAULTS: ReadonlySet<number> = new Set<FaultStatus>([500, 503, 429, 400, 401, 403, 404, 405, 502, 504]);
+const isFaultStatus = (v: unknown): v is FaultStatus => typeof v === "number" && STATUS_FAULTS.has(v);
 
 function parseFault(v: unknown): Fault | null | string {
   if (v === null) return null;
@@ -660,7 +740,7 @@ function parseFault(v: unknown): Fault | null | string {
   switch (v.kind) {
     case "status": {
       const status = v.status;
-      if (status !== 500 && status !== 503 && status !== 429 && status !== 400 && status !== 502 && status !== 504) {
+      if (!isFaultStatus(status)) {
         return `status must be one of ${[...STATUS_FAULTS].join(", ")}`;
       }
       const f: Fault = { kind: "status", status };
@@ -703,6 +783,10 @@ function applyConfigPatch(cfg: Config, v: unknown): string | undefined {
     if (!Array.isArray(v.models) || !v.models.every((m) => typeof m === "string")) return "models must be strings";
     cfg.models = v.models;
   }
+  if (v.reasoning !== undefined) {
+    if (v.reasoning !== null && typeof v.reasoning !== "string") return "reasoning must be a string or null";
+    cfg.reasoning = v.reasoning ?? undefined;
+  }
   if (v.errorFormat !== undefined) {
     if (v.errorFormat !== "legacy" && v.errorFormat !== "nested") return "errorFormat must be legacy or nested";
     cfg.errorFormat = v.errorFormat;
@@ -718,6 +802,7 @@ function configFrom(opts: SimOptions): Config {
     apiKey: opts.apiKey,
     models: [...(opts.models ?? DEFAULT_SIM_MODELS)],
     errorFormat: opts.errorFormat ?? "legacy",
+    reasoning: opts.reasoning,
   };
 }
 
@@ -729,7 +814,7 @@ export function startSimulator(opts: SimOptions = {}): Promise<Simulator> {
   const hostname = opts.hostname ?? "127.0.0.1";
   let cfg = configFrom(opts);
   let fault: Fault | null = null;
-  const stats: SimStats = { requests: 0, aborts: 0, inFlight: 0, lastBody: undefined, bodies: [] };
+  const stats: SimStats = { requests: 0, aborts: 0, inFlight: 0, lastBody: undefined, lastHeaders: undefined, bodies: [] };
   const state: SimState = { stats, active: new Set() };
   const modelsCreated = Math.floor(Date.now() / 1000);
 
@@ -747,9 +832,10 @@ export function startSimulator(opts: SimOptions = {}): Promise<Simulator> {
     return f;
   };
 
-  const recordBody = (body: unknown): void => {
+  const recordBody = (body: unknown, headers: Headers): void => {
     stats.requests++;
     stats.lastBody = body;
+    stats.lastHeaders = headers;
     stats.bodies.push(body);
     if (stats.bodies.length > BODY_HISTORY) stats.bodies.shift();
   };
@@ -770,7 +856,7 @@ export function startSimulator(opts: SimOptions = {}): Promise<Simulator> {
     if (!parsed.ok) return { res: errorResponse(cfg, 400, "Request body is not valid JSON") };
     if (!isRecord(parsed.value)) return { res: errorResponse(cfg, 400, "Request body must be a JSON object") };
     const body = parsed.value;
-    recordBody(body);
+    recordBody(body, req.headers);
 
     const job = new Job(state);
     // The client may already be gone while we were reading its body.
@@ -829,12 +915,15 @@ export function startSimulator(opts: SimOptions = {}): Promise<Simulator> {
             ],
           }
         : { role: "assistant", content: plan.content, tool_calls: [] };
+    const shown: Record<string, unknown> = { ...message };
+    if (plan.refusal !== undefined) shown.refusal = plan.refusal;
+    if (plan.reasoning !== undefined) shown.reasoning_content = plan.reasoning;
     return finishJson(job, f, {
       id: newId("chatcmpl-"),
       object: "chat.completion",
       created: Math.floor(Date.now() / 1000),
       model: plan.model,
-      choices: [{ index: 0, message, logprobs: null, finish_reason: plan.finishReason, stop_reason: null }],
+      choices: [{ index: 0, message: shown, logprobs: plan.logprobs ? { content: plan.logprobs } : null, finish_reason: plan.finishReason, stop_reason: null }],
       usage: usageOf(plan),
       prompt_logprobs: null,
     });
@@ -978,6 +1067,7 @@ export function startSimulator(opts: SimOptions = {}): Promise<Simulator> {
       stats.requests = 0;
       stats.aborts = 0;
       stats.lastBody = undefined;
+      stats.lastHeaders = undefined;
       stats.bodies.length = 0;
       cfg = configFrom(opts);
     },

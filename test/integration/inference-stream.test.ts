@@ -1,6 +1,8 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { eq } from "drizzle-orm";
 import { usageEvents } from "../../src/db/schema.ts";
+import { parseChatBody } from "../../src/inference/model.ts";
+import { estimatePromptTokens } from "../../src/inference/tokens.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
 import type { SeededOrg } from "../helpers/harness.ts";
@@ -138,6 +140,31 @@ describe("streamed chat: wire format", () => {
     expect(finish).toBe("tool_calls");
   });
 
+  test("reasoning deltas, refusal deltas and requested logprobs pass through", async () => {
+    await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Let me think it over." }) });
+    const chunksOf = async (body: Record<string, unknown>) =>
+      sseData(await (await stream({ model: "svc-fast", ...body })).text())
+        .slice(0, -1)
+        .map((d) => rec(arr(rec(JSON.parse(d)).choices)[0]));
+    const field = (choices: Record<string, unknown>[], k: string) => choices.map((c) => String(rec(c.delta)[k] ?? "")).join("");
+
+    const answer = await chunksOf({ logprobs: true, top_logprobs: 1 });
+    expect(field(answer, "reasoning_content")).toBe("Let me think it over.");
+    expect(field(answer, "content")).toBe("token0 token1 token2 token3 token4 ");
+    const withText = answer.filter((c) => String(rec(c.delta).content ?? "") !== "");
+    expect(withText.length).toBe(5);
+    for (const c of withText) {
+      const [lp] = arr(rec(c.logprobs).content).map(rec);
+      expect(lp?.token).toBe(rec(c.delta).content);
+      expect(arr(lp?.top_logprobs).length).toBe(1);
+    }
+
+    const refused = await chunksOf({ messages: userMessages("Please refuse this.") });
+    expect(field(refused, "refusal")).toBe("I can't help with that.");
+    expect(field(refused, "content")).toBe("");
+    expect(refused.at(-1)?.finish_reason).toBe("stop");
+  });
+
   test("chunks arrive as they are generated, not buffered", async () => {
     const res = await stream({ model: "svc-slow" });
     const reader = res.body?.getReader();
@@ -232,13 +259,21 @@ describe("streamed chat: failures", () => {
 
 describe("streamed chat: client disconnects abort the upstream", () => {
   test("mid-stream: the simulator sees the abort at once", async () => {
+    // Without the upstream's usage chunk, the prompt is charged at the gateway's estimate.
+    const promptEstimate = estimatePromptTokens(parseChatBody({ model: "svc-slow", messages: userMessages(), stream: true }));
+    expect(promptEstimate).toBeGreaterThan(0);
     const o = await seedTestOrg(gw.database);
     const ac = new AbortController();
     const res = await stream({ model: "svc-slow" }, { signal: ac.signal }, o.personalKey);
     const reader = res.body?.getReader();
     if (!reader) throw new Error("no body");
-    await reader.read();
-    await reader.read();
+    // Read until two content tokens arrived; the next comes 150 ms later.
+    let text = "";
+    while (!text.includes("token1")) {
+      const r = await reader.read();
+      if (r.done) throw new Error("stream ended early");
+      text += new TextDecoder().decode(r.value);
+    }
     expect(slow.stats.inFlight).toBe(1);
     ac.abort();
     // Well before the next token (150 ms) would have been generated.
@@ -248,6 +283,9 @@ describe("streamed chat: client disconnects abort the upstream", () => {
     expect(rows.length).toBe(1);
     expect(rows[0]?.status).toBe(499);
     expect(rows[0]?.streamed).toBe(true);
+    // Charged for what the client was sent ("token0 token1 " = 14 characters ≈ 4 tokens) and the prompt estimate.
+    expect(rows[0]?.completionTokens).toBe(4);
+    expect(rows[0]?.promptTokens).toBe(promptEstimate);
   });
 
   test("before the first byte (the model still thinking)", async () => {

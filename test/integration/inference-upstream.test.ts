@@ -5,8 +5,9 @@ import { createConnectProbe } from "../../src/inference/probe.ts";
 import { ClientGone, createUpstream } from "../../src/inference/upstream.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
-import { errorOf, type SeededOrg, startTestGateway, testConfig } from "../helpers/harness.ts";
-import { TEST_PLANS, chatAlias, eventually, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+import { startGateway } from "../../src/server.ts";
+import { errorOf, type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
+import { CHAT_MODEL, TEST_PLANS, chatAlias, eventually, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -30,6 +31,7 @@ beforeAll(async () => {
 afterEach(() => {
   a.reset();
   b.reset();
+  logged.length = 0;
 });
 afterAll(async () => {
   for (const g of gateways) await g.stop();
@@ -37,8 +39,11 @@ afterAll(async () => {
   await b.stop();
 });
 
+/** Lines the gateways below log at warn and above. */
+const logged: Record<string, unknown>[] = [];
+
 async function gateway(upstream: Config["upstream"], aliases?: Config["aliases"]): Promise<Gateway> {
-  const gw = await startTestGateway({
+  const config = await testConfig({
     aliases: aliases ?? {
       "svc-fast": chatAlias([
         { baseUrl: a.url, weight: 1 },
@@ -48,6 +53,7 @@ async function gateway(upstream: Config["upstream"], aliases?: Config["aliases"]
     plans: TEST_PLANS,
     upstream,
   });
+  const gw = await startGateway({ config, database: await sharedDatabase(), log: createLogger("warn", (l) => logged.push(JSON.parse(l) as Record<string, unknown>)) });
   gateways.push(gw);
   org ??= await seedTestOrg(gw.database);
   return gw;
@@ -119,6 +125,35 @@ describe("failover", () => {
     expect(res.status).toBe(200);
     expect(sseData(await res.text()).at(-1)).toBe("[DONE]");
     expect(b.stats.requests).toBe(1);
+  });
+
+  test("401, 403, 404 and 405 from A (a misconfigured target): B answers, and A is logged as an error", async () => {
+    for (const status of [401, 403, 404, 405] as const) {
+      a.reset();
+      b.reset();
+      logged.length = 0;
+      a.setFault({ kind: "status", status, count: 1, message: `simulated ${status}` });
+      const res = await chat(gw);
+      expect(res.status).toBe(200);
+      expect(rec(await res.json()).object).toBe("chat.completion");
+      expect(a.stats.requests).toBe(1);
+      expect(b.stats.requests).toBe(1);
+      const errors = logged.filter((l) => l.level === "error");
+      expect(errors.length).toBe(1);
+      expect(errors[0]).toMatchObject({ target: `${a.url}|${CHAT_MODEL}`, status, message: `simulated ${status}` });
+    }
+  });
+
+  test("401/403/404/405 everywhere: 503 service_unavailable, never the caller's own 401 or 404", async () => {
+    for (const status of [401, 403, 404, 405] as const) {
+      a.setFault({ kind: "status", status });
+      b.setFault({ kind: "status", status });
+      const res = await chat(gw);
+      expect(res.status).toBe(503);
+      const err = await errorOf(res);
+      expect(err.code).toBe("service_unavailable");
+      expect(err.message).not.toContain(String(status));
+    }
   });
 
   test("an upstream 400 is the caller's fault: no failover", async () => {
@@ -208,6 +243,22 @@ describe("circuit breaker", () => {
     expect(b.stats.requests).toBe(7);
   });
 
+  test("429s do not count toward the breaker; 503s from the same target do", async () => {
+    const gw = await gateway(upstreamSettings({ attempts: 2, breakerFailures: 2, breakerCooldownMs: 60_000 }));
+    a.setFault({ kind: "status", status: 429 });
+    for (let i = 1; i <= 5; i++) {
+      expect((await chat(gw)).status).toBe(200);
+      // A is asked every time: five 429s in a row did not open its breaker.
+      expect(a.stats.requests).toBe(i);
+    }
+    expect(b.stats.requests).toBe(5);
+    a.setFault({ kind: "status", status: 503 });
+    for (let i = 0; i < 3; i++) expect((await chat(gw)).status).toBe(200);
+    // Two 503s open it: the third request goes to B alone.
+    expect(a.stats.requests).toBe(7);
+    expect(b.stats.requests).toBe(8);
+  });
+
   test("every breaker open: 503 at once, without calling anyone", async () => {
     const gw = await gateway(upstreamSettings({ attempts: 1, breakerFailures: 1, breakerCooldownMs: 60_000 }), {
       "svc-fast": chatAlias([{ baseUrl: a.url }]),
@@ -280,6 +331,46 @@ describe("timeouts", () => {
 });
 
 describe("what reaches the upstream", () => {
+  test("only the gateway's own headers: none of the client's, its key least of all", async () => {
+    const gw = await gateway(upstreamSettings(), { "svc-fast": chatAlias([{ baseUrl: a.url }]) });
+    const clientHeaders = {
+      "x-request-id": "client-req-1",
+      "user-agent": "OpenAI/JS 7.57.0",
+      "x-api-key": "secret-1",
+      "api-key": "secret-2",
+      "proxy-authorization": "Basic c2VjcmV0",
+      "x-forwarded-for": "10.0.0.1",
+      "x-real-ip": "10.0.0.1",
+      forwarded: "for=10.0.0.1",
+      "openai-organization": "org-x",
+      "openai-project": "proj-x",
+      "x-stainless-lang": "js",
+      "accept-language": "fr",
+      "x-custom": "1",
+      "accept-encoding": "gzip",
+      connection: "keep-alive",
+    };
+    for (const stream of [false, true]) {
+      const body = JSON.stringify({ model: "svc-fast", messages: userMessages(), ...(stream ? { stream: true } : {}) });
+      const res = await fetch(`${gw.url}/v1/chat/completions`, {
+        method: "POST",
+        headers: { ...clientHeaders, authorization: `Bearer ${org.personalKey}`, "content-type": "application/json; charset=utf-8", accept: "*/*" },
+        body,
+      });
+      expect(res.status).toBe(200);
+      await res.text();
+      const seen = Object.fromEntries([...(a.stats.lastHeaders?.entries() ?? [])]);
+      const forwarded = JSON.stringify(rec(a.stats.lastBody));
+      expect(seen).toEqual({
+        host: `127.0.0.1:${a.port}`,
+        "content-type": "application/json",
+        accept: stream ? "text/event-stream" : "application/json",
+        "x-request-id": "client-req-1",
+        "content-length": String(Buffer.byteLength(forwarded)),
+      });
+    }
+  });
+
   test("the target's API key from its env variable, never the client's key", async () => {
     process.env.TEST_UPSTREAM_KEY = "upstream-secret";
     const locked = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, apiKey: "upstream-secret" });
@@ -289,6 +380,8 @@ describe("what reaches the upstream", () => {
       if (first) first.apiKeyEnv = "TEST_UPSTREAM_KEY";
       const gw = await gateway(upstreamSettings(), { "svc-fast": withKey, "svc-smart": chatAlias([{ baseUrl: locked.url }]) });
       expect((await chat(gw)).status).toBe(200);
+      expect([...(locked.stats.lastHeaders?.keys() ?? [])].sort()).toEqual(["accept", "authorization", "content-length", "content-type", "host", "x-request-id"]);
+      expect(locked.stats.lastHeaders?.get("authorization")).toBe("Bearer upstream-secret");
       // Without a key the target refuses the gateway (401): an operator problem, reported as 503, never as the caller's 401.
       const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-smart", messages: userMessages() });
       expect(res.status).toBe(503);

@@ -200,15 +200,43 @@ describe("POST /v1/chat/completions: answers", () => {
     expect(sim.stats.lastBody).toEqual({ ...JSON.parse(JSON.stringify(sent)), model: CHAT_MODEL });
   });
 
+  test("reasoning text, refusals and requested logprobs pass through; logprobs only when asked", async () => {
+    await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Let me think it over." }) });
+    const asked = rec(await (await chat({ model: "svc-fast", messages: userMessages(), logprobs: true, top_logprobs: 2 })).json());
+    const choice = rec(arr(asked.choices)[0]);
+    expect(choice.message).toEqual({ role: "assistant", content: "token0 token1 token2 token3 token4 ", reasoning_content: "Let me think it over." });
+    const lp = arr(rec(choice.logprobs).content).map(rec);
+    expect(lp.map((t) => t.token)).toEqual(["token0 ", "token1 ", "token2 ", "token3 ", "token4 "]);
+    expect(lp[0]).toEqual({
+      token: "token0 ",
+      logprob: -0.25,
+      bytes: [...Buffer.from("token0 ")],
+      top_logprobs: [
+        { token: "token0 ", logprob: -0.25, bytes: [...Buffer.from("token0 ")] },
+        { token: "alt1", logprob: -2, bytes: [...Buffer.from("alt1")] },
+      ],
+    });
+    // The reasoning's tokens are part of the completion (6 pieces of 4 characters, plus the 5 answer tokens).
+    expect(rec(asked.usage).completion_tokens).toBe(11);
+
+    const refused = rec(await (await chat({ model: "svc-fast", messages: userMessages("Please refuse this.") })).json());
+    const r = rec(arr(refused.choices)[0]);
+    expect(r.message).toEqual({ role: "assistant", content: null, refusal: "I can't help with that.", reasoning_content: "Let me think it over." });
+    expect(Object.keys(r).sort()).toEqual(["finish_reason", "index", "message"]);
+  });
+
   test("null for optional parameters is accepted (the SDKs send it)", async () => {
-    const res = await chat({ model: "svc-fast", messages: userMessages(), temperature: null, max_tokens: null, stop: null, stream: null, seed: null });
+    const sent = { model: "svc-fast", messages: userMessages(), temperature: null, max_tokens: null, stop: null, stream: null, seed: null };
+    const res = await chat(sent);
     expect(res.status).toBe(200);
+    expect(rec(await res.json()).object).toBe("chat.completion");
+    expect(sim.stats.lastBody).toEqual({ ...sent, model: CHAT_MODEL });
   });
 
   test("images: image_url parts with a URL or a data URL reach an images-capable alias", async () => {
     const content = [
       { type: "text", text: "What is in these?" },
-      { type: "image_url", image_url: { url: "https://example.com/cat.png", detail: "low" } },
+      { type: "image_url", image_url: { url: "https://93.184.216.34/cat.png", detail: "low" } },
       { type: "image_url", image_url: { url: "data:image/png;base64,iVBORw0KGgo=" } },
     ];
     const res = await chat({ model: "svc-fast", messages: [{ role: "user", content }] });
@@ -218,7 +246,12 @@ describe("POST /v1/chat/completions: answers", () => {
 
   test("response_format json_object and text are accepted", async () => {
     for (const rf of [{ type: "json_object" }, { type: "text" }]) {
-      expect((await chat({ model: "svc-fast", messages: userMessages(), response_format: rf })).status).toBe(200);
+      const res = await chat({ model: "svc-fast", messages: userMessages(), response_format: rf });
+      expect(res.status).toBe(200);
+      expect(rec(sim.stats.lastBody).response_format).toEqual(rf);
+      const content = String(rec(rec(arr(rec(await res.json()).choices)[0]).message).content);
+      if (rf.type === "json_object") expect(rec(JSON.parse(content)).answer).toBe("token0 token1 token2 token3 token4");
+      else expect(content).toBe("token0 token1 token2 token3 token4 ");
     }
   });
 
@@ -283,7 +316,10 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
 
   test("temperature 0 to 2", async () => {
     for (const t of [-0.01, 2.01, "1"]) await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), temperature: t }), "temperature");
-    for (const t of [0, 2, 1.3]) expect((await chat({ model: "svc-fast", messages: userMessages(), temperature: t })).status).toBe(200);
+    for (const t of [0, 2, 1.3]) {
+      expect((await chat({ model: "svc-fast", messages: userMessages(), temperature: t })).status).toBe(200);
+      expect(rec(sim.stats.lastBody).temperature).toBe(t);
+    }
   });
 
   test("max_tokens: a positive integer within the alias's context window", async () => {
@@ -291,7 +327,9 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), max_tokens: 128_001 }), "max_tokens", "context window");
     await expectInvalid(await chat({ model: "svc-text", messages: userMessages(), max_completion_tokens: 5000 }), "max_completion_tokens");
     expect((await chat({ model: "svc-fast", messages: userMessages(), max_tokens: 128_000 })).status).toBe(200);
+    expect(rec(sim.stats.lastBody).max_tokens).toBe(128_000);
     expect((await chat({ model: "svc-smart", messages: userMessages(), max_tokens: 180_000 })).status).toBe(200);
+    expect(rec(sim.stats.lastBody).max_tokens).toBe(180_000);
   });
 
   test("tools, tool_choice and response_format shapes", async () => {
@@ -303,13 +341,90 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     await expectInvalid(await chat({ ...base, response_format: { type: "yaml" } }), "response_format");
     for (const tc of ["auto", "none", "required", { type: "function", function: { name: "f" } }]) {
       const tools = [{ type: "function", function: { name: "f", parameters: { type: "object", properties: {} } } }];
-      expect((await chat({ ...base, tools, tool_choice: tc })).status).toBe(200);
+      const res = await chat({ ...base, tools, tool_choice: tc });
+      expect(res.status).toBe(200);
+      expect(sim.stats.lastBody).toEqual({ ...base, model: CHAT_MODEL, tools, tool_choice: tc });
+      // "required" and a named function make the model call f; "auto" without a trigger word and "none" answer in text.
+      const finish = rec(arr(rec(await res.json()).choices)[0]).finish_reason;
+      expect(finish).toBe(tc === "auto" || tc === "none" ? "stop" : "tool_calls");
     }
   });
 
   test("stream and stream_options types", async () => {
     await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), stream: "yes" }), "stream");
     await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: "y" } }), "stream_options.include_usage");
+  });
+
+  test("unknown fields inside nested objects are refused by their path, never forwarded", async () => {
+    const base = { model: "svc-fast", messages: userMessages() };
+    const fnTool = { type: "function", function: { name: "f" } };
+    const cases: [Record<string, unknown>, string][] = [
+      [{ stream: true, stream_options: { include_usage: true, evil_param: 1 } }, "stream_options.evil_param"],
+      [{ response_format: { type: "json_object", evil: 1 } }, "response_format.evil"],
+      [{ response_format: { type: "json_schema", json_schema: { name: "r", evil: 1 } } }, "response_format.json_schema.evil"],
+      [{ tools: [{ type: "function", function: { name: "f", evil: 1 } }] }, "tools[0].function.evil"],
+      [{ tools: [{ ...fnTool, evil: 1 }] }, "tools[0].evil"],
+      [{ tools: [fnTool], tool_choice: { type: "function", function: { name: "f", evil: 1 } } }, "tool_choice.function.evil"],
+      [{ tools: [fnTool], tool_choice: { type: "function", function: { name: "f" }, evil: 1 } }, "tool_choice.evil"],
+      [{ prediction: { type: "content", content: "x", evil: 1 } }, "prediction.evil"],
+      [{ prediction: { type: "content", content: [{ type: "text", text: "x", evil: 1 }] } }, "prediction.content[0].evil"],
+      [{ audio: { format: "wav", voice: "alloy", evil: 1 } }, "audio.evil"],
+      [{ web_search_options: { evil: 1 } }, "web_search_options.evil"],
+      [{ web_search_options: { user_location: { type: "approximate", approximate: { city: "Paris", evil: 1 } } } }, "web_search_options.user_location.approximate.evil"],
+      [{ moderation: { model: "m", evil: 1 } }, "moderation.evil"],
+      [{ prompt_cache_options: { mode: "implicit", evil: 1 } }, "prompt_cache_options.evil"],
+      [{ functions: [{ name: "f", evil: 1 }] }, "functions[0].evil"],
+      [{ function_call: { name: "f", evil: 1 } }, "function_call.evil"],
+      [{ messages: [{ role: "user", content: [{ type: "image_url", image_url: { url: "data:image/png;base64,AA==", evil: 1 } }] }] }, "messages[0].content[0].image_url.evil"],
+      [{ messages: [{ role: "user", content: [{ type: "text", text: "x", prompt_cache_breakpoint: { mode: "explicit", evil: 1 } }] }] }, "messages[0].content[0].prompt_cache_breakpoint.evil"],
+      [{ messages: [{ role: "assistant", content: "x", audio: { id: "a", evil: 1 } }] }, "messages[0].audio.evil"],
+      [{ messages: [{ role: "assistant", content: "x", function_call: { name: "f", arguments: "{}", evil: 1 } }] }, "messages[0].function_call.evil"],
+      [
+        { messages: [{ role: "assistant", content: "x", annotations: [{ type: "url_citation", url_citation: { start_index: 0, end_index: 1, title: "t", url: "https://x", evil: 1 } }] }] },
+        "messages[0].annotations[0].url_citation.evil",
+      ],
+    ];
+    for (const [extra, param] of cases) {
+      const res = await chat({ ...base, ...extra });
+      await expectInvalid(res, param, `Unrecognized request argument supplied: ${param}`);
+    }
+    expect(sim.stats.requests).toBe(0);
+  });
+
+  test("every nested field the openai SDK 7.x types declare is accepted and forwarded unchanged", async () => {
+    const sent = {
+      model: "svc-fast",
+      messages: [
+        {
+          role: "user",
+          content: [
+            { type: "text", text: "look", prompt_cache_breakpoint: { mode: "explicit", ttl: "30m" } },
+            { type: "image_url", image_url: { url: "data:image/png;base64,AA==", detail: "original" }, prompt_cache_breakpoint: { mode: "explicit" } },
+          ],
+        },
+        {
+          role: "assistant",
+          content: "earlier",
+          refusal: null,
+          audio: { id: "aud_1" },
+          function_call: { name: "f", arguments: "{}" },
+          annotations: [{ type: "url_citation", url_citation: { start_index: 0, end_index: 3, title: "t", url: "https://example.com" } }],
+        },
+        { role: "user", content: "go on" },
+      ],
+      stream_options: { include_usage: false, include_obfuscation: false },
+      prediction: { type: "content", content: [{ type: "text", text: "x" }] },
+      audio: { format: "wav", voice: { id: "voice_1" } },
+      web_search_options: { search_context_size: "low", user_location: { type: "approximate", approximate: { city: "Paris", country: "FR", region: "IDF", timezone: "Europe/Paris" } } },
+      moderation: { model: "omni-moderation-latest", policy: { input: { mode: "score" }, output: { mode: "block" } } },
+      prompt_cache_options: { mode: "explicit", ttl: "30m" },
+      functions: [{ name: "f", description: "d", parameters: { type: "object" } }],
+      function_call: { name: "f" },
+    };
+    const res = await chat(sent);
+    expect(res.status).toBe(200);
+    expect(sim.stats.lastBody).toEqual({ ...sent, model: CHAT_MODEL });
+    for (const fc of ["auto", "none"]) expect((await chat({ model: "svc-fast", messages: userMessages(), function_call: fc })).status).toBe(200);
   });
 
   test("images to an alias without the images capability, tools to one without tools", async () => {

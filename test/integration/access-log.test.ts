@@ -1,0 +1,130 @@
+import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { createLogger } from "../../src/lib/log.ts";
+import { type Gateway, startGateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
+import { TEST_PLANS, chatAlias, eventually, post, seedTestOrg, sseData, testAliases, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+
+setDefaultTimeout(30_000);
+
+/**
+ * The access log through the gateway's own logger over a capturing sink
+ * (issue 13 item 15): a streamed request is logged once, when it ends, with
+ * its real duration, its outcome and its tokens.
+ */
+
+let sim: Simulator;
+let slow: Simulator;
+let gw: Gateway;
+let org: SeededOrg;
+const lines: Record<string, unknown>[] = [];
+// 5 tokens 200 ms apart: a stream of about a second.
+const GAP_MS = 200;
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
+  slow = await startSimulator({ port: 0, ttftMs: 20, interTokenMs: GAP_MS, completionTokens: 5 });
+  const config = await testConfig({
+    aliases: { ...testAliases(sim.url), "svc-slow": chatAlias([{ baseUrl: slow.url }]) },
+    plans: TEST_PLANS,
+    upstream: upstreamSettings({ attempts: 1 }),
+    accessLog: true,
+  });
+  gw = await startGateway({ config, database: await sharedDatabase(), log: createLogger("info", (l) => lines.push(JSON.parse(l) as Record<string, unknown>)) });
+  org = await seedTestOrg(gw.database);
+});
+afterEach(() => {
+  sim.reset();
+  slow.reset();
+});
+afterAll(async () => {
+  await gw.stop();
+  await sim.stop();
+  await slow.stop();
+});
+
+const accessLines = (id: string) => lines.filter((l) => l.msg === "request" && l.request_id === id);
+
+describe("access log", () => {
+  test("a non-streamed request: one line with status, tokens and its latency", async () => {
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", messages: userMessages() });
+    const id = String(res.headers.get("x-request-id"));
+    await res.json();
+    await eventually(() => accessLines(id).length === 1);
+    const line = accessLines(id)[0] ?? {};
+    expect(line.status).toBe(200);
+    expect(line.streamed).toBe(false);
+    expect(line.completion_tokens).toBe(5);
+    expect(line.alias).toBe("svc-fast");
+    expect(line.key_id).toBe(org.personalKeyId);
+  });
+
+  test("a streamed request is logged when it ends, with its whole duration and its tokens", async () => {
+    const t0 = performance.now();
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-slow", stream: true, messages: userMessages() });
+    const id = String(res.headers.get("x-request-id"));
+    const reader = res.body?.getReader();
+    if (!reader) throw new Error("no body");
+    let text = "";
+    const first = await reader.read();
+    text += new TextDecoder().decode(first.value);
+    // Headers and the first token are out, the stream is not over: nothing logged yet.
+    expect(accessLines(id)).toEqual([]);
+    for (;;) {
+      const r = await reader.read();
+      if (r.done) break;
+      text += new TextDecoder().decode(r.value);
+    }
+    const took = performance.now() - t0;
+    expect(sseData(text).at(-1)).toBe("[DONE]");
+    await eventually(() => accessLines(id).length === 1);
+    const line = accessLines(id)[0] ?? {};
+    expect(line.status).toBe(200);
+    expect(line.streamed).toBe(true);
+    expect(line.prompt_tokens).toBeGreaterThan(0);
+    expect(line.completion_tokens).toBe(5);
+    expect(line.error).toBeUndefined();
+    // The stream's real duration (four gaps at least), not the time to its headers.
+    expect(Number(line.latency_ms)).toBeGreaterThanOrEqual(4 * GAP_MS);
+    expect(Number(line.latency_ms)).toBeLessThanOrEqual(took + 50);
+  });
+
+  test("a client that leaves mid-stream: status 499 with the tokens it was sent", async () => {
+    const ac = new AbortController();
+    const t0 = performance.now();
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-slow", stream: true, messages: userMessages() }, { signal: ac.signal });
+    const id = String(res.headers.get("x-request-id"));
+    const reader = res.body?.getReader();
+    if (!reader) throw new Error("no body");
+    // Read until the first two content tokens arrived ("token0 token1 ").
+    let text = "";
+    while (!text.includes("token1")) {
+      const r = await reader.read();
+      if (r.done) throw new Error("stream ended early");
+      text += new TextDecoder().decode(r.value);
+    }
+    expect(accessLines(id)).toEqual([]);
+    ac.abort();
+    const leftAfter = performance.now() - t0;
+    await eventually(() => accessLines(id).length === 1, 5_000);
+    const line = accessLines(id)[0] ?? {};
+    expect(line.status).toBe(499);
+    expect(line.streamed).toBe(true);
+    // "token0 token1 " = 14 characters ≈ 4 tokens, estimated from what was delivered.
+    expect(line.completion_tokens).toBe(4);
+    expect(Number(line.latency_ms)).toBeGreaterThanOrEqual(GAP_MS);
+    expect(Number(line.latency_ms)).toBeGreaterThanOrEqual(leftAfter - 50);
+  });
+
+  test("a stream the upstream breaks off is logged with the failure", async () => {
+    sim.setFault({ kind: "drop-mid-stream", afterChunks: 3 });
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", stream: true, messages: userMessages() });
+    const id = String(res.headers.get("x-request-id"));
+    await res.text();
+    await eventually(() => accessLines(id).length === 1);
+    const line = accessLines(id)[0] ?? {};
+    expect(line.status).toBe(503);
+    expect(line.error).toBe("service_unavailable");
+    expect(line.completion_tokens).toBe(4);
+  });
+});

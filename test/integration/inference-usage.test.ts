@@ -1,0 +1,163 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { eq } from "drizzle-orm";
+import { usageEvents } from "../../src/db/schema.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { type Gateway, startGateway } from "../../src/server.ts";
+import { type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
+import { CHAT_MODEL, EMBED_MODEL, TEST_PLANS, chatAlias, embedAlias, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+
+setDefaultTimeout(30_000);
+
+/**
+ * Usage figures from a hostile upstream (issue 13 item 5): a token count that
+ * is not an integer in 0..10^9 is replaced by the gateway's own estimate, in
+ * what the client sees and in what is recorded, and the upstream that sent it
+ * is named in a warning.
+ */
+
+/** What the hostile upstream puts in `usage`, set per test. */
+let usage: Record<string, unknown> = {};
+const upstream = Bun.serve({
+  hostname: "127.0.0.1",
+  port: 0,
+  async fetch(req) {
+    const body = (await req.json()) as { stream?: boolean };
+    if (new URL(req.url).pathname.endsWith("/embeddings")) {
+      return Response.json({ object: "list", model: EMBED_MODEL, data: [{ object: "embedding", index: 0, embedding: [0.5, 0.5] }], usage });
+    }
+    const head = { id: "c1", created: 1, model: CHAT_MODEL };
+    if (!body.stream) {
+      return Response.json({ ...head, object: "chat.completion", choices: [{ index: 0, message: { role: "assistant", content: "abcdefgh" }, finish_reason: "stop" }], usage });
+    }
+    const chunk = { ...head, object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: "abcdefgh" }, finish_reason: null }] };
+    const last = { ...head, object: "chat.completion.chunk", choices: [], usage };
+    return new Response(`data: ${JSON.stringify(chunk)}\n\ndata: ${JSON.stringify(last)}\n\ndata: [DONE]\n\n`, { headers: { "content-type": "text/event-stream" } });
+  },
+});
+const base = `http://127.0.0.1:${upstream.port}/v1`;
+
+const lines: Record<string, unknown>[] = [];
+let gw: Gateway;
+let org: SeededOrg;
+
+beforeAll(async () => {
+  const config = await testConfig({
+    aliases: { "svc-fast": chatAlias([{ baseUrl: base }]), "svc-embed": embedAlias([{ baseUrl: base }]) },
+    plans: TEST_PLANS,
+    upstream: upstreamSettings({ attempts: 1 }),
+  });
+  gw = await startGateway({ config, database: await sharedDatabase(), log: createLogger("warn", (l) => lines.push(JSON.parse(l) as Record<string, unknown>)) });
+  org = await seedTestOrg(gw.database);
+});
+afterAll(async () => {
+  await gw.stop();
+  upstream.stop(true);
+});
+
+const warnings = () => lines.filter((l) => l.level === "warn" && String(l.msg).includes("usage"));
+
+async function rows(orgId: string) {
+  await gw.quota.flush();
+  return gw.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, orgId));
+}
+
+/** The prompt estimate of `userMessages()` ("hi"): 3 + 4 per message + 1 = what the gateway reserves. */
+async function estimateOf(stream: boolean): Promise<number> {
+  usage = {};
+  const o = await seedTestOrg(gw.database);
+  const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream });
+  await res.text();
+  const [row] = await rows(o.orgId);
+  return row?.promptTokens ?? -1;
+}
+
+const ABSURD: Record<string, unknown>[] = [
+  { prompt_tokens: 1e20, completion_tokens: 1e20, total_tokens: 2e20 },
+  { prompt_tokens: -5, completion_tokens: 1_000_000_001, total_tokens: 3 },
+  { prompt_tokens: 2.5, completion_tokens: "7", total_tokens: null },
+];
+
+describe("usage figures an upstream makes up are clamped", () => {
+  test("non-streamed: the client and the usage record get the estimate, and the target is named in a warning", async () => {
+    const promptEstimate = await estimateOf(false);
+    expect(promptEstimate).toBeGreaterThan(0);
+    for (const u of ABSURD) {
+      usage = u;
+      lines.length = 0;
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+      expect(res.status).toBe(200);
+      // "abcdefgh": 8 characters ≈ 2 tokens.
+      expect(rec(await res.json()).usage).toEqual({ prompt_tokens: promptEstimate, completion_tokens: 2, total_tokens: promptEstimate + 2 });
+      const [row] = await rows(o.orgId);
+      expect(row?.promptTokens).toBe(promptEstimate);
+      expect(row?.completionTokens).toBe(2);
+      expect(warnings().length).toBe(1);
+      expect(warnings()[0]?.target).toBe(`${base}|${CHAT_MODEL}`);
+    }
+  });
+
+  test("streamed: the usage chunk the client sees carries the clamped figures, and so does the record", async () => {
+    const promptEstimate = await estimateOf(true);
+    for (const u of ABSURD) {
+      usage = u;
+      lines.length = 0;
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
+      const data = sseData(await res.text());
+      expect(data.at(-1)).toBe("[DONE]");
+      const last = rec(JSON.parse(String(data.at(-2))));
+      expect(last.model).toBe("svc-fast");
+      expect(last.choices).toEqual([]);
+      expect(last.usage).toEqual({ prompt_tokens: promptEstimate, completion_tokens: 2, total_tokens: promptEstimate + 2 });
+      const [row] = await rows(o.orgId);
+      expect(row?.promptTokens).toBe(promptEstimate);
+      expect(row?.completionTokens).toBe(2);
+      expect(warnings().length).toBe(1);
+      expect(warnings()[0]?.target).toBe(`${base}|${CHAT_MODEL}`);
+    }
+  });
+
+  test("streamed without include_usage: the usage chunk is dropped, the record still clamped and the target named", async () => {
+    const promptEstimate = await estimateOf(true);
+    usage = { prompt_tokens: 1e20, completion_tokens: 3, total_tokens: 1e20 };
+    lines.length = 0;
+    const o = await seedTestOrg(gw.database);
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
+    const data = sseData(await res.text());
+    expect(data.some((d) => d.includes('"usage"'))).toBe(false);
+    const [row] = await rows(o.orgId);
+    expect(row?.promptTokens).toBe(promptEstimate);
+    expect(row?.completionTokens).toBe(3);
+    expect(warnings().length).toBe(1);
+    expect(warnings()[0]?.prompt_tokens).toBe("100000000000000000000");
+  });
+
+  test("embeddings: an absurd prompt count becomes the estimate", async () => {
+    usage = { prompt_tokens: 1e20, total_tokens: 1e20 };
+    lines.length = 0;
+    const o = await seedTestOrg(gw.database);
+    const res = await post(gw, "/v1/embeddings", o.personalKey, { model: "svc-embed", input: "abcdefgh" });
+    expect(res.status).toBe(200);
+    expect(rec(await res.json()).usage).toEqual({ prompt_tokens: 2, total_tokens: 2 });
+    const [row] = await rows(o.orgId);
+    expect(row?.promptTokens).toBe(2);
+    expect(warnings()[0]?.target).toBe(`${base}|${EMBED_MODEL}`);
+  });
+
+  test("plausible figures pass unchanged, without a warning (10^9 is still plausible)", async () => {
+    lines.length = 0;
+    for (const u of [
+      { prompt_tokens: 0, completion_tokens: 0, total_tokens: 0 },
+      { prompt_tokens: 12, completion_tokens: 1_000_000_000, total_tokens: 1_000_000_012 },
+    ]) {
+      usage = u;
+      const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", messages: userMessages() });
+      expect(rec(await res.json()).usage).toEqual(u);
+      const s = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
+      const data = sseData(await s.text());
+      expect(rec(JSON.parse(String(data.at(-2)))).usage).toEqual(u);
+    }
+    expect(warnings()).toEqual([]);
+  });
+});
