@@ -405,6 +405,8 @@ class Conn {
       if (ce !== undefined && ce.toLowerCase() !== "identity") return this.destroy(new UpstreamConnectionError(`unsupported content-encoding: ${ce}`));
       const te = head.headers.get("transfer-encoding");
       const cl = head.headers.get("content-length");
+      // Two framings: a proxy on the way may pick the other one (request smuggling); never guess.
+      if (te !== undefined && cl !== undefined) return this.destroy(new UpstreamConnectionError("ambiguous framing: both transfer-encoding and content-length"));
       this.keepAlive = head.keepAlive;
       if (head.status === 204 || head.status === 304) this.framing = Framing.None;
       else if (te !== undefined) {

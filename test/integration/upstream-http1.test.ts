@@ -298,6 +298,18 @@ describe("upstream HTTP/1.1 client", () => {
     await until(() => srv.peers.every((p) => p.closed));
   });
 
+  test("an answer with both transfer-encoding and content-length is refused as ambiguous; its connection is closed, not reused", async () => {
+    let n = 0;
+    const { srv, ep } = setup((s) => {
+      if (n++ === 0) s.write("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n3\r\nabc\r\n0\r\n\r\n");
+      else s.write(okResponse("next"));
+    });
+    expect(String(await rejectionOf(ep.request(post())))).toContain("both transfer-encoding and content-length");
+    await until(() => srv.peers[0]?.closed === true);
+    expect(await (await ep.request(post())).text()).toBe("next");
+    expect(srv.peers.length).toBe(2);
+  });
+
   test("a response head larger than the limit fails", async () => {
     const { ep } = setup((s) => s.write(`HTTP/1.1 200 OK\r\nx-big: ${"a".repeat(2_000)}\r\n\r\n`), { maxHeaderBytes: 1_000 });
     expect(String(await rejectionOf(ep.request(post())))).toContain("too large");
