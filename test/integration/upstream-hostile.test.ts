@@ -1,4 +1,7 @@
 import { afterAll, afterEach, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import type { Config } from "../../src/config/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
@@ -158,6 +161,62 @@ describe("upstream answers larger than upstream.maxResponseBytes", () => {
     expect(res.status).toBe(200);
     const choice = rec((rec(await res.json()).choices as unknown[])[0]);
     expect(rec(choice.message).content).toBe(content);
+  });
+});
+
+describe("peak memory of a separate process", () => {
+  test("300 MB answers and error bodies at the default 8 MiB cap: peak RSS grows by less than 64 MB", async () => {
+    let n = 0;
+    const up = hostileUpstream((c) => {
+      const i = n++;
+      if (i === 0) {
+        const body = completion("warm-up");
+        c.write(`HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: ${Buffer.byteLength(body)}\r\nconnection: close\r\n\r\n${body}`);
+        c.socket.end();
+      } else if (i === 1) {
+        c.write(`HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: ${HUGE}\r\n\r\n`);
+        c.pump(blocks(HUGE));
+      } else {
+        c.write(`HTTP/1.1 ${i === 2 ? 500 : 400} Oops\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n`);
+        c.pump(blocks(HUGE, chunk));
+      }
+    });
+    upstreams.push(up);
+    const dir = mkdtempSync(join(tmpdir(), "hostile-rss-"));
+    const script = join(dir, "rss.ts");
+    const src = (f: string) => JSON.stringify(join(import.meta.dir, f));
+    // The gateway's upstream layer alone (no database): what holds the body is exactly the code under test.
+    writeFileSync(
+      script,
+      `import { createUpstream } from ${src("../../src/inference/upstream.ts")};
+import { createLogger } from ${src("../../src/lib/log.ts")};
+import { testConfig } from ${src("../helpers/harness.ts")};
+import { chatAlias, upstreamSettings } from ${src("./inference-fixtures.ts")};
+const alias = chatAlias([{ baseUrl: ${JSON.stringify(up.url)} }]);
+const config = await testConfig({ aliases: { "svc-fast": alias }, upstream: upstreamSettings({ attempts: 1 }) });
+const upstream = createUpstream({ config, log: createLogger("silent") });
+const call = () => upstream.complete("svc-fast", alias, "/chat/completions", () => "{}", { signal: new AbortController().signal, requestId: "r" })
+  .then((r) => "ok " + r.body.length, (e) => String(e.status ?? e));
+const warm = await call();
+Bun.gc(true);
+const baseline = process.resourceUsage().maxRSS;
+const outcomes = [await call(), await call(), await call()];
+console.log(JSON.stringify({ warm, outcomes, growthKB: process.resourceUsage().maxRSS - baseline }));
+process.exit(0);`,
+    );
+    try {
+      // Killed if it runs long (reading 300 MB bodies whole, as before the cap, takes a minute on a busy machine).
+      const p = Bun.spawn([process.execPath, script], { stdout: "pipe", stderr: "inherit", timeout: 40_000 });
+      const out = await new Response(p.stdout).text();
+      expect(await p.exited).toBe(0);
+      const r = JSON.parse(out.trim().split("\n").at(-1) ?? "{}") as { warm: string; outcomes: string[]; growthKB: number };
+      expect(r.warm).toStartWith("ok ");
+      expect(r.outcomes).toEqual(["503", "503", "400"]);
+      expect(r.growthKB).toBeLessThan(64 * 1024);
+      for (const c of up.conns.slice(1)) expect(c.written).toBeLessThan(8 * MB + SLACK);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 });
 
