@@ -101,6 +101,11 @@ export const ConfigSchema = T.Object(
         backoffMs: T.Integer({ minimum: 0, default: 50 }),
         breakerFailures: T.Integer({ minimum: 1, default: 5 }),
         breakerCooldownMs: T.Integer({ minimum: 1, default: 30_000 }),
+        maxResponseBytes: T.Integer({
+          minimum: 1024,
+          default: 8 * 1024 * 1024,
+          description: "Largest non-streamed answer or error body read from an upstream (embeddings get at least what their input count needs)",
+        }),
         timeouts: Timeouts,
         // Image URLs the inference servers are asked to fetch (src/inference/image-url.ts).
         imageUrls: T.Optional(

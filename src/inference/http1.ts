@@ -84,6 +84,8 @@ const CRLF2 = Buffer.from("\r\n\r\n");
  * failure may follow work the server did, and is reported instead.
  */
 const STALE_RETRY_MS = 100;
+/** Interim (1xx) answers skipped before the real one; more is a server that never answers. */
+const MAX_INTERIM = 8;
 const CRLF = Buffer.from("\r\n");
 const enc = new TextEncoder();
 
@@ -300,6 +302,9 @@ class Conn {
   private pendingWrite: Uint8Array | undefined;
   private keepAlive = false;
   private paused = false;
+  private interim = 0;
+  /** Bytes of trailer lines so far (bounded like a head). */
+  private trailerBytes = 0;
 
   constructor(
     readonly pool: Pool,
@@ -342,6 +347,7 @@ class Conn {
     this.headBuf = undefined;
     this.framing = Framing.None;
     this.keepAlive = false;
+    this.interim = 0;
     s.ref();
     const payload = ex.payload;
     if (!payload) {
@@ -399,12 +405,18 @@ class Conn {
       const head = parseHead(b.toString("latin1", 0, end));
       b = b.subarray(end + 4);
       if (typeof head === "string") return this.destroy(new UpstreamConnectionError(head));
-      if (head.status < 200) continue; // 100 Continue, 103 Early Hints: the real answer follows
+      if (head.status < 200) {
+        // 100 Continue, 103 Early Hints: the real answer follows.
+        if (++this.interim > MAX_INTERIM) return this.destroy(new UpstreamConnectionError("too many interim (1xx) responses"));
+        continue;
+      }
       // We ask for no encoding (no accept-encoding), so a compressed body is a server we cannot read.
       const ce = head.headers.get("content-encoding");
       if (ce !== undefined && ce.toLowerCase() !== "identity") return this.destroy(new UpstreamConnectionError(`unsupported content-encoding: ${ce}`));
       const te = head.headers.get("transfer-encoding");
       const cl = head.headers.get("content-length");
+      // Two framings: a proxy on the way may pick the other one (request smuggling); never guess.
+      if (te !== undefined && cl !== undefined) return this.destroy(new UpstreamConnectionError("ambiguous framing: both transfer-encoding and content-length"));
       this.keepAlive = head.keepAlive;
       if (head.status === 204 || head.status === 304) this.framing = Framing.None;
       else if (te !== undefined) {
@@ -475,12 +487,15 @@ class Conn {
           this.line = "";
           if (this.chunk === Chunk.Trailers) {
             if (line === "") return this.complete(b.subarray(at));
+            this.trailerBytes += line.length + 2;
+            if (this.trailerBytes > this.pool.maxHeaderBytes) return this.destroy(new UpstreamConnectionError("response trailers too large"));
             continue;
           }
           const hex = (line.split(";", 1)[0] ?? "").trim();
           if (!/^[0-9a-fA-F]{1,8}$/.test(hex)) return this.destroy(new UpstreamConnectionError(`invalid chunk size: ${JSON.stringify(hex.slice(0, 20))}`));
           this.remaining = Number.parseInt(hex, 16);
           this.chunk = this.remaining === 0 ? Chunk.Trailers : Chunk.Data;
+          this.trailerBytes = 0;
           break;
         }
         case Chunk.Data: {

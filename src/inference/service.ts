@@ -72,6 +72,16 @@ function checkChatAgainstAlias(body: ChatBody, name: string, alias: AliasConfig)
   }
 }
 
+/**
+ * The most an embedding answer may take: the configured cap, or what the
+ * inputs need (a JSON float is at most ~24 bytes), so a full batch of 2,048
+ * inputs is never refused for its size.
+ */
+function embeddingAnswerLimit(body: EmbeddingsBody, aliasDimensions: number | undefined, configured: number): number {
+  const inputs = Array.isArray(body.input) && typeof body.input[0] !== "number" ? body.input.length : 1;
+  return Math.max(configured, inputs * (body.dimensions ?? aliasDimensions ?? 4096) * 24 + 64 * 1024);
+}
+
 /** Spec 2.3 with `model` = the alias; tool calls, finish reasons, reasoning text and requested logprobs pass through. */
 function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unknown>; completionChars: number } | undefined {
   if (!isRecord(raw) || !Array.isArray(raw.choices)) return undefined;
@@ -252,7 +262,7 @@ export function createInferenceService(deps: ServiceDeps) {
       return JSON.stringify(body);
     };
     try {
-      const res = await upstream.complete(name, alias, "/embeddings", payloadFor, ctx);
+      const res = await upstream.complete(name, alias, "/embeddings", payloadFor, ctx, embeddingAnswerLimit(body, alias.dimensions, config.upstream.maxResponseBytes));
       const parsed = parseJson(res.body);
       if (!isRecord(parsed) || !Array.isArray(parsed.data)) throw badUpstreamAnswer(name, res.target);
       const data = parsed.data.map((d: unknown, i: number) => {

@@ -122,7 +122,15 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   const aliasField = Buffer.from(`"model":${JSON.stringify(opts.alias)}`);
   const swapModel = !modelField.equals(aliasField);
   let sep: Buffer | undefined;
-  let carry: Buffer | undefined;
+  /**
+   * The pending partial event, as the pieces it arrived in (copied: a read's
+   * buffer may be reused), joined once when its separator arrives: holding a
+   * large event costs no copy per read. `tail` is its last bytes, where a
+   * separator split across reads begins.
+   */
+  let held: Buffer[] = [];
+  let heldBytes = 0;
+  let tail: Buffer | undefined;
   let sawDone = false;
   let usage: StreamEnd["usage"];
   let deliveredChars = 0;
@@ -203,33 +211,66 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     return out;
   };
 
+  /** The first `pattern` in `buf`, counting one that starts in the held bytes' tail (a negative start). */
+  const findSep = (buf: Buffer, pattern: Buffer): { start: number; end: number } | undefined => {
+    if (tail) {
+      const window = Buffer.concat([tail, buf.subarray(0, pattern.length - 1)]);
+      const at = window.indexOf(pattern);
+      if (at !== -1) return { start: at - tail.length, end: at - tail.length + pattern.length };
+    }
+    const at = buf.indexOf(pattern);
+    return at === -1 ? undefined : { start: at, end: at + pattern.length };
+  };
+
   /** Splits a read into complete events, adding what goes to the client to `out`; keeps a trailing partial event for the next read. */
   const feed = (chunk: Uint8Array, out: Buffer[]) => {
-    const buf = carry ? Buffer.concat([carry, chunk]) : asBuffer(chunk);
-    carry = undefined;
+    const buf = asBuffer(chunk);
+    let start = 0;
+    let first: { start: number; end: number } | undefined;
     if (!sep) {
       // vLLM ends events with \n\n; servers built on sse-starlette use \r\n\r\n.
-      const lf = buf.indexOf(LF2);
-      const crlf = buf.indexOf(CRLF2);
-      if (lf === -1 && crlf === -1) {
-        carry = Buffer.from(buf);
-        return;
+      const lf = findSep(buf, LF2);
+      const crlf = findSep(buf, CRLF2);
+      if (crlf && (!lf || crlf.start < lf.start)) {
+        sep = CRLF2;
+        first = crlf;
+      } else if (lf) {
+        sep = LF2;
+        first = lf;
       }
-      sep = crlf !== -1 && (lf === -1 || crlf < lf) ? CRLF2 : LF2;
     }
-    let start = 0;
-    for (;;) {
-      const idx = buf.indexOf(sep, start);
-      if (idx === -1) break;
-      const event = handle(buf.subarray(start, idx + sep.length));
-      start = idx + sep.length;
-      if (upstreamError !== undefined) return;
-      if (event) out.push(event);
+    if (sep && heldBytes > 0) {
+      first ??= findSep(buf, sep);
+      if (first) {
+        // The held event is complete: joined once, with the part of this read that ends it.
+        held.push(buf.subarray(0, first.end));
+        const event = Buffer.concat(held, heldBytes + first.end);
+        held = [];
+        heldBytes = 0;
+        tail = undefined;
+        start = first.end;
+        const e = handle(event);
+        if (upstreamError !== undefined) return;
+        if (e) out.push(e);
+      }
+    }
+    if (sep && heldBytes === 0) {
+      for (;;) {
+        const idx = buf.indexOf(sep, start);
+        if (idx === -1) break;
+        const event = handle(buf.subarray(start, idx + sep.length));
+        start = idx + sep.length;
+        if (upstreamError !== undefined) return;
+        if (event) out.push(event);
+      }
     }
     if (start < buf.length) {
+      if (heldBytes + buf.length - start > MAX_EVENT_BYTES) throw new Error("upstream sent an oversized SSE event");
       // Copy: the rest may be a view into a chunk the runtime reuses.
-      carry = Buffer.from(buf.subarray(start));
-      if (carry.length > MAX_EVENT_BYTES) throw new Error("upstream sent an oversized SSE event");
+      const piece = Buffer.from(buf.subarray(start));
+      held.push(piece);
+      heldBytes += piece.length;
+      tail = piece.length >= 3 ? piece.subarray(piece.length - 3) : Buffer.concat([tail ?? Buffer.alloc(0), piece]).subarray(-3);
     }
   };
 

@@ -63,7 +63,7 @@ export interface Opened {
 
 type Attempt<T> =
   | { kind: "ok"; value: T }
-  | { kind: "retry"; why: string; status?: number; retryAfter?: number; countsAsFailure: boolean }
+  | { kind: "retry"; why: string; status?: number; retryAfter?: number; countsAsFailure: boolean; detail?: string }
   | { kind: "fail"; error: AppError };
 
 /** Observation hooks (metrics); called on the request path, so they must be cheap. */
@@ -93,9 +93,22 @@ const RETRY_STATUS = new Set([429, 500, 502, 503, 504]);
 const MISCONFIGURED = new Set([401, 403, 404, 405]);
 const MAX_BACKOFF_MS = 2_000;
 const MAX_UPSTREAM_MESSAGE = 1_000;
+/**
+ * An error body is only read to word our answer, and a server writes it at
+ * once: its whole read gets this long (or the first-byte timeout, if shorter),
+ * then we answer with what arrived.
+ */
+const ERROR_BODY_MS = 5_000;
 
 /** Why an attempt was given up (a timeout, an empty stream): worth trying the next target. */
 class AttemptFailed extends Error {}
+
+/** The answer is larger than we read; the message is fit for the client. */
+class AnswerTooLarge extends AttemptFailed {
+  constructor(max: number) {
+    super(`its answer was larger than ${max} bytes, the gateway's limit`);
+  }
+}
 
 export function timeoutsFor(config: Config, alias: AliasConfig): TimeoutsConfig {
   return alias.timeouts ?? config.upstream.timeouts;
@@ -106,7 +119,7 @@ export function timeoutsFor(config: Config, alias: AliasConfig): TimeoutsConfig 
  * vLLM's `{error:{message}}`, older vLLM's `{object:"error",message}`,
  * FastAPI's `{detail}`, or plain text. The shape itself never reaches the client.
  */
-export function upstreamMessage(text: string): { message: string; param: string | null } {
+export function upstreamMessage(text: string, cut = false): { message: string; param: string | null } {
   let message: unknown;
   let param: unknown = null;
   try {
@@ -123,7 +136,8 @@ export function upstreamMessage(text: string): { message: string; param: string 
       }
     }
   } catch {
-    message = text.trim();
+    // Plain text is passed on; the front of a JSON body cut short is not a message.
+    message = cut && text.trimStart().startsWith("{") ? undefined : text.trim();
   }
   const s = typeof message === "string" && message !== "" ? message : "The upstream model server rejected the request.";
   return { message: s.length > MAX_UPSTREAM_MESSAGE ? `${s.slice(0, MAX_UPSTREAM_MESSAGE)}…` : s, param: typeof param === "string" ? param : null };
@@ -134,6 +148,39 @@ function retryAfterSeconds(h: string | null, now: number): number | undefined {
   if (/^\d+$/.test(h.trim())) return Number(h.trim());
   const at = Date.parse(h);
   return Number.isNaN(at) ? undefined : Math.max(0, Math.ceil((at - now) / 1000));
+}
+
+/**
+ * An error body, read for at most `ms` and `max` bytes (then the connection is
+ * closed): what arrived, and whether that was all of it.
+ */
+async function readErrorBody(res: UpstreamResponse, max: number, ms: number): Promise<{ text: string; cut: boolean }> {
+  const parts: Uint8Array[] = [];
+  let n = 0;
+  let cut = true;
+  const timer = setTimeout(() => void res.body.cancel(), ms);
+  try {
+    for (;;) {
+      const r = await res.body.read();
+      if (r.done) {
+        cut = false;
+        break;
+      }
+      if (n + r.value.byteLength > max) {
+        parts.push(r.value.subarray(0, max - n));
+        n = max;
+        await res.body.cancel();
+        break;
+      }
+      parts.push(r.value);
+      n += r.value.byteLength;
+    }
+  } catch {
+    // Cut short (deadline, connection lost): what arrived is all we have.
+  } finally {
+    clearTimeout(timer);
+  }
+  return { text: Buffer.concat(parts, n).toString("utf8"), cut };
 }
 
 function sleep(ms: number, signal: AbortSignal): Promise<void> {
@@ -220,8 +267,8 @@ export function createUpstream(deps: UpstreamDeps) {
   }
 
   /** Reads a non-2xx answer and decides: retry elsewhere, or a final error for the client. */
-  async function judge<T>(target: Target, res: UpstreamResponse, aliasName: string): Promise<Attempt<T>> {
-    const text = await res.text().catch(() => "");
+  async function judge<T>(target: Target, res: UpstreamResponse, aliasName: string, timeouts: TimeoutsConfig): Promise<Attempt<T>> {
+    const { text, cut } = await readErrorBody(res, up.maxResponseBytes, Math.min(ERROR_BODY_MS, timeouts.firstByteMs));
     const status = res.status;
     if (RETRY_STATUS.has(status)) {
       const retryAfter = status === 429 ? retryAfterSeconds(res.header("retry-after") ?? null, now()) : undefined;
@@ -233,24 +280,24 @@ export function createUpstream(deps: UpstreamDeps) {
         alias: aliasName,
         target: target.label,
         status,
-        message: upstreamMessage(text).message,
+        message: upstreamMessage(text, cut).message,
       });
       return { kind: "retry", why: `status ${status}`, status, countsAsFailure: true };
     }
     if (status >= 400 && status < 500) {
       // The request itself is at fault (context length, bad parameter value): the caller's 400, with the upstream's words.
       target.breaker.success();
-      const { message, param } = upstreamMessage(text);
+      const { message, param } = upstreamMessage(text, cut);
       return { kind: "fail", error: new AppError("invalid_request_error", message, param) };
     }
     // Anything else (501, 505, a 3xx): a failure of this target, not one a retry elsewhere is known to fix.
     failed(target, `status ${status}`);
-    log.warn("upstream error", { alias: aliasName, target: target.label, status, message: upstreamMessage(text).message });
+    log.warn("upstream error", { alias: aliasName, target: target.label, status, message: upstreamMessage(text, cut).message });
     return { kind: "fail", error: unavailable(aliasName) };
   }
 
-  function unavailable(aliasName: string): AppError {
-    return new AppError("service_unavailable", `The model '${aliasName}' is temporarily unreachable; retry with backoff.`);
+  function unavailable(aliasName: string, detail?: string): AppError {
+    return new AppError("service_unavailable", `The model '${aliasName}' is temporarily unreachable${detail ? ` (${detail})` : ""}; retry with backoff.`);
   }
 
   /**
@@ -301,7 +348,7 @@ export function createUpstream(deps: UpstreamDeps) {
       deps.observe?.attempt(aliasName, target.label, res.ok ? "ok" : `http_${res.status}`, (performance.now() - sentAt) / 1000);
       if (res.status < 200 || res.status > 299) {
         clearTimer();
-        return await judge<T>(target, res, aliasName);
+        return await judge<T>(target, res, aliasName, timeouts);
       }
       const value = await onHead(res, ac, clearTimer, unlink);
       handedOver = true;
@@ -314,7 +361,7 @@ export function createUpstream(deps: UpstreamDeps) {
       }
       const why = reason instanceof AttemptFailed ? reason.message : `connection error: ${reason instanceof Error ? reason.message : String(reason)}`;
       if (!headed) deps.observe?.attempt(aliasName, target.label, reason instanceof AttemptFailed ? "timeout" : "connect_error", undefined);
-      return { kind: "retry", why, countsAsFailure: true };
+      return { kind: "retry", why, countsAsFailure: true, ...(reason instanceof AnswerTooLarge ? { detail: reason.message } : {}) };
     } finally {
       clearTimer();
       if (!handedOver) unlink();
@@ -340,6 +387,8 @@ export function createUpstream(deps: UpstreamDeps) {
     let only429 = true;
     let made = 0;
     let retryAfter: number | undefined;
+    /** What the client may be told about the last attempt's failure. */
+    let detail: string | undefined;
     for (let i = 0; i < up.attempts; i++) {
       if (i > 0) {
         const delay = Math.min(MAX_BACKOFF_MS, up.backoffMs * 2 ** (i - 1)) * (0.5 + random());
@@ -358,6 +407,7 @@ export function createUpstream(deps: UpstreamDeps) {
         return { target, value: r.value };
       }
       if (r.kind === "fail") throw r.error;
+      detail = r.detail;
       if (r.countsAsFailure) failed(target, r.why);
       else target.breaker.release();
       if (r.status === 429) {
@@ -374,17 +424,56 @@ export function createUpstream(deps: UpstreamDeps) {
         { "retry-after": String(wait) },
       );
     }
-    throw unavailable(aliasName);
+    throw unavailable(aliasName, detail);
   }
 
-  /** A non-streamed call: the whole body is read before anything is sent, so a cut-off body still fails over. */
-  function complete(aliasName: string, alias: AliasConfig, path: string, payloadFor: (t: Target) => string, ctx: CallContext) {
+  /**
+   * A non-streamed call: the whole body is read before anything is sent, so a
+   * cut-off body still fails over. At most `maxBytes` are read (a larger
+   * answer closes the connection and fails over); the body may take as long
+   * as it needs while it is never silent for `idleMs`.
+   */
+  function complete(
+    aliasName: string,
+    alias: AliasConfig,
+    path: string,
+    payloadFor: (t: Target) => string,
+    ctx: CallContext,
+    maxBytes = up.maxResponseBytes,
+  ) {
     const { idleMs } = timeoutsFor(config, alias);
     return run<string>(aliasName, alias, path, payloadFor, ctx, false, async (res, ac, clearTimer) => {
       clearTimer();
-      const idle = setTimeout(() => ac.abort(new AttemptFailed(`response body stalled for ${idleMs} ms`)), idleMs);
+      const declared = res.header("content-length");
+      if (declared !== undefined && Number(declared) > maxBytes) {
+        res.body.cancel().catch(() => {});
+        throw new AnswerTooLarge(maxBytes);
+      }
+      // Idle timer without one per read: a read stamps when it ended, the timer re-arms for the remainder.
+      let lastRead = performance.now();
+      let idle: ReturnType<typeof setTimeout> | undefined;
+      const checkIdle = () => {
+        const quiet = performance.now() - lastRead;
+        if (quiet >= idleMs) ac.abort(new AttemptFailed(`response body stalled for ${idleMs} ms`));
+        else idle = setTimeout(checkIdle, idleMs - quiet);
+      };
+      idle = setTimeout(checkIdle, idleMs);
       try {
-        return await res.text();
+        const parts: Uint8Array[] = [];
+        let n = 0;
+        for (;;) {
+          const r = await res.body.read();
+          if (r.done) break;
+          n += r.value.byteLength;
+          if (n > maxBytes) {
+            res.body.cancel().catch(() => {});
+            throw new AnswerTooLarge(maxBytes);
+          }
+          parts.push(r.value);
+          lastRead = performance.now();
+        }
+        const only = parts.length === 1 ? parts[0] : undefined;
+        return (only ? Buffer.from(only.buffer, only.byteOffset, only.byteLength) : Buffer.concat(parts, n)).toString("utf8");
       } finally {
         clearTimeout(idle);
       }

@@ -55,6 +55,7 @@ export function upstreamSettings(over: Partial<Config["upstream"]> = {}, timeout
     backoffMs: 1,
     breakerFailures: 5,
     breakerCooldownMs: 30_000,
+    maxResponseBytes: 8 * 1024 * 1024,
     ...over,
     timeouts: { connectMs: 2_000, firstByteMs: 10_000, idleMs: 10_000, ...timeouts },
   };

@@ -298,6 +298,18 @@ describe("upstream HTTP/1.1 client", () => {
     await until(() => srv.peers.every((p) => p.closed));
   });
 
+  test("an answer with both transfer-encoding and content-length is refused as ambiguous; its connection is closed, not reused", async () => {
+    let n = 0;
+    const { srv, ep } = setup((s) => {
+      if (n++ === 0) s.write("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n3\r\nabc\r\n0\r\n\r\n");
+      else s.write(okResponse("next"));
+    });
+    expect(String(await rejectionOf(ep.request(post())))).toContain("both transfer-encoding and content-length");
+    await until(() => srv.peers[0]?.closed === true);
+    expect(await (await ep.request(post())).text()).toBe("next");
+    expect(srv.peers.length).toBe(2);
+  });
+
   test("a response head larger than the limit fails", async () => {
     const { ep } = setup((s) => s.write(`HTTP/1.1 200 OK\r\nx-big: ${"a".repeat(2_000)}\r\n\r\n`), { maxHeaderBytes: 1_000 });
     expect(String(await rejectionOf(ep.request(post())))).toContain("too large");
@@ -405,6 +417,56 @@ describe("upstream HTTP/1.1 client", () => {
     const after = performance.now() - t0;
     expect(after).toBeGreaterThanOrEqual(1_000);
     expect(after).toBeLessThan(2_500);
+  });
+
+  test("at most 512 idle connections per origin by default (the rest are closed as they finish), and those close after the default idle time", async () => {
+    const total = 600;
+    const held: Socket<PeerData>[] = [];
+    // Answers only once all requests are in, so each has its own connection.
+    const { srv, ep } = setup((s) => {
+      held.push(s);
+      if (held.length === total) for (const h of held.splice(0)) h.write(okResponse("x"));
+    });
+    const t0 = performance.now();
+    await Promise.all(Array.from({ length: total }, async () => (await ep.request(post())).text()));
+    expect(srv.peers.length).toBe(total);
+    const open = () => srv.peers.filter((p) => !p.closed).length;
+    await until(() => open() <= 512);
+    expect(open()).toBe(512);
+    // A second origin has a pool of its own: this one's 512 are not touched by it.
+    const other = rawServer((s) => s.write(okResponse("y")));
+    servers.push(other);
+    expect(await (await client.endpoint(other.url).request(post())).text()).toBe("y");
+    expect(open()).toBe(512);
+    // The default idle time is 3 s (the sweep runs every 750 ms).
+    await until(() => open() === 0, 10_000);
+    expect(performance.now() - t0).toBeGreaterThanOrEqual(3_000);
+  });
+
+  test("HTTP_PROXY and HTTPS_PROXY are ignored: the upstream is reached directly", async () => {
+    const target = rawServer((s) => s.write(okResponse("direct")));
+    const proxy = rawServer((s) => s.write(okResponse("via proxy")));
+    servers.push(target, proxy);
+    const dir = mkdtempSync(join(tmpdir(), "http1-proxy-"));
+    const script = join(dir, "proxy.ts");
+    writeFileSync(
+      script,
+      `import { createHttp1Client } from ${JSON.stringify(join(import.meta.dir, "../../src/inference/http1.ts"))};
+const c = createHttp1Client();
+const r = await c.endpoint(${JSON.stringify(target.url)}).request({ method: "POST", path: "/v1/x", headers: {}, body: "", signal: new AbortController().signal });
+console.log(await r.text());`,
+    );
+    try {
+      // Set at start, as an operator's environment would be.
+      const env = { ...process.env, HTTP_PROXY: proxy.url, http_proxy: proxy.url, HTTPS_PROXY: proxy.url, https_proxy: proxy.url, NO_PROXY: "", no_proxy: "" };
+      const p = Bun.spawn([process.execPath, script], { env, stdout: "pipe" });
+      expect(await p.exited).toBe(0);
+      expect((await new Response(p.stdout).text()).trim()).toBe("direct");
+      expect(target.requests()).toBe(1);
+      expect(proxy.peers.length).toBe(0);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 
   test("idle connections do not keep the process alive", async () => {

@@ -94,6 +94,27 @@ describe("relayStream", () => {
     }
   });
 
+  test("a stream cut in two at every byte, \\n\\n and \\r\\n\\r\\n alike, comes out unchanged", async () => {
+    const cases: [string, string][] = [
+      [whole, expected],
+      [whole.replaceAll("\n\n", "\r\n\r\n"), expected.replaceAll("\n\n", "\r\n\r\n")],
+    ];
+    for (const [input, want] of cases) {
+      for (let at = 1; at < input.length; at++) {
+        const r = await relay([input.slice(0, at), input.slice(at)]);
+        expect(r.text).toBe(want);
+      }
+    }
+  });
+
+  test("pending bytes without an event separator are capped from the first byte: error event, upstream aborted", async () => {
+    const block = "x".repeat(1024 * 1024);
+    const r = await relay(["data: ", ...Array.from({ length: 20 }, () => block)]);
+    expect(r.text).toContain("oversized SSE event");
+    expect(r.ended?.outcome).toBe("failed");
+    expect(r.calls.aborted.length).toBe(1);
+  });
+
   test("usage reaches the client when asked for", async () => {
     const r = await relay([whole], { clientWantsUsage: true });
     expect(r.text).toContain('"usage":{"prompt_tokens":7');
