@@ -14,7 +14,8 @@ import { hashKey } from "./keys.ts";
  *   grow memory;
  * - concurrent misses for one hash share one lookup;
  * - changes arrive on the `gateway_auth` NOTIFY channel (sent in the same
- *   transaction as the change), so revocation reaches every instance at once.
+ *   transaction as the change), so revocation reaches every instance at once;
+ *   a lookup that was out while a message arrived is not cached (see fetch).
  *
  * Expiry and revocation are judged on every request from the cached fields.
  */
@@ -62,6 +63,8 @@ export interface VerifierOptions {
   /** How often batched `last_used_at` updates are written. */
   lastUsedFlushMs?: number;
   now?: () => number;
+  /** Reads a key's row; `lookupKey` unless a test substitutes one it can pause. */
+  lookup?: (hash: string) => Promise<Principal | null>;
 }
 
 export interface KeyVerifier {
@@ -129,6 +132,7 @@ export async function lookupKey(database: Database, hash: string): Promise<Princ
 
 export function createKeyVerifier(database: Database, opts: VerifierOptions): KeyVerifier {
   const now = opts.now ?? Date.now;
+  const lookup = opts.lookup ?? ((hash: string) => lookupKey(database, hash));
   const cache = new Map<string, Entry>();
   const negative = new Map<string, number>();
   const inflight = new Map<string, Promise<Principal | null>>();
@@ -136,6 +140,8 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
   let hits = 0;
   let misses = 0;
   let lookups = 0;
+  /** Bumped by every invalidation message; see fetch. */
+  let generation = 0;
   let unlisten: (() => Promise<void>) | undefined;
   let flushTimer: ReturnType<typeof setInterval> | undefined;
 
@@ -158,14 +164,30 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
     }
   }
 
+  /**
+   * One lookup per hash at a time. Its result is cached only if no
+   * invalidation arrived while it was out: a row read before a revocation (or
+   * a "no such key" read before a creation) committed must not outlive the
+   * NOTIFY that announced the change. Any message counts, because a lookup
+   * does not know which key, organisation or user its row belongs to until it
+   * returns; messages are rare, so the cost is an occasional extra lookup.
+   */
   function fetch(hash: string): Promise<Principal | null> {
     let p = inflight.get(hash);
     if (!p) {
       lookups++;
+      const startedAt = generation;
       // One immediate retry: a pooled connection the server dropped fails once, then the driver reconnects.
-      p = lookupKey(database, hash)
-        .catch(() => lookupKey(database, hash))
-        .finally(() => inflight.delete(hash));
+      const running: Promise<Principal | null> = lookup(hash)
+        .catch(() => lookup(hash))
+        .then((principal) => {
+          if (generation === startedAt) remember(hash, principal, now());
+          return principal;
+        })
+        .finally(() => {
+          if (inflight.get(hash) === running) inflight.delete(hash);
+        });
+      p = running;
       inflight.set(hash, p);
     }
     return p;
@@ -193,11 +215,13 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
         if (entry && t - entry.fetchedAt < opts.ttlMs * 10) return judge(entry.principal, t);
         throw new AuthStoreUnavailable((e as Error).message);
       }
-      remember(hash, principal, now());
       return principal ? judge(principal, t) : { status: "unknown" };
     },
 
     invalidate(message) {
+      generation++;
+      // Requests from now on start their own lookup rather than share one that may have read the old row.
+      inflight.clear();
       if (message === "*") {
         cache.clear();
         negative.clear();
