@@ -21,7 +21,7 @@ export interface Requirement {
   scope: string;
   /** Key kinds allowed; the audit log takes service keys only. */
   kinds?: readonly ("personal" | "service")[];
-  /** Whether academy-only accounts are refused (all current endpoints: yes). */
+  /** Whether academy-only accounts are refused (default yes; the audit log no, spec 4.5). */
   platformOnly?: boolean;
 }
 
