@@ -1,5 +1,5 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { createKey, createUser, revokeKey, setOrg } from "../../src/admin/service.ts";
+import { createKey, createUser, revokeKey, rotateKey, setOrg } from "../../src/admin/service.ts";
 import { type Database, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
@@ -381,6 +381,39 @@ for (const ep of ENDPOINTS) {
     });
   });
 }
+
+describe("rotation, through HTTP", () => {
+  test("the old key works through the grace period and then answers key_expired; the new key works at once", async () => {
+    // Ultra (300 a minute): polling every 25 ms stays under the rate limit.
+    const o = await seedOrg(db, { plan: "Ultra" });
+    const [me, audit] = ENDPOINTS as [Endpoint, Endpoint];
+    await expectOk(await call(me, bearer(o.serviceKey))); // cached, so the rotation's NOTIFY has something to evict
+    const GRACE_MS = 2_000;
+    const t0 = Date.now();
+    const fresh = await rotateKey(db, { id: o.serviceKeyId, graceMs: GRACE_MS, tag: "gw" });
+    await expectOk(await call(me, bearer(fresh.key)));
+    await expectOk(await call(audit, bearer(fresh.key)));
+    // Poll the old key: 200 until the grace period ends, then key_expired (judged no earlier than t0 + grace).
+    let okAfterRotation = 0;
+    let refused: { at: number; res: Response } | undefined;
+    while (!refused && Date.now() - t0 < GRACE_MS + 10_000) {
+      const res = await call(me, bearer(o.serviceKey));
+      const at = Date.now();
+      if (res.status === 200) {
+        okAfterRotation++;
+        await res.body?.cancel();
+        await Bun.sleep(25);
+      } else refused = { at, res };
+    }
+    if (!refused) throw new Error("the old key was still accepted 10 s after its grace period");
+    expect(okAfterRotation).toBeGreaterThan(0);
+    expect(refused.at - t0).toBeGreaterThanOrEqual(GRACE_MS);
+    const message = await expectError(refused.res, 401, "key_expired", "authentication_error");
+    expect(message).toContain("create a new key");
+    await expectError(await call(audit, bearer(o.serviceKey)), 401, "key_expired", "authentication_error");
+    await expectOk(await call(me, bearer(fresh.key)));
+  });
+});
 
 describe("across endpoints", () => {
   test("before routing, too: an unknown path answers the same 403 to a browser, not 404", async () => {
