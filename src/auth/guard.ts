@@ -62,7 +62,7 @@ export function createGuard(deps: GuardDeps) {
         const retryAfter = String(Math.max(1, Math.ceil(e.retryAfterMs / 1000)));
         throw new AppError(
           "rate_limit_error",
-          `Too many requests with unknown API keys from your network. Retry after ${retryAfter} s.`,
+          `Too many requests with unknown API keys. Retry after ${retryAfter} s.`,
           null,
           { "retry-after": retryAfter },
         );
