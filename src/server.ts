@@ -192,12 +192,15 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
 function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager) {
   let seenHits = 0;
   let seenMisses = 0;
+  let seenThrottled = 0;
   const sync = () => {
     const v = verifier.stats();
     metrics.keyCache.inc({ result: "hit" }, v.hits - seenHits);
     metrics.keyCache.inc({ result: "miss" }, v.misses - seenMisses);
+    metrics.keyCache.inc({ result: "throttled" }, v.throttled - seenThrottled);
     seenHits = v.hits;
     seenMisses = v.misses;
+    seenThrottled = v.throttled;
     const q = quota.stats();
     metrics.usageBuffered.set(q.bufferedEvents);
     metrics.usagePendingTokens.set(q.pendingTokens);

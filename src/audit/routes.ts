@@ -38,6 +38,7 @@ export function auditRoutes(deps: AuditReadDeps) {
         const q = request.url.indexOf("?");
         return readAuditEvents(deps, principal.orgId, q === -1 ? "" : request.url.slice(q + 1));
       },
-      { auth: { scope: "audit:read", kinds: ["service"] }, parse: "none" },
+      // Spec 4.5's error list has no academy_only: an academy-only organisation's service key reads its log.
+      { auth: { scope: "audit:read", kinds: ["service"], platformOnly: false }, parse: "none" },
     );
 }

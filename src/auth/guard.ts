@@ -3,12 +3,14 @@ import type { Limiter } from "../limits/store.ts";
 import { rateLimitHeaders } from "../limits/window.ts";
 import { bearerToken, createKeyMatcher } from "./keys.ts";
 import type { SecurityAuditor } from "./security.ts";
-import { AuthStoreUnavailable, type KeyVerifier, type Principal } from "./verify.ts";
+import { AuthStoreUnavailable, type KeyVerifier, LookupThrottled, type Principal } from "./verify.ts";
 
 /**
  * The order of checks, the same on every endpoint (README "Decisions"):
  *   browser-looking request (in the app's onRequest, before routing)
- *   → key present and well-formed → key known and not revoked (401 unauthorized)
+ *   → key present and well-formed → a key not in the cache within the budget of
+ *   lookups for the client's network (429 rate_limit_error)
+ *   → key known and not revoked (401 unauthorized)
  *   → not expired (401 key_expired) → scope and key kind (403 scope_missing)
  *   → academy-only account (403 academy_only) → rate limit (429 rate_limit_error).
  * Authentication precedes body parsing, so an anonymous caller learns nothing
@@ -19,7 +21,7 @@ export interface Requirement {
   scope: string;
   /** Key kinds allowed; the audit log takes service keys only. */
   kinds?: readonly ("personal" | "service")[];
-  /** Whether academy-only accounts are refused (all current endpoints: yes). */
+  /** Whether academy-only accounts are refused (default yes; the audit log no, spec 4.5). */
   platformOnly?: boolean;
 }
 
@@ -54,8 +56,17 @@ export function createGuard(deps: GuardDeps) {
     if (!isWellFormed(token)) throw new AppError("unauthorized", "Invalid API key.");
     let verdict: Awaited<ReturnType<KeyVerifier["verify"]>>;
     try {
-      verdict = await deps.verifier.verify(token);
+      verdict = await deps.verifier.verify(token, meta);
     } catch (e) {
+      if (e instanceof LookupThrottled) {
+        const retryAfter = String(Math.max(1, Math.ceil(e.retryAfterMs / 1000)));
+        throw new AppError(
+          "rate_limit_error",
+          `Too many requests with unknown API keys. Retry after ${retryAfter} s.`,
+          null,
+          { "retry-after": retryAfter },
+        );
+      }
       if (e instanceof AuthStoreUnavailable) {
         // Never fail open: a key we cannot verify is not accepted.
         throw new AppError("service_unavailable", "The key store is temporarily unreachable; retry with backoff.");
@@ -96,11 +107,12 @@ export function createGuard(deps: GuardDeps) {
   }
 
   /** The principal of a currently valid key, without any check or side effect; null otherwise. */
-  async function peek(authorization: string | null) {
+  async function peek(authorization: string | null, meta: RequestMeta) {
     const token = bearerToken(authorization);
     if (!token || !isWellFormed(token)) return null;
     try {
-      const v = await deps.verifier.verify(token);
+      // Charged to the client's lookup budget like any other request: browser-looking floods are no way around it.
+      const v = await deps.verifier.verify(token, meta);
       return v.status === "valid" ? v.principal : null;
     } catch {
       return null;

@@ -4,22 +4,61 @@ import type { Logger } from "../lib/log.ts";
 import type { RequestMeta } from "./guard.ts";
 import type { Principal } from "./verify.ts";
 
-/** /24 for IPv4, /48 for IPv6: the audit log never holds a full address. */
+const IPV4 = /^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})$/;
+
+function ipv4Octets(s: string): number[] | null {
+  const m = IPV4.exec(s);
+  if (!m) return null;
+  const octets = m.slice(1).map(Number);
+  return octets.every((o) => o <= 255) ? octets : null;
+}
+
+/** The eight 16-bit groups of an IPv6 address (a dotted IPv4 tail counts as two), or null. */
+function ipv6Groups(ip: string): number[] | null {
+  const halves = ip.split("::");
+  if (halves.length > 2) return null;
+  const parse = (part: string, last: boolean): number[] | null => {
+    if (part === "") return [];
+    const out: number[] = [];
+    const pieces = part.split(":");
+    for (let i = 0; i < pieces.length; i++) {
+      const piece = pieces[i] as string;
+      if (last && i === pieces.length - 1 && piece.includes(".")) {
+        const v4 = ipv4Octets(piece);
+        if (!v4) return null;
+        out.push(((v4[0] as number) << 8) | (v4[1] as number), ((v4[2] as number) << 8) | (v4[3] as number));
+      } else if (/^[0-9a-f]{1,4}$/i.test(piece)) out.push(Number.parseInt(piece, 16));
+      else return null;
+    }
+    return out;
+  };
+  const head = parse(halves[0] as string, halves.length === 1);
+  const tail = halves.length === 2 ? parse(halves[1] as string, true) : [];
+  if (!head || !tail) return null;
+  if (halves.length === 1) return head.length === 8 ? head : null;
+  const missing = 8 - head.length - tail.length;
+  return missing >= 1 ? [...head, ...Array<number>(missing).fill(0), ...tail] : null;
+}
+
+/**
+ * /24 for IPv4, /48 for IPv6 (zero-compressed, RFC 5952): the audit log never
+ * holds a full address. An IPv4 address carried in IPv6 (IPv4-mapped, as a
+ * dual-stack listener reports IPv4 clients, or NAT64's well-known
+ * 64:ff9b::/96) is the IPv4 client's /24. Anything else: "".
+ */
 export function ipPrefix(ip: string | null): string {
   if (!ip) return "";
-  const v4 = /^(?:::ffff:)?(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.\d{1,3}$/i.exec(ip);
-  if (v4) return `${v4[1]}.${v4[2]}.${v4[3]}.0/24`;
-  if (ip.includes(":")) {
-    // Expand `::` so the first three groups are the real ones.
-    const [head = "", tail = ""] = ip.split("::");
-    const h = head ? head.split(":") : [];
-    const t = tail ? tail.split(":") : [];
-    const groups = ip.includes("::") ? [...h, ...Array(Math.max(0, 8 - h.length - t.length)).fill("0"), ...t] : h;
-    const first = groups.slice(0, 3).map((g) => (g || "0").toLowerCase().replace(/^0+(?=.)/, ""));
-    while (first.length < 3) first.push("0");
-    return `${first.join(":")}::/48`;
-  }
-  return "";
+  const v4 = ipv4Octets(ip);
+  if (v4) return `${v4[0]}.${v4[1]}.${v4[2]}.0/24`;
+  const g = ipv6Groups(ip.replace(/%[\w.-]+$/, ""));
+  if (!g) return "";
+  const mapped = g.slice(0, 5).every((x) => x === 0) && g[5] === 0xffff;
+  const nat64 = g[0] === 0x64 && g[1] === 0xff9b && g.slice(2, 6).every((x) => x === 0);
+  if (mapped || nat64) return `${(g[6] as number) >> 8}.${(g[6] as number) & 0xff}.${(g[7] as number) >> 8}.0/24`;
+  // The groups after the third are zero, so the longest zero run always ends the prefix: drop trailing zeros, then "::".
+  const first = g.slice(0, 3);
+  while (first.length > 0 && first[first.length - 1] === 0) first.pop();
+  return `${first.map((x) => x.toString(16)).join(":")}::/48`;
 }
 
 /** A short client summary such as `openai-node/6.1` or `curl/8.5`, never the full string. */

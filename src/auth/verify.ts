@@ -2,6 +2,7 @@ import { eq, sql } from "drizzle-orm";
 import type { Database } from "../db/client.ts";
 import { apiKeys, organizations, users } from "../db/schema.ts";
 import { hashKey } from "./keys.ts";
+import { ipPrefix } from "./security.ts";
 
 /**
  * Key verification with an in-memory cache, so a request touches no database
@@ -9,12 +10,14 @@ import { hashKey } from "./keys.ts";
  * - positive entries (by key hash) live `ttlMs`; past that they are refreshed,
  *   and while the database is unreachable a stale entry keeps serving for up to
  *   10 × ttlMs (a known key keeps working through a short outage);
- * - unknown hashes are remembered `negativeTtlMs` in a bounded map, so a flood
- *   of random keys costs one lookup each at most every few seconds and cannot
- *   grow memory;
+ * - unknown hashes are remembered `negativeTtlMs` in a bounded map, and
+ *   lookups of keys not in the cache are budgeted per client network and in
+ *   total, so a flood of random keys costs a bounded number of lookups and
+ *   cannot grow memory;
  * - concurrent misses for one hash share one lookup;
  * - changes arrive on the `gateway_auth` NOTIFY channel (sent in the same
- *   transaction as the change), so revocation reaches every instance at once.
+ *   transaction as the change), so revocation reaches every instance at once;
+ *   a lookup that was out while a message arrived is not cached (see fetch).
  *
  * Expiry and revocation are judged on every request from the cached fields.
  */
@@ -49,6 +52,32 @@ export type Verdict =
 
 export class AuthStoreUnavailable extends Error {}
 
+/** Too many lookups of keys not in the cache, from this client's network or from everyone. */
+export class LookupThrottled extends Error {
+  constructor(readonly retryAfterMs: number) {
+    super("too many lookups of unknown keys");
+  }
+}
+
+/** Who presents a key; only read when a lookup would be charged. */
+export interface KeyClient {
+  readonly ip: string | null;
+}
+
+/** Up to `rate` lookups at once, refilled at `rate` a minute. */
+interface Bucket {
+  tokens: number;
+  at: number;
+}
+
+function refill(b: Bucket, rate: number, t: number): void {
+  b.tokens = Math.min(rate, b.tokens + (Math.max(0, t - b.at) * rate) / 60_000);
+  b.at = t;
+}
+
+/** Client networks whose lookup budget is remembered; beyond this the least recently used is forgotten. */
+const MAX_PREFIXES = 10_000;
+
 interface Entry {
   principal: Principal;
   fetchedAt: number;
@@ -62,10 +91,21 @@ export interface VerifierOptions {
   /** How often batched `last_used_at` updates are written. */
   lastUsedFlushMs?: number;
   now?: () => number;
+  /**
+   * Lookups of keys not in the cache, a minute, per client network (/24,
+   * /48) and for all clients together; beyond either the request is refused
+   * without a lookup. A lookup that finds a key is given back, so the budgets
+   * bound lookups of unknown keys. Unset: unbounded.
+   */
+  unknownPerPrefixPerMin?: number;
+  unknownPerMin?: number;
+  /** Reads a key's row; `lookupKey` unless a test substitutes one it can pause. */
+  lookup?: (hash: string) => Promise<Principal | null>;
 }
 
 export interface KeyVerifier {
-  verify(key: string): Promise<Verdict>;
+  /** Throws AuthStoreUnavailable (database down, key not cached) or LookupThrottled. */
+  verify(key: string, client?: KeyClient): Promise<Verdict>;
   /** Apply an invalidation message (`key:<id>`, `org:<id>`, `user:<id>`, `new`, `*`). */
   invalidate(message: string): void;
   /** Record a use; written to `last_used_at` in batches. */
@@ -73,7 +113,7 @@ export interface KeyVerifier {
   flushLastUsed(): Promise<void>;
   start(): Promise<void>;
   stop(): Promise<void>;
-  stats(): { entries: number; negative: number; hits: number; misses: number; lookups: number };
+  stats(): { entries: number; negative: number; hits: number; misses: number; lookups: number; throttled: number };
 }
 
 export function judge(p: Principal, now: number): Verdict {
@@ -129,6 +169,7 @@ export async function lookupKey(database: Database, hash: string): Promise<Princ
 
 export function createKeyVerifier(database: Database, opts: VerifierOptions): KeyVerifier {
   const now = opts.now ?? Date.now;
+  const lookup = opts.lookup ?? ((hash: string) => lookupKey(database, hash));
   const cache = new Map<string, Entry>();
   const negative = new Map<string, number>();
   const inflight = new Map<string, Promise<Principal | null>>();
@@ -136,6 +177,13 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
   let hits = 0;
   let misses = 0;
   let lookups = 0;
+  let throttled = 0;
+  const perPrefix = opts.unknownPerPrefixPerMin;
+  const perAll = opts.unknownPerMin;
+  const prefixBuckets = new Map<string, Bucket>();
+  const allBucket: Bucket = { tokens: perAll ?? 0, at: now() };
+  /** Bumped by every invalidation message; see fetch. */
+  let generation = 0;
   let unlisten: (() => Promise<void>) | undefined;
   let flushTimer: ReturnType<typeof setInterval> | undefined;
 
@@ -158,21 +206,77 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
     }
   }
 
+  /**
+   * One lookup per hash at a time. Its result is cached only if no
+   * invalidation arrived while it was out: a row read before a revocation (or
+   * a "no such key" read before a creation) committed must not outlive the
+   * NOTIFY that announced the change. Any message counts, because a lookup
+   * does not know which key, organisation or user its row belongs to until it
+   * returns; messages are rare, so the cost is an occasional extra lookup.
+   */
   function fetch(hash: string): Promise<Principal | null> {
     let p = inflight.get(hash);
     if (!p) {
       lookups++;
+      const startedAt = generation;
       // One immediate retry: a pooled connection the server dropped fails once, then the driver reconnects.
-      p = lookupKey(database, hash)
-        .catch(() => lookupKey(database, hash))
-        .finally(() => inflight.delete(hash));
+      const running: Promise<Principal | null> = lookup(hash)
+        .catch(() => lookup(hash))
+        .then((principal) => {
+          if (generation === startedAt) remember(hash, principal, now());
+          return principal;
+        })
+        .finally(() => {
+          if (inflight.get(hash) === running) inflight.delete(hash);
+        });
+      p = running;
       inflight.set(hash, p);
     }
     return p;
   }
 
+  function prefixBucket(client: KeyClient | undefined, rate: number, t: number): Bucket {
+    const prefix = ipPrefix(client?.ip ?? null) || "unknown";
+    let b = prefixBuckets.get(prefix);
+    if (b) {
+      prefixBuckets.delete(prefix); // re-inserted below: the map's order is least recently used first
+    } else {
+      b = { tokens: rate, at: t };
+      if (prefixBuckets.size >= MAX_PREFIXES) {
+        const oldest = prefixBuckets.keys().next().value;
+        if (oldest !== undefined) prefixBuckets.delete(oldest);
+      }
+    }
+    prefixBuckets.set(prefix, b);
+    return b;
+  }
+
+  /**
+   * Takes one lookup from the client's network and from the global budget,
+   * or throws LookupThrottled (taking nothing) when either is spent. Returns
+   * the refund for a lookup that found a key.
+   */
+  function charge(client: KeyClient | undefined, t: number): () => void {
+    const charged: [Bucket, number][] = [];
+    if (perPrefix !== undefined) charged.push([prefixBucket(client, perPrefix, t), perPrefix]);
+    if (perAll !== undefined) charged.push([allBucket, perAll]);
+    let waitMs = 0;
+    for (const [b, rate] of charged) {
+      refill(b, rate, t);
+      if (b.tokens < 1) waitMs = Math.max(waitMs, ((1 - b.tokens) * 60_000) / rate);
+    }
+    if (waitMs > 0) {
+      throttled++;
+      throw new LookupThrottled(waitMs);
+    }
+    for (const [b] of charged) b.tokens -= 1;
+    return () => {
+      for (const [b, rate] of charged) b.tokens = Math.min(rate, b.tokens + 1);
+    };
+  }
+
   return {
-    async verify(key) {
+    async verify(key, client) {
       const hash = hashKey(key);
       const t = now();
       const entry = cache.get(hash);
@@ -185,19 +289,24 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
         hits++;
         return { status: "unknown" };
       }
+      // A key seen before (entry kept past its TTL) or a lookup already out costs no new lookup of an unknown key.
+      const refund = entry || inflight.has(hash) ? undefined : charge(client, t);
       misses++;
       let principal: Principal | null;
       try {
         principal = await fetch(hash);
+        if (principal) refund?.();
       } catch (e) {
         if (entry && t - entry.fetchedAt < opts.ttlMs * 10) return judge(entry.principal, t);
         throw new AuthStoreUnavailable((e as Error).message);
       }
-      remember(hash, principal, now());
       return principal ? judge(principal, t) : { status: "unknown" };
     },
 
     invalidate(message) {
+      generation++;
+      // Requests from now on start their own lookup rather than share one that may have read the old row.
+      inflight.clear();
       if (message === "*") {
         cache.clear();
         negative.clear();
@@ -264,7 +373,7 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
     },
 
     stats() {
-      return { entries: cache.size, negative: negative.size, hits, misses, lookups };
+      return { entries: cache.size, negative: negative.size, hits, misses, lookups, throttled };
     },
   };
 }

@@ -74,6 +74,12 @@ export const ConfigSchema = T.Object(
         max: T.Integer({ minimum: 1, default: 100_000 }),
         negativeTtlMs: T.Integer({ minimum: 0, default: 5_000 }),
         negativeMax: T.Integer({ minimum: 1, default: 10_000 }),
+        unknownPerPrefixPerMin: T.Integer({
+          minimum: 1,
+          default: 60,
+          description: "Lookups of keys not in the cache a minute per client /24 or /48 (found keys do not count); beyond it 429",
+        }),
+        unknownPerMin: T.Integer({ minimum: 1, default: 6_000, description: "The same budget for all clients together" }),
       },
       { additionalProperties: false, default: {} },
     ),

@@ -86,7 +86,7 @@ export function createApp(deps: AppDeps) {
         if (authz) {
           // Record the attempt against a valid key (off the request path, rate-limited).
           const meta = { ip: server?.requestIP(request)?.address ?? null, userAgent: request.headers.get("user-agent") };
-          void deps.guard.peek(authz).then((p) => p && deps.security.keyRejected(p, "security.browser_request_rejected", meta));
+          void deps.guard.peek(authz, meta).then((p) => p && deps.security.keyRejected(p, "security.browser_request_rejected", meta));
         }
         throw new AppError(
           "browser_request_rejected",

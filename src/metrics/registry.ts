@@ -96,7 +96,7 @@ export function createMetrics() {
     usageFlushFailures: new Gauge({ name: "gateway_usage_flush_failures", help: "Failed usage writes since start (retried)", registers }),
     keyCache: new Counter({
       name: "gateway_key_cache_total",
-      help: "Key verifications served from the cache (hit) or the database (miss)",
+      help: "Key verifications served from the cache (hit), the database (miss), or refused without a lookup (throttled)",
       labelNames: ["result"] as const,
       registers,
     }),

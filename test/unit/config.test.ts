@@ -46,7 +46,7 @@ describe("defaults", () => {
       drainMs: 30_000,
       keyTag: "gw",
       defaultPlan: "Standard",
-      keyCache: { ttlMs: 60_000, max: 100_000, negativeTtlMs: 5_000, negativeMax: 10_000 },
+      keyCache: { ttlMs: 60_000, max: 100_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 60, unknownPerMin: 6_000 },
       rateLimit: { instances: 1, maxOrgs: 100_000 },
       upstream: { attempts: 3, backoffMs: 50, timeouts: { connectMs: 5_000, firstByteMs: 60_000, idleMs: 60_000 } },
     });
@@ -60,7 +60,7 @@ describe("defaults", () => {
     const c = await loadConfig({ env: {}, file: file({ drainMs: 5_000, keyCache: { ttlMs: 1_000 }, upstream: { timeouts: { idleMs: 7 } } }) });
     expect(c.drainMs).toBe(5_000);
     expect(c.port).toBe(8080);
-    expect(c.keyCache).toEqual({ ttlMs: 1_000, max: 100_000, negativeTtlMs: 5_000, negativeMax: 10_000 });
+    expect(c.keyCache).toEqual({ ttlMs: 1_000, max: 100_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 60, unknownPerMin: 6_000 });
     expect(c.upstream.timeouts).toEqual({ connectMs: 5_000, firstByteMs: 60_000, idleMs: 7 });
     expect(c.upstream.attempts).toBe(3);
   });

@@ -1,0 +1,144 @@
+import { beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { sql } from "drizzle-orm";
+import { revokeKey } from "../../src/admin/service.ts";
+import { mintKey } from "../../src/auth/keys.ts";
+import { AUTH_CHANNEL, type KeyVerifier, type Principal, createKeyVerifier, lookupKey } from "../../src/auth/verify.ts";
+import type { Database } from "../../src/db/client.ts";
+import { apiKeys } from "../../src/db/schema.ts";
+import { seedOrg, sharedDatabase } from "../helpers/harness.ts";
+
+setDefaultTimeout(30_000);
+
+/**
+ * The key verifier's cache against changes that race a lookup (issue 13 item
+ * 10), with forced interleavings: the verifier is the real one, built with a
+ * lookup that reads the real row and then waits at a gate the test opens.
+ * Notifications arrive through the real LISTEN connection.
+ */
+
+let db: Database;
+beforeAll(async () => {
+  db = await sharedDatabase();
+});
+
+/** A lookup that reads the row, then (for the reads listed in `pauseOn`) waits until released. */
+function pausingLookup(pauseOn: number[]) {
+  let reads = 0;
+  let release = () => {};
+  const gate = new Promise<void>((r) => {
+    release = r;
+  });
+  let signalRead = () => {};
+  const firstReadDone = new Promise<void>((r) => {
+    signalRead = r;
+  });
+  return {
+    reads: () => reads,
+    release,
+    firstReadDone,
+    async lookup(hash: string): Promise<Principal | null> {
+      const p = await lookupKey(db, hash);
+      reads++;
+      if (pauseOn.includes(reads)) {
+        signalRead();
+        await gate;
+      }
+      return p;
+    },
+  };
+}
+
+/**
+ * Resolves once `message` has been delivered on the auth channel. Subscribed
+ * after the verifier, so the verifier's own handler has run by then.
+ */
+async function delivered(message: string): Promise<{ seen: Promise<void>; stop: () => Promise<void> }> {
+  let done = () => {};
+  const seen = new Promise<void>((r) => {
+    done = r;
+  });
+  const stop = await db.listen(AUTH_CHANNEL, (p) => p === message && done(), () => {});
+  return { seen, stop };
+}
+
+function verifierWith(lookup: (hash: string) => Promise<Principal | null>): KeyVerifier {
+  return createKeyVerifier(db, { ttlMs: 60_000, max: 1_000, negativeTtlMs: 60_000, negativeMax: 1_000, lookup });
+}
+
+describe("revocation racing a lookup", () => {
+  test("a row read before the revocation committed is not cached after the NOTIFY passed", async () => {
+    const org = await seedOrg(db);
+    const l = pausingLookup([1]);
+    const verifier = verifierWith(l.lookup);
+    await verifier.start();
+    const note = await delivered(`key:${org.serviceKeyId}`);
+    try {
+      const first = verifier.verify(org.serviceKey);
+      await l.firstReadDone; // the unrevoked row is in hand
+      await revokeKey(db, org.serviceKeyId);
+      await note.seen; // the invalidation has passed while the lookup was still out
+      l.release();
+      // The request that raced the revocation may be served (it read before the commit)…
+      expect((await first).status).toBe("valid");
+      // …but what it read is not remembered: the next request reads the revoked row.
+      expect((await verifier.verify(org.serviceKey)).status).toBe("revoked");
+      expect(l.reads()).toBe(2);
+    } finally {
+      l.release();
+      await note.stop();
+      await verifier.stop();
+    }
+  });
+
+  test("a request arriving after the NOTIFY does not join a lookup that started before it", async () => {
+    const org = await seedOrg(db);
+    const l = pausingLookup([1]);
+    const verifier = verifierWith(l.lookup);
+    await verifier.start();
+    const note = await delivered(`key:${org.serviceKeyId}`);
+    try {
+      const first = verifier.verify(org.serviceKey);
+      await l.firstReadDone;
+      await revokeKey(db, org.serviceKeyId);
+      await note.seen;
+      // The old lookup is still paused; this one must read afresh (not wait for it and share its row).
+      const second = verifier.verify(org.serviceKey).then((v) => v.status);
+      const deadline = Bun.sleep(5_000).then(() => "still waiting for the lookup that began before the NOTIFY");
+      expect(await Promise.race([second, deadline])).toBe("revoked");
+      l.release();
+      await first;
+      expect((await verifier.verify(org.serviceKey)).status).toBe("revoked");
+    } finally {
+      l.release();
+      await note.stop();
+      await verifier.stop();
+    }
+  });
+
+  test("a key created while its first lookup was out is not remembered as unknown", async () => {
+    const org = await seedOrg(db);
+    // Minted here, inserted only after the lookup has read "no such row".
+    const minted = mintKey("gw");
+    const l = pausingLookup([1]);
+    const verifier = verifierWith(async (hash) => (hash === minted.hash ? l.lookup(hash) : lookupKey(db, hash)));
+    await verifier.start();
+    const note = await delivered("new");
+    try {
+      const first = verifier.verify(minted.key);
+      await l.firstReadDone;
+      // As `keys create` does it (its secret is minted inside, so the row is written here): row and NOTIFY in one transaction.
+      await db.db.transaction(async (tx) => {
+        await tx.insert(apiKeys).values({ orgId: org.orgId, kind: "service", hash: minted.hash, prefix: minted.prefix, scopes: ["inference"] });
+        await tx.execute(sql`select pg_notify(${AUTH_CHANNEL}, 'new')`);
+      });
+      await note.seen;
+      l.release();
+      expect((await first).status).toBe("unknown");
+      expect((await verifier.verify(minted.key)).status).toBe("valid");
+    } finally {
+      l.release();
+      await note.stop();
+      await verifier.stop();
+    }
+  });
+});
