@@ -1,11 +1,20 @@
 import { recordAudit } from "../audit/record.ts";
 import type { Database } from "../db/client.ts";
+import { networkPrefixProblem } from "../lib/cidr.ts";
 import type { Logger } from "../lib/log.ts";
 import type { RequestMeta } from "./guard.ts";
 import type { Principal } from "./verify.ts";
 
+/** Peer address unknown (socket already gone): the prefix that says nothing, still CIDR (spec 2.6). */
+export const UNKNOWN_PREFIX = "0.0.0.0/0";
+
 /** /24 for IPv4, /48 for IPv6: the audit log never holds a full address. */
 export function ipPrefix(ip: string | null): string {
+  const p = prefixOf(ip);
+  return p && networkPrefixProblem(p) === null ? p : UNKNOWN_PREFIX;
+}
+
+function prefixOf(ip: string | null): string {
   if (!ip) return "";
   const v4 = /^(?:::ffff:)?(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.\d{1,3}$/i.exec(ip);
   if (v4) return `${v4[1]}.${v4[2]}.${v4[3]}.0/24`;
