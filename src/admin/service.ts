@@ -1,5 +1,5 @@
 import { desc, eq, sql } from "drizzle-orm";
-import { type Scope, isScope, mintKey } from "../auth/keys.ts";
+import { type Scope, isScope, mintKey, parseDuration } from "../auth/keys.ts";
 import { AUTH_CHANNEL } from "../auth/verify.ts";
 import { type AuditInput, recordAudit } from "../audit/record.ts";
 import type { Database, Db } from "../db/client.ts";
@@ -16,6 +16,7 @@ import { SYSTEM_ACTOR_ID, isUuid } from "../lib/ids.ts";
 export type QuotaWindow = "hour" | "day" | "month";
 const WINDOWS: readonly QuotaWindow[] = ["hour", "day", "month"];
 
+/** Events made through the CLI or the admin socket; recordAudit gives them HOST_ORIGIN. */
 export const CLI_ACTOR: AuditInput["actor"] = { type: "system", id: SYSTEM_ACTOR_ID, name: "gateway-cli", email: "", keyId: null };
 
 type Tx = Parameters<Parameters<Db["transaction"]>[0]>[0];
@@ -78,7 +79,7 @@ export async function createOrg(
       .values({ name: input.name, plan: input.plan, quotaTokens, quotaWindow, academyOnly: input.academyOnly ?? false })
       .returning();
     if (!o) throw new Error("insert returned no row");
-    await recordAudit(tx, { orgId: o.id, action: "org.created", category: "org", actor: CLI_ACTOR, targets: [orgTarget(o)], details: { plan: o.plan } });
+    await recordAudit(tx, { orgId: o.id, action: "org.created", category: "org", actor: CLI_ACTOR, targets: [orgTarget(o)], details: { org_id: o.id, plan: o.plan } });
     return orgView(o);
   });
 }
@@ -106,6 +107,7 @@ export async function setOrg(
     if (!after) throw new Error("update returned no row");
     const events: AuditInput[] = [];
     const base = { orgId: after.id, actor: CLI_ACTOR, targets: [orgTarget(after)] };
+    // recordAudit adds org_id (the target's detail field) to each event's details.
     if (before.plan !== after.plan) {
       events.push({ ...base, action: "org.plan_changed", category: "org", details: { from: before.plan, to: after.plan } });
     }
@@ -161,6 +163,7 @@ export async function createUser(
       category: "member",
       actor: CLI_ACTOR,
       targets: [{ key: "user_id", kind: "user", id: u.id, name: u.name, email: u.email }],
+      details: { user_id: u.id },
     });
     return { id: u.id, org_id: u.orgId, name: u.name, email: u.email, academy_only: u.academyOnly, created_at: u.createdAt.toISOString() };
   });
@@ -175,7 +178,7 @@ export interface KeyView {
   prefix: string;
   scopes: string[];
   models: string[] | null;
-  expires_at: string | null;
+  expires_at: string;
   revoked_at: string | null;
   rotated_from: string | null;
   last_used_at: string | null;
@@ -192,7 +195,7 @@ function keyView(k: typeof apiKeys.$inferSelect): KeyView {
     prefix: k.prefix,
     scopes: k.scopes,
     models: k.models,
-    expires_at: k.expiresAt?.toISOString() ?? null,
+    expires_at: k.expiresAt.toISOString(),
     revoked_at: k.revokedAt?.toISOString() ?? null,
     rotated_from: k.rotatedFrom,
     last_used_at: k.lastUsedAt?.toISOString() ?? null,
@@ -204,6 +207,45 @@ function keyTarget(k: { id: string; name: string; prefix: string }) {
   return { key: "key_id", kind: "api_key", id: k.id, name: k.name || k.prefix, email: "" };
 }
 
+/**
+ * Every key expires (README "Decisions"): without an explicit expiry a key
+ * lives `defaultMs`; no key may be given more than `max` (when set).
+ */
+export interface KeyLifetime {
+  defaultMs: number;
+  max: { ms: number; label: string } | null;
+}
+
+const DAY_MS = 86_400_000;
+export const DEFAULT_KEY_LIFETIME: KeyLifetime = { defaultMs: 365 * DAY_MS, max: null };
+
+/** From the config's `keys` group (its durations are validated by the config schema). */
+export function keyLifetime(keys: { defaultLifetime: string; maxLifetime?: string | undefined }): KeyLifetime {
+  const defaultMs = parseDuration(keys.defaultLifetime);
+  if (defaultMs === null) throw new InputError(`keys.defaultLifetime takes a duration such as 365d, got ${JSON.stringify(keys.defaultLifetime)}`);
+  if (keys.maxLifetime === undefined) return { defaultMs, max: null };
+  const maxMs = parseDuration(keys.maxLifetime);
+  if (maxMs === null) throw new InputError(`keys.maxLifetime takes a duration such as 730d, got ${JSON.stringify(keys.maxLifetime)}`);
+  return { defaultMs, max: { ms: maxMs, label: keys.maxLifetime } };
+}
+
+/** An expiry asked for explicitly: a time, or a duration from now. */
+export type ExpiryRequest = { at: Date } | { inMs: number };
+
+function explicitExpiry(req: ExpiryRequest, now: Date, lifetime: KeyLifetime): Date {
+  const at = "at" in req ? req.at : new Date(now.getTime() + req.inMs);
+  if (Number.isNaN(at.getTime())) throw new InputError("--expires-at is not a valid ISO 8601 time");
+  if (lifetime.max && at.getTime() - now.getTime() > lifetime.max.ms) {
+    throw new InputError(`the key would live longer than keys.maxLifetime (${lifetime.max.label}); give an earlier --expires-at or a shorter --expires-in`);
+  }
+  return at;
+}
+
+/** A lifetime that no explicit request asked for: the longest allowed is used, never refused. */
+function cappedExpiry(now: Date, ms: number, lifetime: KeyLifetime): Date {
+  return new Date(now.getTime() + Math.min(ms, lifetime.max?.ms ?? ms));
+}
+
 export interface CreateKeyInput {
   orgId: string;
   userId?: string;
@@ -211,7 +253,10 @@ export interface CreateKeyInput {
   scopes: string[];
   models?: string[];
   knownModels: readonly string[];
-  expiresAt?: Date | null;
+  /** Explicit expiry; otherwise `lifetime.defaultMs` from now. */
+  expiresAt?: Date;
+  expiresInMs?: number;
+  lifetime?: KeyLifetime;
   name?: string;
   tag: string;
   now?: Date;
@@ -232,11 +277,17 @@ export function validateKeyInput(input: CreateKeyInput): { kind: "personal" | "s
     if (!input.knownModels.includes(m)) throw new InputError(`unknown model alias ${JSON.stringify(m)}; known: ${input.knownModels.join(", ")}`);
   }
   if (input.expiresAt && Number.isNaN(input.expiresAt.getTime())) throw new InputError("--expires-at is not a valid ISO 8601 time");
+  if (input.expiresAt && input.expiresInMs !== undefined) throw new InputError("give --expires-at or --expires-in, not both");
   return { kind: input.kind, scopes: [...new Set(input.scopes)] as Scope[] };
 }
 
 export async function createKey(database: Database, input: CreateKeyInput): Promise<KeyView & { key: string }> {
   const { kind, scopes } = validateKeyInput(input);
+  const lifetime = input.lifetime ?? DEFAULT_KEY_LIFETIME;
+  // One clock for created_at and expires_at, so the lifetime is exact.
+  const now = input.now ?? new Date();
+  const request: ExpiryRequest | null = input.expiresAt ? { at: input.expiresAt } : input.expiresInMs !== undefined ? { inMs: input.expiresInMs } : null;
+  const expiresAt = request ? explicitExpiry(request, now, lifetime) : cappedExpiry(now, lifetime.defaultMs, lifetime);
   const minted = mintKey(input.tag);
   return database.db.transaction(async (tx) => {
     const [org] = await tx.select({ id: organizations.id }).from(organizations).where(eq(organizations.id, input.orgId));
@@ -257,7 +308,8 @@ export async function createKey(database: Database, input: CreateKeyInput): Prom
         prefix: minted.prefix,
         scopes,
         models: input.models && input.models.length > 0 ? [...new Set(input.models)] : null,
-        expiresAt: input.expiresAt ?? null,
+        expiresAt,
+        createdAt: now,
       })
       .returning();
     if (!k) throw new Error("insert returned no row");
@@ -267,7 +319,7 @@ export async function createKey(database: Database, input: CreateKeyInput): Prom
       category: "api_key",
       actor: CLI_ACTOR,
       targets: [keyTarget(k)],
-      details: { kind: k.kind, scopes: k.scopes, expires_at: k.expiresAt?.toISOString() ?? null },
+      details: { key_id: k.id, kind: k.kind, scopes: k.scopes, expires_at: k.expiresAt.toISOString() },
     });
     await notify(tx, "new");
     return { ...keyView(k), key: minted.key };
@@ -288,7 +340,7 @@ export async function revokeKey(database: Database, id: string, now = new Date()
     if (k.revokedAt) return keyView(k);
     const [after] = await tx.update(apiKeys).set({ revokedAt: now }).where(eq(apiKeys.id, id)).returning();
     if (!after) throw new Error("update returned no row");
-    await recordAudit(tx, { orgId: k.orgId, action: "api_key.revoked", category: "api_key", actor: CLI_ACTOR, targets: [keyTarget(k)] });
+    await recordAudit(tx, { orgId: k.orgId, action: "api_key.revoked", category: "api_key", actor: CLI_ACTOR, targets: [keyTarget(k)], details: { key_id: k.id } });
     await notify(tx, `key:${id}`);
     return keyView(after);
   });
@@ -297,21 +349,26 @@ export async function revokeKey(database: Database, id: string, now = new Date()
 /**
  * Rotation: a new secret with the same organisation, owner, scopes and models;
  * the old key keeps working until the grace period ends, then it expires.
+ * The new key gets the old key's lifetime (expires_at − created_at) from now,
+ * capped by keys.maxLifetime, unless an expiry is asked for explicitly.
  */
 export async function rotateKey(
   database: Database,
-  input: { id: string; graceMs: number; tag: string; now?: Date },
+  input: { id: string; graceMs: number; tag: string; now?: Date; expiry?: ExpiryRequest; lifetime?: KeyLifetime },
 ): Promise<KeyView & { key: string }> {
   requireUuid("key id", input.id);
   const now = input.now ?? new Date();
+  const lifetime = input.lifetime ?? DEFAULT_KEY_LIFETIME;
+  const explicit = input.expiry ? explicitExpiry(input.expiry, now, lifetime) : null;
   const minted = mintKey(input.tag);
   return database.db.transaction(async (tx) => {
     const [old] = await tx.select().from(apiKeys).where(eq(apiKeys.id, input.id)).for("update");
     if (!old) throw new InputError(`no key ${input.id}`);
     if (old.revokedAt) throw new InputError(`key ${input.id} is revoked; create a new key instead`);
-    if (old.expiresAt && old.expiresAt <= now) throw new InputError(`key ${input.id} has expired; create a new key instead`);
+    if (old.expiresAt <= now) throw new InputError(`key ${input.id} has expired; create a new key instead`);
     const graceEnd = new Date(now.getTime() + input.graceMs);
-    const oldExpiry = old.expiresAt && old.expiresAt < graceEnd ? old.expiresAt : graceEnd;
+    const oldExpiry = old.expiresAt < graceEnd ? old.expiresAt : graceEnd;
+    const expiresAt = explicit ?? cappedExpiry(now, old.expiresAt.getTime() - old.createdAt.getTime(), lifetime);
     await tx.update(apiKeys).set({ expiresAt: oldExpiry }).where(eq(apiKeys.id, old.id));
     const [k] = await tx
       .insert(apiKeys)
@@ -324,7 +381,8 @@ export async function rotateKey(
         prefix: minted.prefix,
         scopes: old.scopes,
         models: old.models,
-        expiresAt: old.expiresAt,
+        expiresAt,
+        createdAt: now,
         rotatedFrom: old.id,
       })
       .returning();
@@ -335,7 +393,7 @@ export async function rotateKey(
       category: "api_key",
       actor: CLI_ACTOR,
       targets: [keyTarget(old), { ...keyTarget(k), key: "new_key_id" }],
-      details: { old_key_expires_at: oldExpiry.toISOString(), new_key_id: k.id },
+      details: { key_id: old.id, old_key_expires_at: oldExpiry.toISOString(), new_key_id: k.id, new_key_expires_at: k.expiresAt.toISOString() },
     });
     await notify(tx, `key:${old.id}`);
     await notify(tx, "new");

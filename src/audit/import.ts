@@ -1,6 +1,7 @@
 import { Type as T } from "@sinclair/typebox";
 import { TypeCompiler } from "@sinclair/typebox/compiler";
 import type { Database } from "../db/client.ts";
+import { networkPrefixProblem } from "../lib/cidr.ts";
 import { InputError } from "../lib/errors.ts";
 import { type AuditInput, CATEGORIES, recordAudit } from "./record.ts";
 
@@ -25,7 +26,7 @@ const Line = T.Object(
       T.Array(T.Object({ key: T.String(), kind: T.String(), id: Uuid, name: T.String(), email: T.String() })),
     ),
     details: T.Optional(T.Record(T.String(), T.Unknown())),
-    origin: T.Optional(T.Object({ ip_prefix: T.String(), user_agent_summary: T.String() })),
+    origin: T.Object({ ip_prefix: T.String({ maxLength: 64 }), user_agent_summary: T.String() }, { additionalProperties: false }),
   },
   { additionalProperties: false },
 );
@@ -48,6 +49,17 @@ export async function importAudit(database: Database, text: string): Promise<num
       const err = check.Errors(v).First();
       throw new InputError(`line ${i + 1}: ${err?.path || "/"} ${err?.message ?? "invalid"}`);
     }
+    // Spec 2.6 rules a schema cannot state: a network prefix, and each target's details field.
+    const prefixProblem = networkPrefixProblem(v.origin.ip_prefix);
+    if (prefixProblem) throw new InputError(`line ${i + 1}: /origin/ip_prefix ${JSON.stringify(v.origin.ip_prefix)} ${prefixProblem}`);
+    for (const [n, t] of (v.targets ?? []).entries()) {
+      const held = v.details?.[t.key];
+      if (held !== t.id) {
+        throw new InputError(
+          `line ${i + 1}: /targets/${n}/key: details.${t.key} must hold the target's id ${t.id}, but ${held === undefined ? "is missing" : `is ${JSON.stringify(held)}`}`,
+        );
+      }
+    }
     const createdAt = v.created_at ? new Date(v.created_at) : undefined;
     if (createdAt && Number.isNaN(createdAt.getTime())) throw new InputError(`line ${i + 1}: /created_at is not a valid time`);
     events.push({
@@ -59,7 +71,7 @@ export async function importAudit(database: Database, text: string): Promise<num
       actor: { type: v.actor.type, id: v.actor.id, name: v.actor.name, email: v.actor.email, keyId: v.actor.key_id ?? null },
       targets: v.targets ?? [],
       details: v.details ?? {},
-      origin: { ipPrefix: v.origin?.ip_prefix ?? "", userAgentSummary: v.origin?.user_agent_summary ?? "" },
+      origin: { ipPrefix: v.origin.ip_prefix, userAgentSummary: v.origin.user_agent_summary },
     });
   }
   await database.db.transaction(async (tx) => {

@@ -1,5 +1,7 @@
 import type { Db } from "../db/client.ts";
 import { type AuditTarget, auditEvents } from "../db/schema.ts";
+import { networkPrefixProblem } from "../lib/cidr.ts";
+import { VERSION } from "../lib/version.ts";
 
 export const CATEGORIES = [
   "auth",
@@ -31,18 +33,45 @@ export interface AuditInput {
   category: Category;
   actor: { type: string; id: string; name: string; email: string; keyId: string | null };
   targets?: AuditTarget[];
+  /** For each target, `details[target.key]` is set to the target's id unless the caller set it. */
   details?: Record<string, unknown>;
+  /** Omitted: the event was made on the host (CLI, admin socket, demo), not by a request. */
   origin?: { ipPrefix: string; userAgentSummary: string };
 }
 
-/** What `q` searches: action, and the names and e-mails of the actor and targets. */
+/**
+ * Origin of events made on the host rather than by a request (README
+ * "Decisions"): spec 2.6 wants a CIDR prefix, and loopback is where the
+ * operator's command came from.
+ */
+export const HOST_ORIGIN = { ipPrefix: "127.0.0.0/8", userAgentSummary: `gateway-cli/${VERSION}` } as const;
+
+/**
+ * What `q` searches: action, and the names and e-mails of the actor and
+ * targets, one field per line. `q` may not contain a line break, so a
+ * substring match of q can never span two fields.
+ */
 export function searchTextOf(e: Pick<AuditInput, "action" | "actor" | "targets">): string {
   const parts = [e.action, e.actor.name, e.actor.email];
   for (const t of e.targets ?? []) parts.push(t.name, t.email);
   return parts
     .filter((p) => p)
-    .join(" ")
+    .join("\n")
     .toLowerCase();
+}
+
+/**
+ * Spec 2.6: `targets[].key` names the details field that references the
+ * target. Adds that field (the target's id) where it is missing; a field that
+ * holds something else is a bug in the caller.
+ */
+export function detailsWithTargets(e: Pick<AuditInput, "action" | "targets" | "details">): Record<string, unknown> {
+  const details: Record<string, unknown> = { ...(e.details ?? {}) };
+  for (const t of e.targets ?? []) {
+    if (!(t.key in details)) details[t.key] = t.id;
+    else if (details[t.key] !== t.id) throw new Error(`${e.action}: details.${t.key} does not hold target ${t.id}`);
+  }
+  return details;
 }
 
 type Executor = Pick<Db, "insert">;
@@ -54,6 +83,10 @@ type Executor = Pick<Db, "insert">;
 export async function recordAudit(tx: Executor, events: AuditInput | AuditInput[]): Promise<void> {
   const list = Array.isArray(events) ? events : [events];
   if (list.length === 0) return;
+  for (const e of list) {
+    const problem = e.origin && networkPrefixProblem(e.origin.ipPrefix);
+    if (problem) throw new Error(`${e.action}: origin.ip_prefix ${JSON.stringify(e.origin?.ipPrefix)} ${problem}`);
+  }
   await tx.insert(auditEvents).values(
     list.map((e) => ({
       ...(e.id ? { id: e.id } : {}),
@@ -67,9 +100,9 @@ export async function recordAudit(tx: Executor, events: AuditInput | AuditInput[
       actorEmail: e.actor.email,
       actorKeyId: e.actor.keyId,
       targets: e.targets ?? [],
-      details: e.details ?? {},
-      originIpPrefix: e.origin?.ipPrefix ?? "",
-      originUserAgentSummary: e.origin?.userAgentSummary ?? "",
+      details: detailsWithTargets(e),
+      originIpPrefix: (e.origin ?? HOST_ORIGIN).ipPrefix,
+      originUserAgentSummary: (e.origin ?? HOST_ORIGIN).userAgentSummary,
       searchText: searchTextOf(e),
     })),
   );

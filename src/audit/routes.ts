@@ -4,10 +4,12 @@ import type { Principal } from "../auth/verify.ts";
 import { AppError } from "../http/errors.ts";
 import { type AuditReadDeps, readAuditEvents } from "./query.ts";
 
-/** Spec 2.5. A key without expiry reports `expires_at: null` (README "Decisions"). */
+/** Spec 2.5. Every key expires (README "Decisions"), so `expires_at` is always a timestamp. */
 export function keyInfo(p: Principal) {
+  // api_keys.expires_at is NOT NULL (migration 0005); a null here is a broken database, not a client error.
+  if (!p.expiresAt) throw new Error(`key ${p.keyId} has no expires_at`);
   return {
-    key: { id: p.keyId, kind: p.kind, scopes: [...p.scopes], expires_at: p.expiresAt ? p.expiresAt.toISOString() : null },
+    key: { id: p.keyId, kind: p.kind, scopes: [...p.scopes], expires_at: p.expiresAt.toISOString() },
     organization: { id: p.orgId, plan: p.plan },
   };
 }

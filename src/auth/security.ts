@@ -1,5 +1,6 @@
 import { recordAudit } from "../audit/record.ts";
 import type { Database } from "../db/client.ts";
+import { networkPrefixProblem } from "../lib/cidr.ts";
 import type { Logger } from "../lib/log.ts";
 import type { RequestMeta } from "./guard.ts";
 import type { Principal } from "./verify.ts";
@@ -40,13 +41,21 @@ function ipv6Groups(ip: string): number[] | null {
   return missing >= 1 ? [...head, ...Array<number>(missing).fill(0), ...tail] : null;
 }
 
+/** Peer address unknown (socket already gone) or unreadable: the prefix that says nothing, still CIDR (spec 2.6). */
+export const UNKNOWN_PREFIX = "0.0.0.0/0";
+
 /**
  * /24 for IPv4, /48 for IPv6 (zero-compressed, RFC 5952): the audit log never
  * holds a full address. An IPv4 address carried in IPv6 (IPv4-mapped, as a
  * dual-stack listener reports IPv4 clients, or NAT64's well-known
- * 64:ff9b::/96) is the IPv4 client's /24. Anything else: "".
+ * 64:ff9b::/96) is the IPv4 client's /24. Anything else: UNKNOWN_PREFIX.
  */
 export function ipPrefix(ip: string | null): string {
+  const p = prefixOf(ip);
+  return p && networkPrefixProblem(p) === null ? p : UNKNOWN_PREFIX;
+}
+
+function prefixOf(ip: string | null): string {
   if (!ip) return "";
   const v4 = ipv4Octets(ip);
   if (v4) return `${v4[0]}.${v4[1]}.${v4[2]}.0/24`;

@@ -1,7 +1,7 @@
 import { existsSync } from "node:fs";
 import { parseArgs } from "node:util";
 import { FORWARDABLE, ForwardToServer, adminContext, forward, serveAdminSocket, socketPath } from "./admin-socket.ts";
-import { createKey, createOrg, createUser, listKeys, revokeKey, rotateKey, setOrg } from "../admin/service.ts";
+import { type ExpiryRequest, createKey, createOrg, createUser, keyLifetime, listKeys, revokeKey, rotateKey, setOrg } from "../admin/service.ts";
 import { usageReport } from "../admin/usage.ts";
 import { parseDuration } from "../auth/keys.ts";
 import { importAudit } from "../audit/import.ts";
@@ -28,9 +28,11 @@ Commands:
   users create --org ORG --name N --email E [--academy-only] [--json]
   keys create --org ORG [--user USER] --kind personal|service --scopes inference[,audit:read…]
               [--models a,b] [--expires-at ISO | --expires-in 90d] [--name N] [--json]
+              (every key expires: default keys.defaultLifetime, 365d; at most keys.maxLifetime)
   keys list --org ORG [--json]
   keys revoke ID [--json]
-  keys rotate ID [--grace 24h] [--json]
+  keys rotate ID [--grace 24h] [--expires-at ISO | --expires-in 90d] [--json]
+              (the new key gets the old key's lifetime unless one is given)
   audit import FILE                 JSON lines: org_id plus the spec 2.6 fields
   usage report --org ORG [--since ISO] [--json]   tokens per alias and key
   config check [--config FILE]      validate configuration and environment; exit 2 on error
@@ -79,6 +81,22 @@ function isoTime(v: string, flag: string): Date {
   const d = new Date(v);
   if (Number.isNaN(d.getTime()) || !/^\d{4}-\d{2}-\d{2}/.test(v)) throw new UsageError(`${flag} is not an ISO 8601 time: ${JSON.stringify(v)}`);
   return d;
+}
+
+/** --expires-at / --expires-in, or null when neither is given. */
+function expiryFlags(values: { "expires-at"?: string | undefined; "expires-in"?: string | undefined }, out: Out): ExpiryRequest | null {
+  if (values["expires-at"] && values["expires-in"]) throw new UsageError("give --expires-at or --expires-in, not both");
+  if (values["expires-at"]) {
+    const at = isoTime(values["expires-at"], "--expires-at");
+    if (at.getTime() <= Date.now()) out.stderr("warning: --expires-at is in the past; the key is created already expired\n");
+    return { at };
+  }
+  if (values["expires-in"]) {
+    const ms = parseDuration(values["expires-in"]);
+    if (ms === null || ms === 0) throw new UsageError("--expires-in takes a duration such as 90d, 24h, 30m");
+    return { inMs: ms };
+  }
+  return null;
 }
 
 function list(v: string | undefined): string[] {
@@ -364,16 +382,7 @@ async function keys(sub: string | undefined, args: string[], out: Out): Promise<
       name: { type: "string" },
     });
     const cfg = await config(values);
-    if (values["expires-at"] && values["expires-in"]) throw new UsageError("give --expires-at or --expires-in, not both");
-    let expiresAt: Date | null = null;
-    if (values["expires-at"]) {
-      expiresAt = isoTime(values["expires-at"], "--expires-at");
-      if (expiresAt.getTime() <= Date.now()) out.stderr("warning: --expires-at is in the past; the key is created already expired\n");
-    } else if (values["expires-in"]) {
-      const ms = parseDuration(values["expires-in"]);
-      if (ms === null || ms === 0) throw new UsageError("--expires-in takes a duration such as 90d, 24h, 30m");
-      expiresAt = new Date(Date.now() + ms);
-    }
+    const expiry = expiryFlags(values, out);
     const input = {
       orgId: need(values.org, "--org"),
       ...(values.user ? { userId: values.user } : {}),
@@ -381,7 +390,9 @@ async function keys(sub: string | undefined, args: string[], out: Out): Promise<
       scopes: list(need(values.scopes, "--scopes")),
       models: list(values.models),
       knownModels: knownModels(cfg),
-      expiresAt,
+      ...(expiry && "at" in expiry ? { expiresAt: expiry.at } : {}),
+      ...(expiry && "inMs" in expiry ? { expiresInMs: expiry.inMs } : {}),
+      lifetime: keyLifetime(cfg.keys),
       name: values.name ?? "",
       tag: cfg.keyTag,
     };
@@ -395,7 +406,7 @@ async function keys(sub: string | undefined, args: string[], out: Out): Promise<
     const orgId = need(values.org, "--org");
     const rows = await withDb(cfg, (db) => listKeys(db, orgId));
     const human = rows
-      .map((k) => `${k.id}  ${k.prefix}…  ${k.kind.padEnd(8)}  ${k.scopes.join(",")}  ${k.revoked_at ? "revoked" : k.expires_at ? `expires ${k.expires_at}` : "no expiry"}`)
+      .map((k) => `${k.id}  ${k.prefix}…  ${k.kind.padEnd(8)}  ${k.scopes.join(",")}  ${k.revoked_at ? "revoked" : `expires ${k.expires_at}`}`)
       .join("\n");
     print(out, values.json, rows, human || "no keys");
     return 0;
@@ -409,12 +420,14 @@ async function keys(sub: string | undefined, args: string[], out: Out): Promise<
     return 0;
   }
   if (sub === "rotate") {
-    const { values, positionals } = parse(args, { grace: { type: "string" } }, 1);
+    const { values, positionals } = parse(args, { grace: { type: "string" }, "expires-at": { type: "string" }, "expires-in": { type: "string" } }, 1);
     const cfg = await config(values);
     const id = need(positionals[0], "key ID");
     const graceMs = values.grace === undefined ? 24 * 3_600_000 : values.grace === "0" ? 0 : parseDuration(values.grace);
     if (graceMs === null) throw new UsageError("--grace takes a duration such as 24h, 30m, 0");
-    const k = await withDb(cfg, (db) => rotateKey(db, { id, graceMs, tag: cfg.keyTag }));
+    const expiry = expiryFlags(values, out);
+    const lifetime = keyLifetime(cfg.keys);
+    const k = await withDb(cfg, (db) => rotateKey(db, { id, graceMs, tag: cfg.keyTag, lifetime, ...(expiry ? { expiry } : {}) }));
     print(out, values.json, k, `rotated: new key ${k.id}\n${k.key}\n(the old key works for ${values.grace ?? "24h"} more)`);
     return 0;
   }

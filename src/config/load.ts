@@ -2,6 +2,7 @@ import { Value } from "@sinclair/typebox/value";
 import { Alias, type Config, ConfigSchema, DEFAULT_PLANS, SPEC_ALIASES } from "./schema.ts";
 import { isRecord } from "../lib/guards.ts";
 import { allowListProblems } from "../inference/image-url.ts";
+import { parseDuration } from "../auth/keys.ts";
 
 export class ConfigError extends Error {
   constructor(readonly problems: string[]) {
@@ -111,6 +112,10 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
     if (config.reusePort && !config.databaseUrl) problems.push("/reusePort: several instances on one port need a shared Postgres (databaseUrl)");
     if (!(config.defaultPlan in config.plans)) problems.push(`/defaultPlan: plan ${JSON.stringify(config.defaultPlan)} is not in /plans`);
     problems.push(...allowListProblems(config.upstream.imageUrls?.allow ?? []));
+    const { defaultLifetime, maxLifetime } = config.keys;
+    if (maxLifetime !== undefined && (parseDuration(defaultLifetime) ?? 0) > (parseDuration(maxLifetime) ?? 0)) {
+      problems.push(`/keys/defaultLifetime: ${defaultLifetime} is longer than /keys/maxLifetime (${maxLifetime})`);
+    }
     for (const [name, alias] of Object.entries(config.aliases)) {
       for (const [i, t] of alias.targets.entries()) {
         if (!URL.canParse(t.baseUrl) || !/^https?:$/.test(new URL(t.baseUrl).protocol)) {

@@ -83,6 +83,19 @@ export const ConfigSchema = T.Object(
       },
       { additionalProperties: false, default: {} },
     ),
+    keys: T.Object(
+      {
+        defaultLifetime: T.String({
+          pattern: "^[1-9][0-9]{0,5}[smhd]$",
+          default: "365d",
+          description: "Lifetime of a key created or rotated without an explicit expiry, e.g. 365d, 12h",
+        }),
+        maxLifetime: T.Optional(
+          T.String({ pattern: "^[1-9][0-9]{0,5}[smhd]$", description: "Longest lifetime a key may be given; longer requests are refused" }),
+        ),
+      },
+      { additionalProperties: false, default: {} },
+    ),
     defaultPlan: T.String({ default: "Standard" }),
     plans: T.Record(T.String({ minLength: 1 }), Plan, { default: {} }),
     rateLimit: T.Object(

@@ -61,7 +61,8 @@ export const apiKeys = pgTable(
     scopes: text("scopes").array().notNull(),
     /** Aliases this key may address; null = every alias. */
     models: text("models").array(),
-    expiresAt: ts("expires_at"),
+    /** Every key expires (README "Decisions"); migration 0005 gave older keys created_at + 365 days. */
+    expiresAt: ts("expires_at").notNull(),
     revokedAt: ts("revoked_at"),
     /** The key this one replaced by rotation. */
     rotatedFrom: uuid("rotated_from"),
@@ -134,7 +135,7 @@ export const auditEvents = pgTable(
     details: jsonb("details").$type<Record<string, unknown>>().notNull(),
     originIpPrefix: text("origin_ip_prefix").notNull(),
     originUserAgentSummary: text("origin_user_agent_summary").notNull(),
-    /** Lower-cased action, actor and target names and e-mails: what `q` searches (trigram index). */
+    /** Lower-cased action, actor and target names and e-mails, one per line: what `q` searches (trigram index). */
     searchText: text("search_text").notNull(),
   },
   (t) => [

@@ -78,7 +78,7 @@ const KeyInfo = T.Object({
     id: T.String({ format: "uuid" }),
     kind: T.Union([T.Literal("personal"), T.Literal("service")]),
     scopes: T.Array(T.String()),
-    expires_at: T.Union([T.String({ format: "date-time" }), T.Null()], { description: "null for a key without expiry" }),
+    expires_at: T.String({ format: "date-time", description: "ISO 8601 UTC with milliseconds; every key expires" }),
   }),
   organization: T.Object({ id: T.String({ format: "uuid" }), plan: T.String() }),
 });

@@ -17,6 +17,7 @@ import {
   start,
   waitFor200,
 } from "../helpers/process.ts";
+import { expectKeyInfo } from "../helpers/spec-types.ts";
 
 // Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
 // runs (test/helpers/setup.ts), so files that spawn processes or open PGlite set
@@ -112,7 +113,7 @@ async function smoke(c: Ctx, dbArgs: string[], embedded: boolean) {
 
     const me = await fetch(`${base}/v1/me`, { headers: { authorization: `Bearer ${key.key}` } });
     expect(me.status).toBe(200);
-    expect(((await me.json()) as { organization: { id: string } }).organization.id).toBe(orgId);
+    expect(expectKeyInfo(await me.json()).organization.id).toBe(orgId);
     expect((await fetch(`${base}/v1/me`, { headers: { authorization: "Bearer sk-gw-nope" } })).status).toBe(401);
 
     // Administration while serving: with Postgres the CLI uses the database itself;
@@ -135,7 +136,7 @@ async function smoke(c: Ctx, dbArgs: string[], embedded: boolean) {
     );
     writeFileSync(
       join(c.dir, "events.jsonl"),
-      `${JSON.stringify({ org_id: orgId, action: "member.invited", category: "member", actor: { type: "user", id: orgId, name: "Ada", email: "ada@example.com" } })}\n`,
+      `${JSON.stringify({ org_id: orgId, action: "member.invited", category: "member", actor: { type: "user", id: orgId, name: "Ada", email: "ada@example.com" }, origin: { ip_prefix: "203.0.113.0/24", user_agent_summary: "Firefox/131.0" } })}\n`,
     );
     const imported = await cli(c, ["audit", "import", "events.jsonl", ...dbArgs, "--json"]);
     expect(imported.stderr).toBe("");

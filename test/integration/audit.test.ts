@@ -6,7 +6,9 @@ import type { AuditEventView, AuditPage } from "../../src/audit/query.ts";
 import { type AuditInput, type Category, recordAudit } from "../../src/audit/record.ts";
 import type { Database } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
+import { VERSION } from "../../src/lib/version.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, startTestGateway, type SeededOrg } from "../helpers/harness.ts";
+import { expectAuditPage } from "../helpers/spec-types.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -42,10 +44,11 @@ async function get(key: string, params: Params = {}, headers: Record<string, str
   return fetch(url(params), { headers: bearer(key, headers) });
 }
 
+/** One 200 page, every field checked against spec 2.6. */
 async function page(key: string, params: Params = {}): Promise<AuditPage> {
   const res = await get(key, params);
   if (res.status !== 200) throw new Error(`expected 200, got ${res.status}: ${await res.text()}`);
-  return (await res.json()) as AuditPage;
+  return expectAuditPage(await res.json());
 }
 
 /** Every page of a listing, following next_cursor; fails on a page loop. */
@@ -67,8 +70,12 @@ function newestFirst(a: AuditEventView, b: AuditEventView): number {
   return a.id < b.id ? 1 : a.id > b.id ? -1 : 0;
 }
 
+/**
+ * The fields `q` searches, one per line: q cannot hold a line break, so
+ * `searchText(e).includes(q)` is true only when q lies within one field.
+ */
 function searchText(e: AuditEventView): string {
-  return [e.action, e.actor.name, e.actor.email, ...e.targets.flatMap((t) => [t.name, t.email])].join(" ").toLowerCase();
+  return [e.action, e.actor.name, e.actor.email, ...e.targets.flatMap((t) => [t.name, t.email])].join("\n").toLowerCase();
 }
 
 // ---------------------------------------------------------------------------
@@ -209,7 +216,7 @@ describe("response", () => {
     const res = await get(org.serviceKey);
     expect(res.status).toBe(200);
     expect(res.headers.get("content-type")).toContain("application/json");
-    const body = (await res.json()) as AuditPage;
+    const body = expectAuditPage(await res.json());
     expect(Object.keys(body).sort()).toEqual(["data", "next_cursor"]);
     expect(body.data).toHaveLength(50);
     expect(body.next_cursor).toMatch(/^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]{22}$/);
@@ -371,6 +378,26 @@ describe("filters", () => {
 
   test("far-away bounds are accepted", async () => {
     expect((await page(org.serviceKey, { from: "0001-01-01T00:00:00+01:00", to: "9999-12-31T23:59:59.999-05:00", limit: "200" })).data).toHaveLength(all.length);
+  });
+});
+
+describe("q field boundaries", () => {
+  let org: SeededOrg;
+  beforeAll(async () => {
+    org = await seedOrg(db);
+  });
+
+  test("q: matches within one field, never across two", async () => {
+    const ada = { type: "user", id: crypto.randomUUID(), name: "Ada Lovelace", email: "ada.lovelace@acme.example", keyId: null };
+    const grace = { key: "target_user_id", kind: "user", id: crypto.randomUUID(), name: "Grace Hopper", email: "grace@acme.example" };
+    const id = crypto.randomUUID();
+    await recordAudit(db.db, { orgId: org.orgId, id, action: "member.invited", category: "member", actor: ada, targets: [grace] });
+    const ids = async (q: string) => (await page(org.serviceKey, { q, limit: "200" })).data.map((e) => e.id);
+    for (const q of ["invited", "ada", "ADA LOVELACE", "lovelace@acme", "grace hopper", "member.inv"]) expect(await ids(q)).toContain(id);
+    // Each of these spans two fields of the event (action|actor name|actor e-mail|target name|target e-mail).
+    for (const q of ["invited ada", "member.invited ada", "lovelace ada", "lovelace ada.lovelace", "example grace", "hopper grace"]) {
+      expect(await ids(q)).not.toContain(id);
+    }
   });
 });
 
@@ -660,6 +687,20 @@ describe("what the log holds", () => {
   });
 });
 
+describe("events the gateway writes on the host", () => {
+  test("org, member and key events carry origin 127.0.0.0/8 and gateway-cli/<version>", async () => {
+    const org = await seedOrg(db);
+    const k = await createKey(db, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" });
+    const rotated = await rotateKey(db, { id: k.id, graceMs: 0, tag: "gw" });
+    await revokeKey(db, rotated.id);
+    const events = (await page(org.serviceKey, { limit: "200" })).data;
+    expect(events.map((e) => e.action).sort()).toEqual(
+      ["api_key.created", "api_key.created", "api_key.created", "api_key.revoked", "api_key.rotated", "member.created", "org.created"].sort(),
+    );
+    for (const e of events) expect(e.origin).toEqual({ ip_prefix: "127.0.0.0/8", user_agent_summary: `gateway-cli/${VERSION}` });
+  });
+});
+
 describe("key lifecycle events", () => {
   test("created, rotated and revoked keys appear through the endpoint", async () => {
     const org = await seedOrg(db);
@@ -671,7 +712,8 @@ describe("key lifecycle events", () => {
     expect(events.map((e) => e.action)).toEqual(["api_key.revoked", "api_key.rotated", "api_key.created"]);
     const [revoked, rot, created] = events as [AuditEventView, AuditEventView, AuditEventView];
     expect(created.targets).toEqual([{ key: "key_id", kind: "api_key", id: k.id, name: "ci-pipeline", email: "" }]);
-    expect(created.details).toEqual({ kind: "service", scopes: ["inference"], expires_at: null });
+    expect(created.details).toEqual({ key_id: k.id, kind: "service", scopes: ["inference"], expires_at: k.expires_at });
+    expect(Date.parse(k.expires_at) - Date.parse(k.created_at)).toBe(365 * 86_400_000);
     expect(rot.targets.map((t) => t.id)).toEqual([k.id, rotated.id]);
     expect(rot.details.new_key_id).toBe(rotated.id);
     expect(revoked.targets[0]?.id).toBe(rotated.id);

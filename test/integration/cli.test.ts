@@ -17,6 +17,8 @@ import {
   startGatewayProcess,
   waitFor200,
 } from "../helpers/process.ts";
+import { VERSION } from "../../src/lib/version.ts";
+import { expectAuditPage, expectKeyInfo } from "../helpers/spec-types.ts";
 
 // Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
 // runs (test/helpers/setup.ts), so files that spawn processes or open PGlite set
@@ -281,7 +283,9 @@ describe("keys", () => {
     expect(r.code).toBe(0);
     expect(r.stderr).toBe("");
     const k = onlyJson<Record<string, unknown>>(r.stdout);
-    expect(k).toMatchObject({ org_id: orgId, user_id: null, kind: "service", scopes: ["inference", "audit:read"], expires_at: null, name: "backend", models: null });
+    expect(k).toMatchObject({ org_id: orgId, user_id: null, kind: "service", scopes: ["inference", "audit:read"], name: "backend", models: null });
+    // No --expires-at/--expires-in: the default lifetime, 365 days.
+    expect(Date.parse(k.expires_at as string) - Date.parse(k.created_at as string)).toBe(365 * 86_400_000);
     expect(k.key).toMatch(/^sk-gw-[0-9A-Za-z]{43}$/);
     expect(k.prefix).toBe((k.key as string).slice(0, 12));
     serviceKey = { id: k.id as string, key: k.key as string };
@@ -289,6 +293,33 @@ describe("keys", () => {
     expect(stored[0]?.hash).toBe(new Bun.CryptoHasher("sha256").update(serviceKey.key).digest("hex"));
     expect(JSON.stringify(stored)).not.toContain(serviceKey.key);
     expect((await auditActions(orgId)).map((a) => `${a.category}/${a.action}`)).toContain("api_key/api_key.created");
+    const origins = await inspect((db) =>
+      db.rows<{ p: string; ua: string }>(sql`select distinct origin_ip_prefix as p, origin_user_agent_summary as ua from audit_events where org_id = ${orgId}`),
+    );
+    expect(origins).toEqual([{ p: "127.0.0.0/8", ua: `gateway-cli/${VERSION}` }]);
+  });
+
+  test("keys.defaultLifetime and keys.maxLifetime from the config", async () => {
+    const conf = (keys: Record<string, string>) => {
+      const file = join(work, `keys-${crypto.randomUUID()}.json`);
+      writeFileSync(file, JSON.stringify({ keys }));
+      return file;
+    };
+    const base = ["keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--json"];
+    const short = onlyJson<{ expires_at: string; created_at: string }>((await cli(...base, "--config", conf({ defaultLifetime: "7d" }))).stdout);
+    expect(Date.parse(short.expires_at) - Date.parse(short.created_at)).toBe(7 * 86_400_000);
+
+    const capped = conf({ defaultLifetime: "30d", maxLifetime: "90d" });
+    const ok = onlyJson<{ expires_at: string; created_at: string }>((await cli(...base, "--config", capped, "--expires-in", "90d")).stdout);
+    expect(Date.parse(ok.expires_at) - Date.parse(ok.created_at)).toBe(90 * 86_400_000);
+    const before = await counts();
+    expectUsage(await cli(...base, "--config", capped, "--expires-in", "91d"), "longer than keys.maxLifetime (90d)");
+    expectUsage(await cli(...base, "--config", capped, "--expires-at", "2999-01-01T00:00:00Z"), "longer than keys.maxLifetime (90d)");
+    // A default above the cap is a configuration error, found before anything is written.
+    expectUsage(await cli(...base, "--config", conf({ defaultLifetime: "365d", maxLifetime: "90d" })), "/keys/defaultLifetime");
+    expectUsage(await cli(...base, "--config", conf({ defaultLifetime: "forever" })), "/keys/defaultLifetime");
+    expectUsage(await cli(...base, "--config", conf({ defaultLifetime: "0d" })), "/keys/defaultLifetime");
+    expect(await counts()).toEqual(before);
   });
 
   test("create a personal key with models and an expiry; the human form shows the secret once", async () => {
@@ -348,8 +379,10 @@ describe("keys", () => {
       expect(k.prefix).toMatch(/^sk-gw-[0-9A-Za-z]{6}$/);
     }
     expect(r.stdout).not.toContain(serviceKey.key);
+    for (const k of rows) expect(k.expires_at).toMatch(/^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z$/);
     const h = await cli("keys", "list", "--org", orgId);
     expect(h.stdout).toContain(`${serviceKey.id}  ${serviceKey.key.slice(0, 12)}…  service`);
+    expect(h.stdout).not.toContain("no expiry");
     const none = await cli("orgs", "create", "--name", "Empty", "--json");
     expect((await cli("keys", "list", "--org", onlyJson<{ id: string }>(none.stdout).id)).stdout).toBe("no keys\n");
   });
@@ -365,6 +398,8 @@ describe("keys", () => {
     const k = onlyJson<Record<string, unknown>>(r.stdout);
     expect(k).toMatchObject({ rotated_from: personalKey.id, kind: "personal", user_id: userId, scopes: ["inference"], models: ["svc-fast", "svc-embed"] });
     expect(k.key).not.toBe(personalKey.key);
+    // The new key gets the old key's lifetime (90 days), counted from the rotation.
+    expect(Date.parse(k.expires_at as string) - Date.parse(k.created_at as string)).toBe(90 * 86_400_000);
     const rows = onlyJson<{ id: string; expires_at: string | null }[]>((await cli("keys", "list", "--org", orgId, "--json")).stdout);
     const old = rows.find((x) => x.id === personalKey.id);
     expect(Math.abs(Date.parse(old?.expires_at ?? "") - (Date.now() + 3_600_000))).toBeLessThan(60_000);
@@ -410,7 +445,7 @@ describe("audit import", () => {
       category: "member",
       actor: { type: "user", id: userId, name: "Ada Lovelace", email: "ada@acme.example" },
       targets: [{ key: "target_user_id", kind: "user", id: MISSING_UUID, name: "Grace", email: "grace@acme.example" }],
-      details: { role: "member" },
+      details: { role: "member", target_user_id: MISSING_UUID },
       origin: { ip_prefix: "203.0.113.0/24", user_agent_summary: "Firefox/131.0" },
       ...extra,
     });
@@ -438,6 +473,32 @@ describe("audit import", () => {
     expectUsage(await cli("audit", "import", file), "line 1: /org_id");
     writeFileSync(file, `${line({ extra: 1 })}\n`);
     expectUsage(await cli("audit", "import", file), "line 1:");
+    expect(await counts()).toEqual(before);
+  });
+
+  test("origin.ip_prefix must be a network prefix in CIDR notation", async () => {
+    const before = await counts();
+    const file = join(work, "bad-origin.jsonl");
+    for (const ip_prefix of ["", "203.0.113.7", "203.0.113.7/32", "203.0.113.7/24", "203.0.113.0/33", "localhost/8", "2001:db8::1/128", "2001:db8::1/48"]) {
+      writeFileSync(file, `${line()}\n${line({ origin: { ip_prefix, user_agent_summary: "x" } })}\n`);
+      expectUsage(await cli("audit", "import", file), /^error: line 2: \/origin\/ip_prefix/);
+    }
+    writeFileSync(file, `${line()}\n${line({ origin: undefined })}\n`);
+    expectUsage(await cli("audit", "import", file), /^error: line 2: \/origin/);
+    expect(await counts()).toEqual(before);
+    writeFileSync(file, `${line({ origin: { ip_prefix: "2001:db8:1::/48", user_agent_summary: "x" } })}\n${line({ origin: { ip_prefix: "0.0.0.0/0", user_agent_summary: "" } })}\n`);
+    expect((await cli("audit", "import", file)).code).toBe(0);
+  });
+
+  test("each target's key must name a details field holding the target's id", async () => {
+    const before = await counts();
+    const file = join(work, "bad-targets.jsonl");
+    for (const details of [{ role: "member" }, { target_user_id: MISSING_UUID.replace(/0$/, "1") }, { target_user_id: null }]) {
+      writeFileSync(file, `${line()}\n${line()}\n${line({ details })}\n`);
+      expectUsage(await cli("audit", "import", file), /^error: line 3: \/targets\/0\/key: details\.target_user_id/);
+    }
+    writeFileSync(file, `${line({ details: undefined })}\n`);
+    expectUsage(await cli("audit", "import", file), /^error: line 1: \/targets\/0\/key/);
     expect(await counts()).toEqual(before);
   });
 
@@ -552,9 +613,16 @@ describe("as a process (bun run src/main.ts)", () => {
       await waitFor200(`http://127.0.0.1:${port}/readyz`);
       const me = await fetch(`http://127.0.0.1:${port}/v1/me`, { headers: { authorization: `Bearer ${personal}` } });
       expect(me.status).toBe(200);
-      expect(((await me.json()) as { key: { kind: string } }).key.kind).toBe("personal");
+      expect(expectKeyInfo(await me.json()).key.kind).toBe("personal");
       const me2 = await fetch(`http://127.0.0.1:${port}/v1/me`, { headers: { authorization: `Bearer ${service}` } });
-      expect(((await me2.json()) as { key: { scopes: string[] } }).key.scopes).toEqual(["inference", "audit:read"]);
+      expect(expectKeyInfo(await me2.json()).key.scopes).toEqual(["inference", "audit:read"]);
+      // Every event the demo seeds satisfies spec 2.6 in full.
+      const audit = await fetch(`http://127.0.0.1:${port}/v1/audit-events?limit=200`, { headers: { authorization: `Bearer ${service}` } });
+      expect(audit.status).toBe(200);
+      const seeded = expectAuditPage(await audit.json()).data;
+      expect(seeded.map((e) => e.action).sort()).toEqual(
+        ["api_key.created", "api_key.created", "group.created", "member.created", "member.invited", "member.role_changed", "org.created"].sort(),
+      );
       expect(demo.stdout()).toContain(`curl -s http://127.0.0.1:${port}/v1/me -H "Authorization: Bearer ${personal}"`);
       demo.kill("SIGTERM");
       expect(await exitWithin(demo, 15_000)).toBe(0);

@@ -67,6 +67,56 @@ async function insertAuditEvent(db: Database): Promise<string> {
 }
 
 function suite(kind: Kind) {
+  test("0005: keys without expiry get created_at + 365 days (at least 30 days from the upgrade) and expires_at becomes NOT NULL; search_text gets one field per line", async () => {
+    const db = await fresh(kind);
+    // The database as a gateway before 0005 left it.
+    const upTo = MIGRATIONS.findIndex((m) => m.tag === "0005_keys_expire_search_fields");
+    expect(upTo).toBeGreaterThan(0);
+    await db.db.transaction(async (tx) => {
+      await tx.execute(sql`create table gateway_migrations (tag text primary key, applied_at timestamptz not null default now())`);
+      for (const m of MIGRATIONS.slice(0, upTo)) {
+        for (const stmt of m.statements) await tx.execute(sql.raw(stmt));
+        await tx.execute(sql`insert into gateway_migrations (tag) values (${m.tag})`);
+      }
+    });
+    const [org] = await db.rows<{ id: string }>(sql`insert into organizations (name, plan) values ('Old', 'Standard') returning id::text as id`);
+    const key = (expires: string | null, created = "2024-02-28T10:00:00.123Z") => sql`
+      insert into api_keys (org_id, kind, hash, prefix, scopes, expires_at, created_at)
+      values (${org?.id}, 'service', ${crypto.randomUUID()}, 'sk-gw-old', '{inference}', ${expires}, ${created}) returning id::text as id`;
+    const [never] = await db.rows<{ id: string }>(key(null));
+    const recentlyCreated = new Date(Date.now() - 10 * 86_400_000);
+    const [recent] = await db.rows<{ id: string }>(key(null, recentlyCreated.toISOString()));
+    const [dated] = await db.rows<{ id: string }>(key("2030-01-01T00:00:00.000Z"));
+    const [event] = await db.rows<{ id: string }>(sql`
+      insert into audit_events (org_id, action, category, actor_type, actor_id, actor_name, actor_email,
+                                targets, details, origin_ip_prefix, origin_user_agent_summary, search_text)
+      values (${org?.id}, 'member.invited', 'member', 'user', gen_random_uuid(), 'Ada Lovelace', 'Ada@Example.com',
+              ${JSON.stringify([
+                { key: "target_user_id", kind: "user", id: crypto.randomUUID(), name: "Grace Hopper", email: "" },
+                { key: "group_id", kind: "group", id: crypto.randomUUID(), name: "", email: "" },
+                { key: "x_id", kind: "user", id: crypto.randomUUID(), name: "Zed", email: "zed@example.com" },
+              ])}::jsonb, '{}'::jsonb, '', '', 'member.invited ada lovelace ada@example.com grace hopper zed zed@example.com')
+      returning id::text as id`);
+
+    const upgradedAt = Date.now();
+    expect(await migrate(db)).toEqual(["0005_keys_expire_search_fields"]);
+    const expiry = async (id: string | undefined) =>
+      new Date((await db.rows<{ e: string | Date }>(sql`select expires_at as e from api_keys where id = ${id}`))[0]?.e ?? 0).toISOString();
+    // Past created_at + 365 days already: 30 days from the upgrade instead.
+    const graced = new Date(await expiry(never?.id)).getTime();
+    expect(graced).toBeGreaterThanOrEqual(upgradedAt + 30 * 86_400_000 - 1_000);
+    expect(graced).toBeLessThanOrEqual(Date.now() + 30 * 86_400_000 + 1_000);
+    expect(await expiry(recent?.id)).toBe(new Date(recentlyCreated.getTime() + 365 * 86_400_000).toISOString());
+    expect(await expiry(dated?.id)).toBe("2030-01-01T00:00:00.000Z");
+    const [col] = await db.rows<{ n: string }>(sql`select is_nullable as n from information_schema.columns where table_name = 'api_keys' and column_name = 'expires_at'`);
+    expect(col?.n).toBe("NO");
+    expect(await failure(db.rows(key(null)))).toContain("expires_at");
+    const [row] = await db.rows<{ s: string }>(sql`select search_text as s from audit_events where id = ${event?.id}`);
+    expect(row?.s).toBe("member.invited\nada lovelace\nada@example.com\ngrace hopper\nzed\nzed@example.com");
+    // The log is append-only again.
+    expect(await failure(db.rows(sql`update audit_events set action = 'member.removed' where id = ${event?.id}`))).toContain("append-only");
+  });
+
   test("migrations apply once: a second run applies nothing and changes nothing", async () => {
     const db = await fresh(kind);
     expect(await migrationsCurrent(db)).toBe(false);

@@ -128,7 +128,9 @@ describe("revocation racing a lookup", () => {
       await l.firstReadDone;
       // As `keys create` does it (its secret is minted inside, so the row is written here): row and NOTIFY in one transaction.
       await db.db.transaction(async (tx) => {
-        await tx.insert(apiKeys).values({ orgId: org.orgId, kind: "service", hash: minted.hash, prefix: minted.prefix, scopes: ["inference"] });
+        await tx
+          .insert(apiKeys)
+          .values({ orgId: org.orgId, kind: "service", hash: minted.hash, prefix: minted.prefix, scopes: ["inference"], expiresAt: new Date(Date.now() + 86_400_000) });
         await tx.execute(sql`select pg_notify(${AUTH_CHANNEL}, 'new')`);
       });
       await note.seen;

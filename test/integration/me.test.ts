@@ -2,6 +2,7 @@ import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "
 import { createKey, revokeKey } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
 import { bearer, errorOf, seedOrg, sharedDatabase, startTestGateway, type SeededOrg } from "../helpers/harness.ts";
+import { expectKeyInfo } from "../helpers/spec-types.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -22,10 +23,21 @@ describe("GET /v1/me", () => {
     const res = await fetch(`${gw.url}/v1/me`, { headers: bearer(org.personalKey) });
     expect(res.status).toBe(200);
     expect(res.headers.get("x-request-id")).toMatch(/^req_/);
-    expect(await res.json()).toEqual({
-      key: { id: org.personalKeyId, kind: "personal", scopes: ["inference"], expires_at: null },
+    const body = expectKeyInfo(await res.json());
+    expect(body).toEqual({
+      key: { id: org.personalKeyId, kind: "personal", scopes: ["inference"], expires_at: expect.any(String) },
       organization: { id: org.orgId, plan: "Standard" },
     });
+  });
+
+  test("a key made without an expiry reports one: the default lifetime of 365 days", async () => {
+    const made = Date.now();
+    const k = await createKey(await sharedDatabase(), { orgId: org.orgId, kind: "service", scopes: ["inference", "audit:read"], knownModels: [], tag: "gw" });
+    const res = await fetch(`${gw.url}/v1/me`, { headers: bearer(k.key) });
+    expect(res.status).toBe(200);
+    const body = expectKeyInfo(await res.json());
+    expect(body.key.expires_at).toBe(k.expires_at);
+    expect(Math.abs(Date.parse(body.key.expires_at) - (made + 365 * 86_400_000))).toBeLessThan(60_000);
   });
 
   test("expires_at is ISO 8601 UTC with milliseconds", async () => {
@@ -38,7 +50,7 @@ describe("GET /v1/me", () => {
       tag: "gw",
     });
     const res = await fetch(`${gw.url}/v1/me`, { headers: bearer(k.key) });
-    const body = (await res.json()) as { key: { expires_at: string } };
+    const body = expectKeyInfo(await res.json());
     expect(body.key.expires_at).toBe("2099-01-31T09:00:00.000Z");
   });
 
@@ -53,7 +65,9 @@ describe("GET /v1/me", () => {
   test("a revoked key gets 401 unauthorized at once", async () => {
     const db = await sharedDatabase();
     const k = await createKey(db, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" });
-    expect((await fetch(`${gw.url}/v1/me`, { headers: bearer(k.key) })).status).toBe(200);
+    const ok = await fetch(`${gw.url}/v1/me`, { headers: bearer(k.key) });
+    expect(ok.status).toBe(200);
+    expectKeyInfo(await ok.json());
     await revokeKey(db, k.id);
     // NOTIFY is delivered asynchronously: poll, within the 1 s budget.
     const deadline = performance.now() + 1_000;

@@ -29,17 +29,17 @@ describe("ipPrefix", () => {
     ["fe80::1%eth0", "fe80::/48"],
     // Another IPv6 address written with a dotted tail stays IPv6.
     ["2001:db8:1::203.0.113.77", "2001:db8:1::/48"],
-    // Not an address: no prefix.
-    [null, ""],
-    ["", ""],
-    ["garbage", ""],
-    ["1.2.3", ""],
-    ["1.2.3.256", ""],
-    ["2001:db8:::1", ""],
-    ["12345::", ""],
-    ["1:2:3:4:5:6:7:8:9", ""],
-    ["1::2::3", ""],
-    ["::ffff:1.2.3.4.5", ""],
+    // Not an address: the prefix that says nothing (still CIDR, spec 2.6).
+    [null, "0.0.0.0/0"],
+    ["", "0.0.0.0/0"],
+    ["garbage", "0.0.0.0/0"],
+    ["1.2.3", "0.0.0.0/0"],
+    ["1.2.3.256", "0.0.0.0/0"],
+    ["2001:db8:::1", "0.0.0.0/0"],
+    ["12345::", "0.0.0.0/0"],
+    ["1:2:3:4:5:6:7:8:9", "0.0.0.0/0"],
+    ["1::2::3", "0.0.0.0/0"],
+    ["::ffff:1.2.3.4.5", "0.0.0.0/0"],
   ];
   for (const [ip, want] of cases) {
     test(`${JSON.stringify(ip)} → ${JSON.stringify(want)}`, () => {
