@@ -157,6 +157,18 @@ export const usageBatches = pgTable("usage_batches", {
   appliedAt: createdAt(),
 });
 
+/**
+ * Usage items the batched writer could not write (a value the database
+ * refuses): set aside so that they never block the rest. `record` is the item
+ * as JSON text (text, not jsonb, which refuses some strings a bad record may hold).
+ */
+export const usageDeadLetters = pgTable("usage_dead_letters", {
+  id: bigserial("id", { mode: "number" }).primaryKey(),
+  createdAt: createdAt(),
+  record: text("record").notNull(),
+  error: text("error").notNull(),
+});
+
 /** Small key/value store for generated secrets (the cursor HMAC key). */
 export const settings = pgTable("settings", {
   key: text("key").primaryKey(),

@@ -1,8 +1,8 @@
-import { describe, expect, setDefaultTimeout, test } from "bun:test";
+import { beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { and, eq, sql } from "drizzle-orm";
 import { createOrg } from "../../src/admin/service.ts";
 import type { Principal } from "../../src/auth/verify.ts";
-import { usageCounters, usageEvents } from "../../src/db/schema.ts";
+import { usageCounters, usageDeadLetters, usageEvents } from "../../src/db/schema.ts";
 import { AppError } from "../../src/http/errors.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { createQuota, windowEnd, windowStart } from "../../src/limits/quota.ts";
@@ -12,6 +12,9 @@ import { rejectionOf, sharedDatabase } from "../helpers/harness.ts";
 setDefaultTimeout(30_000);
 
 const log = createLogger("silent");
+
+// The embedded database can take longer than one test's timeout to start on a busy machine.
+beforeAll(() => sharedDatabase(), 120_000);
 const outcome = { alias: "svc-fast", target: "t", status: 200, latencyMs: 5, streamed: false };
 
 async function org(quotaTokens: number | null, quotaWindow: "hour" | "day" | "month" = "day"): Promise<Principal> {
@@ -215,6 +218,51 @@ describe("quota leases", () => {
     await q.flush();
     expect(transactions).toBe(3); // 25 records, 10 a batch
     expect(q.stats().bufferedEvents).toBe(0);
+    await q.stop();
+  });
+
+  test("absurd usage figures are clamped at settlement: counters and records stay writable", async () => {
+    const db = await sharedDatabase();
+    const p = await org(null);
+    const q = createQuota(db, log, { leaseTokens: 100, flushMs: 60_000, maxBuffered: 1000 });
+    q.settle(await q.admit(p, 10), { promptTokens: 1e20, completionTokens: -5 }, outcome);
+    q.settle(await q.admit(p, 10), { promptTokens: 2.6, completionTokens: Number.NaN }, outcome);
+    q.settle(await q.admit(p, 10), { promptTokens: 4, completionTokens: Number.POSITIVE_INFINITY }, outcome);
+    await q.flush();
+    q.settle(await q.admit(p, 10), { promptTokens: 5, completionTokens: 6 }, outcome);
+    await q.flush();
+    expect((await counters(p.orgId)).used).toBe(1_000_000_000 + 3 + 4 + 1_000_000_000 + 11);
+    const ev = await db.db.select().from(usageEvents).where(eq(usageEvents.orgId, p.orgId)).orderBy(usageEvents.id);
+    expect(ev.map((e) => [e.promptTokens, e.completionTokens])).toEqual([
+      [1_000_000_000, 0],
+      [3, 0],
+      [4, 1_000_000_000],
+      [5, 6],
+    ]);
+    await q.stop();
+  });
+
+  test("a usage record the database refuses is set aside; the records around it and later ones land", async () => {
+    const db = await sharedDatabase();
+    const p = await org(10_000);
+    // Not a uuid: the usage_events insert of this record fails (a bad record that got past every check).
+    const bad: Principal = { ...p, keyId: "not-a-uuid" };
+    const q = createQuota(db, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    q.settle(await q.admit(p, 10), { promptTokens: 1, completionTokens: 1 }, outcome);
+    q.settle(await q.admit(bad, 10), { promptTokens: 2, completionTokens: 2 }, outcome);
+    q.settle(await q.admit(p, 10), { promptTokens: 3, completionTokens: 3 }, outcome);
+    await q.flush();
+    q.settle(await q.admit(p, 10), { promptTokens: 4, completionTokens: 4 }, outcome);
+    await q.flush();
+    const ev = await db.db.select().from(usageEvents).where(eq(usageEvents.orgId, p.orgId)).orderBy(usageEvents.id);
+    expect(ev.map((e) => e.promptTokens)).toEqual([1, 3, 4]);
+    // The counters hold every token, the refused record's included: it was used.
+    expect((await counters(p.orgId)).used).toBe(20);
+    expect(q.stats()).toMatchObject({ bufferedEvents: 0, pendingTokens: 0, deadLettered: 1 });
+    const dead = await db.db.select().from(usageDeadLetters);
+    const mine = dead.filter((d) => d.record.includes(p.orgId));
+    expect(mine).toHaveLength(1);
+    expect(JSON.parse(mine[0]?.record ?? "{}")).toMatchObject({ kind: "event", org_id: p.orgId, key_id: "not-a-uuid", prompt_tokens: 2, completion_tokens: 2, alias: "svc-fast" });
     await q.stop();
   });
 

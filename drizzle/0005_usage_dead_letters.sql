@@ -1,0 +1,6 @@
+CREATE TABLE "usage_dead_letters" (
+	"id" bigserial PRIMARY KEY NOT NULL,
+	"created_at" timestamp (3) with time zone DEFAULT now() NOT NULL,
+	"record" text NOT NULL,
+	"error" text NOT NULL
+);
