@@ -7,6 +7,9 @@ import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
 import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
 import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
+/** A plan whose request rate never binds: these tests are about the quota. */
+const UNLIMITED_RATE = { plan: "Test", plans: Object.keys(TEST_PLANS) };
+
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(60_000);
 
@@ -78,7 +81,7 @@ async function flushAll(): Promise<void> {
 
 describe("the reservation is the prompt estimate plus max_tokens (or plus 1,024)", () => {
   test("max_tokens far beyond the quota: 429 budget_exceeded, nothing sent upstream, nothing used", async () => {
-    const org = await seedOrg(db, { quotaTokens: 1_000, quotaWindow: "day" });
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 1_000, quotaWindow: "day" });
     const before = sim.stats.requests;
     for (const field of ["max_tokens", "max_completion_tokens"]) {
       const res = await chat(gwA, org.serviceKey, { [field]: 100_000 });
@@ -95,14 +98,14 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus 1,024)
 
   test("a quota of exactly estimate + max_tokens admits; one token less refuses", async () => {
     const maxTokens = 300;
-    const exact = await seedOrg(db, { quotaTokens: PROMPT_TOKENS + maxTokens, quotaWindow: "day" });
+    const exact = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + maxTokens, quotaWindow: "day" });
     const res = await chat(gwA, exact.serviceKey, { max_tokens: maxTokens });
     expect(res.status).toBe(200);
     const body = (await res.json()) as { usage: { prompt_tokens: number; completion_tokens: number } };
     expect(body.usage).toMatchObject({ prompt_tokens: PROMPT_TOKENS, completion_tokens: maxTokens });
     expect(forwardedMaxTokens()).toBe(maxTokens);
 
-    const short = await seedOrg(db, { quotaTokens: PROMPT_TOKENS + maxTokens - 1, quotaWindow: "day" });
+    const short = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + maxTokens - 1, quotaWindow: "day" });
     const refused = await chat(gwA, short.serviceKey, { max_tokens: maxTokens });
     expect(refused.status).toBe(429);
     expect((await errorOf(refused)).code).toBe("budget_exceeded");
@@ -112,7 +115,7 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus 1,024)
   });
 
   test("without max_tokens: sent as is while estimate + 1,024 remain, else lowered to what remains", async () => {
-    const roomy = await seedOrg(db, { quotaTokens: PROMPT_TOKENS + DEFAULT_RESERVE, quotaWindow: "day" });
+    const roomy = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + DEFAULT_RESERVE, quotaWindow: "day" });
     sim.reset();
     const res = await chat(gwA, roomy.serviceKey);
     expect(res.status).toBe(200);
@@ -120,7 +123,7 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus 1,024)
     expect(forwardedMaxTokens()).toBeUndefined();
 
     for (const stream of [false, true]) {
-      const tight = await seedOrg(db, { quotaTokens: PROMPT_TOKENS + DEFAULT_RESERVE - 1, quotaWindow: "day" });
+      const tight = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + DEFAULT_RESERVE - 1, quotaWindow: "day" });
       const r = await chat(gwA, tight.serviceKey, { stream });
       expect(r.status).toBe(200);
       await r.arrayBuffer();
@@ -134,7 +137,7 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus 1,024)
     }
 
     // Only the prompt fits: no completion is possible, so 429 rather than max_tokens 0.
-    const promptOnly = await seedOrg(db, { quotaTokens: PROMPT_TOKENS, quotaWindow: "day" });
+    const promptOnly = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS, quotaWindow: "day" });
     const r0 = await chat(gwA, promptOnly.serviceKey);
     expect(r0.status).toBe(429);
     expect((await errorOf(r0)).code).toBe("budget_exceeded");
@@ -142,7 +145,7 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus 1,024)
 
   test("an unset max_tokens is lowered by what earlier requests used, on either instance", async () => {
     const quota = 2_000;
-    const org = await seedOrg(db, { quotaTokens: quota, quotaWindow: "day" });
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
     let received = 0;
     for (let i = 0; i < 8; i++) {
       const res = await chat(i % 2 === 0 ? gwA : gwB, org.serviceKey, { max_tokens: 200 });
@@ -172,7 +175,7 @@ describe("two instances, one quota, completions far larger than the quota", () =
     // Within the default reservation: a request without max_tokens admitted with all of it cannot exceed it.
     await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ completionTokens: 1_000 }) });
     for (const quota of [1_000, 5_000, 12_000]) {
-      const org = await seedOrg(db, { quotaTokens: quota, quotaWindow: "day" });
+      const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
       let received = 0;
       let refused = 0;
       const client = async (i: number) => {
