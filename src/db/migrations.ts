@@ -9,7 +9,7 @@ import m0001 from "../../drizzle/0001_init.sql" with { type: "text" };
 import m0002 from "../../drizzle/0002_audit_append_only.sql" with { type: "text" };
 import m0003 from "../../drizzle/0003_usage_batches.sql" with { type: "text" };
 import m0004 from "../../drizzle/0004_audit_org_search.sql" with { type: "text" };
-import m0005 from "../../drizzle/0005_usage_dead_letters.sql" with { type: "text" };
+import m0005 from "../../drizzle/0005_usage_dead_letters_lease_wanted.sql" with { type: "text" };
 
 const SQL: Record<string, string> = {
   "0000_extensions": m0000,
@@ -17,7 +17,7 @@ const SQL: Record<string, string> = {
   "0002_audit_append_only": m0002,
   "0003_usage_batches": m0003,
   "0004_audit_org_search": m0004,
-  "0005_usage_dead_letters": m0005,
+  "0005_usage_dead_letters_lease_wanted": m0005,
 };
 
 export interface Migration {

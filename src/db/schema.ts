@@ -85,6 +85,8 @@ export const usageCounters = pgTable(
     used: bigint("used", { mode: "number" }).notNull().default(0),
     leased: bigint("leased", { mode: "number" }).notNull().default(0),
     exceededAt: ts("exceeded_at"),
+    /** Last time an instance found the counter empty while others held lease: holders return their unused part. */
+    wantedAt: ts("wanted_at"),
   },
   (t) => [primaryKey({ columns: [t.orgId, t.windowStart] })],
 );

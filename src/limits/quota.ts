@@ -1,4 +1,4 @@
-import { and, eq, sql } from "drizzle-orm";
+import { and, eq, inArray, sql } from "drizzle-orm";
 import { recordAudit } from "../audit/record.ts";
 import type { Principal } from "../auth/verify.ts";
 import type { Database } from "../db/client.ts";
@@ -161,6 +161,32 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   let flushing: Promise<void> | undefined;
 
   const key = (orgId: string, start: number) => `${orgId}|${start}`;
+  /** How long a starved request waits for other instances' unused lease: they look for requests at every flush. */
+  const shareWaitMs = Math.min(3 * opts.flushMs + 250, MAX_SHARE_WAIT_MS);
+
+  /**
+   * Another instance found the shared counter empty while we hold unused
+   * lease (usage_counters.wanted_at, recent): mark those organisations so
+   * that this flush returns what we hold beyond our requests in flight. One
+   * small query per flush interval, only while we hold unused lease.
+   */
+  async function answerWanted(): Promise<void> {
+    const holding = new Map<string, OrgState>();
+    for (const s of states.values()) {
+      if (s.sharedFree > 0 && available(s) > 0) holding.set(key(s.orgId, s.start), s);
+      if (holding.size >= 10_000) break;
+    }
+    if (holding.size === 0) return;
+    const ids = [...new Set([...holding.values()].map((s) => s.orgId))];
+    const rows = await database.db
+      .select({ orgId: usageCounters.orgId, windowStart: usageCounters.windowStart })
+      .from(usageCounters)
+      .where(and(inArray(usageCounters.orgId, ids), sql`${usageCounters.wantedAt} > now() - make_interval(secs => ${shareWaitMs / 1000})`));
+    for (const r of rows) {
+      const s = holding.get(key(r.orgId, r.windowStart.getTime()));
+      if (s) s.sharedFree = 0;
+    }
+  }
 
   function stateFor(p: Principal, t: number): OrgState {
     const window = p.quotaWindow;
@@ -219,13 +245,16 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       const free = s.quota - row.used - row.leased;
       // A share of what remains, so instances split a small quota (or the end of a large one); at least what is needed now.
       const take = Math.max(0, Math.min(free, Math.max(need, Math.min(wanted, Math.ceil(free * LEASE_SHARE)))));
-      if (take > 0) {
+      const others = row.leased - s.granted - s.returning;
+      // Short while other instances hold lease: ask them for their unused part (they look at every flush).
+      const asking = take < need && others > 0;
+      if (take > 0 || asking) {
         await tx
           .update(usageCounters)
-          .set({ leased: sql`${usageCounters.leased} + ${take}` })
+          .set({ leased: sql`${usageCounters.leased} + ${take}`, ...(asking ? { wantedAt: sql`now()` } : {}) })
           .where(and(eq(usageCounters.orgId, s.orgId), eq(usageCounters.windowStart, ws)));
       }
-      return { take, left: free - take, others: row.leased - s.granted - s.returning };
+      return { take, left: free - take, others };
     });
     s.granted += got.take;
     s.lastTake = got.take;
@@ -354,7 +383,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       }
       if (s.exhausted) {
         if (s.othersHold < least - avail) return "spent";
-        waitUntil ??= now() + Math.min(3 * opts.flushMs + 250, MAX_SHARE_WAIT_MS);
+        waitUntil ??= now() + shareWaitMs;
         if (now() >= waitUntil) return "spent";
         await Bun.sleep(Math.max(20, Math.floor(opts.flushMs / 4)));
         s.exhausted = false;
@@ -585,6 +614,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   }
 
   async function flushOnce(final: boolean): Promise<void> {
+    // Best effort: a failure here only delays handing lease over, never the usage write.
+    await answerWanted().catch((e: Error) => log.debug("lease request check failed", { err: e.message }));
     try {
       for (;;) {
         // A batch that failed before is written first, unchanged; new usage waits for the next one.

@@ -109,4 +109,34 @@ describe("two instances split a small quota", () => {
       expect(stamped as number).toBeGreaterThanOrEqual((refusedAt as number) - 1_000);
     });
   }
+
+  test("an idle instance's unused lease is handed over: the busy one is not refused while it holds tokens", async () => {
+    const quota = 1_000;
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
+    const [busy, idle] = gws as [Gateway, Gateway];
+    const one = (gw: Gateway) =>
+      fetch(`${gw.url}/v1/chat/completions`, {
+        method: "POST",
+        headers: { authorization: `Bearer ${org.serviceKey}`, "content-type": "application/json" },
+        body: JSON.stringify({ model: "svc-fast", max_tokens: MAX_TOKENS, messages: [{ role: "user", content: PROMPT }] }),
+      });
+    // One request on the idle instance: it leases more than that request needs, then sits on the rest.
+    const first = await one(idle);
+    expect(first.status).toBe(200);
+    let received = ((await first.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+    for (;;) {
+      const res = await one(busy);
+      if (res.status !== 200) {
+        expect(`${res.status} ${(await errorOf(res)).code}`).toBe("429 budget_exceeded");
+        break;
+      }
+      received += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+    }
+    for (let k = 0; k < 2; k++) for (const gw of gws) await gw.quota.flush();
+    const rows = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, org.orgId));
+    const used = rows.reduce((a, r) => a + r.used, 0);
+    console.log(`quota-share idle holder: quota=${quota} used=${used}`);
+    expect(used).toBe(received);
+    expect(used).toBeGreaterThan(quota - RESERVATION);
+  });
 });

@@ -4,3 +4,5 @@ CREATE TABLE "usage_dead_letters" (
 	"record" text NOT NULL,
 	"error" text NOT NULL
 );
+--> statement-breakpoint
+ALTER TABLE "usage_counters" ADD COLUMN "wanted_at" timestamp (3) with time zone;
