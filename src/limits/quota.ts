@@ -167,13 +167,15 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   /**
    * Another instance found the shared counter empty while we hold unused
    * lease (usage_counters.wanted_at, recent): mark those organisations so
-   * that this flush returns what we hold beyond our requests in flight. One
-   * small query per flush interval, only while we hold unused lease.
+   * that this flush returns what we hold beyond our requests in flight. An
+   * organisation with usage to write learns it from its counter update; this
+   * small query is for those that hold unused lease and had no requests
+   * since the last flush (one query per flush interval while there are any).
    */
   async function answerWanted(): Promise<void> {
     const holding = new Map<string, OrgState>();
     for (const s of states.values()) {
-      if (s.sharedFree > 0 && available(s) > 0) holding.set(key(s.orgId, s.start), s);
+      if (s.sharedFree > 0 && s.pending === 0 && s.inflight === 0 && available(s) > 0) holding.set(key(s.orgId, s.start), s);
       if (holding.size >= 10_000) break;
     }
     if (holding.size === 0) return;
@@ -483,9 +485,14 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         target: [usageCounters.orgId, usageCounters.windowStart],
         set: { used: sql`${usageCounters.used} + ${d.used}`, leased: sql`greatest(0, ${usageCounters.leased} + ${d.leased})` },
       })
-      .returning({ used: usageCounters.used, leased: usageCounters.leased });
+      .returning({
+        used: usageCounters.used,
+        leased: usageCounters.leased,
+        wanted: sql<boolean>`coalesce(${usageCounters.wantedAt} > now() - make_interval(secs => ${shareWaitMs / 1000}), false)`,
+      });
     const s = states.get(key(d.orgId, d.start));
-    if (row && s) s.sharedFree = s.quota - row.used - row.leased;
+    // Another instance asked for lease recently: the next flush returns our unused part.
+    if (row && s) s.sharedFree = row.wanted ? 0 : s.quota - row.used - row.leased;
   }
 
   /** The delta's lease change has reached the shared counter. */
