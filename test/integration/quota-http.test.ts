@@ -205,6 +205,39 @@ describe("two instances, one quota, completions far larger than the quota", () =
   });
 });
 
+describe("budget exceeded over HTTP", () => {
+  test("x-should-retry false, no retry-after for a day window; /v1/me, /v1/models and the audit log still answer", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + 10, quotaWindow: "day" });
+    const ok = await chat(gwA, org.serviceKey, { max_tokens: 10 });
+    expect(ok.status).toBe(200);
+    await ok.arrayBuffer();
+    for (const gw of [gwA, gwB]) {
+      const res = await chat(gw, org.serviceKey, { max_tokens: 1 });
+      expect(res.status).toBe(429);
+      expect((await errorOf(res)).code).toBe("budget_exceeded");
+      expect(res.headers.get("x-should-retry")).toBe("false");
+      // The window resets at midnight UTC, more than 60 s away unless the test runs in the last minute of the day.
+      const untilMidnight = Date.UTC(new Date().getUTCFullYear(), new Date().getUTCMonth(), new Date().getUTCDate() + 1) - Date.now();
+      if (untilMidnight > 61_000) expect(res.headers.get("retry-after")).toBeNull();
+      for (const path of ["/v1/me", "/v1/models", "/v1/audit-events"]) {
+        const r = await fetch(`${gw.url}${path}`, { headers: { authorization: `Bearer ${org.serviceKey}` } });
+        expect(`${path} ${r.status}`).toBe(`${path} 200`);
+        await r.arrayBuffer();
+      }
+    }
+    // Audited once for the window, though both instances refused.
+    const deadline = Date.now() + 10_000;
+    let n = 0;
+    while (Date.now() < deadline) {
+      const rows = await db.rows<{ n: number }>(sql`select count(*)::int as n from audit_events where org_id = ${org.orgId} and action = 'billing.budget_exceeded'`);
+      n = Number(rows[0]?.n);
+      if (n > 0) break;
+      await Bun.sleep(20);
+    }
+    expect(n).toBe(1);
+  });
+});
+
 describe("quota store unreachable", () => {
   test("an organisation WITH a quota gets 503 service_unavailable, not budget_exceeded, when no lease can be taken", async () => {
     let broken = false;
