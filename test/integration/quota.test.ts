@@ -273,6 +273,42 @@ describe("quota leases", () => {
     await q.stop();
   });
 
+  test("a batch whose commit is ambiguous (committed, answer lost) is not counted twice", async () => {
+    const db = await sharedDatabase();
+    const p = await org(10_000);
+    let loseNextAnswer = false;
+    // Fault injection at the driver boundary: the transaction commits, then the connection "dies" before we hear back.
+    const lossy = {
+      ...db,
+      db: new Proxy(db.db, {
+        get(target, prop, recv) {
+          const v = Reflect.get(target, prop, recv);
+          if (prop !== "transaction") return v;
+          return async (...args: unknown[]) => {
+            const result = await (v as (...a: unknown[]) => Promise<unknown>).apply(target, args);
+            if (loseNextAnswer) {
+              loseNextAnswer = false;
+              throw new Error("connection terminated unexpectedly");
+            }
+            return result;
+          };
+        },
+      }),
+    };
+    const q = createQuota(lossy, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    for (let i = 0; i < 3; i++) q.settle(await q.admit(p, 10), { promptTokens: 4, completionTokens: 5 }, outcome);
+    loseNextAnswer = true;
+    // The retry (at once or at the next flush) finds the batch's id and writes nothing again.
+    await q.flush().catch(() => {});
+    await q.flush();
+    expect(q.stats()).toMatchObject({ bufferedEvents: 0, pendingTokens: 0, deadLettered: 0 });
+    expect((await counters(p.orgId)).used).toBe(27);
+    const ev = await db.db.select().from(usageEvents).where(eq(usageEvents.orgId, p.orgId));
+    expect(ev).toHaveLength(3);
+    await q.stop();
+    expect(await counters(p.orgId)).toEqual({ used: 27, leased: 0 });
+  });
+
   test("usage is buffered while the database is unreachable and written when it returns", async () => {
     const db = await sharedDatabase();
     const p = await org(null);
