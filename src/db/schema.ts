@@ -86,6 +86,8 @@ export const usageCounters = pgTable(
     used: bigint("used", { mode: "number" }).notNull().default(0),
     leased: bigint("leased", { mode: "number" }).notNull().default(0),
     exceededAt: ts("exceeded_at"),
+    /** Last time an instance found the counter empty while others held lease: holders return their unused part. */
+    wantedAt: ts("wanted_at"),
   },
   (t) => [primaryKey({ columns: [t.orgId, t.windowStart] })],
 );
@@ -156,6 +158,18 @@ export const auditEvents = pgTable(
 export const usageBatches = pgTable("usage_batches", {
   id: uuid("id").primaryKey(),
   appliedAt: createdAt(),
+});
+
+/**
+ * Usage items the batched writer could not write (a value the database
+ * refuses): set aside so that they never block the rest. `record` is the item
+ * as JSON text (text, not jsonb, which refuses some strings a bad record may hold).
+ */
+export const usageDeadLetters = pgTable("usage_dead_letters", {
+  id: bigserial("id", { mode: "number" }).primaryKey(),
+  createdAt: createdAt(),
+  record: text("record").notNull(),
+  error: text("error").notNull(),
 });
 
 /** Small key/value store for generated secrets (the cursor HMAC key). */

@@ -164,7 +164,13 @@ export function createInferenceService(deps: ServiceDeps) {
     annotate(request, { alias: name, streamed });
 
     const promptEstimate = estimatePromptTokens(body);
-    const ticket = await metering.admit(principal, promptEstimate + (completionLimit(body) ?? DEFAULT_COMPLETION_RESERVE));
+    const limit = completionLimit(body);
+    const reservation = promptEstimate + (limit ?? DEFAULT_COMPLETION_RESERVE);
+    // A caller who set a bound gets it or a refusal. Without one the request
+    // can run with less: down to one completion token, with max_tokens lowered
+    // to what the quota granted beyond the prompt, so the answer stays within it.
+    const ticket = await metering.admit(principal, reservation, limit === undefined ? promptEstimate + 1 : undefined);
+    if (limit === undefined && ticket.reserved < reservation) body.max_tokens = ticket.reserved - promptEstimate;
     const ctx = { signal: request.signal, requestId: stateOf(request)?.id ?? "" };
 
     // The client's stream_options are kept; include_usage is forced on so every stream can be metered.

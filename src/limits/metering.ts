@@ -24,17 +24,20 @@ export interface RequestOutcome {
 
 export interface Ticket {
   readonly principal: Principal;
-  /** Tokens reserved against the local lease at admission. */
+  /** Tokens reserved at admission (the whole estimate for an organisation without a quota). */
   readonly reserved: number;
   settled: boolean;
 }
 
 export interface Metering {
   /**
-   * Admit a chat or embeddings request expected to use about `estimate`
-   * tokens, or throw AppError("budget_exceeded").
+   * Admit a chat or embeddings request expected to use at most `estimate`
+   * tokens, reserving all of them, or throw AppError("budget_exceeded") when
+   * the quota has fewer left. With `minimum`, a request that can run with
+   * less (its caller lowers max_tokens to fit) is given what is left, down to
+   * `minimum`: `ticket.reserved` says how much.
    */
-  admit(principal: Principal, estimate: number): Promise<Ticket>;
+  admit(principal: Principal, estimate: number, minimum?: number): Promise<Ticket>;
   /** Settle a ticket with what the request really used; idempotent (later calls are ignored). */
   settle(ticket: Ticket, usage: UsageReport, outcome: RequestOutcome): void;
 }

@@ -173,3 +173,37 @@ export class UsageLog {
     this.cap = cap;
   }
 }
+
+/** Record `i` of a batch as a batch of one (for writing records one by one). */
+export function columnsAt(c: UsageColumns, i: number): UsageColumns {
+  return {
+    length: 1,
+    orgId: [c.orgId[i] as string],
+    keyId: [c.keyId[i] as string],
+    alias: [c.alias[i] as string],
+    target: [c.target[i] as string],
+    promptTokens: c.promptTokens.slice(i, i + 1),
+    completionTokens: c.completionTokens.slice(i, i + 1),
+    status: c.status.slice(i, i + 1),
+    latencyMs: c.latencyMs.slice(i, i + 1),
+    streamed: c.streamed.slice(i, i + 1),
+    createdAt: c.createdAt.slice(i, i + 1),
+  };
+}
+
+/** Record `i` of a batch as a plain object, every field, for a dead letter or a log line. */
+export function eventRecord(c: UsageColumns, i: number): Record<string, unknown> {
+  return {
+    kind: "event",
+    org_id: c.orgId[i],
+    key_id: c.keyId[i],
+    alias: c.alias[i],
+    target: c.target[i],
+    prompt_tokens: c.promptTokens[i],
+    completion_tokens: c.completionTokens[i],
+    status: c.status[i],
+    latency_ms: c.latencyMs[i],
+    streamed: c.streamed[i] === 1,
+    created_at: new Date(c.createdAt[i] ?? 0).toISOString(),
+  };
+}

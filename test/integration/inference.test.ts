@@ -617,8 +617,9 @@ describe("gateway limits on the inference endpoints", () => {
   });
 
   test("429 budget_exceeded once the organisation's quota is spent", async () => {
-    const poor = await seedTestOrg(gw.database, { quotaTokens: 5, quotaWindow: "month" });
-    expect((await chat({ model: "svc-fast", messages: userMessages() }, poor.personalKey)).status).toBe(200);
+    // Exactly one request's reservation: prompt estimate 8 ("hi") + max_tokens 5 (a request is admitted only on its whole reservation).
+    const poor = await seedTestOrg(gw.database, { quotaTokens: 13, quotaWindow: "month" });
+    expect((await chat({ model: "svc-fast", max_tokens: 5, messages: userMessages() }, poor.personalKey)).status).toBe(200);
     for (const res of [await chat({ model: "svc-fast", messages: userMessages() }, poor.personalKey), await embed({ model: "svc-embed", input: "x" }, poor.personalKey)]) {
       expect(res.status).toBe(429);
       const err = await errorOf(res);

@@ -239,7 +239,7 @@ describe("openai SDK: error classes", () => {
   test("429 budget_exceeded → RateLimitError whose message says budget_exceeded", async () => {
     const poor = await seedTestOrg(gw.database, { quotaTokens: 1 });
     const c = new OpenAI({ baseURL: `${gw.url}/v1`, apiKey: poor.personalKey, maxRetries: 0 });
-    await c.chat.completions.create({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] });
+    // A quota of 1 token holds no request's reservation (prompt estimate + 1,024): the first one is refused.
     const err = await errorFrom(c.chat.completions.create({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] }));
     expect(err).toBeInstanceOf(OpenAI.RateLimitError);
     if (err instanceof OpenAI.APIError) {

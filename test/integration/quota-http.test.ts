@@ -1,0 +1,280 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { eq, sql } from "drizzle-orm";
+import type { Database } from "../../src/db/client.ts";
+import { usageCounters } from "../../src/db/schema.ts";
+import type { Gateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
+import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+
+/** A plan whose request rate never binds: these tests are about the quota. */
+const UNLIMITED_RATE = { plan: "Test", plans: Object.keys(TEST_PLANS) };
+
+// Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(60_000);
+
+/**
+ * The quota bound through HTTP (README "Quota"): a request is admitted only
+ * against tokens granted from the shared counter, reserving its prompt
+ * estimate plus max_tokens (or plus 1,024 when unset). When less remains, a
+ * request with max_tokens is refused (429 budget_exceeded) and one without
+ * goes upstream with max_tokens lowered to what remains after the prompt.
+ * The simulator generates more tokens than any quota here, so only the
+ * forwarded max_tokens keeps a completion within the quota.
+ */
+
+/** 40 characters: the gateway's prompt estimate (and the simulator's count) is 3 + 4 + 40/4 = 17 tokens. */
+const PROMPT = "x".repeat(40);
+const PROMPT_TOKENS = 17;
+const DEFAULT_RESERVE = 1_024;
+
+let sim: Simulator;
+let gwA: Gateway;
+let gwB: Gateway;
+let db: Database;
+
+const overrides = (simUrl: string) => ({
+  aliases: testAliases(simUrl),
+  plans: TEST_PLANS,
+  upstream: upstreamSettings({ attempts: 1 }),
+  quota: { leaseTokens: 20_000, flushMs: 100, maxBuffered: 100_000 },
+});
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 200_000 });
+  db = await sharedDatabase();
+  gwA = await startTestGateway(overrides(sim.url));
+  gwB = await startTestGateway(overrides(sim.url));
+});
+afterAll(async () => {
+  await gwA?.stop();
+  await gwB?.stop();
+  await sim?.stop();
+});
+
+function chat(gw: Gateway, key: string, extra: Record<string, unknown> = {}): Promise<Response> {
+  return fetch(`${gw.url}/v1/chat/completions`, {
+    method: "POST",
+    headers: { authorization: `Bearer ${key}`, "content-type": "application/json" },
+    body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: PROMPT }], ...extra }),
+  });
+}
+
+async function used(orgId: string): Promise<{ used: number; leased: number }> {
+  const rows = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, orgId));
+  return rows.reduce((a, r) => ({ used: a.used + r.used, leased: a.leased + r.leased }), { used: 0, leased: 0 });
+}
+
+/** The max_tokens the simulator received in the last chat request (undefined when none was sent). */
+function forwardedMaxTokens(): unknown {
+  const b = sim.stats.lastBody as Record<string, unknown>;
+  return b.max_tokens ?? b.max_completion_tokens;
+}
+
+/** Twice: a flush already under way (the timer's) returns without what settled after it began. */
+async function flushAll(): Promise<void> {
+  for (let i = 0; i < 2; i++) {
+    await gwA.quota.flush();
+    await gwB.quota.flush();
+  }
+}
+
+describe("the reservation is the prompt estimate plus max_tokens (or plus 1,024)", () => {
+  test("max_tokens far beyond the quota: 429 budget_exceeded, nothing sent upstream, nothing used", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 1_000, quotaWindow: "day" });
+    const before = sim.stats.requests;
+    for (const field of ["max_tokens", "max_completion_tokens"]) {
+      const res = await chat(gwA, org.serviceKey, { [field]: 100_000 });
+      expect(res.status).toBe(429);
+      const err = await errorOf(res);
+      expect(err.code).toBe("budget_exceeded");
+      expect(err.message).toContain("budget_exceeded");
+      expect(res.headers.get("x-should-retry")).toBe("false");
+    }
+    expect(sim.stats.requests).toBe(before);
+    await flushAll();
+    expect((await used(org.orgId)).used).toBe(0);
+  });
+
+  test("a quota of exactly estimate + max_tokens admits; one token less refuses", async () => {
+    const maxTokens = 300;
+    const exact = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + maxTokens, quotaWindow: "day" });
+    const res = await chat(gwA, exact.serviceKey, { max_tokens: maxTokens });
+    expect(res.status).toBe(200);
+    const body = (await res.json()) as { usage: { prompt_tokens: number; completion_tokens: number } };
+    expect(body.usage).toMatchObject({ prompt_tokens: PROMPT_TOKENS, completion_tokens: maxTokens });
+    expect(forwardedMaxTokens()).toBe(maxTokens);
+
+    const short = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + maxTokens - 1, quotaWindow: "day" });
+    const refused = await chat(gwA, short.serviceKey, { max_tokens: maxTokens });
+    expect(refused.status).toBe(429);
+    expect((await errorOf(refused)).code).toBe("budget_exceeded");
+    await flushAll();
+    expect((await used(exact.orgId)).used).toBe(PROMPT_TOKENS + maxTokens);
+    expect((await used(short.orgId)).used).toBe(0);
+  });
+
+  test("without max_tokens: sent as is while estimate + 1,024 remain, else lowered to what remains", async () => {
+    const roomy = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + DEFAULT_RESERVE, quotaWindow: "day" });
+    sim.reset();
+    const res = await chat(gwA, roomy.serviceKey);
+    expect(res.status).toBe(200);
+    await res.arrayBuffer();
+    expect(forwardedMaxTokens()).toBeUndefined();
+
+    for (const stream of [false, true]) {
+      const tight = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + DEFAULT_RESERVE - 1, quotaWindow: "day" });
+      const r = await chat(gwA, tight.serviceKey, { stream });
+      expect(r.status).toBe(200);
+      await r.arrayBuffer();
+      expect(forwardedMaxTokens()).toBe(DEFAULT_RESERVE - 1);
+      await flushAll();
+      expect((await used(tight.orgId)).used).toBe(PROMPT_TOKENS + DEFAULT_RESERVE - 1);
+      // Nothing is left for a completion now.
+      const nothingLeft = await chat(gwA, tight.serviceKey, { stream });
+      expect(nothingLeft.status).toBe(429);
+      expect((await errorOf(nothingLeft)).code).toBe("budget_exceeded");
+    }
+
+    // Only the prompt fits: no completion is possible, so 429 rather than max_tokens 0.
+    const promptOnly = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS, quotaWindow: "day" });
+    const r0 = await chat(gwA, promptOnly.serviceKey);
+    expect(r0.status).toBe(429);
+    expect((await errorOf(r0)).code).toBe("budget_exceeded");
+  });
+
+  test("an unset max_tokens is lowered by what earlier requests used, on either instance", async () => {
+    const quota = 2_000;
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
+    let received = 0;
+    for (let i = 0; i < 8; i++) {
+      const res = await chat(i % 2 === 0 ? gwA : gwB, org.serviceKey, { max_tokens: 200 });
+      expect(res.status).toBe(200);
+      received += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+    }
+    expect(received).toBe(8 * (PROMPT_TOKENS + 200));
+    // 264 tokens remain, fewer than the default reservation: the completion is bounded by what this instance can still get.
+    const res = await chat(gwB, org.serviceKey);
+    expect(res.status).toBe(200);
+    const last = ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+    const lowered = forwardedMaxTokens();
+    expect(typeof lowered).toBe("number");
+    expect(lowered as number).toBeGreaterThan(0);
+    expect(lowered as number).toBeLessThanOrEqual(quota - received - PROMPT_TOKENS);
+    expect(last).toBe(PROMPT_TOKENS + (lowered as number));
+    received += last;
+    await flushAll();
+    const u = await used(org.orgId);
+    expect(u.used).toBe(received);
+    expect(u.used).toBeLessThanOrEqual(quota);
+  });
+});
+
+describe("two instances, one quota, completions far larger than the quota", () => {
+  test("concurrent clients on both instances never take usage past the quota", async () => {
+    // Within the default reservation: a request without max_tokens admitted with all of it cannot exceed it.
+    await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ completionTokens: 1_000 }) });
+    for (const quota of [1_000, 5_000, 12_000]) {
+      const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
+      let received = 0;
+      let refused = 0;
+      const client = async (i: number) => {
+        const gw = i % 2 === 0 ? gwA : gwB;
+        for (;;) {
+          // Half the clients set max_tokens (refused when it does not fit), half do not (lowered).
+          const res = await chat(gw, org.serviceKey, i % 4 < 2 ? { max_tokens: 60 } : {});
+          if (res.status === 200) {
+            received += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+            continue;
+          }
+          const err = await errorOf(res);
+          expect(`${res.status} ${err.code} ${err.message}`).toStartWith("429 budget_exceeded");
+          refused++;
+          return;
+        }
+      };
+      await Promise.all(Array.from({ length: 8 }, (_, i) => client(i)));
+      await flushAll();
+      const u = await used(org.orgId);
+      expect(u.used).toBe(received);
+      expect(refused).toBe(8);
+      // The bound: the simulator's prompt count equals the estimate here, so not one token over.
+      expect(u.used).toBeLessThanOrEqual(quota);
+    }
+    sim.reset();
+  });
+});
+
+describe("budget exceeded over HTTP", () => {
+  test("x-should-retry false, no retry-after for a day window; /v1/me, /v1/models and the audit log still answer", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + 10, quotaWindow: "day" });
+    const ok = await chat(gwA, org.serviceKey, { max_tokens: 10 });
+    expect(ok.status).toBe(200);
+    await ok.arrayBuffer();
+    for (const gw of [gwA, gwB]) {
+      const res = await chat(gw, org.serviceKey, { max_tokens: 1 });
+      expect(res.status).toBe(429);
+      expect((await errorOf(res)).code).toBe("budget_exceeded");
+      expect(res.headers.get("x-should-retry")).toBe("false");
+      // The window resets at midnight UTC, more than 60 s away unless the test runs in the last minute of the day.
+      const untilMidnight = Date.UTC(new Date().getUTCFullYear(), new Date().getUTCMonth(), new Date().getUTCDate() + 1) - Date.now();
+      if (untilMidnight > 61_000) expect(res.headers.get("retry-after")).toBeNull();
+      for (const path of ["/v1/me", "/v1/models", "/v1/audit-events"]) {
+        const r = await fetch(`${gw.url}${path}`, { headers: { authorization: `Bearer ${org.serviceKey}` } });
+        expect(`${path} ${r.status}`).toBe(`${path} 200`);
+        await r.arrayBuffer();
+      }
+    }
+    // Audited once for the window, though both instances refused.
+    const deadline = Date.now() + 10_000;
+    let n = 0;
+    while (Date.now() < deadline) {
+      const rows = await db.rows<{ n: number }>(sql`select count(*)::int as n from audit_events where org_id = ${org.orgId} and action = 'billing.budget_exceeded'`);
+      n = Number(rows[0]?.n);
+      if (n > 0) break;
+      await Bun.sleep(20);
+    }
+    expect(n).toBe(1);
+  });
+});
+
+describe("quota store unreachable", () => {
+  test("an organisation WITH a quota gets 503 service_unavailable, not budget_exceeded, when no lease can be taken", async () => {
+    let broken = false;
+    const base = await sharedDatabase();
+    // Fault injection at the driver boundary: leases (transactions) fail, key lookups still work.
+    const flaky: Database = {
+      ...base,
+      db: new Proxy(base.db, {
+        get(target, prop, recv) {
+          if (broken && prop === "transaction") {
+            return () => Promise.reject(new Error("connection refused"));
+          }
+          return Reflect.get(target, prop, recv);
+        },
+      }),
+    };
+    const gw = await startTestGateway(overrides(sim.url), flaky);
+    try {
+      const org = await seedOrg(base, { quotaTokens: 1_000_000, quotaWindow: "day" });
+      // A request that fits the first lease is served.
+      const ok = await chat(gw, org.serviceKey, { max_tokens: 10 });
+      expect(ok.status).toBe(200);
+      await ok.arrayBuffer();
+      broken = true;
+      // Larger than any lease this instance holds: it must lease, and cannot.
+      const res = await chat(gw, org.serviceKey, { max_tokens: 100_000 });
+      expect(res.status).toBe(503);
+      const err = await errorOf(res);
+      expect(err.code).toBe("service_unavailable");
+      expect(err.message).not.toContain("budget_exceeded");
+      const audit = await base.rows<{ n: number }>(
+        sql`select count(*)::int as n from audit_events where org_id = ${org.orgId} and action = 'billing.budget_exceeded'`,
+      );
+      expect(Number(audit[0]?.n)).toBe(0);
+    } finally {
+      broken = false;
+      await gw.stop();
+    }
+  });
+});
