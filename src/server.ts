@@ -109,9 +109,15 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     app.listen({
       hostname: config.host,
       port: config.port,
-      // Our own reader enforces bodyLimitBytes and answers 400 (spec 7), so
-      // Bun's limit (which would answer 413 itself) sits above it.
-      maxRequestBodySize: config.bodyLimitBytes * 2 + 1024 * 1024,
+      // Bun's own limit would answer a bare 413 before any of our code runs;
+      // spec 7 wants 400 in the error shape at every size. So Bun's limit is
+      // off and our reader enforces bodyLimitBytes (src/http/body.ts): it
+      // refuses a declared length over the limit without reading a byte, cuts
+      // a chunked body at the limit, and the answer closes the connection, so
+      // the rest is never read. No route reads a body any other way. (A
+      // Content-Length of 18 digits or more is malformed to Bun's parser and
+      // gets its bare 400.)
+      maxRequestBodySize: Number.POSITIVE_INFINITY,
       // Idle connections and slow request bodies are cut after this; inference
       // requests lift it once their body is read (src/inference/routes.ts).
       idleTimeout: config.idleTimeoutS,

@@ -33,6 +33,11 @@ export function looksLikeBrowser(h: Headers): boolean {
   return false;
 }
 
+function hasBody(h: Headers): boolean {
+  const length = h.get("content-length");
+  return (length !== null && length.trim() !== "0") || h.has("transfer-encoding");
+}
+
 /** Paths whose 400s are `invalid_body` (spec 7); everything else says `invalid_request_error`. */
 function validationCode(path: string) {
   return path.startsWith("/v1/audit-events") ? "invalid_body" : "invalid_request_error";
@@ -58,6 +63,9 @@ export function createApp(deps: AppDeps) {
       if (state) state.errorCode = err.code;
       set.status = err.status;
       Object.assign(set.headers, err.headers);
+      // Refused before its body was read (e.g. 401 on a 40 MB upload): close
+      // rather than receive and discard the body to keep the connection.
+      if (hasBody(request.headers) && !request.bodyUsed) set.headers.connection = "close";
       set.headers["content-type"] = "application/json";
       return errorBody(err.code, err.message, err.param);
     })

@@ -13,9 +13,7 @@ export async function readJsonBody(request: Request, limit: number, code: ErrorC
     throw new AppError(code, "Content-Type must be application/json.");
   }
   const declared = request.headers.get("content-length");
-  if (declared !== null && Number(declared) > limit) {
-    throw new AppError(code, `Request body too large: the limit is ${limit} bytes.`);
-  }
+  if (declared !== null && Number(declared) > limit) throw tooLarge(code, limit);
   let bytes: Uint8Array;
   try {
     // Fast path: the length is known and within the limit (Bun enforces it), so one read suffices.
@@ -39,6 +37,15 @@ export async function readJsonBody(request: Request, limit: number, code: ErrorC
   }
 }
 
+/**
+ * The rest of the body is never read: the answer closes the connection (Bun
+ * does so for a response carrying `connection: close`), so a client cannot
+ * make us receive and discard gigabytes to keep the connection alive.
+ */
+function tooLarge(code: ErrorCode, limit: number): AppError {
+  return new AppError(code, `Request body too large: the limit is ${limit} bytes.`, null, { connection: "close" });
+}
+
 const decoder = new TextDecoder("utf-8", { fatal: true });
 
 /** A body of unknown length (chunked): count as it streams in and stop at the limit. */
@@ -54,7 +61,7 @@ async function readCounted(request: Request, limit: number, code: ErrorCode): Pr
     size += value.byteLength;
     if (size > limit) {
       await reader.cancel().catch(() => {});
-      throw new AppError(code, `Request body too large: the limit is ${limit} bytes.`);
+      throw tooLarge(code, limit);
     }
     chunks.push(value);
   }
