@@ -4,10 +4,12 @@ import { createGuard } from "./auth/guard.ts";
 import { createSecurityAuditor } from "./auth/security.ts";
 import { type KeyVerifier, createKeyVerifier } from "./auth/verify.ts";
 import { auditRoutes, meRoutes } from "./audit/routes.ts";
+import { listenAddress } from "./config/load.ts";
 import type { Config } from "./config/schema.ts";
 import { type Database, migrate, migrationsCurrent, openDatabase } from "./db/client.ts";
 import { settings } from "./db/schema.ts";
 import { createApp } from "./http/app.ts";
+import { errorBody } from "./http/errors.ts";
 import { openApiDocument } from "./http/openapi.ts";
 import { VERSION } from "./lib/version.ts";
 import { createLogger, type Logger } from "./lib/log.ts";
@@ -25,7 +27,7 @@ export interface Gateway {
   /** Usage accounting (tests flush it to read the database). */
   quota: QuotaManager;
   metrics: Metrics;
-  /** Where /metrics is served when `metrics.listen` is set. */
+  /** Where /metrics is served (its own listener, or the main one with `metrics.listen: "main"`); unset when disabled. */
   metricsUrl: string | undefined;
   /** Graceful stop: refuse new connections, let in-flight requests finish up to drainMs, flush, close. */
   stop(): Promise<void>;
@@ -52,9 +54,16 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
   const { config } = opts;
   const log = opts.log ?? createLogger(config.logLevel);
   const ownsDb = !opts.database;
+  const metrics = createMetrics();
+  const metricsOnMain = config.metrics.enabled && config.metrics.listen === "main";
+  let metricsServer: ReturnType<typeof Bun.serve> | undefined;
   const database =
     opts.database ?? (await openDatabase({ databaseUrl: config.databaseUrl, dataDir: config.dataDir, poolMax: config.dbPoolMax }));
   try {
+    // Metrics name upstream targets and internal figures, so by default they
+    // have a listener of their own on loopback; "main" puts them on the public
+    // port. Bound first, so that a taken address fails before anything starts.
+    if (config.metrics.enabled && !metricsOnMain) metricsServer = serveMetrics(config.metrics.listen, metrics);
     const applied = await migrate(database);
     if (applied.length > 0) log.info("migrations applied", { applied });
     const secret = await cursorSecret(database, config.cursorSecret);
@@ -73,7 +82,6 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       security,
       planLimit: (plan) => config.plans[plan]?.requestsPerMinute ?? fallbackLimit,
     });
-    const metrics = createMetrics();
     const quota = createQuota(database, log, {
       ...config.quota,
       // The embedded database runs in its own thread (src/db/pglite-worker.ts),
@@ -92,7 +100,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     const app = createApp({
       metrics,
       openapi: openApiDocument(VERSION),
-      metricsRoute: config.metrics.enabled && !config.metrics.listen,
+      metricsRoute: metricsOnMain,
       guard,
       verifier,
       security,
@@ -124,20 +132,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     });
     const server = app.server;
     if (!server) throw new Error("server did not start");
-    // Metrics on their own address when configured, so they need not be public.
-    let metricsServer: ReturnType<typeof Bun.serve> | undefined;
-    if (config.metrics.enabled && config.metrics.listen) {
-      const at = config.metrics.listen.lastIndexOf(":");
-      metricsServer = Bun.serve({
-        hostname: config.metrics.listen.slice(0, at).replace(/^\[|\]$/g, ""),
-        port: Number(config.metrics.listen.slice(at + 1)),
-        fetch: async (req) =>
-          new URL(req.url).pathname === "/metrics"
-            ? new Response(await metrics.registry.metrics(), { headers: { "content-type": metrics.registry.contentType } })
-            : new Response("not found", { status: 404 }),
-      });
-    }
-    const url = `http://${config.host.includes(":") ? `[${config.host}]` : config.host}:${server.port}`;
+    const url = httpUrl(config.host, server.port ?? config.port);
 
     let stopping: Promise<void> | undefined;
     return {
@@ -148,7 +143,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       log,
       quota,
       metrics,
-      metricsUrl: metricsServer ? `http://${metricsServer.hostname}:${metricsServer.port}/metrics` : undefined,
+      metricsUrl: metricsServer ? `${httpUrl(metricsServer.hostname ?? "", metricsServer.port ?? 0)}/metrics` : metricsOnMain ? `${url}/metrics` : undefined,
       stop() {
         stopping ??= (async () => {
           const t0 = performance.now();
@@ -182,11 +177,33 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       },
     };
   } catch (e) {
+    metricsServer?.stop(true);
     if (ownsDb) await database.close().catch(() => {});
     throw e;
   }
 }
 
+function httpUrl(host: string, port: number): string {
+  return `http://${host.includes(":") ? `[${host}]` : host}:${port}`;
+}
+
+/** The metrics listener: GET /metrics and nothing else; it takes no request bodies. */
+function serveMetrics(listen: string, metrics: Metrics): ReturnType<typeof Bun.serve> {
+  const notFound = () => Response.json(errorBody("not_found", "Only GET /metrics is served here."), { status: 404 });
+  try {
+    return Bun.serve({
+      ...listenAddress(listen),
+      maxRequestBodySize: 64 * 1024,
+      idleTimeout: 30,
+      fetch: async (req) => {
+        if (new URL(req.url).pathname !== "/metrics" || (req.method !== "GET" && req.method !== "HEAD")) return notFound();
+        return new Response(await metrics.registry.metrics(), { headers: { "content-type": metrics.registry.contentType } });
+      },
+    });
+  } catch (e) {
+    throw new Error(`metrics.listen ${listen}: cannot listen (${e instanceof Error ? e.message : String(e)}); set another host:port, or "main"`);
+  }
+}
 
 /** Gauges and counters read from components' own counters at scrape time (nothing on the hot path). */
 function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager) {

@@ -66,6 +66,7 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
   set("databaseUrl", env.DATABASE_URL);
   set("logLevel", env.LOG_LEVEL);
   set("cursorSecret", env.GATEWAY_CURSOR_SECRET);
+  if (env.METRICS_LISTEN) raw.metrics = { ...(isRecord(raw.metrics) ? raw.metrics : {}), listen: env.METRICS_LISTEN };
   const instances = envInt(env, "GATEWAY_RATE_LIMIT_INSTANCES", problems);
   if (instances !== undefined) raw.rateLimit = { ...(isRecord(raw.rateLimit) ? raw.rateLimit : {}), instances };
   for (const [k, v] of Object.entries(input.overrides ?? {})) set(k, v);
@@ -105,6 +106,9 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
   }
   if (problems.length === 0) {
     if (!(config.defaultPlan in config.plans)) problems.push(`/defaultPlan: plan ${JSON.stringify(config.defaultPlan)} is not in /plans`);
+    if (config.metrics.listen !== "main" && listenAddress(config.metrics.listen).port > 65535) {
+      problems.push(`/metrics/listen: port out of range (got ${JSON.stringify(config.metrics.listen)})`);
+    }
     for (const [name, alias] of Object.entries(config.aliases)) {
       for (const [i, t] of alias.targets.entries()) {
         if (!URL.canParse(t.baseUrl) || !/^https?:$/.test(new URL(t.baseUrl).protocol)) {
@@ -142,6 +146,12 @@ export function upstreamAliases(baseUrl: string, apiKeyEnv?: string): Json {
     out[name] = { ...rest, targets: [{ baseUrl, model: defaultModel, weight: 1, ...(apiKeyEnv ? { apiKeyEnv } : {}) }] };
   }
   return out;
+}
+
+/** "host:port", "[v6]:port" → the parts Bun.serve takes (the schema's pattern has checked the shape). */
+export function listenAddress(listen: string): { hostname: string; port: number } {
+  const at = listen.lastIndexOf(":");
+  return { hostname: listen.slice(0, at).replace(/^\[|\]$/g, ""), port: Number(listen.slice(at + 1)) };
 }
 
 /** Config with secrets masked, for `config print`. */

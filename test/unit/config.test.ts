@@ -32,6 +32,23 @@ function capture() {
   return { o, out: { stdout: (s: string) => void (o.out += s), stderr: (s: string) => void (o.err += s) } };
 }
 
+describe("metrics.listen", () => {
+  test("host:port, [v6]:port, port 0 and \"main\" are accepted; METRICS_LISTEN sets it", async () => {
+    for (const listen of ["0.0.0.0:9100", "[::1]:9464", "127.0.0.1:0", "main"]) {
+      expect((await loadConfig({ env: {}, file: file({ metrics: { listen } }) })).metrics.listen).toBe(listen);
+    }
+    const viaEnv = await loadConfig({ env: { METRICS_LISTEN: "10.0.0.5:9100" }, file: file({ metrics: { enabled: true, listen: "main" } }) });
+    expect(viaEnv.metrics).toEqual({ enabled: true, listen: "10.0.0.5:9100" });
+  });
+
+  test("a port out of range, no port, or another word is refused", async () => {
+    for (const listen of ["127.0.0.1:70000", "127.0.0.1", "public", "main:"]) {
+      const p = await problems({ env: {}, file: file({ metrics: { listen } }) });
+      expect(p.some((x) => x.startsWith("/metrics/listen:"))).toBe(true);
+    }
+  });
+});
+
 describe("defaults", () => {
   test("an empty environment gives the documented defaults", async () => {
     const c = await loadConfig({ env: {} });
@@ -49,6 +66,8 @@ describe("defaults", () => {
       keyCache: { ttlMs: 60_000, max: 100_000, negativeTtlMs: 5_000, negativeMax: 10_000 },
       rateLimit: { instances: 1, maxOrgs: 100_000 },
       upstream: { attempts: 3, backoffMs: 50, timeouts: { connectMs: 5_000, firstByteMs: 60_000, idleMs: 60_000 } },
+      // Metrics are not on the public port unless an operator says so.
+      metrics: { enabled: true, listen: "127.0.0.1:9464" },
     });
     expect(c.databaseUrl).toBeUndefined();
     expect(c.cursorSecret).toBeUndefined();
