@@ -158,6 +158,28 @@ export function listenAddress(listen: string): { hostname: string; port: number 
 export function maskConfig(c: Config): Config {
   const masked = structuredClone(c);
   if (masked.cursorSecret) masked.cursorSecret = "***";
-  if (masked.databaseUrl) masked.databaseUrl = masked.databaseUrl.replace(/\/\/([^:@/]+):[^@/]*@/, "//$1:***@");
+  if (masked.databaseUrl) masked.databaseUrl = maskDatabaseUrl(masked.databaseUrl);
   return masked;
+}
+
+/**
+ * A database URL with its credentials masked. A password may hold any
+ * character unencoded ('/', '@', ':', '?', '#'), so the user information runs
+ * to the last '@' (a host never holds one) and everything after the user's
+ * first ':' is masked; when an '@' in the query makes that ambiguous, more is
+ * masked, never less. Query parameters naming a password (libpq's `password`,
+ * `sslpassword`) are masked too.
+ */
+export function maskDatabaseUrl(url: string): string {
+  const scheme = url.indexOf("://");
+  if (scheme === -1) return "***";
+  const start = scheme + 3;
+  let out = url;
+  const at = url.lastIndexOf("@");
+  if (at > start) {
+    const userinfo = url.slice(start, at);
+    const colon = userinfo.indexOf(":");
+    if (colon !== -1) out = `${url.slice(0, start)}${userinfo.slice(0, colon)}:***${url.slice(at)}`;
+  }
+  return out.replace(/([?&][^=&#]*pass(?:word)?=)[^&#]*/gi, "$1***");
 }

@@ -309,6 +309,40 @@ describe("gateway config check|print", () => {
     expect(printed.cursorSecret).toBe("***");
   });
 
+  test("maskConfig masks every credential form postgres.js (and libpq) accept", async () => {
+    const cases: [url: string, masked: string, secret: string][] = [
+      ["postgres://gw:hunter2@db:5432/gw", "postgres://gw:***@db:5432/gw", "hunter2"],
+      ["postgres://u:pa/ss@db/gw", "postgres://u:***@db/gw", "pa/ss"],
+      ["postgres://u:p@ss@db/gw", "postgres://u:***@db/gw", "p@ss"],
+      ["postgres://u:p:a:ss@db/gw", "postgres://u:***@db/gw", "p:a:ss"],
+      ["postgres://u:p?ss=1&x@db/gw?sslmode=require", "postgres://u:***@db/gw?sslmode=require", "p?ss=1&x"],
+      ["postgres://u:p#ss@db/gw", "postgres://u:***@db/gw", "p#ss"],
+      ["postgres://u:/@:?#@db/gw", "postgres://u:***@db/gw", "/@:?#"],
+      ["postgres://u:p%40ss%2F@db/gw", "postgres://u:***@db/gw", "p%40ss%2F"],
+      ["postgresql://:hunter2@db/gw", "postgresql://:***@db/gw", "hunter2"],
+      ["postgres://u:hunter2@h1:5432,h2:5433/gw", "postgres://u:***@h1:5432,h2:5433/gw", "hunter2"],
+      ["postgres://db/gw?password=hunter2&sslmode=require", "postgres://db/gw?password=***&sslmode=require", "hunter2"],
+      ["postgres://u@db/gw?sslmode=require&PASSWORD=hun%26ter2", "postgres://u@db/gw?sslmode=require&PASSWORD=***", "hun%26ter2"],
+      ["postgres://u@db/gw?sslpassword=hunter2", "postgres://u@db/gw?sslpassword=***", "hunter2"],
+      ["postgres://u:one@db/gw?password=two#frag", "postgres://u:***@db/gw?password=***#frag", "one"],
+    ];
+    for (const [url, masked, secret] of cases) {
+      const c = await loadConfig({ env: { DATABASE_URL: url } });
+      const out = maskConfig(c).databaseUrl ?? "";
+      expect(out).toBe(masked);
+      expect(out).not.toContain(secret);
+      expect(JSON.stringify(maskConfig(c))).not.toContain(secret);
+    }
+  });
+
+  test("config print masks the URL forms too", async () => {
+    const { o, out } = capture();
+    const cfg = file({ databaseUrl: "postgres://gw:pa/ss@w:rd@db:5432/gw?password=second&sslmode=require" });
+    expect(await runCli(["config", "print", "--config", cfg], out)).toBe(0);
+    for (const secret of ["pa/ss", "w:rd", "second"]) expect(o.out).not.toContain(secret);
+    expect((JSON.parse(o.out) as { databaseUrl: string }).databaseUrl).toBe("postgres://gw:***@db:5432/gw?password=***&sslmode=require");
+  });
+
   test("maskConfig leaves a password-less URL alone and does not mutate its input", async () => {
     const c = await loadConfig({ env: { DATABASE_URL: "postgres://gw@db/gw" } });
     expect(maskConfig(c).databaseUrl).toBe("postgres://gw@db/gw");
