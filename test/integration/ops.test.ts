@@ -160,13 +160,12 @@ describe("GET /openapi.json", () => {
       ["/healthz", "get"],
       ["/readyz", "get"],
       ["/metrics", "get"],
+      ["/openapi.json", "get"],
     ] as const) {
       expect(doc.paths[path]?.[method]).toBeDefined();
     }
     expect(doc.paths["/v1/me"]?.get?.security).toEqual([{ bearer: [] }]);
     expect(doc.components.securitySchemes.bearer).toMatchObject({ type: "http", scheme: "bearer" });
-    // The request schema is the validator's own: it rejects what the endpoint rejects.
-    const chatSchema = JSON.stringify(doc).includes('"additionalProperties":false');
-    expect(chatSchema).toBe(true);
+    // Answers and request schemas are checked against real traffic in openapi.test.ts.
   });
 });
