@@ -15,7 +15,7 @@ import { VERSION } from "./lib/version.ts";
 import { createLogger, type Logger } from "./lib/log.ts";
 import { createMetrics, type Metrics } from "./metrics/registry.ts";
 import { type QuotaManager, createQuota } from "./limits/quota.ts";
-import { createLimiter } from "./limits/store.ts";
+import { createLimiter, type Limiter } from "./limits/store.ts";
 import { createInference } from "./inference/routes.ts";
 
 export interface Gateway {
@@ -72,7 +72,8 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     await verifier.start();
     const security = createSecurityAuditor(database, log);
     const limiter = createLimiter({ instances: config.rateLimit.instances, maxKeys: config.rateLimit.maxOrgs, windowMs: config.rateLimit.windowMs });
-    const sweep = setInterval(() => limiter.sweep(Date.now()), 30_000);
+    // Organisations idle for a window hold no state that matters: drop them at least once a window.
+    const sweep = setInterval(() => limiter.sweep(Date.now()), Math.min(30_000, config.rateLimit.windowMs));
     sweep.unref?.();
     const fallbackLimit = config.plans[config.defaultPlan]?.requestsPerMinute ?? 60;
     const guard = createGuard({
@@ -96,7 +97,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     quota.start();
     const inference = createInference({ config, metering: quota, log, metrics });
 
-    observeInternals(metrics, verifier, quota);
+    observeInternals(metrics, verifier, quota, limiter);
     const app = createApp({
       metrics,
       openapi: openApiDocument(VERSION),
@@ -206,7 +207,7 @@ function serveMetrics(listen: string, metrics: Metrics): ReturnType<typeof Bun.s
 }
 
 /** Gauges and counters read from components' own counters at scrape time (nothing on the hot path). */
-function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager) {
+function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager, limiter: Limiter) {
   let seenHits = 0;
   let seenMisses = 0;
   const sync = () => {
@@ -219,6 +220,7 @@ function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaM
     metrics.usageBuffered.set(q.bufferedEvents);
     metrics.usagePendingTokens.set(q.pendingTokens);
     metrics.usageFlushFailures.set(q.flushFailures);
+    metrics.rateLimitOrgs.set(limiter.size());
   };
   metrics.onScrape(sync);
 }

@@ -108,6 +108,30 @@ describe("rate-limit options and headers through the gateway", () => {
     }
   });
 
+  test("organisations idle for a window are swept from the limiter (gateway_rate_limit_orgs falls back to 0)", async () => {
+    const brief = await startTestGateway({ rateLimit: { instances: 1, maxOrgs: 1000, windowMs: 1_000 } });
+    try {
+      const org = await seedOrg(brief.database);
+      const held = async () => {
+        const text = await (await fetch(`${brief.metricsUrl}`)).text();
+        return Number(/^gateway_rate_limit_orgs (\d+)$/m.exec(text)?.[1] ?? Number.NaN);
+      };
+      expect(await held()).toBe(0);
+      expect((await fetch(`${brief.url}/v1/me`, { headers: bearer(org.serviceKey) })).status).toBe(200);
+      expect(await held()).toBe(1);
+      // No other organisation arrives (nothing forces room to be made): only the sweep can drop it.
+      const deadline = Date.now() + 10_000;
+      let n = 1;
+      while (n !== 0 && Date.now() < deadline) {
+        await Bun.sleep(200);
+        n = await held();
+      }
+      expect(n).toBe(0);
+    } finally {
+      await brief.stop();
+    }
+  });
+
   test("authenticated 400, 404 and 503 answers carry x-ratelimit-* and count against the window", async () => {
     // The test gateway's aliases point at a closed port: chat answers 503.
     const org = await seedOrg(gw.database);
