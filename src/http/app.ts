@@ -73,6 +73,8 @@ export function createApp(deps: AppDeps) {
       const id = requestIdOf(request.headers.get("x-request-id"));
       beginRequest(request, id, performance.now());
       set.headers["x-request-id"] = id;
+      // No GET here reads a body: answer, then close, rather than receive and discard one.
+      if (request.method === "GET" && hasBody(request.headers)) set.headers.connection = "close";
       if (looksLikeBrowser(request.headers)) {
         const authz = request.headers.get("authorization");
         if (authz) {

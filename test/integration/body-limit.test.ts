@@ -93,6 +93,16 @@ describe("request bodies over the limit (16 MB)", () => {
     expectClosedError(a, 401, "unauthorized");
   });
 
+  test("GET endpoints with a 40 MB body: answered, then the connection is closed (the body is never read)", async () => {
+    for (const path of ["/v1/me", "/v1/models", "/healthz"]) {
+      const head = [`GET ${path} HTTP/1.1`, "Host: gw", `Authorization: Bearer ${org.serviceKey}`, `Content-Length: ${40 * MB}`].join("\r\n");
+      const a = await rawRequest({ url: gw.url, head, bodyBytes: 40 * MB, stopOnAnswer: true, maxMs: 20_000 });
+      expect(a.status).toBe(200);
+      expect(a.headers.connection).toBe("close");
+      expect(a.closed).toBe(true);
+    }
+  });
+
   test("a client that ignores the answer and keeps sending 200 MB costs no memory and is cut off", async () => {
     const before = process.memoryUsage().rss;
     for (const chunked of [false, true]) {

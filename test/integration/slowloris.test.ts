@@ -23,7 +23,7 @@ beforeAll(async () => {
   const config = await testConfig({ aliases: upstreamAliases(sim.url), idleTimeoutS: 1 });
   gw = await startGateway({ config, database: await sharedDatabase(), log: createLogger("error", (l) => errors.push(l)) });
   org = await seedOrg(gw.database);
-});
+}, 120_000); // the embedded database can take longer than a test's 30 s to start on a loaded machine
 afterAll(async () => {
   await gw.stop();
   await sim.stop();
