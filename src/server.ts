@@ -4,16 +4,18 @@ import { createGuard } from "./auth/guard.ts";
 import { createSecurityAuditor } from "./auth/security.ts";
 import { type KeyVerifier, createKeyVerifier } from "./auth/verify.ts";
 import { auditRoutes, meRoutes } from "./audit/routes.ts";
+import { listenAddress } from "./config/load.ts";
 import type { Config } from "./config/schema.ts";
 import { type Database, migrate, migrationsCurrent, openDatabase } from "./db/client.ts";
 import { settings } from "./db/schema.ts";
 import { createApp } from "./http/app.ts";
+import { errorBody } from "./http/errors.ts";
 import { openApiDocument } from "./http/openapi.ts";
 import { VERSION } from "./lib/version.ts";
 import { createLogger, type Logger } from "./lib/log.ts";
 import { createMetrics, type Metrics } from "./metrics/registry.ts";
 import { type QuotaManager, createQuota } from "./limits/quota.ts";
-import { createLimiter } from "./limits/store.ts";
+import { createLimiter, type Limiter } from "./limits/store.ts";
 import { createInference } from "./inference/routes.ts";
 import type { HostLookup } from "./inference/image-url.ts";
 
@@ -26,7 +28,7 @@ export interface Gateway {
   /** Usage accounting (tests flush it to read the database). */
   quota: QuotaManager;
   metrics: Metrics;
-  /** Where /metrics is served when `metrics.listen` is set. */
+  /** Where /metrics is served (its own listener, or the main one with `metrics.listen: "main"`); unset when disabled. */
   metricsUrl: string | undefined;
   /** Graceful stop: refuse new connections, let in-flight requests finish up to drainMs, flush, close. */
   stop(): Promise<void>;
@@ -55,9 +57,16 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
   const { config } = opts;
   const log = opts.log ?? createLogger(config.logLevel);
   const ownsDb = !opts.database;
+  const metrics = createMetrics();
+  const metricsOnMain = config.metrics.enabled && config.metrics.listen === "main";
+  let metricsServer: ReturnType<typeof Bun.serve> | undefined;
   const database =
     opts.database ?? (await openDatabase({ databaseUrl: config.databaseUrl, dataDir: config.dataDir, poolMax: config.dbPoolMax }));
   try {
+    // Metrics name upstream targets and internal figures, so by default they
+    // have a listener of their own on loopback; "main" puts them on the public
+    // port. Bound first, so that a taken address fails before anything starts.
+    if (config.metrics.enabled && !metricsOnMain) metricsServer = serveMetrics(config.metrics.listen, metrics);
     const applied = await migrate(database);
     if (applied.length > 0) log.info("migrations applied", { applied });
     const secret = await cursorSecret(database, config.cursorSecret);
@@ -66,7 +75,8 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     await verifier.start();
     const security = createSecurityAuditor(database, log);
     const limiter = createLimiter({ instances: config.rateLimit.instances, maxKeys: config.rateLimit.maxOrgs, windowMs: config.rateLimit.windowMs });
-    const sweep = setInterval(() => limiter.sweep(Date.now()), 30_000);
+    // Organisations idle for a window hold no state that matters: drop them at least once a window.
+    const sweep = setInterval(() => limiter.sweep(Date.now()), Math.min(30_000, config.rateLimit.windowMs));
     sweep.unref?.();
     const fallbackLimit = config.plans[config.defaultPlan]?.requestsPerMinute ?? 60;
     const guard = createGuard({
@@ -76,7 +86,6 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       security,
       planLimit: (plan) => config.plans[plan]?.requestsPerMinute ?? fallbackLimit,
     });
-    const metrics = createMetrics();
     const quota = createQuota(database, log, {
       ...config.quota,
       // The embedded database runs in its own thread (src/db/pglite-worker.ts),
@@ -91,11 +100,11 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     quota.start();
     const inference = createInference({ config, metering: quota, log, metrics, ...(opts.lookup ? { lookup: opts.lookup } : {}) });
 
-    observeInternals(metrics, verifier, quota);
+    observeInternals(metrics, verifier, quota, limiter);
     const app = createApp({
       metrics,
       openapi: openApiDocument(VERSION),
-      metricsRoute: config.metrics.enabled && !config.metrics.listen,
+      metricsRoute: metricsOnMain,
       guard,
       verifier,
       security,
@@ -115,29 +124,22 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       // Elysia turns SO_REUSEPORT on by default, which lets a second instance
       // on a taken port start and quietly take part of the traffic.
       reusePort: config.reusePort,
-      // Our own reader enforces bodyLimitBytes and answers 400 (spec 7), so
-      // Bun's limit (which would answer 413 itself) sits above it.
-      maxRequestBodySize: config.bodyLimitBytes * 2 + 1024 * 1024,
+      // Bun's own limit would answer a bare 413 before any of our code runs;
+      // spec 7 wants 400 in the error shape at every size. So Bun's limit is
+      // off and our reader enforces bodyLimitBytes (src/http/body.ts): it
+      // refuses a declared length over the limit without reading a byte, cuts
+      // a chunked body at the limit, and the answer closes the connection, so
+      // the rest is never read. No route reads a body any other way. (A
+      // Content-Length of 18 digits or more is malformed to Bun's parser and
+      // gets its bare 400.)
+      maxRequestBodySize: Number.POSITIVE_INFINITY,
       // Idle connections and slow request bodies are cut after this; inference
       // requests lift it once their body is read (src/inference/routes.ts).
       idleTimeout: config.idleTimeoutS,
     });
     const server = app.server;
     if (!server) throw new Error("server did not start");
-    // Metrics on their own address when configured, so they need not be public.
-    let metricsServer: ReturnType<typeof Bun.serve> | undefined;
-    if (config.metrics.enabled && config.metrics.listen) {
-      const at = config.metrics.listen.lastIndexOf(":");
-      metricsServer = Bun.serve({
-        hostname: config.metrics.listen.slice(0, at).replace(/^\[|\]$/g, ""),
-        port: Number(config.metrics.listen.slice(at + 1)),
-        fetch: async (req) =>
-          new URL(req.url).pathname === "/metrics"
-            ? new Response(await metrics.registry.metrics(), { headers: { "content-type": metrics.registry.contentType } })
-            : new Response("not found", { status: 404 }),
-      });
-    }
-    const url = `http://${config.host.includes(":") ? `[${config.host}]` : config.host}:${server.port}`;
+    const url = httpUrl(config.host, server.port ?? config.port);
 
     let stopping: Promise<void> | undefined;
     return {
@@ -148,7 +150,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       log,
       quota,
       metrics,
-      metricsUrl: metricsServer ? `http://${metricsServer.hostname}:${metricsServer.port}/metrics` : undefined,
+      metricsUrl: metricsServer ? `${httpUrl(metricsServer.hostname ?? "", metricsServer.port ?? 0)}/metrics` : metricsOnMain ? `${url}/metrics` : undefined,
       stop() {
         stopping ??= (async () => {
           const t0 = performance.now();
@@ -182,14 +184,36 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       },
     };
   } catch (e) {
+    metricsServer?.stop(true);
     if (ownsDb) await database.close().catch(() => {});
     throw e;
   }
 }
 
+function httpUrl(host: string, port: number): string {
+  return `http://${host.includes(":") ? `[${host}]` : host}:${port}`;
+}
+
+/** The metrics listener: GET /metrics and nothing else; it takes no request bodies. */
+function serveMetrics(listen: string, metrics: Metrics): ReturnType<typeof Bun.serve> {
+  const notFound = () => Response.json(errorBody("not_found", "Only GET /metrics is served here."), { status: 404 });
+  try {
+    return Bun.serve({
+      ...listenAddress(listen),
+      maxRequestBodySize: 64 * 1024,
+      idleTimeout: 30,
+      fetch: async (req) => {
+        if (new URL(req.url).pathname !== "/metrics" || (req.method !== "GET" && req.method !== "HEAD")) return notFound();
+        return new Response(await metrics.registry.metrics(), { headers: { "content-type": metrics.registry.contentType } });
+      },
+    });
+  } catch (e) {
+    throw new Error(`metrics.listen ${listen}: cannot listen (${e instanceof Error ? e.message : String(e)}); set another host:port, or "main"`);
+  }
+}
 
 /** Gauges and counters read from components' own counters at scrape time (nothing on the hot path). */
-function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager) {
+function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager, limiter: Limiter) {
   let seenHits = 0;
   let seenMisses = 0;
   let seenThrottled = 0;
@@ -205,6 +229,7 @@ function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaM
     metrics.usageBuffered.set(q.bufferedEvents);
     metrics.usagePendingTokens.set(q.pendingTokens);
     metrics.usageFlushFailures.set(q.flushFailures);
+    metrics.rateLimitOrgs.set(limiter.size());
   };
   metrics.onScrape(sync);
 }

@@ -69,6 +69,7 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
   set("logLevel", env.LOG_LEVEL);
   set("cursorSecret", env.GATEWAY_CURSOR_SECRET);
   if (env.GATEWAY_REUSE_PORT !== undefined && env.GATEWAY_REUSE_PORT !== "") raw.reusePort = /^(1|true|yes)$/i.test(env.GATEWAY_REUSE_PORT);
+  if (env.METRICS_LISTEN) raw.metrics = { ...(isRecord(raw.metrics) ? raw.metrics : {}), listen: env.METRICS_LISTEN };
   const instances = envInt(env, "GATEWAY_RATE_LIMIT_INSTANCES", problems);
   if (instances !== undefined) raw.rateLimit = { ...(isRecord(raw.rateLimit) ? raw.rateLimit : {}), instances };
   for (const [k, v] of Object.entries(input.overrides ?? {})) set(k, v);
@@ -116,6 +117,9 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
     if (maxLifetime !== undefined && (parseDuration(defaultLifetime) ?? 0) > (parseDuration(maxLifetime) ?? 0)) {
       problems.push(`/keys/defaultLifetime: ${defaultLifetime} is longer than /keys/maxLifetime (${maxLifetime})`);
     }
+    if (config.metrics.listen !== "main" && listenAddress(config.metrics.listen).port > 65535) {
+      problems.push(`/metrics/listen: port out of range (got ${JSON.stringify(config.metrics.listen)})`);
+    }
     for (const [name, alias] of Object.entries(config.aliases)) {
       for (const [i, t] of alias.targets.entries()) {
         if (!URL.canParse(t.baseUrl) || !/^https?:$/.test(new URL(t.baseUrl).protocol)) {
@@ -155,10 +159,38 @@ export function upstreamAliases(baseUrl: string, apiKeyEnv?: string): Json {
   return out;
 }
 
+/** "host:port", "[v6]:port" → the parts Bun.serve takes (the schema's pattern has checked the shape). */
+export function listenAddress(listen: string): { hostname: string; port: number } {
+  const at = listen.lastIndexOf(":");
+  return { hostname: listen.slice(0, at).replace(/^\[|\]$/g, ""), port: Number(listen.slice(at + 1)) };
+}
+
 /** Config with secrets masked, for `config print`. */
 export function maskConfig(c: Config): Config {
   const masked = structuredClone(c);
   if (masked.cursorSecret) masked.cursorSecret = "***";
-  if (masked.databaseUrl) masked.databaseUrl = masked.databaseUrl.replace(/\/\/([^:@/]+):[^@/]*@/, "//$1:***@");
+  if (masked.databaseUrl) masked.databaseUrl = maskDatabaseUrl(masked.databaseUrl);
   return masked;
+}
+
+/**
+ * A database URL with its credentials masked. A password may hold any
+ * character unencoded ('/', '@', ':', '?', '#'), so the user information runs
+ * to the last '@' (a host never holds one) and everything after the user's
+ * first ':' is masked; when an '@' in the query makes that ambiguous, more is
+ * masked, never less. Query parameters naming a password (libpq's `password`,
+ * `sslpassword`) are masked too.
+ */
+export function maskDatabaseUrl(url: string): string {
+  const scheme = url.indexOf("://");
+  if (scheme === -1) return "***";
+  const start = scheme + 3;
+  let out = url;
+  const at = url.lastIndexOf("@");
+  if (at > start) {
+    const userinfo = url.slice(start, at);
+    const colon = userinfo.indexOf(":");
+    if (colon !== -1) out = `${url.slice(0, start)}${userinfo.slice(0, colon)}:***${url.slice(at)}`;
+  }
+  return out.replace(/([?&][^=&#]*pass(?:word)?=)[^&#]*/gi, "$1***");
 }

@@ -143,9 +143,11 @@ export const ConfigSchema = T.Object(
     metrics: T.Object(
       {
         enabled: T.Boolean({ default: true }),
-        listen: T.Optional(
-          T.String({ pattern: "^[^\\s]+:\\d{1,5}$", description: "Serve /metrics on this host:port instead of the main listener" }),
-        ),
+        listen: T.String({
+          pattern: "^(main|[^\\s]+:\\d{1,5})$",
+          default: "127.0.0.1:9464",
+          description: 'host:port of a listener of its own for /metrics (port 0: any free port), or "main" to serve it on the public port',
+        }),
       },
       { additionalProperties: false, default: {} },
     ),

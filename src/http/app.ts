@@ -33,6 +33,11 @@ export function looksLikeBrowser(h: Headers): boolean {
   return false;
 }
 
+function hasBody(h: Headers): boolean {
+  const length = h.get("content-length");
+  return (length !== null && length.trim() !== "0") || h.has("transfer-encoding");
+}
+
 /** Paths whose 400s are `invalid_body` (spec 7); everything else says `invalid_request_error`. */
 function validationCode(path: string) {
   return path.startsWith("/v1/audit-events") ? "invalid_body" : "invalid_request_error";
@@ -74,6 +79,9 @@ export function createApp(deps: AppDeps) {
       if (state) state.errorCode = err.code;
       set.status = err.status;
       Object.assign(set.headers, err.headers);
+      // Refused before its body was read (e.g. 401 on a 40 MB upload): close
+      // rather than receive and discard the body to keep the connection.
+      if (hasBody(request.headers) && !request.bodyUsed) set.headers.connection = "close";
       set.headers["content-type"] = "application/json";
       return errorBody(err.code, err.message, err.param);
     })
@@ -81,6 +89,8 @@ export function createApp(deps: AppDeps) {
       const id = requestIdOf(request.headers.get("x-request-id"));
       beginRequest(request, id, performance.now());
       set.headers["x-request-id"] = id;
+      // No GET here reads a body: answer, then close, rather than receive and discard one.
+      if (request.method === "GET" && hasBody(request.headers)) set.headers.connection = "close";
       if (looksLikeBrowser(request.headers)) {
         const authz = request.headers.get("authorization");
         if (authz) {

@@ -4,25 +4,24 @@ import { AppError, type ErrorCode } from "./errors.ts";
  * Read a JSON request body ourselves (routes use `parse: "none"`), after
  * authentication, so that an anonymous caller gets 401 before any 400, and so
  * that the size limit answers 400 in the spec's shape instead of Bun's 413.
- * Bodies without Content-Length are counted as they stream in and cut off at
- * the limit: memory never holds more than `limit` bytes of one body.
+ * The body is counted as it streams in and cut off at the limit: memory never
+ * holds more than `limit` bytes of one body. A body that stops arriving for
+ * `idleMs` gets a 400 saying so (the caller keeps Bun's own idle timer, which
+ * would only drop the connection, behind this one).
  */
-export async function readJsonBody(request: Request, limit: number, code: ErrorCode = "invalid_request_error"): Promise<unknown> {
+export async function readJsonBody(request: Request, limit: number, code: ErrorCode = "invalid_request_error", idleMs?: number): Promise<unknown> {
   const type = request.headers.get("content-type") ?? "";
   if (!/^application\/json\s*(;|$)/i.test(type)) {
     throw new AppError(code, "Content-Type must be application/json.");
   }
   const declared = request.headers.get("content-length");
-  if (declared !== null && Number(declared) > limit) {
-    throw new AppError(code, `Request body too large: the limit is ${limit} bytes.`);
-  }
+  if (declared !== null && Number(declared) > limit) throw tooLarge(code, limit);
   let bytes: Uint8Array;
   try {
-    // Fast path: the length is known and within the limit (Bun enforces it), so one read suffices.
-    bytes = declared !== null && /^\d+$/.test(declared) ? new Uint8Array(await request.arrayBuffer()) : await readCounted(request, limit, code);
+    bytes = await readCounted(request, limit, code, idleMs);
   } catch (e) {
     if (e instanceof AppError) throw e;
-    // The client stopped sending (idle timeout) or went away mid-body: a client error, not ours.
+    // The client went away mid-body (or Bun's idle timer cut it): a client error, not ours.
     throw new AppError(code, "The request body could not be read: the connection closed before it was complete.");
   }
   if (bytes.byteLength === 0) throw new AppError(code, "Request body is empty; a JSON object is required.");
@@ -39,24 +38,58 @@ export async function readJsonBody(request: Request, limit: number, code: ErrorC
   }
 }
 
+/**
+ * The rest of the body is never read: the answer closes the connection (Bun
+ * does so for a response carrying `connection: close`), so a client cannot
+ * make us receive and discard gigabytes to keep the connection alive.
+ */
+function tooLarge(code: ErrorCode, limit: number): AppError {
+  return new AppError(code, `Request body too large: the limit is ${limit} bytes.`, null, { connection: "close" });
+}
+
 const decoder = new TextDecoder("utf-8", { fatal: true });
 
-/** A body of unknown length (chunked): count as it streams in and stop at the limit. */
-async function readCounted(request: Request, limit: number, code: ErrorCode): Promise<Uint8Array> {
+/** Read the body as it streams in, stopping at the limit, and (with `idleMs`) when it stops arriving. */
+async function readCounted(request: Request, limit: number, code: ErrorCode, idleMs: number | undefined): Promise<Uint8Array> {
   const body = request.body;
   if (!body) return new Uint8Array(0);
   const chunks: Uint8Array[] = [];
   let size = 0;
   const reader = body.getReader();
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    size += value.byteLength;
-    if (size > limit) {
-      await reader.cancel().catch(() => {});
-      throw new AppError(code, `Request body too large: the limit is ${limit} bytes.`);
+  let lastData = performance.now();
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  // Rejects once nothing has arrived for idleMs; one timer, re-armed only when it fires early.
+  const stalled =
+    idleMs === undefined
+      ? undefined
+      : new Promise<never>((_, reject) => {
+          const arm = (ms: number) => {
+            timer = setTimeout(() => {
+              const quiet = performance.now() - lastData;
+              if (quiet >= idleMs) reject(stoppedArriving(code, idleMs));
+              else arm(idleMs - quiet);
+            }, ms);
+          };
+          arm(idleMs);
+        });
+  try {
+    for (;;) {
+      const { done, value } = await (stalled ? Promise.race([reader.read(), stalled]) : reader.read());
+      if (done) break;
+      lastData = performance.now();
+      size += value.byteLength;
+      if (size > limit) throw tooLarge(code, limit);
+      chunks.push(value);
     }
-    chunks.push(value);
+  } catch (e) {
+    await reader.cancel().catch(() => {});
+    throw e;
+  } finally {
+    clearTimeout(timer);
   }
   return chunks.length === 1 ? (chunks[0] as Uint8Array) : Buffer.concat(chunks);
+}
+
+function stoppedArriving(code: ErrorCode, idleMs: number): AppError {
+  return new AppError(code, `The request body stopped arriving: nothing for ${idleMs / 1000} s.`, null, { connection: "close" });
 }

@@ -99,41 +99,100 @@ const AuditEventList = T.Object({
   next_cursor: T.String({ description: "pass as `cursor` for the next page; empty string on the last page" }),
 });
 
+const Health = T.Object({ status: T.Literal("ok") }, { additionalProperties: false });
+const Ready = T.Object({ status: T.Literal("ready") }, { additionalProperties: false });
+
 /** JSON of a TypeBox schema: drops TypeBox's symbol keys. */
 const json = (s: TSchema): Record<string, unknown> => JSON.parse(JSON.stringify(s));
 const ref = (name: string) => ({ $ref: `#/components/schemas/${name}` });
 const jsonContent = (name: string) => ({ "application/json": { schema: ref(name) } });
 
+/**
+ * Response headers, by what sets them: every answer has a request id; an
+ * answer given after the key check (the guard admitted the key) carries the
+ * rate-limit state; a 429 says when to retry; a streamed answer is not cached.
+ */
+const header = (description: string, schema: Record<string, unknown>, required = false) => ({ description, required, schema });
+const digits = { type: "string", pattern: "^[0-9]+$" };
+const HEADERS = {
+  "x-request-id": header("The request's id: the client's own x-request-id when it is a safe token, else one made here", { type: "string", minLength: 1 }, true),
+  "x-ratelimit-limit-requests": header("Requests per minute this organisation may make on this instance", digits, true),
+  "x-ratelimit-remaining-requests": header("Requests left in the current window", digits, true),
+  "x-ratelimit-reset-requests": header("Time until the window has room again, as a duration (e.g. 1s, 250ms, 1m2.5s)", {
+    type: "string",
+    pattern: "^([0-9]+h)?([0-9]+m)?([0-9]+(\\.[0-9]+)?s|[0-9]+ms)$",
+  }),
+  "retry-after": header("Seconds to wait before retrying (whole, at least 1)", digits),
+  "retry-after-ms": header("Milliseconds to wait before retrying (rate limit only)", digits),
+  "x-should-retry": header("false on budget_exceeded: retrying does not help until the quota window resets", { type: "string", const: "false" }),
+  "cache-control": header("no-cache on a text/event-stream answer", { type: "string", const: "no-cache" }),
+  "x-accel-buffering": header("no on a text/event-stream answer, so proxies do not buffer the stream", { type: "string", const: "no" }),
+} as const;
+type HeaderName = keyof typeof HEADERS;
+
+/** Headers declared for a response: `required` lists those always present, `optional` the rest. */
+function headers(required: HeaderName[], optional: HeaderName[] = []) {
+  const out: Record<string, unknown> = {};
+  for (const n of required) out[n] = { ...HEADERS[n], required: true };
+  for (const n of optional) out[n] = { ...HEADERS[n], required: false };
+  return out;
+}
+const RATE: HeaderName[] = ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"];
+
 const ERROR_TEXT: Record<number, string> = {
-  400: "invalid_request_error / invalid_body",
+  400: "invalid_request_error (chat, embeddings: bad body, unknown parameter, body too large) or invalid_body (audit events)",
   401: "unauthorized or key_expired",
   403: "scope_missing, academy_only or browser_request_rejected",
   404: "model_not_found",
-  429: "rate_limit_error (see retry-after) or budget_exceeded",
-  503: "service_unavailable",
+  429: "rate_limit_error (retry-after, retry-after-ms) or budget_exceeded (x-should-retry: false; retry-after when the quota window resets within a minute)",
+  500: "internal_error: a defect of ours; the request id identifies it in the logs",
+  503: "service_unavailable: the model's upstream (with the rate-limit headers) or the key store (before the key check, without them) is unreachable",
 };
 
+/** Error answers of an endpoint behind the key check, each with the headers it really carries. */
 function errors(...statuses: number[]) {
   const out: Record<string, unknown> = {};
-  for (const s of statuses) out[String(s)] = { description: ERROR_TEXT[s], content: jsonContent("Error") };
+  for (const s of statuses) {
+    // 401 and 403 are answered by the key check itself, before any rate-limit state exists.
+    const h =
+      s === 401 || s === 403
+        ? headers(["x-request-id"])
+        : s === 429
+          ? headers(["x-request-id", ...RATE], ["retry-after", "retry-after-ms", "x-should-retry"])
+          : s === 503
+            ? headers(["x-request-id"], [...RATE, "retry-after"])
+            : s === 500
+              ? headers(["x-request-id"], RATE)
+              : headers(["x-request-id", ...RATE]);
+    out[String(s)] = { description: ERROR_TEXT[s], headers: h, content: jsonContent("Error") };
+  }
   return out;
 }
 
-const rateHeaders = {
-  "x-ratelimit-limit-requests": { schema: { type: "string" } },
-  "x-ratelimit-remaining-requests": { schema: { type: "string" } },
-  "x-ratelimit-reset-requests": { schema: { type: "string" } },
-  "x-request-id": { schema: { type: "string" } },
+/** 403 browser_request_rejected: the one refusal an endpoint without a key can give. */
+const browserRejected = {
+  "403": { description: "browser_request_rejected (an Origin, Cookie or Sec-Fetch-* header)", headers: headers(["x-request-id"]), content: jsonContent("Error") },
 };
 
-export function openApiDocument(version: string): Record<string, unknown> {
+/** An admitted answer: the request id and the rate-limit state. */
+const admitted = (description: string, content: Record<string, unknown>) => ({ description, headers: headers(["x-request-id", ...RATE]), content });
+
+/**
+ * The OpenAPI document. `info.version` is the API's version label (spec 9:
+ * `v1`); the build that serves it is `x-gateway-version`.
+ */
+export function openApiDocument(buildVersion: string): Record<string, unknown> {
   const secured = { security: [{ bearer: [] }] };
   return {
     openapi: "3.1.0",
     info: {
       title: "gateway: inference API and App API",
-      version,
-      description: "OpenAI-compatible chat completions, embeddings and models on stable aliases, plus key inspection and the audit log. API version v1.",
+      version: "v1",
+      "x-gateway-version": buildVersion,
+      description:
+        "OpenAI-compatible chat completions, embeddings and models on stable aliases, plus key inspection and the audit log. " +
+        "Any path or method not listed here answers 404 `not_found` (components.responses.NotFound). " +
+        "Every error has the body components.schemas.Error and an x-request-id header.",
     },
     servers: [{ url: "/" }],
     components: {
@@ -149,6 +208,15 @@ export function openApiDocument(version: string): Record<string, unknown> {
         KeyInfo: json(KeyInfo),
         AuditEvent: json(AuditEvent),
         AuditEventList: json(AuditEventList),
+        Health: json(Health),
+        Ready: json(Ready),
+      },
+      responses: {
+        NotFound: {
+          description: "not_found: a path or method this API does not have (asked before any key check)",
+          headers: headers(["x-request-id"]),
+          content: jsonContent("Error"),
+        },
       },
     },
     paths: {
@@ -160,11 +228,17 @@ export function openApiDocument(version: string): Record<string, unknown> {
           requestBody: { required: true, content: jsonContent("ChatCompletionRequest") },
           responses: {
             "200": {
-              description: "The completion (JSON), or with stream=true a text/event-stream of chunks",
-              headers: rateHeaders,
-              content: { ...jsonContent("ChatCompletion"), "text/event-stream": { schema: ref("ChatCompletionChunk") } },
+              description: "The completion (JSON), or with stream=true a text/event-stream of chunks (`data: <chunk>` events, then `data: [DONE]`)",
+              headers: headers(["x-request-id", ...RATE], ["cache-control", "x-accel-buffering"]),
+              content: {
+                ...jsonContent("ChatCompletion"),
+                "text/event-stream": {
+                  schema: { type: "string", description: "`data: <ChatCompletionChunk JSON>` events, blank-line separated, ending with `data: [DONE]`" },
+                  "x-event-schema": ref("ChatCompletionChunk"),
+                },
+              },
             },
-            ...errors(400, 401, 403, 404, 429, 503),
+            ...errors(400, 401, 403, 404, 429, 500, 503),
           },
         },
       },
@@ -174,7 +248,7 @@ export function openApiDocument(version: string): Record<string, unknown> {
           summary: "Create embeddings for text",
           ...secured,
           requestBody: { required: true, content: jsonContent("EmbeddingsRequest") },
-          responses: { "200": { description: "Embeddings", headers: rateHeaders, content: jsonContent("EmbeddingList") }, ...errors(400, 401, 403, 404, 429, 503) },
+          responses: { "200": admitted("Embeddings", jsonContent("EmbeddingList")), ...errors(400, 401, 403, 404, 429, 500, 503) },
         },
       },
       "/v1/models": {
@@ -182,7 +256,7 @@ export function openApiDocument(version: string): Record<string, unknown> {
           operationId: "listModels",
           summary: "List the aliases this key may call",
           ...secured,
-          responses: { "200": { description: "Model list", headers: rateHeaders, content: jsonContent("ModelList") }, ...errors(401, 403, 429) },
+          responses: { "200": admitted("Model list", jsonContent("ModelList")), ...errors(401, 403, 429, 500, 503) },
         },
       },
       "/v1/me": {
@@ -190,7 +264,7 @@ export function openApiDocument(version: string): Record<string, unknown> {
           operationId: "getKeyInfo",
           summary: "What the presented key is (the App API ping)",
           ...secured,
-          responses: { "200": { description: "Key information", headers: rateHeaders, content: jsonContent("KeyInfo") }, ...errors(401, 403, 429) },
+          responses: { "200": admitted("Key information", jsonContent("KeyInfo")), ...errors(401, 403, 429, 500, 503) },
         },
       },
       "/v1/audit-events": {
@@ -208,19 +282,57 @@ export function openApiDocument(version: string): Record<string, unknown> {
             { name: "cursor", in: "query", schema: { type: "string" } },
             { name: "limit", in: "query", schema: { type: "integer", minimum: 1, maximum: 200, default: 50 } },
           ],
-          responses: { "200": { description: "A page of events", headers: rateHeaders, content: jsonContent("AuditEventList") }, ...errors(400, 401, 403, 429, 503) },
+          responses: { "200": admitted("A page of events", jsonContent("AuditEventList")), ...errors(400, 401, 403, 429, 500, 503) },
         },
       },
-      "/healthz": { get: { operationId: "healthz", summary: "Alive", security: [], responses: { "200": { description: "ok" } } } },
+      "/healthz": {
+        get: {
+          operationId: "healthz",
+          summary: "Alive",
+          security: [],
+          responses: { "200": { description: "ok", headers: headers(["x-request-id"]), content: jsonContent("Health") }, ...browserRejected },
+        },
+      },
       "/readyz": {
         get: {
           operationId: "readyz",
           summary: "Database reachable and migrations applied",
           security: [],
-          responses: { "200": { description: "ready" }, "503": { description: "not ready", content: jsonContent("Error") } },
+          responses: {
+            "200": { description: "ready", headers: headers(["x-request-id"]), content: jsonContent("Ready") },
+            ...browserRejected,
+            "503": { description: "service_unavailable: not ready", headers: headers(["x-request-id"]), content: jsonContent("Error") },
+          },
         },
       },
-      "/metrics": { get: { operationId: "metrics", summary: "Prometheus metrics", security: [], responses: { "200": { description: "text exposition format" } } } },
+      "/openapi.json": {
+        get: {
+          operationId: "openapi",
+          summary: "This document",
+          security: [],
+          responses: {
+            "200": { description: "OpenAPI 3.1", headers: headers(["x-request-id"]), content: { "application/json": { schema: { type: "object" } } } },
+            ...browserRejected,
+          },
+        },
+      },
+      "/metrics": {
+        get: {
+          operationId: "metrics",
+          summary: "Prometheus metrics",
+          description:
+            'Served on the metrics listener (metrics.listen, 127.0.0.1:9464 by default), not on the public port; with metrics.listen "main" on the public port as well.',
+          servers: [{ url: "http://127.0.0.1:9464", description: "the metrics listener (metrics.listen)" }],
+          security: [],
+          responses: {
+            "200": {
+              description: "Prometheus text exposition format 0.0.4",
+              headers: headers([], ["x-request-id"]),
+              content: { "text/plain": { schema: { type: "string", pattern: "^# HELP " } } },
+            },
+          },
+        },
+      },
     },
   };
 }

@@ -62,7 +62,9 @@ export function createInference(deps: InferenceDeps) {
    * the upstream timeouts (first byte, idle gap) bound it instead.
    */
   async function readBody(request: Request, server: { timeout(req: Request, seconds: number): void } | null): Promise<unknown> {
-    const body = await readJsonBody(request, config.bodyLimitBytes);
+    // The reader's own idle timer answers 400; Bun's (4 s steps) would only drop the connection, so it waits longer.
+    server?.timeout(request, Math.min(255, config.idleTimeoutS + 8));
+    const body = await readJsonBody(request, config.bodyLimitBytes, "invalid_request_error", config.idleTimeoutS * 1000);
     server?.timeout(request, 0);
     return body;
   }

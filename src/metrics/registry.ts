@@ -92,6 +92,7 @@ export function createMetrics() {
         for (const fn of scrapeHooks) fn();
       },
     }),
+    rateLimitOrgs: new Gauge({ name: "gateway_rate_limit_orgs", help: "Organisations the rate limiter holds a window for", registers }),
     usagePendingTokens: new Gauge({ name: "gateway_usage_pending_tokens", help: "Settled tokens not yet written to the database", registers }),
     usageFlushFailures: new Gauge({ name: "gateway_usage_flush_failures", help: "Failed usage writes since start (retried)", registers }),
     keyCache: new Counter({

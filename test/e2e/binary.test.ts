@@ -198,7 +198,7 @@ describe("compiled binary, alone in an empty folder", () => {
     const { dir, gw } = emptyFolderWithBinary();
     await smoke({ dir, gw, env: cleanEnv() }, ["--data-dir", join(dir, "data")], true);
     expect(existsSync(join(dir, "data", "gateway.pid"))).toBe(false);
-    expect(existsSync(join(dir, "data", "admin.sock"))).toBe(false);
+    expect(existsSync(join(dir, "data", "admin", "admin.sock"))).toBe(false);
     expect(existsSync(join(dir, "from-dotenv"))).toBe(false);
   }, 180_000);
 

@@ -34,7 +34,9 @@ export async function testConfig(overrides: Record<string, unknown> = {}): Promi
   const base = await loadConfig({ env: {}, overrides: { host: "127.0.0.1", port: 0 } });
   // Aliases point at a closed port unless a test brings its own upstream (a simulator).
   const aliases = upstreamAliases("http://127.0.0.1:9/v1");
-  return { ...base, aliases, logLevel: "error", accessLog: false, drainMs: 2_000, ...overrides } as Config;
+  // Metrics on their own loopback listener as by default, but on any free port (never the default 9464).
+  const metrics = { enabled: true, listen: "127.0.0.1:0" };
+  return { ...base, aliases, metrics, logLevel: "error", accessLog: false, drainMs: 2_000, ...overrides } as Config;
 }
 
 /** A gateway on a real socket (port 0), sharing the process's test database. */

@@ -26,6 +26,8 @@ export function cleanEnv(extra: Record<string, string | undefined> = {}): Record
     const v = process.env[k];
     if (v !== undefined) env[k] = v;
   }
+  // Gateways started by tests never take the default metrics port (9464): any free one.
+  env.METRICS_LISTEN = "127.0.0.1:0";
   for (const [k, v] of Object.entries(extra)) if (v !== undefined) env[k] = v;
   return env;
 }

@@ -1,5 +1,10 @@
-import { afterAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { join } from "node:path";
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { chmodSync, lstatSync, mkdirSync, symlinkSync, writeFileSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { forward, serveAdminSocket, socketPath } from "../../src/cli/admin-socket.ts";
+import type { Config } from "../../src/config/schema.ts";
+import type { Database } from "../../src/db/client.ts";
+import { sharedDatabase, testConfig } from "../helpers/harness.ts";
 import { cleanEnv, exitWithin, listeningUrl, onlyJson, removeScratch, runGateway, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -54,4 +59,86 @@ describe("CLI against a running server on the embedded database", () => {
       expect(await exitWithin(server, 20_000)).toBe(0);
     }
   }, 120_000);
+});
+
+describe("the admin socket's permissions", () => {
+  // The socket only hands the database to the runner; any open one will do (PGlite may start slowly here).
+  let database: Database;
+  let config: Config;
+  beforeAll(async () => {
+    database = await sharedDatabase();
+    config = await testConfig();
+  }, 120_000);
+
+  /**
+   * Serve the socket with Bun.serve instrumented to look at the file the
+   * moment the bind returns (before any chmod could run), under a permissive
+   * umask, and return the modes seen then.
+   */
+  async function serveAndWatch(dataDir: string) {
+    const realServe = Bun.serve;
+    let seen: { socket: number; dir: number; uid: number } | undefined;
+    const watching: typeof Bun.serve = (options) => {
+      const server = realServe(options);
+      if ("unix" in options && typeof options.unix === "string") {
+        const dir = lstatSync(dirname(options.unix));
+        seen = { socket: lstatSync(options.unix).mode & 0o777, dir: dir.mode & 0o777, uid: dir.uid };
+      }
+      return server;
+    };
+    const umask = process.umask(0o000);
+    Bun.serve = watching;
+    try {
+      const stop = serveAdminSocket(dataDir, database, config, async (argv, out) => {
+        out.stdout(`ran ${argv.join(" ")}`);
+        return 0;
+      });
+      return { stop, seen };
+    } finally {
+      Bun.serve = realServe;
+      process.umask(umask);
+    }
+  }
+
+  test("no other user can connect at any moment: socket 0600 from creation, in a 0700 directory of our own", async () => {
+    const dataDir = join(scratchDir(), "data");
+    mkdirSync(dataDir, { mode: 0o755 });
+    chmodSync(dataDir, 0o755); // a data directory others may enter
+    const { stop, seen } = await serveAndWatch(dataDir);
+    try {
+      expect(seen).toBeDefined();
+      expect(seen?.socket.toString(8)).toBe("600");
+      expect(seen?.dir.toString(8)).toBe("700");
+      expect(seen?.uid).toBe(process.getuid?.() ?? 0);
+      expect(dirname(socketPath(dataDir))).not.toBe(dataDir);
+      // And it still carries commands.
+      expect(await forward(socketPath(dataDir), ["orgs", "list"])).toEqual({ code: 0, stdout: "ran orgs list", stderr: "" });
+    } finally {
+      stop();
+    }
+  });
+
+  test("a directory left with wider permissions is tightened; a stale socket is replaced", async () => {
+    const dataDir = join(scratchDir(), "data");
+    mkdirSync(join(dataDir, "admin"), { recursive: true });
+    chmodSync(join(dataDir, "admin"), 0o777);
+    writeFileSync(socketPath(dataDir), "stale");
+    const { stop, seen } = await serveAndWatch(dataDir);
+    try {
+      expect(seen?.dir.toString(8)).toBe("700");
+      expect(seen?.socket.toString(8)).toBe("600");
+      expect(lstatSync(socketPath(dataDir)).isSocket()).toBe(true);
+    } finally {
+      stop();
+    }
+  });
+
+  test("a symbolic link in place of the directory is refused", async () => {
+    const dataDir = join(scratchDir(), "data");
+    mkdirSync(dataDir);
+    const elsewhere = join(scratchDir(), "elsewhere");
+    mkdirSync(elsewhere, { mode: 0o777 });
+    symlinkSync(elsewhere, join(dataDir, "admin"));
+    expect(() => serveAdminSocket(dataDir, database, config, async () => 0)).toThrow("admin");
+  });
 });

@@ -48,6 +48,7 @@ const SCRUB = [
   "LOG_LEVEL",
   "GATEWAY_CURSOR_SECRET",
   "GATEWAY_RATE_LIMIT_INSTANCES",
+  "METRICS_LISTEN",
 ];
 const saved = new Map<string, string | undefined>();
 

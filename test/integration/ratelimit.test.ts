@@ -63,6 +63,95 @@ describe("per-organisation rate limit", () => {
   });
 });
 
+describe("rate-limit options and headers through the gateway", () => {
+  test("rateLimit.instances divides each plan's limit: 3 instances enforce 20 of Standard's 60 each", async () => {
+    const third = await startTestGateway({ rateLimit: { instances: 3, maxOrgs: 1000, windowMs: 60_000 } });
+    try {
+      const org = await seedOrg(third.database);
+      const statuses: number[] = [];
+      for (let i = 0; i < 21; i++) {
+        const res = await fetch(`${third.url}/v1/me`, { headers: bearer(org.serviceKey) });
+        if (i === 0) expect(res.headers.get("x-ratelimit-limit-requests")).toBe("20");
+        statuses.push(res.status);
+        await res.text();
+      }
+      expect(statuses.filter((s) => s === 200)).toHaveLength(20);
+      expect(statuses.at(-1)).toBe(429);
+    } finally {
+      await third.stop();
+    }
+  });
+
+  test("rateLimit.maxOrgs: a new organisation is refused (429, retry-after) while the table is full of live ones, admitted once one is idle", async () => {
+    const small = await startTestGateway({ rateLimit: { instances: 1, maxOrgs: 2, windowMs: 1_000 } });
+    try {
+      const [a, b, c] = [await seedOrg(small.database), await seedOrg(small.database), await seedOrg(small.database)];
+      const call = (key: string) => fetch(`${small.url}/v1/me`, { headers: bearer(key) });
+      expect((await call(a.serviceKey)).status).toBe(200);
+      expect((await call(b.serviceKey)).status).toBe(200);
+      const refused = await call(c.serviceKey);
+      expect(refused.status).toBe(429);
+      expect((await errorOf(refused)).code).toBe("rate_limit_error");
+      expect(Number(refused.headers.get("retry-after"))).toBeGreaterThanOrEqual(1);
+      // Known organisations are unaffected.
+      expect((await call(a.serviceKey)).status).toBe(200);
+      // Once a and b have been idle for a window, c gets a slot.
+      const deadline = Date.now() + 10_000;
+      let status = 429;
+      while (status === 429 && Date.now() < deadline) {
+        await Bun.sleep(200);
+        status = (await call(c.serviceKey)).status;
+      }
+      expect(status).toBe(200);
+    } finally {
+      await small.stop();
+    }
+  });
+
+  test("organisations idle for a window are swept from the limiter (gateway_rate_limit_orgs falls back to 0)", async () => {
+    const brief = await startTestGateway({ rateLimit: { instances: 1, maxOrgs: 1000, windowMs: 1_000 } });
+    try {
+      const org = await seedOrg(brief.database);
+      const held = async () => {
+        const text = await (await fetch(`${brief.metricsUrl}`)).text();
+        return Number(/^gateway_rate_limit_orgs (\d+)$/m.exec(text)?.[1] ?? Number.NaN);
+      };
+      expect(await held()).toBe(0);
+      expect((await fetch(`${brief.url}/v1/me`, { headers: bearer(org.serviceKey) })).status).toBe(200);
+      expect(await held()).toBe(1);
+      // No other organisation arrives (nothing forces room to be made): only the sweep can drop it.
+      const deadline = Date.now() + 10_000;
+      let n = 1;
+      while (n !== 0 && Date.now() < deadline) {
+        await Bun.sleep(200);
+        n = await held();
+      }
+      expect(n).toBe(0);
+    } finally {
+      await brief.stop();
+    }
+  });
+
+  test("authenticated 400, 404 and 503 answers carry x-ratelimit-* and count against the window", async () => {
+    // The test gateway's aliases point at a closed port: chat answers 503.
+    const org = await seedOrg(gw.database);
+    const chat = (body: unknown) =>
+      fetch(`${gw.url}/v1/chat/completions`, { method: "POST", headers: bearer(org.serviceKey, { "content-type": "application/json" }), body: JSON.stringify(body) });
+    const answers = [
+      await chat({ model: "svc-fast", messages: [], bogus: 1 }),
+      await chat({ model: "no-such-model", messages: [{ role: "user", content: "hi" }] }),
+      await chat({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] }),
+    ];
+    expect(answers.map((r) => r.status)).toEqual([400, 404, 503]);
+    for (const [i, res] of answers.entries()) {
+      expect(res.headers.get("x-ratelimit-limit-requests")).toBe("60");
+      expect(res.headers.get("x-ratelimit-remaining-requests")).toBe(String(59 - i));
+      expect(res.headers.get("x-ratelimit-reset-requests")).toMatch(/^[0-9.]+m?s$|^1m0s$/);
+      await res.text();
+    }
+  });
+});
+
 describe("with the official SDK", () => {
   test("openai with retries waits for retry-after and then succeeds", async () => {
     // A 4-second window keeps the test short; the arithmetic is the same as for a minute.

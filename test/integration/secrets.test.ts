@@ -61,7 +61,7 @@ describe("secrets and content stay out of logs, metrics and the audit log", () =
     expect(browser.status).toBe(403);
     await gw.quota.flush();
     await Bun.sleep(200);
-    const metrics = await (await fetch(`${gw.url}/metrics`)).text();
+    const metrics = await (await fetch(`${gw.metricsUrl}`)).text();
     const audit = await (await fetch(`${gw.url}/v1/audit-events?limit=200`, { headers: bearer(org.serviceKey) })).text();
     const auditRevoked = await (await fetch(`${gw.url}/v1/audit-events?limit=200`, { headers: bearer(org.serviceKey) })).text();
     const logs = lines.join("");

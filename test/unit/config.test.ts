@@ -32,6 +32,23 @@ function capture() {
   return { o, out: { stdout: (s: string) => void (o.out += s), stderr: (s: string) => void (o.err += s) } };
 }
 
+describe("metrics.listen", () => {
+  test("host:port, [v6]:port, port 0 and \"main\" are accepted; METRICS_LISTEN sets it", async () => {
+    for (const listen of ["0.0.0.0:9100", "[::1]:9464", "127.0.0.1:0", "main"]) {
+      expect((await loadConfig({ env: {}, file: file({ metrics: { listen } }) })).metrics.listen).toBe(listen);
+    }
+    const viaEnv = await loadConfig({ env: { METRICS_LISTEN: "10.0.0.5:9100" }, file: file({ metrics: { enabled: true, listen: "main" } }) });
+    expect(viaEnv.metrics).toEqual({ enabled: true, listen: "10.0.0.5:9100" });
+  });
+
+  test("a port out of range, no port, or another word is refused", async () => {
+    for (const listen of ["127.0.0.1:70000", "127.0.0.1", "public", "main:"]) {
+      const p = await problems({ env: {}, file: file({ metrics: { listen } }) });
+      expect(p.some((x) => x.startsWith("/metrics/listen:"))).toBe(true);
+    }
+  });
+});
+
 describe("defaults", () => {
   test("an empty environment gives the documented defaults", async () => {
     const c = await loadConfig({ env: {} });
@@ -49,6 +66,8 @@ describe("defaults", () => {
       keyCache: { ttlMs: 60_000, max: 100_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 60, unknownPerMin: 6_000 },
       rateLimit: { instances: 1, maxOrgs: 100_000 },
       upstream: { attempts: 3, backoffMs: 50, timeouts: { connectMs: 5_000, firstByteMs: 60_000, idleMs: 60_000 } },
+      // Metrics are not on the public port unless an operator says so.
+      metrics: { enabled: true, listen: "127.0.0.1:9464" },
     });
     expect(c.databaseUrl).toBeUndefined();
     expect(c.cursorSecret).toBeUndefined();
@@ -288,6 +307,40 @@ describe("gateway config check|print", () => {
     const printed = JSON.parse(o.out) as { databaseUrl: string; cursorSecret: string };
     expect(printed.databaseUrl).toBe("postgres://gw:***@db:5432/gw");
     expect(printed.cursorSecret).toBe("***");
+  });
+
+  test("maskConfig masks every credential form postgres.js (and libpq) accept", async () => {
+    const cases: [url: string, masked: string, secret: string][] = [
+      ["postgres://gw:hunter2@db:5432/gw", "postgres://gw:***@db:5432/gw", "hunter2"],
+      ["postgres://u:pa/ss@db/gw", "postgres://u:***@db/gw", "pa/ss"],
+      ["postgres://u:p@ss@db/gw", "postgres://u:***@db/gw", "p@ss"],
+      ["postgres://u:p:a:ss@db/gw", "postgres://u:***@db/gw", "p:a:ss"],
+      ["postgres://u:p?ss=1&x@db/gw?sslmode=require", "postgres://u:***@db/gw?sslmode=require", "p?ss=1&x"],
+      ["postgres://u:p#ss@db/gw", "postgres://u:***@db/gw", "p#ss"],
+      ["postgres://u:/@:?#@db/gw", "postgres://u:***@db/gw", "/@:?#"],
+      ["postgres://u:p%40ss%2F@db/gw", "postgres://u:***@db/gw", "p%40ss%2F"],
+      ["postgresql://:hunter2@db/gw", "postgresql://:***@db/gw", "hunter2"],
+      ["postgres://u:hunter2@h1:5432,h2:5433/gw", "postgres://u:***@h1:5432,h2:5433/gw", "hunter2"],
+      ["postgres://db/gw?password=hunter2&sslmode=require", "postgres://db/gw?password=***&sslmode=require", "hunter2"],
+      ["postgres://u@db/gw?sslmode=require&PASSWORD=hun%26ter2", "postgres://u@db/gw?sslmode=require&PASSWORD=***", "hun%26ter2"],
+      ["postgres://u@db/gw?sslpassword=hunter2", "postgres://u@db/gw?sslpassword=***", "hunter2"],
+      ["postgres://u:one@db/gw?password=two#frag", "postgres://u:***@db/gw?password=***#frag", "one"],
+    ];
+    for (const [url, masked, secret] of cases) {
+      const c = await loadConfig({ env: { DATABASE_URL: url } });
+      const out = maskConfig(c).databaseUrl ?? "";
+      expect(out).toBe(masked);
+      expect(out).not.toContain(secret);
+      expect(JSON.stringify(maskConfig(c))).not.toContain(secret);
+    }
+  });
+
+  test("config print masks the URL forms too", async () => {
+    const { o, out } = capture();
+    const cfg = file({ databaseUrl: "postgres://gw:pa/ss@w:rd@db:5432/gw?password=second&sslmode=require" });
+    expect(await runCli(["config", "print", "--config", cfg], out)).toBe(0);
+    for (const secret of ["pa/ss", "w:rd", "second"]) expect(o.out).not.toContain(secret);
+    expect((JSON.parse(o.out) as { databaseUrl: string }).databaseUrl).toBe("postgres://gw:***@db:5432/gw?password=***&sslmode=require");
   });
 
   test("maskConfig leaves a password-less URL alone and does not mutate its input", async () => {
