@@ -109,6 +109,11 @@ export const ConfigSchema = T.Object(
     quota: T.Object(
       {
         leaseTokens: T.Integer({ minimum: 1, default: 20_000, description: "Tokens an instance takes from the shared quota at a time" }),
+        defaultMaxTokens: T.Integer({
+          minimum: 1,
+          default: 4_096,
+          description: "For an organisation with a quota, the completion bound of a request that sets none (reserved, and sent upstream as max_tokens)",
+        }),
         flushMs: T.Integer({ minimum: 10, default: 1_000 }),
         maxBuffered: T.Integer({ minimum: 1, default: 1_000_000 }),
       },

@@ -9,7 +9,7 @@ import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmb
 import type { ImageUrlCheck } from "./image-url.ts";
 import { relayStream } from "./stream.ts";
 import { countUsage } from "./usage.ts";
-import { charsToTokens, completionLimit, DEFAULT_COMPLETION_RESERVE, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
+import { charsToTokens, completionLimit, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream.ts";
 import { isRecord } from "../lib/guards.ts";
 
@@ -165,12 +165,14 @@ export function createInferenceService(deps: ServiceDeps) {
 
     const promptEstimate = estimatePromptTokens(body);
     const limit = completionLimit(body);
-    const reservation = promptEstimate + (limit ?? DEFAULT_COMPLETION_RESERVE);
+    const reservation = promptEstimate + (limit ?? config.quota.defaultMaxTokens);
     // A caller who set a bound gets it or a refusal. Without one the request
-    // can run with less: down to one completion token, with max_tokens lowered
-    // to what the quota granted beyond the prompt, so the answer stays within it.
+    // can run with less: down to one completion token. Either way, under a
+    // quota no request goes upstream unbounded: max_tokens becomes what the
+    // quota granted beyond the prompt, so the answer stays within its
+    // reservation and the quota cannot be overshot by a completion.
     const ticket = await metering.admit(principal, reservation, limit === undefined ? promptEstimate + 1 : undefined);
-    if (limit === undefined && ticket.reserved < reservation) body.max_tokens = ticket.reserved - promptEstimate;
+    if (limit === undefined && principal.quotaTokens !== null) body.max_tokens = ticket.reserved - promptEstimate;
     const ctx = { signal: request.signal, requestId: stateOf(request)?.id ?? "" };
 
     // The client's stream_options are kept; include_usage is forced on so every stream can be metered.

@@ -14,8 +14,6 @@ export const charsToTokens = (chars: number): number => Math.ceil(chars / 4);
 const IMAGE_TOKENS = 85;
 /** Chat-template overhead per message (role markers), as OpenAI documents it. */
 const PER_MESSAGE = 4;
-/** Completion reservation when the caller sets no bound; the actual usage replaces it at settlement. */
-export const DEFAULT_COMPLETION_RESERVE = 1024;
 
 function messageTokens(m: ChatMessage): number {
   let chars = 0;

@@ -36,7 +36,18 @@ export async function testConfig(overrides: Record<string, unknown> = {}): Promi
   const aliases = upstreamAliases("http://127.0.0.1:9/v1");
   // Metrics on their own loopback listener as by default, but on any free port (never the default 9464).
   const metrics = { enabled: true, listen: "127.0.0.1:0" };
-  return { ...base, aliases, metrics, logLevel: "error", accessLog: false, drainMs: 2_000, ...overrides } as Config;
+  const merged: Record<string, unknown> = { ...base, aliases, metrics, logLevel: "error", accessLog: false, drainMs: 2_000 };
+  // A group a test overrides keeps the defaults of the options it does not name
+  // (as a config file's would); aliases and plans are replaced whole.
+  for (const [k, v] of Object.entries(overrides)) {
+    const was = merged[k];
+    merged[k] = isPlainObject(v) && isPlainObject(was) && k !== "aliases" && k !== "plans" ? { ...was, ...v } : v;
+  }
+  return merged as Config;
+}
+
+function isPlainObject(v: unknown): v is Record<string, unknown> {
+  return typeof v === "object" && v !== null && !Array.isArray(v);
 }
 
 /** A gateway on a real socket (port 0), sharing the process's test database. */

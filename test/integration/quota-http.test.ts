@@ -16,9 +16,10 @@ setDefaultTimeout(60_000);
 /**
  * The quota bound through HTTP (README "Quota"): a request is admitted only
  * against tokens granted from the shared counter, reserving its prompt
- * estimate plus max_tokens (or plus 1,024 when unset). When less remains, a
- * request with max_tokens is refused (429 budget_exceeded) and one without
- * goes upstream with max_tokens lowered to what remains after the prompt.
+ * estimate plus max_tokens (or plus quota.defaultMaxTokens when unset, and
+ * then sent upstream as its max_tokens). When less remains, a request with
+ * max_tokens is refused (429 budget_exceeded) and one without goes upstream
+ * with max_tokens lowered to what remains after the prompt.
  * The simulator generates more tokens than any quota here, so only the
  * forwarded max_tokens keeps a completion within the quota.
  */
@@ -26,7 +27,8 @@ setDefaultTimeout(60_000);
 /** 40 characters: the gateway's prompt estimate (and the simulator's count) is 3 + 4 + 40/4 = 17 tokens. */
 const PROMPT = "x".repeat(40);
 const PROMPT_TOKENS = 17;
-const DEFAULT_RESERVE = 1_024;
+/** quota.defaultMaxTokens's default. */
+const DEFAULT_RESERVE = 4_096;
 
 let sim: Simulator;
 let gwA: Gateway;
@@ -79,7 +81,7 @@ async function flushAll(): Promise<void> {
   }
 }
 
-describe("the reservation is the prompt estimate plus max_tokens (or plus 1,024)", () => {
+describe("the reservation is the prompt estimate plus max_tokens (or plus quota.defaultMaxTokens)", () => {
   test("max_tokens far beyond the quota: 429 budget_exceeded, nothing sent upstream, nothing used", async () => {
     const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 1_000, quotaWindow: "day" });
     const before = sim.stats.requests;
@@ -114,12 +116,25 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus 1,024)
     expect((await used(short.orgId)).used).toBe(0);
   });
 
-  test("without max_tokens: sent as is while estimate + 1,024 remain, else lowered to what remains", async () => {
-    const roomy = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + DEFAULT_RESERVE, quotaWindow: "day" });
+  test("without max_tokens: bounded by the default reservation, else lowered to what remains; no quota, sent as is", async () => {
+    // The simulator would generate 200,000 tokens: only the forwarded bound keeps the answer within the reservation.
+    const roomy = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10 * (PROMPT_TOKENS + DEFAULT_RESERVE), quotaWindow: "day" });
+    for (const stream of [false, true]) {
+      sim.reset();
+      const res = await chat(gwA, roomy.serviceKey, { stream });
+      expect(res.status).toBe(200);
+      await res.arrayBuffer();
+      expect(forwardedMaxTokens()).toBe(DEFAULT_RESERVE);
+    }
+    await flushAll();
+    expect((await used(roomy.orgId)).used).toBe(2 * (PROMPT_TOKENS + DEFAULT_RESERVE));
+
+    // An organisation without a quota has nothing to overshoot: the request goes as the client sent it.
+    const free = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: null });
     sim.reset();
-    const res = await chat(gwA, roomy.serviceKey);
-    expect(res.status).toBe(200);
-    await res.arrayBuffer();
+    const unbounded = await chat(gwA, free.serviceKey, { max_tokens: undefined });
+    expect(unbounded.status).toBe(200);
+    await unbounded.arrayBuffer();
     expect(forwardedMaxTokens()).toBeUndefined();
 
     for (const stream of [false, true]) {
@@ -172,8 +187,7 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus 1,024)
 
 describe("two instances, one quota, completions far larger than the quota", () => {
   test("concurrent clients on both instances never take usage past the quota", async () => {
-    // Within the default reservation: a request without max_tokens admitted with all of it cannot exceed it.
-    await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ completionTokens: 1_000 }) });
+    // The simulator would answer 200,000 tokens to a request without max_tokens: only the gateway's bound keeps it within the quota.
     for (const quota of [1_000, 5_000, 12_000]) {
       const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
       let received = 0;
