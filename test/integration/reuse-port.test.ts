@@ -55,6 +55,10 @@ describe("sharing the listening port", () => {
       const res = await fetch(`${a.url}/v1/me`, { headers: { ...bearer(org.personalKey), connection: "close" } });
       expect(res.status).toBe(200);
     }
+    // The counter is bumped after the answer went out: wait for the last one.
+    const total = async () => (await Promise.all([a, b].map((g) => served(g, "200")))).reduce((x, y) => x + y, 0);
+    const base = (before[0] ?? 0) + (before[1] ?? 0);
+    expect(await eventually(total, (n) => n - base >= 100, "all 100 answers counted", 5_000)).toBe(base + 100);
     const after = await Promise.all([a, b].map((g) => served(g, "200")));
     const servedA = (after[0] ?? 0) - (before[0] ?? 0);
     const servedB = (after[1] ?? 0) - (before[1] ?? 0);
@@ -69,6 +73,12 @@ describe("sharing the listening port", () => {
     await eventually(async () => (await Promise.all(Array.from({ length: 20 }, me))).every((s) => s === 401), (ok) => ok, "the revoked key refused by both instances", 10_000);
     const revokedBefore = await Promise.all([a, b].map((g) => served(g, "401")));
     for (let i = 0; i < 40; i++) expect(await me()).toBe(401);
+    await eventually(
+      async () => (await Promise.all([a, b].map((g) => served(g, "401")))).reduce((x, y) => x + y, 0),
+      (n) => n - (revokedBefore[0] ?? 0) - (revokedBefore[1] ?? 0) >= 40,
+      "all 40 refusals counted",
+      5_000,
+    );
     const revokedAfter = await Promise.all([a, b].map((g) => served(g, "401")));
     // Both instances answered some of those 40 with 401.
     expect((revokedAfter[0] ?? 0) - (revokedBefore[0] ?? 0)).toBeGreaterThan(0);
