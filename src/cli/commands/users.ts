@@ -10,7 +10,7 @@ const create = defineCommand({
     org: { type: "string", value: "UUID", description: "the organisation", required: true, field: "orgId" },
     name: { type: "string", value: "NAME", description: "the person's name", required: true, field: "name" },
     email: { type: "string", value: "EMAIL", description: "unique within the organisation", required: true, field: "email" },
-    "academy-only": { type: "boolean", description: "the person reaches only the academy models" },
+    "academy-only": { type: "boolean", description: "an academy-only account: the person's keys get 403 academy_only on the platform API" },
   },
   common: ["config", "data-dir", "json"],
   notes: ["Writes member.created to the audit log in the same transaction."],
