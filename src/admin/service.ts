@@ -4,13 +4,17 @@ import { AUTH_CHANNEL } from "../auth/verify.ts";
 import { type AuditInput, recordAudit } from "../audit/record.ts";
 import type { Database, Db } from "../db/client.ts";
 import { apiKeys, organizations, users } from "../db/schema.ts";
-import { InputError } from "../lib/errors.ts";
+import { FieldError, InputError } from "../lib/errors.ts";
 import { SYSTEM_ACTOR_ID, isUuid } from "../lib/ids.ts";
 
 /**
  * Organisation, user and key lifecycle. Every change writes its audit event
  * and its cache-invalidation NOTIFY in the same transaction, so either all of
  * it happened or none of it did.
+ *
+ * Bad input is a FieldError naming the input field it is about
+ * (`quotaWindow`), worded in this module's terms; callers name the field
+ * their own way (the CLI prints it as its flag, `--quota-window`).
  */
 
 export type QuotaWindow = "hour" | "day" | "month";
@@ -25,18 +29,26 @@ async function notify(tx: Tx, message: string) {
   await tx.execute(sql`select pg_notify(${AUTH_CHANNEL}, ${message})`);
 }
 
-function requireUuid(what: string, id: string) {
-  if (!isUuid(id)) throw new InputError(`${what} must be a UUID, got ${JSON.stringify(id)}`);
+export function requireUuid(field: string, id: string) {
+  if (!isUuid(id)) throw new FieldError(field, (n) => `${n(field)} must be a UUID, got ${JSON.stringify(id)}`);
 }
 
 function requireWindow(w: string): QuotaWindow {
-  if (!(WINDOWS as readonly string[]).includes(w)) throw new InputError(`--quota-window must be one of hour, day, month`);
+  if (!(WINDOWS as readonly string[]).includes(w)) throw new FieldError("quotaWindow", (n) => `${n("quotaWindow")} must be one of hour, day, month`);
   return w as QuotaWindow;
 }
 
 function requireQuota(n: number | null): number | null {
-  if (n !== null && (!Number.isSafeInteger(n) || n < 0)) throw new InputError("--quota-tokens must be a whole number ≥ 0 or none");
+  if (n !== null && (!Number.isSafeInteger(n) || n < 0)) throw new FieldError("quotaTokens", (f) => `${f("quotaTokens")} must be a whole number ≥ 0 or none`);
   return n;
+}
+
+function requirePlan(plan: string, plans: readonly string[]) {
+  if (!plans.includes(plan)) throw new FieldError("plan", () => `unknown plan ${JSON.stringify(plan)}; configured plans: ${plans.join(", ")}`);
+}
+
+function requireName(name: string) {
+  if (!name.trim()) throw new FieldError("name", (n) => `${n("name")} must not be empty`);
 }
 
 export interface OrgView {
@@ -69,8 +81,8 @@ export async function createOrg(
   database: Database,
   input: { name: string; plan: string; plans: readonly string[]; quotaTokens?: number | null; quotaWindow?: string; academyOnly?: boolean },
 ): Promise<OrgView> {
-  if (!input.name.trim()) throw new InputError("--name must not be empty");
-  if (!input.plans.includes(input.plan)) throw new InputError(`unknown plan ${JSON.stringify(input.plan)}; configured plans: ${input.plans.join(", ")}`);
+  requireName(input.name);
+  requirePlan(input.plan, input.plans);
   const quotaTokens = requireQuota(input.quotaTokens ?? null);
   const quotaWindow = requireWindow(input.quotaWindow ?? "month");
   return database.db.transaction(async (tx) => {
@@ -88,15 +100,13 @@ export async function setOrg(
   database: Database,
   input: { id: string; plans: readonly string[]; plan?: string; quotaTokens?: number | null; quotaWindow?: string; academyOnly?: boolean },
 ): Promise<OrgView> {
-  requireUuid("--id", input.id);
-  if (input.plan !== undefined && !input.plans.includes(input.plan)) {
-    throw new InputError(`unknown plan ${JSON.stringify(input.plan)}; configured plans: ${input.plans.join(", ")}`);
-  }
+  requireUuid("id", input.id);
+  if (input.plan !== undefined) requirePlan(input.plan, input.plans);
   if (input.quotaTokens !== undefined) requireQuota(input.quotaTokens);
   if (input.quotaWindow !== undefined) requireWindow(input.quotaWindow);
   return database.db.transaction(async (tx) => {
     const [before] = await tx.select().from(organizations).where(eq(organizations.id, input.id)).for("update");
-    if (!before) throw new InputError(`no organisation ${input.id}`);
+    if (!before) throw new FieldError("id", () => `no organisation ${input.id}`);
     const patch: Partial<typeof organizations.$inferInsert> = {};
     if (input.plan !== undefined) patch.plan = input.plan;
     if (input.quotaTokens !== undefined) patch.quotaTokens = input.quotaTokens;
@@ -144,14 +154,14 @@ export async function createUser(
   database: Database,
   input: { orgId: string; name: string; email: string; academyOnly?: boolean },
 ): Promise<UserView> {
-  requireUuid("--org", input.orgId);
-  if (!input.name.trim()) throw new InputError("--name must not be empty");
-  if (!/^[^\s@]+@[^\s@]+$/.test(input.email)) throw new InputError(`--email is not an e-mail address: ${JSON.stringify(input.email)}`);
+  requireUuid("orgId", input.orgId);
+  requireName(input.name);
+  if (!/^[^\s@]+@[^\s@]+$/.test(input.email)) throw new FieldError("email", (n) => `${n("email")} is not an e-mail address: ${JSON.stringify(input.email)}`);
   return database.db.transaction(async (tx) => {
     const [org] = await tx.select({ id: organizations.id }).from(organizations).where(eq(organizations.id, input.orgId));
-    if (!org) throw new InputError(`no organisation ${input.orgId}`);
+    if (!org) throw new FieldError("orgId", () => `no organisation ${input.orgId}`);
     const [dupe] = await tx.select({ id: users.id }).from(users).where(sql`${users.orgId} = ${input.orgId} and ${users.email} = ${input.email}`);
-    if (dupe) throw new InputError(`a user with e-mail ${input.email} already exists in this organisation (${dupe.id})`);
+    if (dupe) throw new FieldError("email", () => `a user with e-mail ${input.email} already exists in this organisation (${dupe.id})`);
     const [u] = await tx
       .insert(users)
       .values({ orgId: input.orgId, name: input.name, email: input.email, academyOnly: input.academyOnly ?? false })
@@ -234,9 +244,13 @@ export type ExpiryRequest = { at: Date } | { inMs: number };
 
 function explicitExpiry(req: ExpiryRequest, now: Date, lifetime: KeyLifetime): Date {
   const at = "at" in req ? req.at : new Date(now.getTime() + req.inMs);
-  if (Number.isNaN(at.getTime())) throw new InputError("--expires-at is not a valid ISO 8601 time");
-  if (lifetime.max && at.getTime() - now.getTime() > lifetime.max.ms) {
-    throw new InputError(`the key would live longer than keys.maxLifetime (${lifetime.max.label}); give an earlier --expires-at or a shorter --expires-in`);
+  if (Number.isNaN(at.getTime())) throw new FieldError("expiresAt", (n) => `${n("expiresAt")} is not a valid ISO 8601 time`);
+  const max = lifetime.max;
+  if (max && at.getTime() - now.getTime() > max.ms) {
+    throw new FieldError(
+      "at" in req ? "expiresAt" : "expiresInMs",
+      (n) => `the key would live longer than keys.maxLifetime (${max.label}); give an earlier ${n("expiresAt")} or a shorter ${n("expiresInMs")}`,
+    );
   }
   return at;
 }
@@ -263,21 +277,21 @@ export interface CreateKeyInput {
 }
 
 export function validateKeyInput(input: CreateKeyInput): { kind: "personal" | "service"; scopes: Scope[] } {
-  requireUuid("--org", input.orgId);
-  if (input.userId !== undefined) requireUuid("--user", input.userId);
-  if (input.kind !== "personal" && input.kind !== "service") throw new InputError("--kind must be personal or service");
-  if (input.kind === "personal" && !input.userId) throw new InputError("a personal key needs --user (the person it belongs to)");
-  if (input.kind === "service" && input.userId) throw new InputError("a service key belongs to the organisation; drop --user");
-  if (input.scopes.length === 0) throw new InputError("--scopes must name at least one scope");
-  for (const s of input.scopes) if (!isScope(s)) throw new InputError(`unknown scope ${JSON.stringify(s)}`);
+  requireUuid("orgId", input.orgId);
+  if (input.userId !== undefined) requireUuid("userId", input.userId);
+  if (input.kind !== "personal" && input.kind !== "service") throw new FieldError("kind", (n) => `${n("kind")} must be personal or service`);
+  if (input.kind === "personal" && !input.userId) throw new FieldError("userId", (n) => `a personal key needs ${n("userId")} (the person it belongs to)`);
+  if (input.kind === "service" && input.userId) throw new FieldError("userId", (n) => `a service key belongs to the organisation; drop ${n("userId")}`);
+  if (input.scopes.length === 0) throw new FieldError("scopes", (n) => `${n("scopes")} must name at least one scope`);
+  for (const s of input.scopes) if (!isScope(s)) throw new FieldError("scopes", () => `unknown scope ${JSON.stringify(s)}`);
   if (input.kind === "personal" && input.scopes.includes("audit:read")) {
-    throw new InputError("audit:read is for service keys only (spec 4.5); personal keys cannot hold it");
+    throw new FieldError("scopes", () => "audit:read is for service keys only (spec 4.5); personal keys cannot hold it");
   }
   for (const m of input.models ?? []) {
-    if (!input.knownModels.includes(m)) throw new InputError(`unknown model alias ${JSON.stringify(m)}; known: ${input.knownModels.join(", ")}`);
+    if (!input.knownModels.includes(m)) throw new FieldError("models", () => `unknown model alias ${JSON.stringify(m)}; known: ${input.knownModels.join(", ")}`);
   }
-  if (input.expiresAt && Number.isNaN(input.expiresAt.getTime())) throw new InputError("--expires-at is not a valid ISO 8601 time");
-  if (input.expiresAt && input.expiresInMs !== undefined) throw new InputError("give --expires-at or --expires-in, not both");
+  if (input.expiresAt && Number.isNaN(input.expiresAt.getTime())) throw new FieldError("expiresAt", (n) => `${n("expiresAt")} is not a valid ISO 8601 time`);
+  if (input.expiresAt && input.expiresInMs !== undefined) throw new FieldError("expiresAt", (n) => `give ${n("expiresAt")} or ${n("expiresInMs")}, not both`);
   return { kind: input.kind, scopes: [...new Set(input.scopes)] as Scope[] };
 }
 
@@ -291,11 +305,11 @@ export async function createKey(database: Database, input: CreateKeyInput): Prom
   const minted = mintKey(input.tag);
   return database.db.transaction(async (tx) => {
     const [org] = await tx.select({ id: organizations.id }).from(organizations).where(eq(organizations.id, input.orgId));
-    if (!org) throw new InputError(`no organisation ${input.orgId}`);
+    if (!org) throw new FieldError("orgId", () => `no organisation ${input.orgId}`);
     if (input.userId) {
       const [u] = await tx.select({ orgId: users.orgId }).from(users).where(eq(users.id, input.userId));
-      if (!u) throw new InputError(`no user ${input.userId}`);
-      if (u.orgId !== input.orgId) throw new InputError(`user ${input.userId} belongs to another organisation`);
+      if (!u) throw new FieldError("userId", () => `no user ${input.userId}`);
+      if (u.orgId !== input.orgId) throw new FieldError("userId", () => `user ${input.userId} belongs to another organisation`);
     }
     const [k] = await tx
       .insert(apiKeys)
@@ -327,16 +341,16 @@ export async function createKey(database: Database, input: CreateKeyInput): Prom
 }
 
 export async function listKeys(database: Database, orgId: string): Promise<KeyView[]> {
-  requireUuid("--org", orgId);
+  requireUuid("orgId", orgId);
   const rows = await database.db.select().from(apiKeys).where(eq(apiKeys.orgId, orgId)).orderBy(desc(apiKeys.createdAt), desc(apiKeys.id));
   return rows.map(keyView);
 }
 
 export async function revokeKey(database: Database, id: string, now = new Date()): Promise<KeyView> {
-  requireUuid("key id", id);
+  requireUuid("id", id);
   return database.db.transaction(async (tx) => {
     const [k] = await tx.select().from(apiKeys).where(eq(apiKeys.id, id)).for("update");
-    if (!k) throw new InputError(`no key ${id}`);
+    if (!k) throw new FieldError("id", () => `no key ${id}`);
     if (k.revokedAt) return keyView(k);
     const [after] = await tx.update(apiKeys).set({ revokedAt: now }).where(eq(apiKeys.id, id)).returning();
     if (!after) throw new Error("update returned no row");
@@ -356,16 +370,16 @@ export async function rotateKey(
   database: Database,
   input: { id: string; graceMs: number; tag: string; now?: Date; expiry?: ExpiryRequest; lifetime?: KeyLifetime },
 ): Promise<KeyView & { key: string }> {
-  requireUuid("key id", input.id);
+  requireUuid("id", input.id);
   const now = input.now ?? new Date();
   const lifetime = input.lifetime ?? DEFAULT_KEY_LIFETIME;
   const explicit = input.expiry ? explicitExpiry(input.expiry, now, lifetime) : null;
   const minted = mintKey(input.tag);
   return database.db.transaction(async (tx) => {
     const [old] = await tx.select().from(apiKeys).where(eq(apiKeys.id, input.id)).for("update");
-    if (!old) throw new InputError(`no key ${input.id}`);
-    if (old.revokedAt) throw new InputError(`key ${input.id} is revoked; create a new key instead`);
-    if (old.expiresAt <= now) throw new InputError(`key ${input.id} has expired; create a new key instead`);
+    if (!old) throw new FieldError("id", () => `no key ${input.id}`);
+    if (old.revokedAt) throw new FieldError("id", () => `key ${input.id} is revoked; create a new key instead`);
+    if (old.expiresAt <= now) throw new FieldError("id", () => `key ${input.id} has expired; create a new key instead`);
     const graceEnd = new Date(now.getTime() + input.graceMs);
     const oldExpiry = old.expiresAt < graceEnd ? old.expiresAt : graceEnd;
     const expiresAt = explicit ?? cappedExpiry(now, old.expiresAt.getTime() - old.createdAt.getTime(), lifetime);

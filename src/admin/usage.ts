@@ -1,7 +1,7 @@
 import { sql } from "drizzle-orm";
 import type { Database } from "../db/client.ts";
-import { InputError } from "../lib/errors.ts";
-import { isUuid } from "../lib/ids.ts";
+import { FieldError } from "../lib/errors.ts";
+import { requireUuid } from "./service.ts";
 
 export interface UsageRow {
   alias: string;
@@ -14,8 +14,8 @@ export interface UsageRow {
 
 /** Usage per alias and key since a time (default: everything), from the per-request records. */
 export async function usageReport(database: Database, orgId: string, since?: Date): Promise<UsageRow[]> {
-  if (!isUuid(orgId)) throw new InputError(`--org must be a UUID, got ${JSON.stringify(orgId)}`);
-  if (since && Number.isNaN(since.getTime())) throw new InputError("--since is not a valid ISO 8601 time");
+  requireUuid("orgId", orgId);
+  if (since && Number.isNaN(since.getTime())) throw new FieldError("since", (n) => `${n("since")} is not a valid ISO 8601 time`);
   const from = since ?? new Date(0);
   const rows = await database.rows<{ alias: string; key_id: string; requests: string | number; prompt: string | number; completion: string | number }>(sql`
     select alias, key_id::text as key_id, count(*) as requests,

@@ -2,6 +2,7 @@ import { afterAll, beforeAll, describe, expect, test, setDefaultTimeout } from "
 import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { sql } from "drizzle-orm";
+import { COMMANDS } from "../../src/cli/commands/index.ts";
 import { runCli } from "../../src/cli/index.ts";
 import { type Database, openDatabase } from "../../src/db/client.ts";
 import { MIGRATIONS } from "../../src/db/migrations.ts";
@@ -32,6 +33,7 @@ setDefaultTimeout(60_000);
  * demo, the simulator) is checked with real `bun run src/main.ts` processes.
  */
 
+const escapeRe = (s: string) => s.replace(/[.*+?^${}()|[\]\\]/g, "\\$&");
 const ALL_TAGS = MIGRATIONS.map((m) => m.tag);
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
 const MISSING_UUID = "00000000-0000-4000-8000-000000000000";
@@ -142,6 +144,59 @@ describe("help, version, unknown commands", () => {
       expect(r.code).toBe(0);
       expect(r.stdout).toMatch(/^gateway \S+ \(\S+\)\n$/);
     }
+  });
+
+  test("keys create --help: that command's usage and flags, exit 0 (not 'missing --org')", async () => {
+    for (const argv of [["keys", "create", "--help"], ["keys", "create", "-h"], ["keys", "create", "--org", "acme", "--help"], ["help", "keys", "create"]]) {
+      const r = await bare(...argv);
+      expect(r).toMatchObject({ code: 0, stderr: "" });
+      expect(r.stdout).toStartWith("gateway keys create: ");
+      expect(r.stdout).toContain("Usage: gateway keys create --org UUID --kind personal|service --scopes");
+      for (const flag of ["--org UUID", "--user UUID", "--kind personal|service", "--scopes", "--models", "--expires-at ISO", "--expires-in DURATION", "--name NAME", "--json"]) {
+        expect(r.stdout).toContain(flag);
+      }
+      expect(r.stdout).toMatch(/--org UUID +the organisation \(required\)/);
+      expect(r.stdout).not.toContain("--quota-window");
+    }
+  });
+
+  test("every command in the table has its own help, naming each of its flags and arguments", async () => {
+    for (const c of COMMANDS) {
+      const path = c.name ? [c.group, c.name] : [c.group];
+      const r = await bare(...path, "--help");
+      expect(r).toMatchObject({ code: 0, stderr: "" });
+      expect(r.stdout).toStartWith(`gateway ${path.join(" ")}: ${c.summary}\n`);
+      expect(r.stdout).toContain(`Usage: gateway ${path.join(" ")}`);
+      for (const [flag, f] of Object.entries(c.flags)) {
+        expect(r.stdout).toContain(f.type === "boolean" ? `--${flag} ` : `--${flag} ${f.value} `);
+        if (f.required) expect(r.stdout).toContain(`${f.description} (required)`);
+      }
+      for (const p of c.positionals) expect(r.stdout).toContain(`${p.name} `);
+      expect(c.examples.length).toBeGreaterThan(0);
+      for (const e of c.examples) expect(r.stdout).toContain(`  ${e}\n`);
+      expect((await bare("help", ...path)).stdout).toBe(r.stdout);
+    }
+  });
+
+  test("a group's --help lists its commands; the top-level help lists every command", async () => {
+    const top = await bare("--help");
+    for (const c of COMMANDS) expect(top.stdout).toMatch(new RegExp(`\\n  ${c.name ? `${c.group} ${c.name}` : c.group} +${escapeRe(c.summary)}\\n`));
+    for (const group of new Set(COMMANDS.filter((c) => c.name).map((c) => c.group))) {
+      for (const argv of [[group, "--help"], [group, "-h"], ["help", group]]) {
+        const r = await bare(...argv);
+        expect(r).toMatchObject({ code: 0, stderr: "" });
+        expect(r.stdout).toStartWith(`Usage: gateway ${group} <command>`);
+        for (const c of COMMANDS.filter((c) => c.group === group)) expect(r.stdout).toContain(`  gateway ${group} ${c.name}`);
+        for (const c of COMMANDS.filter((c) => c.group !== group)) expect(r.stdout).not.toContain(`gateway ${c.group} `);
+      }
+    }
+  });
+
+  test("without --help, unknown flags and missing ones still exit 2", async () => {
+    expectUsage(await bare("keys", "create", "--bogus"), "--bogus");
+    expectUsage(await bare("keys", "create", "--helpme"), "--helpme");
+    expectUsage(await bare("keys", "create"), "missing --org");
+    expectUsage(await bare("serve", "--bogus"), "--bogus");
   });
 
   test("unknown commands and subcommands: exit 2", async () => {

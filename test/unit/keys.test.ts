@@ -1,8 +1,9 @@
 import { describe, expect, test } from "bun:test";
 import { createHash } from "node:crypto";
 import { validateKeyInput } from "../../src/admin/service.ts";
+import { keysCreate } from "../../src/cli/commands/keys.ts";
 import { SCOPES, SECRET_LENGTH, bearerToken, createKeyMatcher, displayPrefix, hashKey, isScope, mintKey, parseDuration } from "../../src/auth/keys.ts";
-import { InputError } from "../../src/lib/errors.ts";
+import { FieldError, InputError } from "../../src/lib/errors.ts";
 
 describe("key format", () => {
   test("sk-<tag>-<43 base62 characters>", () => {
@@ -115,15 +116,18 @@ describe("key input validation (before anything is written)", () => {
   const org = "7f8f3c2a-1b2c-4d5e-8f90-123456789abc";
   const user = "0a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
   const base = { orgId: org, kind: "service", scopes: ["inference"], knownModels: ["svc-fast", "svc-embed"], tag: "gw" };
-  const refused = (patch: Record<string, unknown>): string => {
+  const error = (patch: Record<string, unknown>): FieldError => {
     try {
       validateKeyInput({ ...base, ...patch } as Parameters<typeof validateKeyInput>[0]);
     } catch (e) {
       expect(e).toBeInstanceOf(InputError);
-      return (e as Error).message;
+      if (e instanceof FieldError) return e;
+      throw e;
     }
     throw new Error("accepted");
   };
+  /** The message as `gateway keys create` prints it: each field named by its flag. */
+  const refused = (patch: Record<string, unknown>): string => keysCreate.describe(error(patch));
 
   test("accepts a service key and a personal key; dedupes scopes", () => {
     expect(validateKeyInput({ ...base, scopes: ["inference", "audit:read", "inference"] })).toEqual({ kind: "service", scopes: ["inference", "audit:read"] });
@@ -140,6 +144,20 @@ describe("key input validation (before anything is written)", () => {
     expect(refused({ kind: "personal", userId: user, scopes: ["inference", "audit:read"] })).toContain("audit:read is for service keys only");
     expect(refused({ models: ["gpt-4"] })).toContain('unknown model alias "gpt-4"');
     expect(refused({ expiresAt: new Date("nope") })).toContain("--expires-at");
+  });
+
+  test("says what is wrong in the service's own words, with the field machine-readable", () => {
+    expect(error({ orgId: "acme" })).toMatchObject({ field: "orgId", message: 'orgId must be a UUID, got "acme"' });
+    expect(error({ kind: "robot" })).toMatchObject({ field: "kind", message: "kind must be personal or service" });
+    expect(error({ kind: "personal" })).toMatchObject({ field: "userId", message: "a personal key needs userId (the person it belongs to)" });
+    expect(error({ userId: user })).toMatchObject({ field: "userId" });
+    expect(error({ scopes: [] })).toMatchObject({ field: "scopes", message: "scopes must name at least one scope" });
+    expect(error({ models: ["gpt-4"] })).toMatchObject({ field: "models" });
+    expect(error({ expiresAt: new Date("nope") })).toMatchObject({ field: "expiresAt", message: "expiresAt is not a valid ISO 8601 time" });
+    expect(error({ expiresAt: new Date(), expiresInMs: 1 })).toMatchObject({ field: "expiresAt", message: "give expiresAt or expiresInMs, not both" });
+    for (const patch of [{ orgId: "acme" }, { kind: "robot" }, { kind: "personal" }, { userId: user }, { scopes: [] }, { expiresAt: new Date("nope") }]) {
+      expect(error(patch).message).not.toContain("--");
+    }
   });
 
   test("every listed scope is recognised", () => {

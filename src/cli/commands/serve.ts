@@ -1,0 +1,55 @@
+import { serveAdminSocket } from "../admin-socket.ts";
+import { defineCommand } from "../command.ts";
+import { config, int, waitForSignal } from "../context.ts";
+import { seedDemo } from "../demo.ts";
+import { ConfigError, upstreamAliases } from "../../config/load.ts";
+import type { Config } from "../../config/schema.ts";
+import { VERSION } from "../../lib/version.ts";
+import { startGateway } from "../../server.ts";
+import { startSimulator } from "../../sim/upstream.ts";
+
+export const serve = defineCommand({
+  group: "serve",
+  summary: "run the gateway until SIGTERM or SIGINT",
+  flags: {
+    host: { type: "string", value: "HOST", description: "address to listen on (or HOST)" },
+    port: { type: "string", value: "PORT", description: "port to listen on (or PORT; 0 picks a free one)" },
+    demo: { type: "boolean", description: "in-memory database, simulated upstream, seeded keys: runs with nothing set up" },
+  },
+  common: ["config", "data-dir"],
+  notes: [
+    "The upstreams come from UPSTREAM_BASE_URL or the config file's aliases.",
+    "On the embedded database, admin commands run inside the server through admin/admin.sock in the data directory.",
+  ],
+  examples: ["gateway serve --demo", "gateway serve --config /etc/gateway/config.json"],
+  async run({ values }, { out, runCli }) {
+    const overrides: Partial<Config> = {};
+    if (values.host) overrides.host = values.host;
+    if (values.port) overrides.port = int(values.port, "--port");
+    let sim: Awaited<ReturnType<typeof startSimulator>> | undefined;
+    let cfg: Config;
+    if (values.demo) {
+      // Demo: an in-memory database and an in-process simulated upstream, so it runs anywhere with nothing set up.
+      sim = await startSimulator({ port: 0, ttftMs: 150, interTokenMs: 30 });
+      const base = await config(values, { ...overrides, dataDir: values["data-dir"] ?? "memory://demo" });
+      cfg = { ...base, aliases: Object.keys(base.aliases).length ? base.aliases : (upstreamAliases(sim.url) as Config["aliases"]) };
+    } else {
+      cfg = await config(values, overrides);
+      if (Object.keys(cfg.aliases).length === 0) {
+        throw new ConfigError(["/aliases: no upstream configured; set UPSTREAM_BASE_URL or aliases in the config file (or try --demo)"]);
+      }
+    }
+    const gw = await startGateway({ config: cfg });
+    gw.log.info("listening", { url: gw.url, database: gw.database.kind, demo: values.demo ?? false, version: VERSION });
+    if (values.demo) out.stdout(await seedDemo(gw));
+    const embeddedOnDisk = gw.database.kind === "pglite" && !cfg.dataDir.startsWith("memory://");
+    const stopAdmin = embeddedOnDisk ? serveAdminSocket(cfg.dataDir, gw.database, cfg, runCli) : undefined;
+    const sig = await waitForSignal();
+    gw.log.info("shutting down", { signal: sig, drain_ms: cfg.drainMs });
+    stopAdmin?.();
+    await gw.stop();
+    await sim?.stop();
+    gw.log.info("stopped");
+    return 0;
+  },
+});

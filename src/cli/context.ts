@@ -1,0 +1,74 @@
+import { existsSync } from "node:fs";
+import { ForwardToServer, adminContext, socketPath } from "./admin-socket.ts";
+import { UsageError, type Out } from "./command.ts";
+import { loadConfig } from "../config/load.ts";
+import type { Config } from "../config/schema.ts";
+import { type Database, DataDirLockedError, migrate, openDatabase } from "../db/client.ts";
+
+/** What the commands share: configuration, the database, output, and flag values. */
+
+export async function config(values: { config?: string | undefined; "data-dir"?: string | undefined }, extra: Partial<Config> = {}): Promise<Config> {
+  // A command forwarded to the running server uses the server's own configuration.
+  const served = adminContext.getStore();
+  if (served) return served.config;
+  return loadConfig({
+    env: process.env,
+    file: values.config,
+    overrides: { ...(values["data-dir"] ? { dataDir: values["data-dir"] } : {}), ...extra },
+  });
+}
+
+/** Open the database, bring its schema up to date (unless the command is `migrate` itself), run, close. */
+export async function withDb<T>(cfg: Config, fn: (db: Database) => Promise<T>, opts: { migrate: boolean } = { migrate: true }): Promise<T> {
+  const served = adminContext.getStore();
+  if (served) return fn(served.database);
+  let database: Database;
+  try {
+    database = await openDatabase({ databaseUrl: cfg.databaseUrl, dataDir: cfg.dataDir, poolMax: 2 });
+  } catch (e) {
+    // The embedded database is held by a running server: run the command there.
+    if (e instanceof DataDirLockedError && !cfg.databaseUrl && existsSync(socketPath(cfg.dataDir))) throw new ForwardToServer(socketPath(cfg.dataDir), e);
+    throw e;
+  }
+  try {
+    if (opts.migrate) await migrate(database);
+    return await fn(database);
+  } finally {
+    await database.close();
+  }
+}
+
+export function print(out: Out, json: boolean | undefined, value: unknown, human: string) {
+  out.stdout(json ? `${JSON.stringify(value)}\n` : `${human}\n`);
+}
+
+export function int(v: string, flag: string): number {
+  if (!/^\d{1,15}$/.test(v)) throw new UsageError(`${flag} must be a whole number, got ${JSON.stringify(v)}`);
+  return Number(v);
+}
+
+/** An ISO 8601 time given on the command line (a date first; JS parses much else loosely). */
+export function isoTime(v: string, flag: string): Date {
+  const d = new Date(v);
+  if (Number.isNaN(d.getTime()) || !/^\d{4}-\d{2}-\d{2}/.test(v)) throw new UsageError(`${flag} is not an ISO 8601 time: ${JSON.stringify(v)}`);
+  return d;
+}
+
+export function list(v: string | undefined): string[] {
+  return (v ?? "")
+    .split(",")
+    .map((s) => s.trim())
+    .filter(Boolean);
+}
+
+export function waitForSignal(): Promise<string> {
+  return new Promise((resolve) => {
+    const on = (sig: string) => {
+      process.off("SIGTERM", on);
+      process.off("SIGINT", on);
+      resolve(sig);
+    };
+    process.on("SIGTERM", on);
+    process.on("SIGINT", on);
+  });
+}
