@@ -182,8 +182,10 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
   const perAll = opts.unknownPerMin;
   const prefixBuckets = new Map<string, Bucket>();
   const allBucket: Bucket = { tokens: perAll ?? 0, at: now() };
-  /** Bumped by every invalidation message; see fetch. */
+  /** Bumped by every message that can make a row in hand stale (a key, organisation or user changed, or all); see fetch. */
   let generation = 0;
+  /** Bumped by "new" (a key was created): only a "no such key" in hand can be stale then. */
+  let created = 0;
   let unlisten: (() => Promise<void>) | undefined;
   let flushTimer: ReturnType<typeof setInterval> | undefined;
 
@@ -210,20 +212,24 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
    * One lookup per hash at a time. Its result is cached only if no
    * invalidation arrived while it was out: a row read before a revocation (or
    * a "no such key" read before a creation) committed must not outlive the
-   * NOTIFY that announced the change. Any message counts, because a lookup
-   * does not know which key, organisation or user its row belongs to until it
-   * returns; messages are rare, so the cost is an occasional extra lookup.
+   * NOTIFY that announced the change. Any change message counts, because a
+   * lookup does not know which key, organisation or user its row belongs to
+   * until it returns; such messages are rare, so the cost is an occasional
+   * extra lookup. A key creation ("new", which comes with every key minted)
+   * only discards a "no such key": it cannot make a row in hand stale, and
+   * counting it would leave keys uncached whenever keys are being created.
    */
   function fetch(hash: string): Promise<Principal | null> {
     let p = inflight.get(hash);
     if (!p) {
       lookups++;
       const startedAt = generation;
+      const createdAt = created;
       // One immediate retry: a pooled connection the server dropped fails once, then the driver reconnects.
       const running: Promise<Principal | null> = lookup(hash)
         .catch(() => lookup(hash))
         .then((principal) => {
-          if (generation === startedAt) remember(hash, principal, now());
+          if (generation === startedAt && (principal !== null || created === createdAt)) remember(hash, principal, now());
           return principal;
         })
         .finally(() => {
@@ -304,7 +310,8 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
     },
 
     invalidate(message) {
-      generation++;
+      created++;
+      if (message !== "new") generation++;
       // Requests from now on start their own lookup rather than share one that may have read the old row.
       inflight.clear();
       if (message === "*") {

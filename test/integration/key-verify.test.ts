@@ -115,6 +115,31 @@ describe("revocation racing a lookup", () => {
     }
   });
 
+  test("a new key elsewhere does not stop a valid key read meanwhile from being cached", async () => {
+    // "new" only means an unknown key may now exist: it cannot make a row in hand stale.
+    // (Under a steady stream of key creations, discarding such reads left keys uncached,
+    // so an outage answered 503 for keys that had just been verified.)
+    const org = await seedOrg(db);
+    const l = pausingLookup([1]);
+    const verifier = verifierWith(l.lookup);
+    await verifier.start();
+    const note = await delivered("new");
+    try {
+      const first = verifier.verify(org.serviceKey);
+      await l.firstReadDone;
+      await db.db.execute(sql`select pg_notify(${AUTH_CHANNEL}, 'new')`);
+      await note.seen;
+      l.release();
+      expect((await first).status).toBe("valid");
+      expect((await verifier.verify(org.serviceKey)).status).toBe("valid");
+      expect(l.reads()).toBe(1); // served from the cache
+    } finally {
+      l.release();
+      await note.stop();
+      await verifier.stop();
+    }
+  });
+
   test("a key created while its first lookup was out is not remembered as unknown", async () => {
     const org = await seedOrg(db);
     // Minted here, inserted only after the lookup has read "no such row".
