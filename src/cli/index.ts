@@ -9,6 +9,7 @@ import { ConfigError, loadConfig, maskConfig, upstreamAliases } from "../config/
 import { type Config, SPEC_ALIASES } from "../config/schema.ts";
 import { type Database, DataDirLockedError, migrate, openDatabase } from "../db/client.ts";
 import { InputError } from "../lib/errors.ts";
+import { inStorableRange, parseInstantOrDate } from "../lib/time.ts";
 import { startSimulator } from "../sim/upstream.ts";
 import { startGateway } from "../server.ts";
 import { seedDemo } from "./demo.ts";
@@ -76,11 +77,11 @@ function int(v: string, flag: string): number {
   return Number(v);
 }
 
-/** An ISO 8601 time given on the command line (a date first; JS parses much else loosely). */
+/** An ISO 8601 time given on the command line: the audit query's grammar, or a bare date (UTC midnight). */
 function isoTime(v: string, flag: string): Date {
-  const d = new Date(v);
-  if (Number.isNaN(d.getTime()) || !/^\d{4}-\d{2}-\d{2}/.test(v)) throw new UsageError(`${flag} is not an ISO 8601 time: ${JSON.stringify(v)}`);
-  return d;
+  const t = parseInstantOrDate(v);
+  if (!t || !inStorableRange(t)) throw new UsageError(`${flag} is not an ISO 8601 time: ${JSON.stringify(v)}`);
+  return new Date(t.ms);
 }
 
 /** --expires-at / --expires-in, or null when neither is given. */
