@@ -31,6 +31,8 @@ export interface Gateway {
   metrics: Metrics;
   /** Where /metrics is served (its own listener, or the main one with `metrics.listen: "main"`); unset when disabled. */
   metricsUrl: string | undefined;
+  /** The routes the app serves (method, path): the one route list, which the OpenAPI document is tested against. */
+  routes: { method: string; path: string }[];
   /** Graceful stop: refuse new connections, let in-flight requests finish up to drainMs, flush, close. */
   stop(): Promise<void>;
 }
@@ -151,6 +153,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       log,
       quota,
       metrics,
+      routes: app.routes.map((r) => ({ method: r.method, path: r.path })),
       metricsUrl: metricsServer ? `${httpUrl(metricsServer.hostname ?? "", metricsServer.port ?? 0)}/metrics` : metricsOnMain ? `${url}/metrics` : undefined,
       stop() {
         stopping ??= (async () => {
