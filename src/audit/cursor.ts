@@ -44,7 +44,7 @@ const PG_SEPARATOR = 10;
 function isValidTimestamp(s: string): boolean {
   const iso = s.charAt(PG_SEPARATOR) === " " ? `${s.slice(0, PG_SEPARATOR)}T${s.slice(PG_SEPARATOR + 1)}` : s;
   const t = parseInstant(iso);
-  return t !== null && t.seconds && t.fractionDigits <= 6;
+  return t?.seconds === true && t.fractionDigits <= 6;
 }
 
 function isValidPosition(pos: CursorPosition): boolean {

@@ -60,7 +60,14 @@ describe("audit import", () => {
 describe("CLI time flags", () => {
   const cli = async (...args: string[]) => {
     const r = { stdout: "", stderr: "" };
-    const code = await runCli(args, { stdout: (s) => void (r.stdout += s), stderr: (s) => void (r.stderr += s) });
+    const code = await runCli(args, {
+      stdout: (s) => {
+        r.stdout += s;
+      },
+      stderr: (s) => {
+        r.stderr += s;
+      },
+    });
     return { code, ...r };
   };
 
