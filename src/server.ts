@@ -3,7 +3,8 @@ import { eq } from "drizzle-orm";
 import { createGuard } from "./auth/guard.ts";
 import { createSecurityAuditor } from "./auth/security.ts";
 import { type KeyVerifier, createKeyVerifier } from "./auth/verify.ts";
-import { auditRoutes, meRoutes } from "./audit/routes.ts";
+import { auditRoutes } from "./audit/routes.ts";
+import { meRoutes } from "./auth/routes.ts";
 import { listenAddress } from "./config/load.ts";
 import type { Config } from "./config/schema.ts";
 import { type Database, migrate, migrationsCurrent, openDatabase } from "./db/client.ts";
@@ -30,6 +31,8 @@ export interface Gateway {
   metrics: Metrics;
   /** Where /metrics is served (its own listener, or the main one with `metrics.listen: "main"`); unset when disabled. */
   metricsUrl: string | undefined;
+  /** The routes the app serves (method, path): the one route list, which the OpenAPI document is tested against. */
+  routes: { method: string; path: string }[];
   /** Graceful stop: refuse new connections, let in-flight requests finish up to drainMs, flush, close. */
   stop(): Promise<void>;
 }
@@ -150,6 +153,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       log,
       quota,
       metrics,
+      routes: app.routes.map((r) => ({ method: r.method, path: r.path })),
       metricsUrl: metricsServer ? `${httpUrl(metricsServer.hostname ?? "", metricsServer.port ?? 0)}/metrics` : metricsOnMain ? `${url}/metrics` : undefined,
       stop() {
         stopping ??= (async () => {

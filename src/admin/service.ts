@@ -3,7 +3,7 @@ import { type Scope, isScope, mintKey, parseDuration } from "../auth/keys.ts";
 import { AUTH_CHANNEL } from "../auth/verify.ts";
 import { type AuditInput, recordAudit } from "../audit/record.ts";
 import type { Database, Db } from "../db/client.ts";
-import { apiKeys, organizations, users } from "../db/schema.ts";
+import { QUOTA_PERIODS, type QuotaPeriod, apiKeys, organizations, users } from "../db/schema.ts";
 import { FieldError, InputError } from "../lib/errors.ts";
 import { SYSTEM_ACTOR_ID, isUuid } from "../lib/ids.ts";
 
@@ -17,8 +17,9 @@ import { SYSTEM_ACTOR_ID, isUuid } from "../lib/ids.ts";
  * their own way (the CLI prints it as its flag, `--quota-window`).
  */
 
-export type QuotaWindow = "hour" | "day" | "month";
-const WINDOWS: readonly QuotaWindow[] = ["hour", "day", "month"];
+/** The quota period under the name operators see (--quota-window, column quota_window). */
+type QuotaWindow = QuotaPeriod;
+const WINDOWS: readonly QuotaWindow[] = QUOTA_PERIODS;
 
 /** Events made through the CLI or the admin socket; recordAudit gives them HOST_ORIGIN. */
 export const CLI_ACTOR: AuditInput["actor"] = { type: "system", id: SYSTEM_ACTOR_ID, name: "gateway-cli", email: "", keyId: null };

@@ -14,6 +14,7 @@
 
 import { createHmac, timingSafeEqual } from "node:crypto";
 import { isUuid } from "../lib/ids.ts";
+import { parseInstant } from "../lib/time.ts";
 
 export interface CursorPosition {
   /** Row timestamp exactly as stored/selected (ms or µs precision). */
@@ -31,24 +32,19 @@ const MAX_TOKEN_CHARS = 256;
 /** Domain separation: this key may one day MAC other things too. */
 const DOMAIN = "gateway/audit-cursor/v1\n";
 
-/**
- * ISO 8601 (as produced by Date#toISOString) or PostgreSQL timestamptz text
- * ("2024-05-01 12:00:00.123456+00"): date, 'T' or space, time, optional
- * 1-6 fraction digits, then Z or an offset (+HH, +HHMM, +HH:MM).
- */
-const TS_RE =
-  /^(\d{4})-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])[T ]([01]\d|2[0-3]):([0-5]\d):([0-5]\d)(\.\d{1,6})?(Z|[+-](?:[01]\d|2[0-3])(?::?[0-5]\d)?)$/;
 const B64URL_RE = /^[A-Za-z0-9_-]+$/;
+/** Position 10 of Postgres' timestamptz text ("2024-05-01 12:00:00.123456+00") holds a space where ISO has T. */
+const PG_SEPARATOR = 10;
 
+/**
+ * A row's timestamp as stored and printed: Date#toISOString or Postgres'
+ * timestamptz text, in the one time grammar (src/lib/time.ts) with the seconds
+ * given and at most microseconds, what Postgres keeps.
+ */
 function isValidTimestamp(s: string): boolean {
-  const m = TS_RE.exec(s);
-  if (m === null) return false;
-  // Reject impossible days (2023-02-29, 2024-04-31) that the regex admits.
-  const year = Number(m[1]);
-  const month = Number(m[2]);
-  const day = Number(m[3]);
-  const daysInMonth = new Date(Date.UTC(year, month, 0)).getUTCDate();
-  return day <= daysInMonth;
+  const iso = s.charAt(PG_SEPARATOR) === " " ? `${s.slice(0, PG_SEPARATOR)}T${s.slice(PG_SEPARATOR + 1)}` : s;
+  const t = parseInstant(iso);
+  return t?.seconds === true && t.fractionDigits <= 6;
 }
 
 function isValidPosition(pos: CursorPosition): boolean {

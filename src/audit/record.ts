@@ -25,6 +25,15 @@ export const CATEGORIES = [
 ] as const;
 export type Category = (typeof CATEGORIES)[number];
 
+/** A dotted action name (`api_key.revoked`): what `gateway audit import` stores and the audit query's `action` asks for. */
+export const ACTION_PATTERN = "^[a-z][a-z0-9_]*\\.[a-z][a-z0-9_.]*$";
+export const MAX_ACTION_CHARS = 200;
+const ACTION = new RegExp(ACTION_PATTERN);
+
+export function isAction(s: string): boolean {
+  return s.length <= MAX_ACTION_CHARS && ACTION.test(s);
+}
+
 export interface AuditInput {
   orgId: string;
   id?: string;

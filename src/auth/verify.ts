@@ -1,6 +1,6 @@
 import { eq, sql } from "drizzle-orm";
 import type { Database } from "../db/client.ts";
-import { apiKeys, organizations, users } from "../db/schema.ts";
+import { type QuotaPeriod, apiKeys, organizations, users } from "../db/schema.ts";
 import { hashKey } from "./keys.ts";
 import { ipPrefix } from "./security.ts";
 
@@ -36,9 +36,9 @@ export interface Principal {
   revokedAt: Date | null;
   academyOnly: boolean;
   plan: string;
-  /** The organisation's token quota (null = none) and its window; cached with the key. */
+  /** The organisation's token quota (null = none) and its period; cached with the key. */
   quotaTokens: number | null;
-  quotaWindow: "hour" | "day" | "month";
+  quotaPeriod: QuotaPeriod;
   /** Who acts with this key, for audit events: the user of a personal key, the key's name for a service key. */
   actorName: string;
   actorEmail: string;
@@ -161,7 +161,7 @@ export async function lookupKey(database: Database, hash: string): Promise<Princ
     academyOnly: r.orgAcademyOnly || (r.userAcademyOnly ?? false),
     plan: r.plan,
     quotaTokens: r.quotaTokens,
-    quotaWindow: r.quotaWindow,
+    quotaPeriod: r.quotaWindow,
     actorName: r.userName ?? r.keyName,
     actorEmail: r.userEmail ?? "",
   };

@@ -4,6 +4,7 @@ import { UsageError, type Out } from "./command.ts";
 import { loadConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
 import { type Database, DataDirLockedError, migrate, openDatabase } from "../db/client.ts";
+import { inStorableRange, parseInstantOrDate } from "../lib/time.ts";
 
 /** What the commands share: configuration, the database, output, and flag values. */
 
@@ -48,10 +49,11 @@ export function int(v: string, flag: string): number {
 }
 
 /** An ISO 8601 time given on the command line (a date first; JS parses much else loosely). */
+/** An ISO 8601 time given on the command line: the audit query's grammar, or a bare date (UTC midnight). */
 export function isoTime(v: string, flag: string): Date {
-  const d = new Date(v);
-  if (Number.isNaN(d.getTime()) || !/^\d{4}-\d{2}-\d{2}/.test(v)) throw new UsageError(`${flag} is not an ISO 8601 time: ${JSON.stringify(v)}`);
-  return d;
+  const t = parseInstantOrDate(v);
+  if (!t || !inStorableRange(t)) throw new UsageError(`${flag} is not an ISO 8601 time: ${JSON.stringify(v)}`);
+  return new Date(t.ms);
 }
 
 export function list(v: string | undefined): string[] {

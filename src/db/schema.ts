@@ -18,6 +18,9 @@ import {
 const ts = (name: string) => timestamp(name, { withTimezone: true, precision: 3, mode: "date" });
 const createdAt = () => ts("created_at").notNull().default(sql`now()`);
 
+/** The periods an organisation's token quota can run over (column quota_window; the CLI's --quota-window). */
+export const QUOTA_PERIODS = ["hour", "day", "month"] as const;
+
 export const organizations = pgTable("organizations", {
   id: uuid("id").primaryKey().defaultRandom(),
   name: text("name").notNull(),
@@ -25,9 +28,10 @@ export const organizations = pgTable("organizations", {
   academyOnly: boolean("academy_only").notNull().default(false),
   /** null = no quota. */
   quotaTokens: bigint("quota_tokens", { mode: "number" }),
-  quotaWindow: text("quota_window", { enum: ["hour", "day", "month"] }).notNull().default("month"),
+  quotaWindow: text("quota_window", { enum: QUOTA_PERIODS }).notNull().default("month"),
   createdAt: createdAt(),
 });
+export type QuotaPeriod = (typeof organizations.$inferSelect)["quotaWindow"];
 
 export const users = pgTable(
   "users",

@@ -4,7 +4,7 @@ import type { Guard } from "../auth/guard.ts";
 import type { KeyVerifier } from "../auth/verify.ts";
 import type { SecurityAuditor } from "../auth/security.ts";
 import type { Logger } from "../lib/log.ts";
-import { type Metrics, methodLabel, routeLabel } from "../metrics/registry.ts";
+import { type Metrics, methodLabel, routeLabeler } from "../metrics/registry.ts";
 import { beginRequest, type RequestState, requestIdOf, stateOf } from "./context.ts";
 import { AppError, errorBody } from "./errors.ts";
 
@@ -46,6 +46,8 @@ function validationCode(path: string) {
 export function createApp(deps: AppDeps) {
   const { log, metrics } = deps;
   const auth = authPlugin(deps.guard);
+  // Set once every route is mounted (below): the app's own route list is the label set.
+  let routeLabel = routeLabeler([]);
 
   const accessLine = (method: string, route: string, status: number, s: RequestState) =>
     log.info("request", {
@@ -134,6 +136,7 @@ export function createApp(deps: AppDeps) {
     });
   }
   for (const mod of deps.modules) app.use(mod(auth));
+  routeLabel = routeLabeler(app.routes.map((r) => r.path));
   return app;
 }
 

@@ -40,6 +40,11 @@ const TABLE: Record<ErrorCode, { status: number; type: string }> = {
   internal_error: { status: 500, type: "server_error" },
 };
 
+/** The codes answered with `status`, in the table's order (the OpenAPI document lists them per response). */
+export function codesWithStatus(status: number): ErrorCode[] {
+  return (Object.keys(TABLE) as ErrorCode[]).filter((c) => TABLE[c].status === status);
+}
+
 export class AppError extends Error {
   readonly status: number;
   constructor(

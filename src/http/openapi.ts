@@ -1,6 +1,7 @@
 import { type TSchema, Type as T } from "@sinclair/typebox";
 import { CATEGORIES } from "../audit/record.ts";
 import { ChatBodySchema, EmbeddingsBodySchema } from "../inference/model.ts";
+import { type ErrorCode, codesWithStatus } from "./errors.ts";
 
 /**
  * The OpenAPI 3.1 document, built from the same TypeBox schemas that validate
@@ -139,15 +140,23 @@ function headers(required: HeaderName[], optional: HeaderName[] = []) {
 }
 const RATE: HeaderName[] = ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"];
 
-const ERROR_TEXT: Record<number, string> = {
-  400: "invalid_request_error (chat, embeddings: bad body, unknown parameter, body too large) or invalid_body (audit events)",
-  401: "unauthorized or key_expired",
-  403: "scope_missing, academy_only or browser_request_rejected",
-  404: "model_not_found",
-  429: "rate_limit_error (retry-after, retry-after-ms) or budget_exceeded (x-should-retry: false; retry-after when the quota window resets within a minute)",
-  500: "internal_error: a defect of ours; the request id identifies it in the logs",
-  503: "service_unavailable: the model's upstream (with the rate-limit headers) or the key store (before the key check, without them) is unreachable",
+/** When a code is answered and what it carries, where that is worth saying; the codes and statuses come from src/http/errors.ts. */
+const ERROR_NOTES: Partial<Record<ErrorCode, string>> = {
+  invalid_request_error: "chat, embeddings: bad body, unknown parameter, body too large",
+  invalid_body: "audit events",
+  not_found: "a path or method this API does not have",
+  rate_limit_error: "retry-after, retry-after-ms",
+  budget_exceeded: "x-should-retry: false; retry-after when the quota window resets within a minute",
+  internal_error: "a defect of ours; the request id identifies it in the logs",
+  service_unavailable: "the model's upstream (with the rate-limit headers) or the key store (before the key check, without them) is unreachable",
 };
+
+/** The codes of one status, each with its note. */
+function errorText(status: number): string {
+  return codesWithStatus(status)
+    .map((c) => (ERROR_NOTES[c] ? `${c} (${ERROR_NOTES[c]})` : c))
+    .join(" or ");
+}
 
 /** Error answers of an endpoint behind the key check, each with the headers it really carries. */
 function errors(...statuses: number[]) {
@@ -164,7 +173,7 @@ function errors(...statuses: number[]) {
             : s === 500
               ? headers(["x-request-id"], RATE)
               : headers(["x-request-id", ...RATE]);
-    out[String(s)] = { description: ERROR_TEXT[s], headers: h, content: jsonContent("Error") };
+    out[String(s)] = { description: errorText(s), headers: h, content: jsonContent("Error") };
   }
   return out;
 }

@@ -1,4 +1,6 @@
-const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+/** A UUID of any version, either case: JSON Schema `pattern` text (import lines) and the test below. */
+export const UUID_PATTERN = "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$";
+const UUID = new RegExp(UUID_PATTERN);
 
 export function isUuid(s: string): boolean {
   return UUID.test(s);

@@ -5,7 +5,8 @@ import type { Principal } from "../auth/verify.ts";
  * state neither call touches the database: admission decides against this
  * instance's local lease of the organisation's quota (refilled in the
  * background ahead of need; only an empty lease waits for a refill), and
- * settlement queues the actual usage for the batched writer (src/limits/quota.ts).
+ * settlement queues the actual usage for the batched writer (src/limits/quota.ts
+ * admits, src/limits/usage-writer.ts writes).
  */
 
 export interface UsageReport {
@@ -40,4 +41,13 @@ export interface Metering {
   admit(principal: Principal, estimate: number, minimum?: number): Promise<Ticket>;
   /** Settle a ticket with what the request really used; idempotent (later calls are ignored). */
   settle(ticket: Ticket, usage: UsageReport, outcome: RequestOutcome): void;
+}
+
+/** Per-field bound on a usage figure at the metering boundary: anything larger is nonsense, not usage. */
+export const MAX_TOKENS_PER_FIELD = 1_000_000_000;
+
+/** A usage figure as metered: an integer in 0..MAX_TOKENS_PER_FIELD (NaN counts as 0). */
+export function clampTokens(n: number): number {
+  if (Number.isNaN(n) || n <= 0) return 0;
+  return n >= MAX_TOKENS_PER_FIELD ? MAX_TOKENS_PER_FIELD : Math.round(n);
 }

@@ -9,19 +9,14 @@ import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from "prom
 
 const LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300];
 
-export const KNOWN_ROUTES = new Set([
-  "/v1/chat/completions",
-  "/v1/embeddings",
-  "/v1/models",
-  "/v1/me",
-  "/v1/audit-events",
-  "/healthz",
-  "/readyz",
-  "/metrics",
-]);
-
-export function routeLabel(path: string): string {
-  return KNOWN_ROUTES.has(path) ? path : "other";
+/**
+ * The route label of a request path: the path itself when the app serves it
+ * (`paths`: the app's own route list), else "other", so scanners cannot grow
+ * the label set.
+ */
+export function routeLabeler(paths: Iterable<string>): (path: string) => string {
+  const known = new Set(paths);
+  return (path) => (known.has(path) ? path : "other");
 }
 
 const KNOWN_METHODS = new Set(["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]);

@@ -2,7 +2,8 @@ import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "
 import { sql } from "drizzle-orm";
 import { createKey, revokeKey, rotateKey } from "../../src/admin/service.ts";
 import { encodeCursor } from "../../src/audit/cursor.ts";
-import type { AuditEventView, AuditPage } from "../../src/audit/query.ts";
+import type { AuditPage } from "../../src/audit/query.ts";
+import type { AuditEventView } from "../../src/audit/search.ts";
 import { type AuditInput, type Category, recordAudit } from "../../src/audit/record.ts";
 import type { Database } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";

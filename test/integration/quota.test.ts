@@ -5,7 +5,8 @@ import type { Principal } from "../../src/auth/verify.ts";
 import { usageCounters, usageDeadLetters, usageEvents } from "../../src/db/schema.ts";
 import { AppError } from "../../src/http/errors.ts";
 import { createLogger } from "../../src/lib/log.ts";
-import { createQuota, windowEnd, windowStart } from "../../src/limits/quota.ts";
+import { createQuota } from "../../src/limits/quota.ts";
+import { periodEnd, periodStart } from "../../src/limits/period.ts";
 import { rejectionOf, sharedDatabase } from "../helpers/harness.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -32,7 +33,7 @@ async function org(quotaTokens: number | null, quotaWindow: "hour" | "day" | "mo
     academyOnly: false,
     plan: "Standard",
     quotaTokens,
-    quotaWindow,
+    quotaPeriod: quotaWindow,
     actorName: "",
     actorEmail: "",
   };
@@ -47,13 +48,13 @@ async function counters(orgId: string) {
 describe("window arithmetic (UTC)", () => {
   const t = Date.UTC(2026, 10, 22, 13, 45, 12, 345);
   test("hour, day and calendar month windows", () => {
-    expect(windowStart("hour", t)).toBe(Date.UTC(2026, 10, 22, 13));
-    expect(windowEnd("hour", t)).toBe(Date.UTC(2026, 10, 22, 14));
-    expect(windowStart("day", t)).toBe(Date.UTC(2026, 10, 22));
-    expect(windowEnd("day", t)).toBe(Date.UTC(2026, 10, 23));
-    expect(windowStart("month", t)).toBe(Date.UTC(2026, 10, 1));
-    expect(windowEnd("month", t)).toBe(Date.UTC(2026, 11, 1));
-    expect(windowEnd("month", Date.UTC(2026, 11, 31, 23))).toBe(Date.UTC(2027, 0, 1));
+    expect(periodStart("hour", t)).toBe(Date.UTC(2026, 10, 22, 13));
+    expect(periodEnd("hour", t)).toBe(Date.UTC(2026, 10, 22, 14));
+    expect(periodStart("day", t)).toBe(Date.UTC(2026, 10, 22));
+    expect(periodEnd("day", t)).toBe(Date.UTC(2026, 10, 23));
+    expect(periodStart("month", t)).toBe(Date.UTC(2026, 10, 1));
+    expect(periodEnd("month", t)).toBe(Date.UTC(2026, 11, 1));
+    expect(periodEnd("month", Date.UTC(2026, 11, 31, 23))).toBe(Date.UTC(2027, 0, 1));
   });
 });
 

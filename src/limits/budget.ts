@@ -1,0 +1,54 @@
+import { and, eq, sql } from "drizzle-orm";
+import { recordAudit } from "../audit/record.ts";
+import type { Database } from "../db/client.ts";
+import { usageCounters } from "../db/schema.ts";
+import { AppError } from "../http/errors.ts";
+import { SYSTEM_ACTOR_ID } from "../lib/ids.ts";
+import { type QuotaPeriod, periodEnd } from "./period.ts";
+
+/** A refusal for want of quota: the error the caller sees and the audit row operators see. */
+
+/** One organisation's quota period that cannot supply a request. */
+export interface SpentPeriod {
+  orgId: string;
+  quota: number;
+  period: QuotaPeriod;
+  /** Start of the period, epoch ms. */
+  start: number;
+}
+
+/** budget_exceeded, once per org and period in the audit log (usage_counters.exceeded_at decides across instances). */
+export async function recordBudgetExceeded(database: Database, s: SpentPeriod, now: number): Promise<void> {
+  const ws = new Date(s.start);
+  await database.db.transaction(async (tx) => {
+    const marked = await tx
+      .update(usageCounters)
+      .set({ exceededAt: new Date(now) })
+      .where(and(eq(usageCounters.orgId, s.orgId), eq(usageCounters.windowStart, ws), sql`${usageCounters.exceededAt} is null`))
+      .returning({ orgId: usageCounters.orgId });
+    if (marked.length === 0) return;
+    await recordAudit(tx, {
+      orgId: s.orgId,
+      action: "billing.budget_exceeded",
+      category: "billing",
+      actor: { type: "system", id: SYSTEM_ACTOR_ID, name: "gateway", email: "", keyId: null },
+      targets: [{ key: "org_id", kind: "organization", id: s.orgId, name: "", email: "" }],
+      // Field names as operators know them (the column and CLI flag say quota window).
+      details: { quota_tokens: s.quota, window: s.period, window_start: ws.toISOString() },
+    });
+  });
+}
+
+/** The refusal of a request needing `want` tokens at `t`: retry hints only when the period resets within a minute. */
+export function budgetExceeded(s: SpentPeriod, t: number, want: number): AppError {
+  const resetMs = periodEnd(s.period, t) - t;
+  const headers: Record<string, string> = { "x-should-retry": "false" };
+  // Only a reset within a minute is worth waiting for; SDKs otherwise should not retry at all.
+  if (resetMs <= 60_000) headers["retry-after"] = String(Math.max(1, Math.ceil(resetMs / 1000)));
+  return new AppError(
+    "budget_exceeded",
+    `budget_exceeded: the organisation's usage quota of ${s.quota} tokens per ${s.period} has fewer tokens left than this request needs (${want}); requests are refused until the window resets at ${new Date(periodEnd(s.period, t)).toISOString()}.`,
+    null,
+    headers,
+  );
+}

@@ -1,0 +1,317 @@
+import { eq, sql } from "drizzle-orm";
+import type { Database } from "../db/client.ts";
+import { pgArray } from "../db/arrays.ts";
+import { usageBatches, usageCounters, usageDeadLetters } from "../db/schema.ts";
+import type { Logger } from "../lib/log.ts";
+import { columnsAt, eventRecord, type UsageColumns, UsageLog } from "./usage-log.ts";
+
+/**
+ * The batched usage writer: every flushMs, one transaction adds the settled
+ * usage to the shared counters (usage_counters) and inserts the per-request
+ * records (usage_events).
+ *
+ * - Idempotent: a batch is retried unchanged until it lands, under one id
+ *   recorded in usage_batches in the same transaction, so a commit we never
+ *   heard back from is not applied twice.
+ * - Isolating: a batch that fails twice while the database answers is written
+ *   item by item, and only the item that still fails is set aside
+ *   (usage_dead_letters, and the log), so one bad record never blocks the rest.
+ * - Bounded: per-request records wait in a UsageLog of `maxBuffered`; token
+ *   counters are never dropped.
+ *
+ * What the counters should change by comes from a CounterSource (the quota's
+ * lease accounting, src/limits/quota.ts); the writer tells it what the shared
+ * counter holds after each change and when a change has landed.
+ */
+
+/** A change of one shared counter: one organisation, one quota period. */
+export interface CounterDelta {
+  orgId: string;
+  /** Start of the quota period, epoch ms (usage_counters.window_start). */
+  start: number;
+  used: number;
+  /** Change of the shared `leased` column: converted to usage, or returned. */
+  leased: number;
+}
+
+/** The shared counter right after a delta was added to it. */
+export interface CounterRow {
+  used: number;
+  leased: number;
+  /** Another instance asked for unused lease recently (usage_counters.wanted_at). */
+  wanted: boolean;
+}
+
+/** The owner of the counters' pending changes. */
+export interface CounterSource {
+  /** Moves every pending change into deltas (synchronous: no settle interleaves). `final` on shutdown. */
+  cut(final: boolean): CounterDelta[];
+  /** What the shared counter holds after `d` was added (inside the write's transaction). */
+  observed(d: CounterDelta, row: CounterRow): void;
+  /** `d` has reached the shared counter. */
+  landed(d: CounterDelta): void;
+  /** Tokens settled but not yet cut into a batch. */
+  pendingTokens(): number;
+  /** Runs before each flush; a failure only delays it. */
+  beforeFlush(): Promise<void>;
+}
+
+export interface UsageWriterOptions {
+  flushMs: number;
+  maxBuffered: number;
+  /** Usage records per transaction (default 5,000); a larger backlog goes out as several. */
+  eventsPerBatch?: number;
+  /** How recent a request for lease counts as `wanted`. */
+  wantedWithinMs: number;
+}
+
+export interface UsageWriter {
+  /** Queue one request's usage record (bounded: when full, the oldest record gives way). */
+  record(orgId: string, keyId: string, alias: string, target: string, prompt: number, completion: number, status: number, latencyMs: number, streamed: boolean, at: number): void;
+  start(): void;
+  /** Write pending usage and records now; resolves when written (or re-buffered on failure). */
+  flush(): Promise<void>;
+  /** Stop the timer and write everything, the source's final changes included. */
+  stop(): Promise<void>;
+  stats(): { bufferedEvents: number; pendingTokens: number; droppedEvents: number; flushFailures: number; deadLettered: number };
+}
+
+interface Batch {
+  id: string;
+  deltas: CounterDelta[];
+  events: UsageColumns;
+  /** Records were already waiting beyond this batch when it was cut (a backlog larger than one batch). */
+  more: boolean;
+  /** Once the batch failed with the database reachable: written item by item, each with its own id, from `next` on. */
+  items?: { ids: string[]; next: number };
+}
+
+type Tx = Parameters<Parameters<Database["db"]["transaction"]>[0]>[0];
+
+export function createUsageWriter(database: Database, log: Logger, source: CounterSource, opts: UsageWriterOptions): UsageWriter {
+  const events = new UsageLog(opts.maxBuffered);
+  let flushFailures = 0;
+  let timer: ReturnType<typeof setInterval> | undefined;
+  let flushing: Promise<void> | undefined;
+  /** The batch being written; retried as it is until it lands, so its id makes the write idempotent. */
+  let batch: Batch | undefined;
+  let applied = 0;
+  let deadLettered = 0;
+
+  /** Move everything pending into a new batch (synchronous: no settle interleaves). */
+  function cut(final: boolean): Batch | undefined {
+    const deltas = source.cut(final);
+    // A batch carries at most eventsPerBatch usage records; larger backlogs go out as several batches.
+    const taken = events.take(opts.eventsPerBatch ?? 5_000);
+    if (deltas.length === 0 && taken.length === 0) return undefined;
+    return { id: crypto.randomUUID(), deltas, events: taken, more: events.length > 0 };
+  }
+
+  /** Adds one delta to the shared counter and tells the source what the counter has left. */
+  async function applyDelta(tx: Tx, d: CounterDelta): Promise<void> {
+    const [row] = await tx
+      .insert(usageCounters)
+      .values({ orgId: d.orgId, windowStart: new Date(d.start), used: d.used, leased: 0 })
+      .onConflictDoUpdate({
+        target: [usageCounters.orgId, usageCounters.windowStart],
+        set: { used: sql`${usageCounters.used} + ${d.used}`, leased: sql`greatest(0, ${usageCounters.leased} + ${d.leased})` },
+      })
+      .returning({
+        used: usageCounters.used,
+        leased: usageCounters.leased,
+        wanted: sql<boolean>`coalesce(${usageCounters.wantedAt} > now() - make_interval(secs => ${opts.wantedWithinMs / 1000}), false)`,
+      });
+    if (row) source.observed(d, row);
+  }
+
+  /** Runs `write` in a transaction unless `id` was applied before (an earlier attempt committed although we never heard back). */
+  async function once(id: string, write: (tx: Tx) => Promise<void>): Promise<void> {
+    await database.db.transaction(async (tx) => {
+      const fresh = await tx.insert(usageBatches).values({ id }).onConflictDoNothing().returning({ id: usageBatches.id });
+      if (fresh.length > 0) await write(tx);
+    });
+  }
+
+  async function apply(b: Batch): Promise<void> {
+    await once(b.id, async (tx) => {
+      for (const d of b.deltas) await applyDelta(tx, d);
+      if (b.events.length > 0) await insertEvents(tx, b.events);
+    });
+    for (const d of b.deltas) source.landed(d);
+    // Batch ids only guard retries of the last few seconds; keep a day of them.
+    if (++applied % 1000 === 1) {
+      await database.db.execute(sql`delete from usage_batches where created_at < now() - interval '1 day'`).catch(() => {});
+    }
+  }
+
+  /** Whether the database takes transactions now (the path every write uses), so a failed write was the data's fault. */
+  async function reachable(): Promise<boolean> {
+    try {
+      await database.db.transaction(async (tx) => {
+        await tx.execute(sql`select 1`);
+      });
+      return true;
+    } catch {
+      return false;
+    }
+  }
+
+  async function batchLanded(id: string): Promise<boolean> {
+    const rows = await database.db.select({ id: usageBatches.id }).from(usageBatches).where(eq(usageBatches.id, id));
+    return rows.length > 0;
+  }
+
+  /**
+   * A batch that failed twice while the database answers holds something
+   * that cannot be written (a value out of range, a broken constraint): write
+   * it item by item — each counter delta, then each usage record, in its own
+   * idempotent transaction — and set aside only the item that fails, so one
+   * bad record never blocks the rest. If the database stops answering midway,
+   * the batch keeps its position and the next flush continues from there.
+   */
+  async function applyIsolated(b: Batch, cause: Error): Promise<void> {
+    if (!b.items) {
+      // The failed attempts may have committed all the same (an ambiguous commit).
+      if (await batchLanded(b.id)) {
+        for (const d of b.deltas) source.landed(d);
+        return;
+      }
+      log.warn("usage batch failed with the database reachable; writing it record by record", { err: cause.message, deltas: b.deltas.length, events: b.events.length });
+      b.items = { ids: Array.from({ length: b.deltas.length + b.events.length }, () => crypto.randomUUID()), next: 0 };
+    }
+    const items = b.items;
+    for (; items.next < items.ids.length; items.next++) {
+      const i = items.next;
+      const id = items.ids[i] as string;
+      const delta = i < b.deltas.length ? b.deltas[i] : undefined;
+      try {
+        if (delta) await once(id, (tx) => applyDelta(tx, delta));
+        else await once(id, (tx) => insertEvents(tx, columnsAt(b.events, i - b.deltas.length)));
+      } catch (e) {
+        if (!(await reachable())) throw e;
+        const record = delta ? { kind: "counter", org_id: delta.orgId, window_start: new Date(delta.start).toISOString(), used: delta.used, leased: delta.leased } : eventRecord(b.events, i - b.deltas.length);
+        await deadLetter(record, e as Error);
+      }
+      if (delta) source.landed(delta);
+    }
+  }
+
+  /** Sets one unwritable item aside: in usage_dead_letters, and always in the log with the full record. */
+  async function deadLetter(record: Record<string, unknown>, err: Error): Promise<void> {
+    deadLettered++;
+    log.error("usage record could not be written; set aside", { err: err.message, record });
+    try {
+      await database.db.insert(usageDeadLetters).values({ record: JSON.stringify(record), error: err.message });
+    } catch (e) {
+      log.error("usage dead letter could not be stored; the log line above is its only copy", { err: (e as Error).message });
+    }
+  }
+
+  /** One statement per batch: each column is one array parameter, unnested into rows. */
+  async function insertEvents(tx: Pick<Database["db"], "execute">, c: UsageColumns): Promise<void> {
+    // Times travel as epoch milliseconds (exact), turned into timestamptz by the database.
+    await tx.execute(sql`
+      insert into usage_events (org_id, key_id, alias, target, prompt_tokens, completion_tokens, status, latency_ms, streamed, created_at)
+      select o, k, a, t, p, c, s, l, st, timestamptz 'epoch' + ms * interval '1 millisecond' from unnest(
+        ${pgArray(c.orgId)}::uuid[], ${pgArray(c.keyId)}::uuid[], ${pgArray(c.alias)}::text[], ${pgArray(c.target)}::text[],
+        ${pgArray(c.promptTokens)}::int[], ${pgArray(c.completionTokens)}::int[], ${pgArray(c.status)}::int[],
+        ${pgArray(c.latencyMs)}::int[], ${pgArray(Array.from(c.streamed, (x) => x === 1))}::bool[], ${pgArray(c.createdAt)}::float8[])
+        as u(o, k, a, t, p, c, s, l, st, ms)`);
+  }
+
+  function bufferedTokens(): number {
+    let n = source.pendingTokens();
+    for (const d of batch?.deltas ?? []) n += d.used;
+    return n;
+  }
+
+  /** One transaction for the batch; a batch that fails twice while the database answers is written item by item. */
+  async function write(b: Batch): Promise<void> {
+    if (b.items) return applyIsolated(b, new Error("continuing"));
+    try {
+      await apply(b);
+    } catch (first) {
+      if (!(await reachable())) throw first;
+      try {
+        await apply(b);
+      } catch (second) {
+        if (!(await reachable())) throw second;
+        await applyIsolated(b, second as Error);
+      }
+    }
+  }
+
+  async function flushOnce(final: boolean): Promise<void> {
+    // Best effort: a failure here only delays handing lease over, never the usage write.
+    await source.beforeFlush().catch((e: Error) => log.debug("lease request check failed", { err: e.message }));
+    try {
+      for (;;) {
+        // A batch that failed before is written first, unchanged; new usage waits for the next one.
+        batch ??= cut(final);
+        if (!batch) return;
+        await write(batch);
+        const more = batch.more;
+        batch = undefined;
+        // Only a backlog that was already there continues at once; what
+        // requests settled during the write waits for the next interval, or a
+        // busy instance would write back to back instead of once per flushMs.
+        if (!more) return;
+        // Let requests run between batches of a backlog.
+        await new Promise((r) => setImmediate(r));
+      }
+    } catch (e) {
+      flushFailures++;
+      // Nothing is lost: the batch stays buffered and the next flush retries it.
+      log.warn("usage flush failed; buffered for retry", {
+        err: (e as Error).message,
+        buffered_events: events.length + (batch?.events.length ?? 0),
+        pending_tokens: bufferedTokens(),
+      });
+      throw e;
+    }
+  }
+
+  function flush(final = false): Promise<void> {
+    // One flush at a time.
+    flushing ??= flushOnce(final).finally(() => {
+      flushing = undefined;
+    });
+    return flushing;
+  }
+
+  return {
+    record(orgId, keyId, alias, target, prompt, completion, status, latencyMs, streamed, at) {
+      events.push(orgId, keyId, alias, target, prompt, completion, status, latencyMs, streamed, at);
+    },
+    start() {
+      timer = setInterval(() => {
+        void flush(false).catch(() => {});
+      }, opts.flushMs);
+      timer.unref?.();
+    },
+    flush: () => flush(false),
+    async stop() {
+      if (timer) clearInterval(timer);
+      if (flushing) await flushing.catch(() => {});
+      // Write everything and return unused leases; retry a few times, since a
+      // shutdown during a database blip should still land the usage.
+      for (let attempt = 0; attempt < 5; attempt++) {
+        try {
+          await flush(true);
+          if (!batch && bufferedTokens() === 0 && events.length === 0) break;
+        } catch {
+          await Bun.sleep(200 * (attempt + 1));
+        }
+      }
+    },
+    stats() {
+      return {
+        bufferedEvents: events.length + (batch?.events.length ?? 0),
+        pendingTokens: bufferedTokens(),
+        droppedEvents: events.dropped,
+        flushFailures,
+        deadLettered,
+      };
+    },
+  };
+}
