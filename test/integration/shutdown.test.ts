@@ -4,6 +4,7 @@ import { join } from "node:path";
 import { sql } from "drizzle-orm";
 import { createKey, createOrg } from "../../src/admin/service.ts";
 import { migrate, openDatabase } from "../../src/db/client.ts";
+import { charsToTokens } from "../../src/inference/tokens.ts";
 import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
 import { cleanEnv, exitWithin, listeningUrl, type Proc, removeScratch, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 
@@ -146,36 +147,61 @@ describe("graceful shutdown of `gateway serve`", () => {
     }
   }, 60_000);
 
-  test("SIGTERM with a stream longer than drainMs: cut at the drain limit, still exit 0", async () => {
+  test("SIGTERM with a stream longer than drainMs: at the drain limit the stream ends with an error event and a clean close; usage recorded; exit 0", async () => {
     // A 40-second stream (200 tokens, 200 ms apart) against a 0.5 s drain limit.
     const slow = await startSimulator({ port: 0, ttftMs: 100, interTokenMs: 200, completionTokens: 200 });
     const { proc, base } = await startGateway(500, slow);
+    let text = "";
     try {
       const res = await chat(base, true);
       expect(res.status).toBe(200);
       const reader = res.body?.getReader();
-      const first = await reader?.read();
-      expect(first?.done).toBe(false);
+      if (!reader) throw new Error("no body");
+      const dec = new TextDecoder();
+      const first = await reader.read();
+      expect(first.done).toBe(false);
+      text += dec.decode(first.value, { stream: true });
       const t0 = Date.now();
       proc.kill("SIGTERM");
-      expect(await exitWithin(proc, 10_000)).toBe(0);
-      expect(Date.now() - t0).toBeLessThan(5_000);
-      expect(proc.stdout()).toContain("drain time over");
-      // The client sees the stream end (closed or errored) instead of hanging.
-      let ended = false;
-      try {
-        for (;;) {
-          const r = await reader?.read();
-          if (!r || r.done) break;
-        }
-        ended = true;
-      } catch {
-        ended = true;
+      // Read to the end: a reset connection would throw here and fail the test.
+      for (;;) {
+        const r = await reader.read();
+        if (r.done) break;
+        text += dec.decode(r.value, { stream: true });
       }
-      expect(ended).toBe(true);
+      // Drain limit 0.5 s plus at most 1 s for the last events to go out, and the rest of the shutdown.
+      expect(await exitWithin(proc, 15_000)).toBe(0);
+      expect(Date.now() - t0).toBeLessThan(15_000);
+      expect(proc.stdout()).toContain("drain time over");
     } finally {
       proc.kill("SIGKILL");
       await slow.stop();
+    }
+    // The stream's last event is an error in the wire shape, the way a mid-stream upstream failure ends.
+    const events = text.split("\n\n").filter((e) => e.startsWith("data: "));
+    expect(events).not.toContain("data: [DONE]");
+    const last = JSON.parse(String(events.at(-1)).slice("data: ".length)) as { error?: Record<string, unknown> };
+    expect(Object.keys(last.error ?? {}).sort()).toEqual(["code", "message", "param", "type"]);
+    expect(last.error?.code).toBe("service_unavailable");
+    // Every event before it is an ordinary chunk; their text is what the client was charged for.
+    let delivered = "";
+    for (const e of events.slice(0, -1)) {
+      const chunk = JSON.parse(e.slice("data: ".length)) as { choices: { delta: { content?: string } }[] };
+      delivered += chunk.choices[0]?.delta.content ?? "";
+    }
+    expect(delivered.length).toBeGreaterThan(0);
+
+    // The cut stream's usage was written before the database closed: what was delivered, as a failed (503) stream.
+    const db = await openDatabase({ dataDir });
+    try {
+      const rows = await db.rows<{ completion_tokens: number; prompt_tokens: number }>(
+        sql`select completion_tokens, prompt_tokens from usage_events where org_id = ${orgId} and status = 503 and streamed`,
+      );
+      expect(rows.length).toBe(1);
+      expect(rows[0]?.completion_tokens).toBe(charsToTokens(delivered.length));
+      expect(rows[0]?.prompt_tokens).toBeGreaterThan(0);
+    } finally {
+      await db.close();
     }
   }, 60_000);
 
