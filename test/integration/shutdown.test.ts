@@ -6,6 +6,7 @@ import { createKey, createOrg } from "../../src/admin/service.ts";
 import { migrate, openDatabase } from "../../src/db/client.ts";
 import { charsToTokens } from "../../src/inference/tokens.ts";
 import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { until } from "../helpers/poll.ts";
 import { cleanEnv, exitWithin, listeningUrl, type Proc, removeScratch, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 
 // Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
@@ -73,12 +74,8 @@ function chat(base: string, stream: boolean): Promise<Response> {
 }
 
 /** Wait until the simulator is serving `n` requests, i.e. they are in flight through the gateway. */
-async function inFlight(n: number, timeoutMs = 10_000) {
-  const deadline = Date.now() + timeoutMs;
-  while (sim.stats.inFlight < n) {
-    if (Date.now() > deadline) throw new Error(`only ${sim.stats.inFlight} requests reached the upstream`);
-    await Bun.sleep(10);
-  }
+function inFlight(n: number, timeoutMs = 10_000): Promise<void> {
+  return until(() => sim.stats.inFlight >= n, `${n} requests at the upstream`, timeoutMs, 10);
 }
 
 /** True when a new TCP connection to the port is refused. */
@@ -94,7 +91,8 @@ async function refusesConnections(port: number): Promise<boolean> {
 
 describe("graceful shutdown of `gateway serve`", () => {
   test("SIGTERM: an in-flight stream and an in-flight JSON request complete, new connections are refused, exit 0", async () => {
-    const { proc, base, port } = await startGateway(15_000);
+    // A drain limit far above the bounds below: finishing early is the gateway's doing, not the limit's.
+    const { proc, base, port } = await startGateway(60_000);
     try {
       sim.reset();
       const streaming = chat(base, true);
@@ -105,12 +103,7 @@ describe("graceful shutdown of `gateway serve`", () => {
       await proc.waitForLine(/"msg":"shutting down"/, 5_000);
 
       // Refusing new work: the listener closes at once, while the two requests go on.
-      let refused = false;
-      for (let i = 0; i < 50 && !refused; i++) {
-        refused = await refusesConnections(port);
-        if (!refused) await Bun.sleep(20);
-      }
-      expect(refused).toBe(true);
+      await until(() => refusesConnections(port), "new connections refused", 10_000, 20);
 
       const s = await streaming;
       expect(s.status).toBe(200);
@@ -126,9 +119,9 @@ describe("graceful shutdown of `gateway serve`", () => {
       expect(body.choices[0]?.message.content.length).toBeGreaterThan(0);
       expect(body.usage.completion_tokens).toBe(20);
 
-      expect(await exitWithin(proc, 10_000)).toBe(0);
-      // It waited for the requests (ttft 1.5 s + 20 tokens), not for the drain limit.
-      expect(Date.now() - t0).toBeLessThan(10_000);
+      expect(await exitWithin(proc, 20_000)).toBe(0);
+      // It waited for the requests (ttft 1.5 s + 20 tokens), not for the drain limit (60 s).
+      expect(Date.now() - t0).toBeLessThan(20_000);
       expect(proc.stdout()).toContain('"msg":"stopped"');
       expect(proc.stdout()).not.toContain("drain time over");
     } finally {
@@ -206,12 +199,13 @@ describe("graceful shutdown of `gateway serve`", () => {
   }, 60_000);
 
   test("SIGINT is graceful too; an idle gateway stops at once and releases the data directory", async () => {
-    const { proc } = await startGateway(15_000);
+    const { proc } = await startGateway(60_000);
     try {
       const t0 = Date.now();
       proc.kill("SIGINT");
-      expect(await exitWithin(proc, 10_000)).toBe(0);
-      expect(Date.now() - t0).toBeLessThan(5_000);
+      // "At once": far below the 60 s drain limit, with room for a busy machine.
+      expect(await exitWithin(proc, 20_000)).toBe(0);
+      expect(Date.now() - t0).toBeLessThan(20_000);
       expect(proc.stdout()).toContain('"signal":"SIGINT"');
     } finally {
       proc.kill("SIGKILL");
