@@ -169,7 +169,6 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     endedBecause = message;
     up.abort(message);
   };
-  opts.open?.add(endStream);
 
   const end = (outcome: StreamEnd["outcome"], reason?: string) => {
     if (ended) return;
@@ -328,6 +327,9 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
    * ~5 KB less per open stream than a pull-based ReadableStream (measured).
    */
   async function relay(c: ReadableStreamDirectController): Promise<void> {
+    // Registered once relaying starts, so a response never sent holds no entry (`end` removes it).
+    if (ended) return;
+    opts.open?.add(endStream);
     const out: Buffer[] = [];
     try {
       feed(up.first, out);

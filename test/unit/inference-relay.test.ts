@@ -196,10 +196,10 @@ describe("relayStream", () => {
     const open = new Set<EndStream>();
     let ended: StreamEnd | undefined;
     const s = relayStream(opened, { alias: "svc-fast", clientWantsUsage: false, idleMs: 10_000, signal: new AbortController().signal, onEnd: (e) => (ended = e), open });
-    expect(open.size).toBe(1);
     const reader = s.getReader();
     const dec = new TextDecoder();
     let text = dec.decode((await reader.read()).value);
+    expect(open.size).toBe(1);
     for (const endStream of open) endStream("shutting down");
     for (;;) {
       const r = await reader.read();
