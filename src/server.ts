@@ -169,11 +169,26 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
             const timedOut = new Promise<"timeout">((r) => {
               timer = setTimeout(() => r("timeout"), config.drainMs);
             });
-            if ((await Promise.race([drained.then(() => "done" as const), timedOut])) === "timeout") {
-              log.warn("drain time over; closing remaining connections", { drain_ms: config.drainMs });
+            const over = (await Promise.race([drained.then(() => "done" as const), timedOut])) === "timeout";
+            clearTimeout(timer);
+            if (!over) return;
+            // Streams end the way a mid-stream upstream failure does (error event, clean close, usage
+            // settled), with a short, bounded moment for those last bytes; only then is what remains reset.
+            const STREAM_FLUSH_MS = 1_000;
+            const streams = inference.endStreams("The gateway is shutting down; the stream was ended. Retry the request.");
+            log.warn("drain time over; ending open streams", { drain_ms: config.drainMs, streams });
+            let flushTimer: ReturnType<typeof setTimeout> | undefined;
+            const flushed = await Promise.race([
+              drained.then(() => true),
+              new Promise<boolean>((r) => {
+                flushTimer = setTimeout(() => r(false), STREAM_FLUSH_MS);
+              }),
+            ]);
+            clearTimeout(flushTimer);
+            if (!flushed) {
+              log.warn("closing remaining connections");
               await server.stop(true);
             }
-            clearTimeout(timer);
           });
           clearInterval(sweep);
           await step("metrics", () => metricsServer?.stop(true));

@@ -74,6 +74,8 @@ export interface Http1ClientOptions {
   maxHeaderBytes?: number;
   /** Body bytes queued for a reader that is not reading before the socket stops reading (default 16 KB: 10,000 slow readers hold at most ~160 MB). */
   highWaterMark?: number;
+  /** The keep-alive race window (`STALE_RETRY_MS`); tests widen it so a busy machine's pauses cannot close it. */
+  staleRetryMs?: number;
 }
 
 const CRLF2 = Buffer.from("\r\n\r\n");
@@ -623,6 +625,7 @@ class Pool implements Endpoint {
     idleMs: number,
     readonly maxHeaderBytes: number,
     private readonly highWaterMark: number,
+    readonly staleRetryMs: number,
   ) {
     this.tls = url.protocol === "https:";
     ({ hostname: this.hostname, port: this.port } = originOf(url.href));
@@ -730,7 +733,7 @@ export function createHttp1Client(opts: Http1ClientOptions = {}): Http1Client {
       const key = `${url.protocol}//${url.host}`;
       let p = pools.get(key);
       if (!p) {
-        p = new Pool(url, opts.maxIdle ?? 512, opts.idleMs ?? 3_000, opts.maxHeaderBytes ?? 64 * 1024, opts.highWaterMark ?? 16 * 1024);
+        p = new Pool(url, opts.maxIdle ?? 512, opts.idleMs ?? 3_000, opts.maxHeaderBytes ?? 64 * 1024, opts.highWaterMark ?? 16 * 1024, opts.staleRetryMs ?? STALE_RETRY_MS);
         pools.set(key, p);
       }
       return p;

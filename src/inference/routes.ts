@@ -100,6 +100,8 @@ export function createInference(deps: InferenceDeps) {
           async ({ principal, request, server, set }) => send(set, await service.embeddings(principal, await readBody(request, server), request)),
           { auth: { scope: "inference" }, parse: "none" },
         ),
+    /** Shutdown past the drain limit: open streams end with an error event (service.ts); returns how many. */
+    endStreams: (message: string) => service.endStreams(message),
     async stop() {
       upstream.close();
     },

@@ -7,7 +7,7 @@ import type { Metering, RequestOutcome, Ticket, UsageReport } from "../limits/me
 import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
 import type { ImageUrlCheck } from "./image-url.ts";
-import { relayStream } from "./stream.ts";
+import { type EndStream, relayStream } from "./stream.ts";
 import { countUsage } from "./usage.ts";
 import { charsToTokens, completionLimit, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream.ts";
@@ -126,6 +126,8 @@ function parseJson(text: string): unknown {
 
 export function createInferenceService(deps: ServiceDeps) {
   const { config, metering, log, upstream } = deps;
+  /** Streams being relayed, so shutdown can end them cleanly (`endStreams`). */
+  const open = new Set<EndStream>();
 
   function outcome(alias: string, target: Target | undefined, status: number, start: number, streamed: boolean): RequestOutcome {
     return { alias, target: target?.label ?? "", status, latencyMs: performance.now() - start, streamed };
@@ -235,10 +237,12 @@ export function createInferenceService(deps: ServiceDeps) {
       signal: request.signal,
       promptEstimate,
       onImplausibleUsage: (rejected) => implausibleUsage(name, target, rejected, r.requestId),
+      open,
       onEnd(end) {
         deps.streams?.dec();
         // Without the upstream's count (stream cut off), estimate from what the client received.
         const usage = end.usage ?? { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) };
+        // "ended" (cut at shutdown) is a 503 like an upstream failure: the client got the same error event.
         const status = end.outcome === "done" ? 200 : end.outcome === "client_gone" ? 499 : 503;
         metering.settle(ticket, usage, outcome(name, target, status, start, true));
         annotate(request, { promptTokens: usage.promptTokens, completionTokens: usage.completionTokens, ...(status === 503 ? { errorCode: "service_unavailable" } : {}) });
@@ -289,5 +293,16 @@ export function createInferenceService(deps: ServiceDeps) {
     }
   }
 
-  return { chat, embeddings };
+  /**
+   * Ends every open stream with an error event and a clean close, the way a
+   * mid-stream upstream failure ends (usage of what was delivered is settled);
+   * returns how many there were.
+   */
+  function endStreams(message: string): number {
+    const n = open.size;
+    for (const endStream of [...open]) endStream(message);
+    return n;
+  }
+
+  return { chat, embeddings, endStreams };
 }

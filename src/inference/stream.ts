@@ -27,7 +27,8 @@ import { type Counted, countUsage } from "./usage.ts";
  */
 
 export interface StreamEnd {
-  outcome: "done" | "failed" | "client_gone";
+  /** `ended`: cut by the gateway itself (shutdown), not by the upstream or the client. */
+  outcome: "done" | "failed" | "ended" | "client_gone";
   /** The upstream's usage, when it reported one. */
   usage: { promptTokens: number; completionTokens: number } | undefined;
   /** Bytes of delta text delivered to the client. */
@@ -47,7 +48,15 @@ export interface RelayOptions {
   /** The usage chunk carried implausible counts; they were replaced before the client saw them. */
   onImplausibleUsage?(rejected: Record<string, string>): void;
   onEnd(end: StreamEnd): void;
+  /**
+   * Open streams register their `EndStream` here until they end, so shutdown
+   * can end them all (one add and one delete per stream, nothing per chunk).
+   */
+  open?: Set<EndStream>;
 }
+
+/** Ends an open stream the way a mid-stream upstream failure does: an error event, then a clean close. */
+export type EndStream = (message: string) => void;
 
 const LF2 = Buffer.from("\n\n");
 const CRLF2 = Buffer.from("\r\n\r\n");
@@ -153,10 +162,20 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   };
   idleTimer = setTimeout(checkIdle, opts.idleMs);
 
+  /** Set when the gateway ends the stream itself: the read below then fails with this message. */
+  let endedBecause: string | undefined;
+  const endStream: EndStream = (message) => {
+    if (ended || endedBecause !== undefined) return;
+    endedBecause = message;
+    up.abort(message);
+  };
+
   const end = (outcome: StreamEnd["outcome"], reason?: string) => {
     if (ended) return;
     ended = true;
     clearTimeout(idleTimer);
+    opts.open?.delete(endStream);
+    // Only the upstream's own failures count against its breaker.
     up.finish(outcome === "done" ? true : outcome === "failed" ? false : null);
     opts.onEnd({ outcome, usage, deliveredChars, ...(reason ? { reason } : {}) });
   };
@@ -292,7 +311,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
 
   const fail = async (c: ReadableStreamDirectController, message: string) => {
     up.abort(message);
-    end("failed", message);
+    end(message === endedBecause ? "ended" : "failed", message);
     try {
       await send(c, [errorEvent(message)]);
       c.close();
@@ -308,6 +327,9 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
    * ~5 KB less per open stream than a pull-based ReadableStream (measured).
    */
   async function relay(c: ReadableStreamDirectController): Promise<void> {
+    // Registered once relaying starts, so a response never sent holds no entry (`end` removes it).
+    if (ended) return;
+    opts.open?.add(endStream);
     const out: Buffer[] = [];
     try {
       feed(up.first, out);
@@ -339,15 +361,16 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
         }
         return fail(
           c,
-          idleFired
-            ? `The model '${opts.alias}' stopped sending for ${opts.idleMs} ms; the stream was ended.`
-            : `The connection to the model '${opts.alias}' was lost mid-stream.`,
+          endedBecause ??
+            (idleFired
+              ? `The model '${opts.alias}' stopped sending for ${opts.idleMs} ms; the stream was ended.`
+              : `The connection to the model '${opts.alias}' was lost mid-stream.`),
         );
       }
       waitingSince = undefined;
       if (ended) return;
       if (r.done) {
-        if (!sawDone) return fail(c, `The model '${opts.alias}' ended the stream early.`);
+        if (!sawDone) return fail(c, endedBecause ?? `The model '${opts.alias}' ended the stream early.`);
         c.close();
         end("done");
         return;

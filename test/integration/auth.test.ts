@@ -151,9 +151,9 @@ async function expiredKey(org: SeededOrg, scopes: string[], kind: "personal" | "
   });
 }
 
-/** Polls `check` every 10 ms until it holds or 5 s pass (NOTIFY is asynchronous). */
+/** Polls `check` every 10 ms until it holds or 10 s pass (NOTIFY is asynchronous). */
 async function eventually(check: () => Promise<boolean>): Promise<boolean> {
-  const deadline = performance.now() + 5_000;
+  const deadline = performance.now() + 10_000;
   while (performance.now() < deadline) {
     if (await check()) return true;
     await Bun.sleep(10);
@@ -460,17 +460,21 @@ describe.skipIf(!TEST_DATABASE_URL)("two running instances on one Postgres", () 
     await dbB.close();
   });
 
-  /** Milliseconds until `check` holds, polling every 10 ms for up to 2 s (Infinity if never). */
+  /**
+   * Milliseconds until `check` holds, polling every 10 ms for up to 10 s (Infinity if never).
+   * "At once" is asserted as under 5 s: far below the key cache's 60 s TTL (so only the
+   * NOTIFY can explain it), far above what a busy machine adds.
+   */
   async function timeUntil(check: () => Promise<boolean>): Promise<number> {
     const start = performance.now();
-    while (performance.now() - start < 2_000) {
+    while (performance.now() - start < 10_000) {
       if (await check()) return performance.now() - start;
       await Bun.sleep(10);
     }
     return Number.POSITIVE_INFINITY;
   }
 
-  test("a revocation reaches the other instance within 1 s", async () => {
+  test("a revocation reaches the other instance at once", async () => {
     const o = await seedOrg(dbA);
     for (const g of [gwA, gwB]) {
       expect((await fetch(`${g.url}/v1/me`, { headers: bearer(o.personalKey) })).status).toBe(200);
@@ -481,13 +485,13 @@ describe.skipIf(!TEST_DATABASE_URL)("two running instances on one Postgres", () 
     const [msA, msB] = await Promise.all(
       [gwA, gwB].map((g) => timeUntil(async () => (await fetch(`${g.url}/v1/audit-events`, { headers: bearer(o.serviceKey) })).status === 401)),
     );
-    expect(msA).toBeLessThan(1_000);
-    expect(msB).toBeLessThan(1_000);
+    expect(msA).toBeLessThan(5_000);
+    expect(msB).toBeLessThan(5_000);
     // The other key of the organisation is untouched.
     expect((await fetch(`${gwB.url}/v1/me`, { headers: bearer(o.personalKey) })).status).toBe(200);
   });
 
-  test("a plan change reaches the other instance within 1 s", async () => {
+  test("a plan change reaches the other instance at once", async () => {
     const o = await seedOrg(dbA);
     expect(((await (await fetch(`${gwB.url}/v1/me`, { headers: bearer(o.personalKey) })).json()) as { organization: { plan: string } }).organization.plan).toBe("Standard");
     await setOrg(await sharedDatabase(), { id: o.orgId, plans: ["Standard", "Ultra"], plan: "Ultra" });
@@ -495,6 +499,6 @@ describe.skipIf(!TEST_DATABASE_URL)("two running instances on one Postgres", () 
       const body = (await (await fetch(`${gwB.url}/v1/me`, { headers: bearer(o.personalKey) })).json()) as { organization: { plan: string } };
       return body.organization.plan === "Ultra";
     });
-    expect(ms).toBeLessThan(1_000);
+    expect(ms).toBeLessThan(5_000);
   });
 });

@@ -7,6 +7,7 @@ import { type Database, DataDirLockedError, migrate, migrationsCurrent, openData
 import { MIGRATIONS } from "../../src/db/migrations.ts";
 import { createScratchDatabase, removeScratch, type ScratchPostgres, scratchDir } from "../helpers/process.ts";
 import { rejectionOf } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
 
 // Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
 // runs (test/helpers/setup.ts), so files that spawn processes or open PGlite set
@@ -191,7 +192,7 @@ function suite(kind: Kind) {
     const got: string[] = [];
     const unlisten = await db.listen("gw_test_channel", (p) => got.push(p), () => {});
     await db.rows(sql`select pg_notify('gw_test_channel', 'hello')`);
-    for (let i = 0; i < 100 && got.length === 0; i++) await Bun.sleep(20);
+    await until(() => got.length > 0, "the NOTIFY to arrive");
     expect(got).toEqual(["hello"]);
     await unlisten();
   });

@@ -107,8 +107,8 @@ export function arr(v: unknown): unknown[] {
   return v;
 }
 
-/** Polls until `check` holds (the simulator sees aborts asynchronously). */
-export async function eventually(check: () => boolean, ms = 2_000): Promise<void> {
+/** Polls until `check` holds (the simulator sees aborts asynchronously); the deadline is generous for a busy machine. */
+export async function eventually(check: () => boolean, ms = 10_000): Promise<void> {
   const until = performance.now() + ms;
   while (!check()) {
     if (performance.now() > until) throw new Error("condition not met in time");

@@ -219,7 +219,10 @@ describe("attempts and weights", () => {
 
 describe("circuit breaker", () => {
   test("opens after breakerFailures, skips the target, probes it after the cool-down, closes on success", async () => {
-    const gw = await gateway(upstreamSettings({ attempts: 2, breakerFailures: 2, breakerCooldownMs: 300 }));
+    // A cool-down far longer than a few local requests take even on a busy machine: the "still open"
+    // steps below must happen inside it. Waiting it out is a lower bound, which load cannot break.
+    const COOLDOWN = 2_000;
+    const gw = await gateway(upstreamSettings({ attempts: 2, breakerFailures: 2, breakerCooldownMs: COOLDOWN }));
     a.setFault({ kind: "status", status: 503 });
     for (let i = 0; i < 2; i++) expect((await chat(gw)).status).toBe(200);
     expect(a.stats.requests).toBe(2);
@@ -228,14 +231,14 @@ describe("circuit breaker", () => {
     expect(a.stats.requests).toBe(2);
     expect(b.stats.requests).toBe(5);
     // Half-open after the cool-down: one probe, which fails and re-opens it.
-    await Bun.sleep(320);
+    await Bun.sleep(COOLDOWN + 50);
     expect((await chat(gw)).status).toBe(200);
     expect(a.stats.requests).toBe(3);
     expect((await chat(gw)).status).toBe(200);
     expect(a.stats.requests).toBe(3);
     // A recovers; the next probe succeeds and closes the breaker.
     a.setFault(null);
-    await Bun.sleep(320);
+    await Bun.sleep(COOLDOWN + 50);
     expect((await chat(gw)).status).toBe(200);
     expect(a.stats.requests).toBe(4);
     expect((await chat(gw)).status).toBe(200);
@@ -282,7 +285,8 @@ describe("timeouts", () => {
     const took = performance.now() - t0;
     expect(res.status).toBe(503);
     expect(took).toBeGreaterThanOrEqual(190);
-    expect(took).toBeLessThan(1_000);
+    // Far below the 10 s the other settings would allow, far above what load adds to 200 ms.
+    expect(took).toBeLessThan(5_000);
     await eventually(() => a.stats.aborts === 1);
   });
 
@@ -297,7 +301,7 @@ describe("timeouts", () => {
   test("connect timeout: a target that accepts no connection in connectMs fails over without waiting for firstByteMs", async () => {
     const config = await testConfig({
       aliases: { "svc-fast": chatAlias([{ baseUrl: a.url, weight: 1 }, { baseUrl: b.url, weight: 0 }]) },
-      upstream: upstreamSettings({ attempts: 2 }, { connectMs: 100, firstByteMs: 5_000 }),
+      upstream: upstreamSettings({ attempts: 2 }, { connectMs: 100, firstByteMs: 30_000 }),
     });
     // A connector that never completes for A stands in for dropped SYNs (the sandbox answers every address).
     const probe = createConnectProbe({ connect: (_host, port) => (port === a.port ? new Promise(() => {}) : Promise.resolve()) });
@@ -308,7 +312,8 @@ describe("timeouts", () => {
       signal: new AbortController().signal,
       requestId: "t",
     });
-    expect(performance.now() - t0).toBeLessThan(1_000);
+    // Far below firstByteMs (30 s), far above what load adds to connectMs (100 ms).
+    expect(performance.now() - t0).toBeLessThan(10_000);
     expect(res.target.cfg.baseUrl).toBe(b.url);
     expect(rec(JSON.parse(res.body)).object).toBe("chat.completion");
   });
@@ -316,16 +321,23 @@ describe("timeouts", () => {
   test("a client that leaves during the backoff stops the attempts", async () => {
     const config = await testConfig({
       aliases: { "svc-fast": chatAlias([{ baseUrl: a.url }]) },
-      upstream: upstreamSettings({ attempts: 5, backoffMs: 200 }),
+      upstream: upstreamSettings({ attempts: 5, backoffMs: 2_000 }),
     });
-    const upstream = createUpstream({ config, log: createLogger("silent") });
+    // Jitter pinned to its top: the first backoff is 3 s.
+    const upstream = createUpstream({ config, log: createLogger("silent"), random: () => 1 });
     a.setFault({ kind: "status", status: 503 });
     const ac = new AbortController();
-    setTimeout(() => ac.abort(), 50);
-    const err = await upstream
+    const pending = upstream
       .complete("svc-fast", config.aliases["svc-fast"] as NonNullable<Config["aliases"][string]>, "/chat/completions", () => "{}", { signal: ac.signal, requestId: "t" })
       .catch((e: unknown) => e);
+    // The first attempt has been answered: the client leaves during the backoff.
+    await eventually(() => a.stats.requests === 1 && a.stats.inFlight === 0, 10_000);
+    const leftAt = performance.now();
+    ac.abort();
+    const err = await pending;
     expect(err).toBeInstanceOf(ClientGone);
+    // At once, not at the end of the 3 s backoff.
+    expect(performance.now() - leftAt).toBeLessThan(2_000);
     expect(a.stats.requests).toBe(1);
   });
 });

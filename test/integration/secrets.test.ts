@@ -6,6 +6,7 @@ import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
 import { bearer, type SeededOrg, seedOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
+import { eventually, until } from "../helpers/poll.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -49,7 +50,6 @@ describe("secrets and content stay out of logs, metrics and the audit log", () =
   test("valid, unknown, revoked and browser-borne keys; prompts and replies", async () => {
     const revoked = await seedOrg(gw.database);
     await revokeKey(gw.database, revoked.serviceKeyId);
-    await Bun.sleep(100);
     const unknown = `sk-gw-${"K".repeat(43)}`;
     expect((await chat(org.serviceKey)).status).toBe(200);
     expect((await chat(org.serviceKey, true)).status).toBe(200);
@@ -60,7 +60,11 @@ describe("secrets and content stay out of logs, metrics and the audit log", () =
     const browser = await fetch(`${gw.url}/v1/me`, { headers: bearer(org.personalKey, { origin: "https://x.example" }) });
     expect(browser.status).toBe(403);
     await gw.quota.flush();
-    await Bun.sleep(200);
+    // The security event is written off the request path: wait until it is there.
+    await until(
+      async () => (await (await fetch(`${gw.url}/v1/audit-events?limit=200`, { headers: bearer(org.serviceKey) })).text()).includes("security.browser_request_rejected"),
+      "the browser request's security event in the audit log",
+    );
     const metrics = await (await fetch(`${gw.metricsUrl}`)).text();
     const audit = await (await fetch(`${gw.url}/v1/audit-events?limit=200`, { headers: bearer(org.serviceKey) })).text();
     const auditRevoked = await (await fetch(`${gw.url}/v1/audit-events?limit=200`, { headers: bearer(org.serviceKey) })).text();
@@ -84,7 +88,6 @@ describe("upstream faults leave nothing behind", () => {
     const fds = () => readdirSync("/proc/self/fd").length;
     // Warm the pools first so the baseline includes them.
     for (let i = 0; i < 5; i++) await chat(org.serviceKey);
-    await Bun.sleep(200);
     const before = fds();
     const rounds: (() => Promise<unknown>)[] = [];
     for (let i = 0; i < 20; i++) {
@@ -101,7 +104,8 @@ describe("upstream faults leave nothing behind", () => {
           headers: bearer(org.serviceKey, { "content-type": "application/json" }),
           body: JSON.stringify({ model: "svc-fast", stream: true, messages: [{ role: "user", content: "hang" }] }),
         }).catch(() => undefined);
-        await Bun.sleep(20);
+        // Abort once the request hangs at the upstream (the case under test), not before it got there.
+        await until(() => sim.stats.inFlight === 1, "the hanging request at the upstream");
         ac.abort();
         await pending;
         sim.setFault(null);
@@ -110,14 +114,12 @@ describe("upstream faults leave nothing behind", () => {
     for (const r of rounds) await r();
     sim.setFault(null);
     // Aborted upstream requests must be gone from the simulator too.
-    const deadline = Date.now() + 5_000;
-    while (sim.stats.inFlight > 0 && Date.now() < deadline) await Bun.sleep(50);
-    expect(sim.stats.inFlight).toBe(0);
+    await until(() => sim.stats.inFlight === 0, "no request left at the upstream");
     expect((await chat(org.serviceKey)).status).toBe(200);
-    await Bun.sleep(300);
-    const after = fds();
-    console.log(`descriptors: before=${before} after=${after} (60 faulty requests)`);
+    // Closed sockets are released asynchronously: poll for the count to come back.
     // Keep-alive pools may hold a few more connections; a leak would grow with the 60 requests.
+    const after = await eventually(fds, (n) => n - before <= 10, `descriptors back within 10 of ${before}`);
+    console.log(`descriptors: before=${before} after=${after} (60 faulty requests)`);
     expect(after - before).toBeLessThanOrEqual(10);
   });
 });

@@ -4,7 +4,9 @@ import { join } from "node:path";
 import { sql } from "drizzle-orm";
 import { createKey, createOrg } from "../../src/admin/service.ts";
 import { migrate, openDatabase } from "../../src/db/client.ts";
+import { charsToTokens } from "../../src/inference/tokens.ts";
 import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { until } from "../helpers/poll.ts";
 import { cleanEnv, exitWithin, listeningUrl, type Proc, removeScratch, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 
 // Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
@@ -72,12 +74,8 @@ function chat(base: string, stream: boolean): Promise<Response> {
 }
 
 /** Wait until the simulator is serving `n` requests, i.e. they are in flight through the gateway. */
-async function inFlight(n: number, timeoutMs = 10_000) {
-  const deadline = Date.now() + timeoutMs;
-  while (sim.stats.inFlight < n) {
-    if (Date.now() > deadline) throw new Error(`only ${sim.stats.inFlight} requests reached the upstream`);
-    await Bun.sleep(10);
-  }
+function inFlight(n: number, timeoutMs = 10_000): Promise<void> {
+  return until(() => sim.stats.inFlight >= n, `${n} requests at the upstream`, timeoutMs, 10);
 }
 
 /** True when a new TCP connection to the port is refused. */
@@ -93,7 +91,8 @@ async function refusesConnections(port: number): Promise<boolean> {
 
 describe("graceful shutdown of `gateway serve`", () => {
   test("SIGTERM: an in-flight stream and an in-flight JSON request complete, new connections are refused, exit 0", async () => {
-    const { proc, base, port } = await startGateway(15_000);
+    // A drain limit far above the bounds below: finishing early is the gateway's doing, not the limit's.
+    const { proc, base, port } = await startGateway(60_000);
     try {
       sim.reset();
       const streaming = chat(base, true);
@@ -104,12 +103,7 @@ describe("graceful shutdown of `gateway serve`", () => {
       await proc.waitForLine(/"msg":"shutting down"/, 5_000);
 
       // Refusing new work: the listener closes at once, while the two requests go on.
-      let refused = false;
-      for (let i = 0; i < 50 && !refused; i++) {
-        refused = await refusesConnections(port);
-        if (!refused) await Bun.sleep(20);
-      }
-      expect(refused).toBe(true);
+      await until(() => refusesConnections(port), "new connections refused", 10_000, 20);
 
       const s = await streaming;
       expect(s.status).toBe(200);
@@ -125,9 +119,9 @@ describe("graceful shutdown of `gateway serve`", () => {
       expect(body.choices[0]?.message.content.length).toBeGreaterThan(0);
       expect(body.usage.completion_tokens).toBe(20);
 
-      expect(await exitWithin(proc, 10_000)).toBe(0);
-      // It waited for the requests (ttft 1.5 s + 20 tokens), not for the drain limit.
-      expect(Date.now() - t0).toBeLessThan(10_000);
+      expect(await exitWithin(proc, 20_000)).toBe(0);
+      // It waited for the requests (ttft 1.5 s + 20 tokens), not for the drain limit (60 s).
+      expect(Date.now() - t0).toBeLessThan(20_000);
       expect(proc.stdout()).toContain('"msg":"stopped"');
       expect(proc.stdout()).not.toContain("drain time over");
     } finally {
@@ -146,46 +140,72 @@ describe("graceful shutdown of `gateway serve`", () => {
     }
   }, 60_000);
 
-  test("SIGTERM with a stream longer than drainMs: cut at the drain limit, still exit 0", async () => {
+  test("SIGTERM with a stream longer than drainMs: at the drain limit the stream ends with an error event and a clean close; usage recorded; exit 0", async () => {
     // A 40-second stream (200 tokens, 200 ms apart) against a 0.5 s drain limit.
     const slow = await startSimulator({ port: 0, ttftMs: 100, interTokenMs: 200, completionTokens: 200 });
     const { proc, base } = await startGateway(500, slow);
+    let text = "";
     try {
       const res = await chat(base, true);
       expect(res.status).toBe(200);
       const reader = res.body?.getReader();
-      const first = await reader?.read();
-      expect(first?.done).toBe(false);
+      if (!reader) throw new Error("no body");
+      const dec = new TextDecoder();
+      const first = await reader.read();
+      expect(first.done).toBe(false);
+      text += dec.decode(first.value, { stream: true });
       const t0 = Date.now();
       proc.kill("SIGTERM");
-      expect(await exitWithin(proc, 10_000)).toBe(0);
-      expect(Date.now() - t0).toBeLessThan(5_000);
-      expect(proc.stdout()).toContain("drain time over");
-      // The client sees the stream end (closed or errored) instead of hanging.
-      let ended = false;
-      try {
-        for (;;) {
-          const r = await reader?.read();
-          if (!r || r.done) break;
-        }
-        ended = true;
-      } catch {
-        ended = true;
+      // Read to the end: a reset connection would throw here and fail the test.
+      for (;;) {
+        const r = await reader.read();
+        if (r.done) break;
+        text += dec.decode(r.value, { stream: true });
       }
-      expect(ended).toBe(true);
+      // Drain limit 0.5 s plus at most 1 s for the last events to go out, and the rest of the shutdown.
+      expect(await exitWithin(proc, 15_000)).toBe(0);
+      expect(Date.now() - t0).toBeLessThan(15_000);
+      expect(proc.stdout()).toContain("drain time over");
     } finally {
       proc.kill("SIGKILL");
       await slow.stop();
     }
+    // The stream's last event is an error in the wire shape, the way a mid-stream upstream failure ends.
+    const events = text.split("\n\n").filter((e) => e.startsWith("data: "));
+    expect(events).not.toContain("data: [DONE]");
+    const last = JSON.parse(String(events.at(-1)).slice("data: ".length)) as { error?: Record<string, unknown> };
+    expect(Object.keys(last.error ?? {}).sort()).toEqual(["code", "message", "param", "type"]);
+    expect(last.error?.code).toBe("service_unavailable");
+    // Every event before it is an ordinary chunk; their text is what the client was charged for.
+    let delivered = "";
+    for (const e of events.slice(0, -1)) {
+      const chunk = JSON.parse(e.slice("data: ".length)) as { choices: { delta: { content?: string } }[] };
+      delivered += chunk.choices[0]?.delta.content ?? "";
+    }
+    expect(delivered.length).toBeGreaterThan(0);
+
+    // The cut stream's usage was written before the database closed: what was delivered, as a failed (503) stream.
+    const db = await openDatabase({ dataDir });
+    try {
+      const rows = await db.rows<{ completion_tokens: number; prompt_tokens: number }>(
+        sql`select completion_tokens, prompt_tokens from usage_events where org_id = ${orgId} and status = 503 and streamed`,
+      );
+      expect(rows.length).toBe(1);
+      expect(rows[0]?.completion_tokens).toBe(charsToTokens(delivered.length));
+      expect(rows[0]?.prompt_tokens).toBeGreaterThan(0);
+    } finally {
+      await db.close();
+    }
   }, 60_000);
 
   test("SIGINT is graceful too; an idle gateway stops at once and releases the data directory", async () => {
-    const { proc } = await startGateway(15_000);
+    const { proc } = await startGateway(60_000);
     try {
       const t0 = Date.now();
       proc.kill("SIGINT");
-      expect(await exitWithin(proc, 10_000)).toBe(0);
-      expect(Date.now() - t0).toBeLessThan(5_000);
+      // "At once": far below the 60 s drain limit, with room for a busy machine.
+      expect(await exitWithin(proc, 20_000)).toBe(0);
+      expect(Date.now() - t0).toBeLessThan(20_000);
       expect(proc.stdout()).toContain('"signal":"SIGINT"');
     } finally {
       proc.kill("SIGKILL");

@@ -1,7 +1,7 @@
 import { describe, expect, test } from "bun:test";
 import { Breaker } from "../../src/inference/breaker.ts";
 import { createConnectProbe, originOf } from "../../src/inference/probe.ts";
-import { relayStream, type StreamEnd } from "../../src/inference/stream.ts";
+import { type EndStream, relayStream, type StreamEnd } from "../../src/inference/stream.ts";
 import { type ByteReader, type Opened, type Target, upstreamMessage } from "../../src/inference/upstream.ts";
 
 const enc = new TextEncoder();
@@ -19,8 +19,11 @@ function fakeOpened(parts: (string | null | number)[]) {
   const calls = { aborted: [] as string[], finished: [] as (boolean | null)[] };
   let i = 1;
   let reject: ((e: unknown) => void) | undefined;
+  // Like a real upstream request: once aborted, every later read fails too.
+  let abortedWith: string | undefined;
   const reader: ByteReader = {
     read() {
+      if (abortedWith !== undefined) return Promise.reject(new Error(abortedWith));
       const p = parts[i++];
       if (p === undefined) return Promise.resolve({ done: true });
       if (p === null) return Promise.reject(new Error("reset"));
@@ -39,6 +42,7 @@ function fakeOpened(parts: (string | null | number)[]) {
     first: enc.encode(String(parts[0])),
     abort(reason) {
       calls.aborted.push(reason);
+      abortedWith ??= reason;
       reject?.(new Error(reason));
     },
     finish(ok) {
@@ -185,6 +189,29 @@ describe("relayStream", () => {
     expect(calls.aborted).toEqual(["client disconnected"]);
     expect(ended?.outcome).toBe("client_gone");
     expect(calls.finished).toEqual([null]);
+  });
+
+  test("ended by the gateway (shutdown): error event, clean close, no verdict on the upstream, deregistered", async () => {
+    const { opened, calls } = fakeOpened([chunk("a"), 1]);
+    const open = new Set<EndStream>();
+    let ended: StreamEnd | undefined;
+    const s = relayStream(opened, { alias: "svc-fast", clientWantsUsage: false, idleMs: 10_000, signal: new AbortController().signal, onEnd: (e) => (ended = e), open });
+    const reader = s.getReader();
+    const dec = new TextDecoder();
+    let text = dec.decode((await reader.read()).value);
+    expect(open.size).toBe(1);
+    for (const endStream of open) endStream("shutting down");
+    for (;;) {
+      const r = await reader.read();
+      if (r.done) break;
+      text += dec.decode(r.value);
+    }
+    expect(text.endsWith(`data: {"error":{"message":"shutting down","type":"service_unavailable","param":null,"code":"service_unavailable"}}\n\n`)).toBe(true);
+    expect(ended?.outcome).toBe("ended");
+    expect(ended?.deliveredChars).toBe(1);
+    expect(calls.aborted[0]).toBe("shutting down");
+    expect(calls.finished).toEqual([null]);
+    expect(open.size).toBe(0);
   });
 });
 
