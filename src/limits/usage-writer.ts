@@ -4,6 +4,7 @@ import { pgArray } from "../db/arrays.ts";
 import { usageBatches, usageCounters, usageDeadLetters } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
 import { columnsAt, eventRecord, type UsageColumns, UsageLog } from "./usage-log.ts";
+import { isDataError } from "../db/errors.ts";
 
 /**
  * The batched usage writer: every flushMs, one transaction adds the settled
@@ -162,8 +163,9 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
   }
 
   /**
-   * A batch that failed twice while the database answers holds something
-   * that cannot be written (a value out of range, a broken constraint): write
+   * A batch that failed twice with a data error (SQLSTATE class 22 or 23)
+   * while the database answers holds something that cannot be written (a
+   * value out of range, a broken constraint): write
    * it item by item — each counter delta, then each usage record, in its own
    * idempotent transaction — and set aside only the item that fails, so one
    * bad record never blocks the rest. If the database stops answering midway,
@@ -188,7 +190,8 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
         if (delta) await once(id, (tx) => applyDelta(tx, delta));
         else await once(id, (tx) => insertEvents(tx, columnsAt(b.events, i - b.deltas.length)));
       } catch (e) {
-        if (!(await reachable())) throw e;
+        // Only the data's own fault sets a record aside; anything else keeps the batch for the next flush.
+        if (!isDataError(e) || !(await reachable())) throw e;
         const record = delta ? { kind: "counter", org_id: delta.orgId, window_start: new Date(delta.start).toISOString(), used: delta.used, leased: delta.leased } : eventRecord(b.events, i - b.deltas.length);
         await deadLetter(record, e as Error);
       }
@@ -235,7 +238,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
       try {
         await apply(b);
       } catch (second) {
-        if (!(await reachable())) throw second;
+        if (!isDataError(second) || !(await reachable())) throw second;
         await applyIsolated(b, second as Error);
       }
     }
@@ -271,12 +274,29 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     }
   }
 
+  /** The flush a caller who asks now will have its own records written by (queued behind a running one). */
+  let queued: Promise<void> | undefined;
+
+  /**
+   * One flush at a time. A caller's flush covers everything settled before
+   * the call: while a flush is under way (its batch was cut before some of
+   * those records), one more follows it, shared by every caller who asked
+   * in the meantime.
+   */
   function flush(final = false): Promise<void> {
-    // One flush at a time.
-    flushing ??= flushOnce(final).finally(() => {
-      flushing = undefined;
-    });
-    return flushing;
+    if (!flushing) {
+      flushing = flushOnce(final).finally(() => {
+        flushing = undefined;
+      });
+      return flushing;
+    }
+    queued ??= flushing
+      .catch(() => {})
+      .then(() => {
+        queued = undefined;
+        return flush(final);
+      });
+    return queued;
   }
 
   return {
@@ -285,7 +305,8 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     },
     start() {
       timer = setInterval(() => {
-        void flush(false).catch(() => {});
+        // The timer skips a tick while a write is under way (it is not waiting for anything in particular).
+        if (!flushing) void flush(false).catch(() => {});
       }, opts.flushMs);
       timer.unref?.();
     },

@@ -274,6 +274,64 @@ describe("quota leases", () => {
     await q.stop();
   });
 
+  test("a write that fails for a reason other than the data is retried, never set aside", async () => {
+    // A table gone missing (or a connection killed, a lock timeout…) says nothing about the record:
+    // only the database refusing the data itself (SQLSTATE classes 22 and 23) sets a record aside.
+    const db = await sharedDatabase();
+    const p = await org(10_000);
+    const q = createQuota(db, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    q.settle(await q.admit(p, 10), { promptTokens: 7, completionTokens: 8 }, outcome);
+    await db.db.execute(sql`alter table usage_events rename to usage_events_away`);
+    try {
+      expect(await rejectionOf(q.flush())).toBeInstanceOf(Error);
+    } finally {
+      await db.db.execute(sql`alter table usage_events_away rename to usage_events`);
+    }
+    expect(q.stats()).toMatchObject({ deadLettered: 0 });
+    await q.flush();
+    expect(q.stats()).toMatchObject({ bufferedEvents: 0, pendingTokens: 0, deadLettered: 0 });
+    const ev = await db.db.select().from(usageEvents).where(eq(usageEvents.orgId, p.orgId));
+    expect(ev.map((e) => [e.promptTokens, e.completionTokens])).toEqual([[7, 8]]);
+    expect((await counters(p.orgId)).used).toBe(15);
+    await q.stop();
+  });
+
+  test("flush() called while a flush is under way also writes what settled after that one began", async () => {
+    const db = await sharedDatabase();
+    const p = await org(10_000);
+    let gate: Promise<void> | undefined;
+    let open = () => {};
+    // The first write waits at a gate, so the second flush() is called while it is under way.
+    const gated = {
+      ...db,
+      db: new Proxy(db.db, {
+        get(target, prop, recv) {
+          const v = Reflect.get(target, prop, recv);
+          if (prop !== "transaction") return v;
+          return async (...args: unknown[]) => {
+            if (gate) await gate;
+            return (v as (...a: unknown[]) => Promise<unknown>).apply(target, args);
+          };
+        },
+      }),
+    };
+    const q = createQuota(gated, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    q.settle(await q.admit(p, 10), { promptTokens: 1, completionTokens: 1 }, outcome);
+    gate = new Promise<void>((r) => {
+      open = r;
+    });
+    const first = q.flush();
+    q.settle(await q.admit(p, 10), { promptTokens: 2, completionTokens: 2 }, outcome);
+    const second = q.flush();
+    gate = undefined;
+    open();
+    await first;
+    await second;
+    const ev = await db.db.select().from(usageEvents).where(eq(usageEvents.orgId, p.orgId)).orderBy(usageEvents.id);
+    expect(ev.map((e) => e.promptTokens)).toEqual([1, 2]);
+    await q.stop();
+  });
+
   test("a batch whose commit is ambiguous (committed, answer lost) is not counted twice", async () => {
     const db = await sharedDatabase();
     const p = await org(10_000);
