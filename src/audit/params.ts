@@ -29,6 +29,7 @@ export const MAX_Q_CHARS = 200;
 
 const PARAMS = new Set(["from", "to", "actor_id", "category", "action", "q", "cursor", "limit"]);
 // Rejected in q: NUL cannot be sent as Postgres text, and the others never occur in names.
+// biome-ignore lint/suspicious/noControlCharactersInRegex: matching control characters is this pattern's job.
 const CONTROL = /[\u0000-\u001f\u007f]/;
 
 export function invalid(param: string | null, message: string): AppError {

@@ -209,6 +209,7 @@ export function allowListProblems(allow: readonly string[]): string[] {
   return bad;
 }
 
+// biome-ignore lint/suspicious/noControlCharactersInRegex: matching control characters is this pattern's job.
 const UNSAFE_CHARS = /[\\\s\u0000-\u001f\u007f]/;
 
 interface Pending {

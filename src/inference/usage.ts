@@ -30,7 +30,10 @@ export function countUsage(usage: Record<string, unknown> | undefined, estimate:
   const pick = (key: "prompt_tokens" | "completion_tokens", fallback: number): number => {
     const v = usage?.[key];
     if (plausible(v)) return v;
-    if (v !== undefined) (rejected ??= {})[key] = clip(v);
+    if (v !== undefined) {
+      rejected ??= {};
+      rejected[key] = clip(v);
+    }
     return fallback;
   };
   const promptTokens = pick("prompt_tokens", estimate.promptTokens);

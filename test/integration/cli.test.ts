@@ -78,14 +78,28 @@ interface Result {
 async function cli(...args: string[]): Promise<Result> {
   const r = { stdout: "", stderr: "" };
   const argv = args.includes("--data-dir") ? args : [...args, "--data-dir", dataDir];
-  const code = await runCli(argv, { stdout: (s) => void (r.stdout += s), stderr: (s) => void (r.stderr += s) });
+  const code = await runCli(argv, {
+    stdout: (s) => {
+      r.stdout += s;
+    },
+    stderr: (s) => {
+      r.stderr += s;
+    },
+  });
   return { code, ...r };
 }
 
 /** runCli without a data directory (for commands that take none, or fail before opening one). */
 async function bare(...args: string[]): Promise<Result> {
   const r = { stdout: "", stderr: "" };
-  const code = await runCli(args, { stdout: (s) => void (r.stdout += s), stderr: (s) => void (r.stderr += s) });
+  const code = await runCli(args, {
+    stdout: (s) => {
+      r.stdout += s;
+    },
+    stderr: (s) => {
+      r.stderr += s;
+    },
+  });
   return { code, ...r };
 }
 

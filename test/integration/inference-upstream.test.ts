@@ -418,7 +418,7 @@ describe("upstream connections", () => {
       async fetch(req, srv) {
         ports.add(srv.requestIP(req)?.port ?? -1);
         const body = (await req.json()) as { stream?: boolean };
-        if (body.stream) return new Response(sse(chunk) + sse(usage) + "data: [DONE]\n\n", { headers: { "content-type": "text/event-stream" } });
+        if (body.stream) return new Response(`${sse(chunk)}${sse(usage)}data: [DONE]\n\n`, { headers: { "content-type": "text/event-stream" } });
         return Response.json({ id: "c", object: "chat.completion", created: 1, model: "m", choices: [{ index: 0, message: { role: "assistant", content: "hi" }, finish_reason: "stop" }], usage: { prompt_tokens: 3, completion_tokens: 1, total_tokens: 4 } });
       },
     });

@@ -143,7 +143,7 @@ describe("openai SDK: chat", () => {
     });
     const final = await runner.finalChatCompletion();
     const call = final.choices[0]?.message.tool_calls?.[0];
-    if (!call || call.type !== "function") throw new Error("no function tool call");
+    if (call?.type !== "function") throw new Error("no function tool call");
     expect(call.function.name).toBe("get_weather");
     expect(JSON.parse(call.function.arguments)).toEqual({ location: "Paris", unit: "celsius" });
   });

@@ -69,7 +69,9 @@ describe.skipIf(!TEST_DATABASE_URL)("key store unreachable: connections cut and 
   /** GET /v1/me with a deadline: no request may hang while the database is away. */
   async function me(gw: Gateway, key: string): Promise<{ status: number; code: string | null }> {
     const res = await fetch(`${gw.url}/v1/me`, { headers: bearer(key), signal: AbortSignal.timeout(15_000) });
-    return { status: res.status, code: res.status === 200 ? (await res.arrayBuffer(), null) : (await errorOf(res)).code };
+    if (res.status !== 200) return { status: res.status, code: (await errorOf(res)).code };
+    await res.arrayBuffer();
+    return { status: res.status, code: null };
   }
 
   test("a cached key works up to 10 × the TTL, then 503; a key not in the cache gets 503, never admission", async () => {

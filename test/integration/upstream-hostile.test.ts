@@ -136,7 +136,11 @@ describe("upstream answers larger than upstream.maxResponseBytes", () => {
       (c) => {
         c.write(`HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: ${body.byteLength}\r\n\r\n`);
         let at = 0;
-        c.pump(() => (at >= body.byteLength ? undefined : body.subarray(at, (at += 64 * 1024))));
+        c.pump(() => {
+          if (at >= body.byteLength) return undefined;
+          at += 64 * 1024;
+          return body.subarray(at - 64 * 1024, at);
+        });
       },
       { maxResponseBytes: 1 * MB },
     );
@@ -153,7 +157,11 @@ describe("upstream answers larger than upstream.maxResponseBytes", () => {
         c.write(`HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: ${Buffer.byteLength(body)}\r\n\r\n`);
         const bytes = Buffer.from(body);
         let at = 0;
-        c.pump(() => (at >= bytes.byteLength ? undefined : bytes.subarray(at, (at += 64 * 1024))));
+        c.pump(() => {
+          if (at >= bytes.byteLength) return undefined;
+          at += 64 * 1024;
+          return bytes.subarray(at - 64 * 1024, at);
+        });
       },
       { maxResponseBytes: 1 * MB },
     );
@@ -225,7 +233,10 @@ describe("upstream body timers", () => {
     const { chat } = await setup(
       (c) => {
         c.write("HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: 1000\r\n\r\nmaximum context length exceeded");
-        c.every(1_000, () => (c.write("."), true));
+        c.every(1_000, () => {
+          c.write(".");
+          return true;
+        });
       },
       {},
       { firstByteMs: 1_000, idleMs: 1_000 },

@@ -195,7 +195,7 @@ describe("upstream HTTP/1.1 client", () => {
   test("interim 1xx answers are skipped; 204 has no body", async () => {
     let n = 0;
     const { srv, ep } = setup((s) => {
-      if (n++ === 0) s.write("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + okResponse("real"));
+      if (n++ === 0) s.write(`HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n${okResponse("real")}`);
       else s.write("HTTP/1.1 204 No Content\r\n\r\n");
     });
     const res = await ep.request(post());
@@ -361,8 +361,14 @@ describe("upstream HTTP/1.1 client", () => {
     const signal = ac.signal;
     const add = signal.addEventListener.bind(signal);
     const remove = signal.removeEventListener.bind(signal);
-    signal.addEventListener = ((...a: Parameters<typeof add>) => (added++, add(...a))) as typeof add;
-    signal.removeEventListener = ((...a: Parameters<typeof remove>) => (removed++, remove(...a))) as typeof remove;
+    signal.addEventListener = ((...a: Parameters<typeof add>) => {
+      added++;
+      add(...a);
+    }) as typeof add;
+    signal.removeEventListener = ((...a: Parameters<typeof remove>) => {
+      removed++;
+      remove(...a);
+    }) as typeof remove;
     await (await ep.request(post(signal))).text();
     expect(added).toBe(1);
     expect(removed).toBe(1);

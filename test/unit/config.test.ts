@@ -29,7 +29,15 @@ async function problems(input: Parameters<typeof loadConfig>[0]): Promise<string
 
 function capture() {
   const o = { out: "", err: "" };
-  return { o, out: { stdout: (s: string) => void (o.out += s), stderr: (s: string) => void (o.err += s) } };
+  const out = {
+    stdout: (s: string) => {
+      o.out += s;
+    },
+    stderr: (s: string) => {
+      o.err += s;
+    },
+  };
+  return { o, out };
 }
 
 describe("metrics.listen", () => {

@@ -32,14 +32,30 @@ describe("key information (spec 2.5)", () => {
   });
 
   const broken: [string, (b: ReturnType<typeof keyInfo>) => void, string][] = [
-    ["expires_at null", (b) => void (b.key.expires_at = null), "key.expires_at: expected string, got null"],
-    ["expires_at without ms", (b) => void (b.key.expires_at = "2026-01-31T09:00:00Z"), "key.expires_at: not an ISO 8601"],
-    ["expires_at with offset", (b) => void (b.key.expires_at = "2026-01-31T09:00:00.000+01:00"), "key.expires_at: not an ISO 8601"],
-    ["impossible date", (b) => void (b.key.expires_at = "2026-02-30T09:00:00.000Z"), "key.expires_at: not an ISO 8601"],
-    ["id not a UUID", (b) => void (b.key.id = "k_1"), "key.id: not a UUID"],
-    ["unknown kind", (b) => void (b.key.kind = "robot"), "key.kind"],
-    ["unknown scope", (b) => void (b.key.scopes = ["root"]), "key.scopes[0]: unknown scope"],
-    ["extra field", (b) => void (b.key.name = "x"), "key.name: not a spec field"],
+    ["expires_at null", (b) => {
+      b.key.expires_at = null;
+    }, "key.expires_at: expected string, got null"],
+    ["expires_at without ms", (b) => {
+      b.key.expires_at = "2026-01-31T09:00:00Z";
+    }, "key.expires_at: not an ISO 8601"],
+    ["expires_at with offset", (b) => {
+      b.key.expires_at = "2026-01-31T09:00:00.000+01:00";
+    }, "key.expires_at: not an ISO 8601"],
+    ["impossible date", (b) => {
+      b.key.expires_at = "2026-02-30T09:00:00.000Z";
+    }, "key.expires_at: not an ISO 8601"],
+    ["id not a UUID", (b) => {
+      b.key.id = "k_1";
+    }, "key.id: not a UUID"],
+    ["unknown kind", (b) => {
+      b.key.kind = "robot";
+    }, "key.kind"],
+    ["unknown scope", (b) => {
+      b.key.scopes = ["root"];
+    }, "key.scopes[0]: unknown scope"],
+    ["extra field", (b) => {
+      b.key.name = "x";
+    }, "key.name: not a spec field"],
     ["missing field", (b) => void delete b.organization.plan, "organization.plan: missing"],
   ];
   for (const [name, mutate, problem] of broken) {
@@ -58,22 +74,52 @@ describe("audit event (spec 2.6)", () => {
   });
 
   const broken: [string, (e: ReturnType<typeof event>) => void, string][] = [
-    ["ip_prefix empty", (e) => void (e.origin.ip_prefix = ""), "origin.ip_prefix: \"\" not in CIDR"],
-    ["ip_prefix a full address", (e) => void (e.origin.ip_prefix = "203.0.113.7"), "origin.ip_prefix"],
-    ["ip_prefix /32", (e) => void (e.origin.ip_prefix = "203.0.113.7/32"), "full address"],
-    ["ip_prefix host bits", (e) => void (e.origin.ip_prefix = "203.0.113.7/24"), "host bits"],
-    ["ipv6 host bits", (e) => void (e.origin.ip_prefix = "2001:db8::1/48"), "host bits"],
-    ["target key not in details", (e) => void (e.details = {}), 'details has no field "target_user_id"'],
-    ["target key holds another id", (e) => void (e.details.target_user_id = KEY_ID), "not the target's id"],
-    ["category outside the enum", (e) => void (e.category = "chat"), "category: not a spec category"],
-    ["action with one part", (e) => void (e.action = "login"), "action: not <area>.<verb>"],
-    ["action with three parts", (e) => void (e.action = "a.b.c"), "action: not <area>.<verb>"],
-    ["created_at without ms", (e) => void (e.created_at = "2025-03-01T12:00:00Z"), "created_at: not an ISO 8601"],
-    ["key_id not a UUID", (e) => void (e.actor.key_id = "k"), "actor.key_id: not a UUID"],
-    ["actor name null", (e) => void (e.actor.name = null), "actor.name: expected string, got null"],
-    ["target email null", (e) => void ((e.targets[0] as Record<string, unknown>).email = null), "targets[0].email: expected string, got null"],
+    ["ip_prefix empty", (e) => {
+      e.origin.ip_prefix = "";
+    }, "origin.ip_prefix: \"\" not in CIDR"],
+    ["ip_prefix a full address", (e) => {
+      e.origin.ip_prefix = "203.0.113.7";
+    }, "origin.ip_prefix"],
+    ["ip_prefix /32", (e) => {
+      e.origin.ip_prefix = "203.0.113.7/32";
+    }, "full address"],
+    ["ip_prefix host bits", (e) => {
+      e.origin.ip_prefix = "203.0.113.7/24";
+    }, "host bits"],
+    ["ipv6 host bits", (e) => {
+      e.origin.ip_prefix = "2001:db8::1/48";
+    }, "host bits"],
+    ["target key not in details", (e) => {
+      e.details = {};
+    }, 'details has no field "target_user_id"'],
+    ["target key holds another id", (e) => {
+      e.details.target_user_id = KEY_ID;
+    }, "not the target's id"],
+    ["category outside the enum", (e) => {
+      e.category = "chat";
+    }, "category: not a spec category"],
+    ["action with one part", (e) => {
+      e.action = "login";
+    }, "action: not <area>.<verb>"],
+    ["action with three parts", (e) => {
+      e.action = "a.b.c";
+    }, "action: not <area>.<verb>"],
+    ["created_at without ms", (e) => {
+      e.created_at = "2025-03-01T12:00:00Z";
+    }, "created_at: not an ISO 8601"],
+    ["key_id not a UUID", (e) => {
+      e.actor.key_id = "k";
+    }, "actor.key_id: not a UUID"],
+    ["actor name null", (e) => {
+      e.actor.name = null;
+    }, "actor.name: expected string, got null"],
+    ["target email null", (e) => {
+      (e.targets[0] as Record<string, unknown>).email = null;
+    }, "targets[0].email: expected string, got null"],
     ["details null", (e) => void Object.assign(e, { details: null }), "details: expected an object"],
-    ["extra top-level field", (e) => void (e.org_id = USER), "event.org_id: not a spec field"],
+    ["extra top-level field", (e) => {
+      e.org_id = USER;
+    }, "event.org_id: not a spec field"],
     ["missing origin field", (e) => void delete e.origin.user_agent_summary, "origin.user_agent_summary: missing"],
   ];
   for (const [name, mutate, problem] of broken) {
