@@ -9,7 +9,7 @@ import { ConfigError, loadConfig, maskConfig, upstreamAliases } from "../config/
 import { type Config, SPEC_ALIASES } from "../config/schema.ts";
 import { type Database, DataDirLockedError, migrate, openDatabase } from "../db/client.ts";
 import { InputError } from "../lib/errors.ts";
-import { startSimulator } from "../sim/upstream.ts";
+import { startSimulator } from "../sim/index.ts";
 import { startGateway } from "../server.ts";
 import { seedDemo } from "./demo.ts";
 

@@ -4,7 +4,7 @@ import type { Config } from "../../src/config/schema.ts";
 import { createConnectProbe } from "../../src/inference/probe.ts";
 import { ClientGone, createUpstream } from "../../src/inference/upstream.ts";
 import type { Gateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { startGateway } from "../../src/server.ts";
 import { errorOf, type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
 import { CHAT_MODEL, TEST_PLANS, chatAlias, eventually, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";

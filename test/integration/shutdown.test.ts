@@ -4,7 +4,7 @@ import { join } from "node:path";
 import { sql } from "drizzle-orm";
 import { createKey, createOrg } from "../../src/admin/service.ts";
 import { migrate, openDatabase } from "../../src/db/client.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { cleanEnv, exitWithin, listeningUrl, type Proc, removeScratch, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 
 // Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
