@@ -7,8 +7,8 @@ import type { Metrics } from "../metrics/registry.ts";
 import type { Metering } from "../limits/metering.ts";
 import { allowedAliases } from "./aliases.ts";
 import { createInferenceService, type Reply } from "./service.ts";
-import { type ConnectProbe, createConnectProbe } from "./probe.ts";
-import { createUpstream } from "./upstream.ts";
+import { type ConnectProbe, createConnectProbe } from "./upstream/probe.ts";
+import { createUpstream } from "./upstream/index.ts";
 import { createImageUrlCheck, type HostLookup } from "./image-url.ts";
 
 export { allowedAliases } from "./aliases.ts";

@@ -1,8 +1,8 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { createLogger } from "../../src/lib/log.ts";
 import type { Config } from "../../src/config/schema.ts";
-import { createConnectProbe } from "../../src/inference/probe.ts";
-import { ClientGone, createUpstream } from "../../src/inference/upstream.ts";
+import { createConnectProbe } from "../../src/inference/upstream/probe.ts";
+import { ClientGone, createUpstream } from "../../src/inference/upstream/index.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { startGateway } from "../../src/server.ts";

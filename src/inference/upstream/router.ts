@@ -1,12 +1,3 @@
-import type { AliasConfig, Config, TargetConfig, TimeoutsConfig } from "../config/schema.ts";
-import { AppError } from "../http/errors.ts";
-import type { Logger } from "../lib/log.ts";
-import { Breaker } from "./breaker.ts";
-import { type ByteReader, createHttp1Client, type Endpoint, type Http1Client, type UpstreamResponse } from "./http1.ts";
-import { type ConnectProbe, type Origin, createConnectProbe, originOf } from "./probe.ts";
-
-export type { ByteReader } from "./http1.ts";
-
 /**
  * Calls to the upstream model servers: target choice, timeouts, failover and
  * circuit breaking. Nothing here knows the request or response format beyond
@@ -20,21 +11,13 @@ export type { ByteReader } from "./http1.ts";
  * that dies before its first token also fails over.
  */
 
-export interface Target {
-  readonly alias: string;
-  readonly cfg: TargetConfig;
-  /** `<baseUrl>|<model>`, the label usage records and logs carry. */
-  readonly label: string;
-  readonly origin: Origin;
-  /** The connection pool of the target's origin. */
-  readonly endpoint: Endpoint;
-  /** The base URL's path without a trailing slash (`/v1`); request paths are appended to it. */
-  readonly basePath: string;
-  readonly authorization: string | undefined;
-  readonly breaker: Breaker;
-  /** The upstream model id as it appears in response bytes: `"model":"<id>"`. */
-  readonly modelField: Uint8Array;
-}
+import type { AliasConfig, Config, TimeoutsConfig } from "../../config/schema.ts";
+import { AppError } from "../../http/errors.ts";
+import type { Logger } from "../../lib/log.ts";
+import { ERROR_BODY_MS, readErrorBody, retryAfterSeconds, upstreamMessage } from "./error-body.ts";
+import { type ByteReader, createHttp1Client, type Http1Client, type UpstreamResponse } from "./http1.ts";
+import { type ConnectProbe, createConnectProbe } from "./probe.ts";
+import { buildTargets, pickTarget, type Target, timeoutsFor } from "./targets.ts";
 
 /** Client went away while we were still trying; there is nobody to answer. */
 export class ClientGone extends Error {}
@@ -83,7 +66,6 @@ export interface UpstreamDeps {
   http?: Http1Client;
 }
 
-const enc = new TextEncoder();
 /**
  * Worth another target. 500 is included: from vLLM it mostly means a dead or
  * wedged engine (a bad request is a 4xx), which another replica does not share.
@@ -92,13 +74,6 @@ const RETRY_STATUS = new Set([429, 500, 502, 503, 504]);
 /** The target is misconfigured (key, model id, path): another target may work; never the caller's fault. */
 const MISCONFIGURED = new Set([401, 403, 404, 405]);
 const MAX_BACKOFF_MS = 2_000;
-const MAX_UPSTREAM_MESSAGE = 1_000;
-/**
- * An error body is only read to word our answer, and a server writes it at
- * once: its whole read gets this long (or the first-byte timeout, if shorter),
- * then we answer with what arrived.
- */
-const ERROR_BODY_MS = 5_000;
 
 /** Why an attempt was given up (a timeout, an empty stream): worth trying the next target. */
 class AttemptFailed extends Error {}
@@ -110,78 +85,6 @@ class AnswerTooLarge extends AttemptFailed {
   }
 }
 
-export function timeoutsFor(config: Config, alias: AliasConfig): TimeoutsConfig {
-  return alias.timeouts ?? config.upstream.timeouts;
-}
-
-/**
- * The message inside an upstream error body, whichever shape it has: current
- * vLLM's `{error:{message}}`, older vLLM's `{object:"error",message}`,
- * FastAPI's `{detail}`, or plain text. The shape itself never reaches the client.
- */
-export function upstreamMessage(text: string, cut = false): { message: string; param: string | null } {
-  let message: unknown;
-  let param: unknown = null;
-  try {
-    const v: unknown = JSON.parse(text);
-    if (typeof v === "object" && v !== null) {
-      const o = v as Record<string, unknown>;
-      const inner = typeof o.error === "object" && o.error !== null ? (o.error as Record<string, unknown>) : o;
-      message = inner.message ?? (typeof o.error === "string" ? o.error : undefined);
-      param = inner.param;
-      if (message === undefined && o.detail !== undefined) {
-        message = Array.isArray(o.detail)
-          ? o.detail.map((d) => (typeof d === "object" && d !== null && "msg" in d ? String(d.msg) : String(d))).join("; ")
-          : String(o.detail);
-      }
-    }
-  } catch {
-    // Plain text is passed on; the front of a JSON body cut short is not a message.
-    message = cut && text.trimStart().startsWith("{") ? undefined : text.trim();
-  }
-  const s = typeof message === "string" && message !== "" ? message : "The upstream model server rejected the request.";
-  return { message: s.length > MAX_UPSTREAM_MESSAGE ? `${s.slice(0, MAX_UPSTREAM_MESSAGE)}…` : s, param: typeof param === "string" ? param : null };
-}
-
-function retryAfterSeconds(h: string | null, now: number): number | undefined {
-  if (!h) return undefined;
-  if (/^\d+$/.test(h.trim())) return Number(h.trim());
-  const at = Date.parse(h);
-  return Number.isNaN(at) ? undefined : Math.max(0, Math.ceil((at - now) / 1000));
-}
-
-/**
- * An error body, read for at most `ms` and `max` bytes (then the connection is
- * closed): what arrived, and whether that was all of it.
- */
-async function readErrorBody(res: UpstreamResponse, max: number, ms: number): Promise<{ text: string; cut: boolean }> {
-  const parts: Uint8Array[] = [];
-  let n = 0;
-  let cut = true;
-  const timer = setTimeout(() => void res.body.cancel(), ms);
-  try {
-    for (;;) {
-      const r = await res.body.read();
-      if (r.done) {
-        cut = false;
-        break;
-      }
-      if (n + r.value.byteLength > max) {
-        parts.push(r.value.subarray(0, max - n));
-        n = max;
-        await res.body.cancel();
-        break;
-      }
-      parts.push(r.value);
-      n += r.value.byteLength;
-    }
-  } catch {
-    // Cut short (deadline, connection lost): what arrived is all we have.
-  } finally {
-    clearTimeout(timer);
-  }
-  return { text: Buffer.concat(parts, n).toString("utf8"), cut };
-}
 
 function sleep(ms: number, signal: AbortSignal): Promise<void> {
   if (ms <= 0) return Promise.resolve();
@@ -203,51 +106,7 @@ export function createUpstream(deps: UpstreamDeps) {
   const now = deps.now ?? Date.now;
   const up = config.upstream;
   const http = deps.http ?? createHttp1Client();
-
-  const targets = new Map<string, Target[]>();
-  for (const [alias, a] of Object.entries(config.aliases)) {
-    targets.set(
-      alias,
-      a.targets.map((cfg) => {
-        const key = cfg.apiKeyEnv ? process.env[cfg.apiKeyEnv] : undefined;
-        return {
-          alias,
-          cfg,
-          label: `${cfg.baseUrl}|${cfg.model}`,
-          origin: originOf(cfg.baseUrl),
-          endpoint: http.endpoint(cfg.baseUrl),
-          basePath: new URL(cfg.baseUrl).pathname.replace(/\/+$/, ""),
-          authorization: key ? `Bearer ${key}` : undefined,
-          breaker: new Breaker({ failures: up.breakerFailures, cooldownMs: up.breakerCooldownMs }),
-          modelField: enc.encode(`"model":${JSON.stringify(cfg.model)}`),
-        };
-      }),
-    );
-  }
-
-  /**
-   * Weighted random choice among available targets not yet tried; weight-0
-   * targets are standbys, used only when no weighted target is left. When every
-   * target has been tried, the set starts over (a single-target alias retries itself).
-   */
-  function pick(list: readonly Target[], tried: Set<Target>, t: number): Target | undefined {
-    let pool = list.filter((x) => !tried.has(x) && x.breaker.available(t));
-    if (pool.length === 0) {
-      tried.clear();
-      pool = list.filter((x) => x.breaker.available(t));
-    }
-    const weighted = pool.filter((x) => x.cfg.weight > 0);
-    const from = weighted.length > 0 ? weighted : pool;
-    if (from.length <= 1) return from[0];
-    const total = from.reduce((s, x) => s + x.cfg.weight, 0);
-    if (total <= 0) return from[Math.floor(random() * from.length)];
-    let r = random() * total;
-    for (const x of from) {
-      r -= x.cfg.weight;
-      if (r < 0) return x;
-    }
-    return from[from.length - 1];
-  }
+  const targets = buildTargets(config, http);
 
   function headersFor(target: Target, ctx: CallContext, stream: boolean): Record<string, string> {
     // Allow-list: nothing of the client's request (its key above all) goes upstream.
@@ -395,7 +254,7 @@ export function createUpstream(deps: UpstreamDeps) {
         await sleep(delay, ctx.signal);
       }
       if (ctx.signal.aborted) throw new ClientGone();
-      const target = pick(list, tried, now());
+      const target = pickTarget(list, tried, now(), random);
       if (!target) break;
       tried.add(target);
       made++;

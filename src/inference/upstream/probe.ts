@@ -13,11 +13,7 @@
  * verdict only stops attempts still waiting for response headers.
  */
 
-export interface Origin {
-  hostname: string;
-  port: number;
-  key: string;
-}
+import type { Origin } from "./origin.ts";
 
 export type Connector = (hostname: string, port: number) => Promise<void>;
 
@@ -35,13 +31,6 @@ export const tcpConnect: Connector = async (hostname, port) => {
     },
   });
 };
-
-export function originOf(baseUrl: string): Origin {
-  const u = new URL(baseUrl);
-  const port = u.port ? Number(u.port) : u.protocol === "https:" ? 443 : 80;
-  const hostname = u.hostname.replace(/^\[|\]$/g, "");
-  return { hostname, port, key: `${hostname}:${port}` };
-}
 
 export interface ConnectProbe {
   /**

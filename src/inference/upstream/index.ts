@@ -1,0 +1,18 @@
+/**
+ * Calls to the upstream model servers. The parts, in call order:
+ *
+ *   router.ts         createUpstream: complete()/open(), attempts with failover and backoff
+ *   targets.ts        an alias's targets, and the weighted pick among those not tried and not broken
+ *   breaker.ts        the per-target circuit breaker (pure, clock passed in)
+ *   error-body.ts     reading an upstream error answer and the message in it
+ *   probe.ts          the connect timeout for origins not seen alive lately
+ *   origin.ts         host and port of a base URL
+ *   http1.ts          the HTTP/1.1 client: a keep-alive pool per origin
+ *   http1-conn.ts     one connection: request bytes out, response framing in
+ *   http1-exchange.ts one request/response: the head promise and the body queue
+ *   http1-head.ts     parsing a response head
+ */
+
+export { type CallContext, ClientGone, type Completed, createUpstream, type Opened, type Upstream, type UpstreamDeps, type UpstreamObserver } from "./router.ts";
+export { type Target, timeoutsFor } from "./targets.ts";
+export type { ByteReader } from "./http1.ts";
