@@ -11,43 +11,15 @@
  * that dies before its first token also fails over.
  */
 
-import type { AliasConfig, Config, TimeoutsConfig } from "../../config/schema.ts";
+import type { AliasConfig, Config } from "../../config/schema.ts";
 import { AppError } from "../../http/errors.ts";
 import type { Logger } from "../../lib/log.ts";
+import { type Completed, type Opened, openStream, readWhole } from "./answer.ts";
+import { AnswerTooLarge, Attempt, AttemptFailed, type Call, type CallContext, ClientGone, type Outcome } from "./attempt.ts";
 import { ERROR_BODY_MS, readErrorBody, retryAfterSeconds, upstreamMessage } from "./error-body.ts";
-import { type ByteReader, createHttp1Client, type Http1Client, type UpstreamResponse } from "./http1.ts";
+import { createHttp1Client, type Http1Client, type UpstreamResponse } from "./http1.ts";
 import { type ConnectProbe, createConnectProbe } from "./probe.ts";
 import { buildTargets, pickTarget, type Target, timeoutsFor } from "./targets.ts";
-
-/** Client went away while we were still trying; there is nobody to answer. */
-export class ClientGone extends Error {}
-
-export interface CallContext {
-  /** Aborted when the client disconnects. */
-  signal: AbortSignal;
-  requestId: string;
-}
-
-export interface Completed {
-  target: Target;
-  body: string;
-}
-
-/** An upstream stream whose first bytes have arrived; from here on it belongs to the caller. */
-export interface Opened {
-  target: Target;
-  reader: ByteReader;
-  first: Uint8Array;
-  /** Stops the upstream request (client left, idle timeout); idempotent. */
-  abort(reason: string): void;
-  /** Reports how the stream ended for the target's breaker; `null` = no verdict (client left). Also drops listeners. */
-  finish(ok: boolean | null): void;
-}
-
-type Attempt<T> =
-  | { kind: "ok"; value: T }
-  | { kind: "retry"; why: string; status?: number; retryAfter?: number; countsAsFailure: boolean; detail?: string }
-  | { kind: "fail"; error: AppError };
 
 /** Observation hooks (metrics); called on the request path, so they must be cheap. */
 export interface UpstreamObserver {
@@ -74,17 +46,6 @@ const RETRY_STATUS = new Set([429, 500, 502, 503, 504]);
 /** The target is misconfigured (key, model id, path): another target may work; never the caller's fault. */
 const MISCONFIGURED = new Set([401, 403, 404, 405]);
 const MAX_BACKOFF_MS = 2_000;
-
-/** Why an attempt was given up (a timeout, an empty stream): worth trying the next target. */
-class AttemptFailed extends Error {}
-
-/** The answer is larger than we read; the message is fit for the client. */
-class AnswerTooLarge extends AttemptFailed {
-  constructor(max: number) {
-    super(`its answer was larger than ${max} bytes, the gateway's limit`);
-  }
-}
-
 
 function sleep(ms: number, signal: AbortSignal): Promise<void> {
   if (ms <= 0) return Promise.resolve();
@@ -126,8 +87,9 @@ export function createUpstream(deps: UpstreamDeps) {
   }
 
   /** Reads a non-2xx answer and decides: retry elsewhere, or a final error for the client. */
-  async function judge<T>(target: Target, res: UpstreamResponse, aliasName: string, timeouts: TimeoutsConfig): Promise<Attempt<T>> {
-    const { text, cut } = await readErrorBody(res, up.maxResponseBytes, Math.min(ERROR_BODY_MS, timeouts.firstByteMs));
+  async function judge<T>(res: UpstreamResponse, target: Target, call: Call<T>): Promise<Outcome<T>> {
+    const { aliasName } = call;
+    const { text, cut } = await readErrorBody(res, up.maxResponseBytes, Math.min(ERROR_BODY_MS, call.timeouts.firstByteMs));
     const status = res.status;
     if (RETRY_STATUS.has(status)) {
       const retryAfter = status === 429 ? retryAfterSeconds(res.header("retry-after") ?? null, now()) : undefined;
@@ -159,37 +121,21 @@ export function createUpstream(deps: UpstreamDeps) {
     return new AppError("service_unavailable", `The model '${aliasName}' is temporarily unreachable${detail ? ` (${detail})` : ""}; retry with backoff.`);
   }
 
+  /** Reads the first bytes of a 2xx stream; one function for every open(), made once. */
+  const readFirst = (res: UpstreamResponse, a: Attempt): Promise<Opened> => openStream(res, a, failed);
+
   /**
-   * One attempt against one target. The per-attempt AbortController is tied
-   * to the client's signal, the connect probe and the first-byte timer;
-   * `onHead` turns a 2xx response into the attempt's value (reading the body,
-   * or the first stream bytes) while those still apply.
+   * One attempt of a call against one target: the request, under the
+   * attempt's timers, then `call.read` for a 2xx answer or `judge` for any
+   * other.
    */
-  async function attempt<T>(
-    target: Target,
-    aliasName: string,
-    path: string,
-    payload: string,
-    timeouts: TimeoutsConfig,
-    ctx: CallContext,
-    stream: boolean,
-    onHead: (res: UpstreamResponse, ac: AbortController, clearTimer: () => void, unlink: () => void) => Promise<T>,
-  ): Promise<Attempt<T>> {
-    const ac = new AbortController();
-    const onClientAbort = () => ac.abort(new ClientGone());
-    ctx.signal.addEventListener("abort", onClientAbort, { once: true });
-    const unlink = () => ctx.signal.removeEventListener("abort", onClientAbort);
-    let timer: ReturnType<typeof setTimeout> | undefined = setTimeout(
-      () => ac.abort(new AttemptFailed(`no response within ${timeouts.firstByteMs} ms`)),
-      timeouts.firstByteMs,
-    );
-    const clearTimer = () => {
-      if (timer !== undefined) clearTimeout(timer);
-      timer = undefined;
-    };
-    let headed = false;
+  async function attempt<T>(call: Call<T>, target: Target): Promise<Outcome<T>> {
+    const payload = call.payloadFor(target);
+    const { ctx, timeouts, aliasName } = call;
+    const a = new Attempt(target, ctx.signal, timeouts.firstByteMs);
+    const ac = a.ac;
     probe.check(target.origin, timeouts.connectMs)?.then((r) => {
-      if (r === "timeout" && !headed) ac.abort(new AttemptFailed(`no connection within ${timeouts.connectMs} ms`));
+      if (r === "timeout" && !a.headed) ac.abort(new AttemptFailed(`no connection within ${timeouts.connectMs} ms`));
     });
     target.breaker.acquire(now());
     let handedOver = false;
@@ -197,19 +143,19 @@ export function createUpstream(deps: UpstreamDeps) {
     try {
       const res = await target.endpoint.request({
         method: "POST",
-        path: `${target.basePath}${path}`,
+        path: `${target.basePath}${call.path}`,
         body: payload,
-        headers: headersFor(target, ctx, stream),
+        headers: headersFor(target, ctx, call.stream),
         signal: ac.signal,
       });
-      headed = true;
+      a.headed = true;
       probe.alive(target.origin);
       deps.observe?.attempt(aliasName, target.label, res.ok ? "ok" : `http_${res.status}`, (performance.now() - sentAt) / 1000);
       if (res.status < 200 || res.status > 299) {
-        clearTimer();
-        return await judge<T>(target, res, aliasName, timeouts);
+        a.clearTimer();
+        return await judge<T>(res, target, call);
       }
-      const value = await onHead(res, ac, clearTimer, unlink);
+      const value = await call.read(res, a, call);
       handedOver = true;
       return { kind: "ok", value };
     } catch (e) {
@@ -219,11 +165,11 @@ export function createUpstream(deps: UpstreamDeps) {
         throw new ClientGone();
       }
       const why = reason instanceof AttemptFailed ? reason.message : `connection error: ${reason instanceof Error ? reason.message : String(reason)}`;
-      if (!headed) deps.observe?.attempt(aliasName, target.label, reason instanceof AttemptFailed ? "timeout" : "connect_error", undefined);
+      if (!a.headed) deps.observe?.attempt(aliasName, target.label, reason instanceof AttemptFailed ? "timeout" : "connect_error", undefined);
       return { kind: "retry", why, countsAsFailure: true, ...(reason instanceof AnswerTooLarge ? { detail: reason.message } : {}) };
     } finally {
-      clearTimer();
-      if (!handedOver) unlink();
+      a.clearTimer();
+      if (!handedOver) a.unlink();
     }
   }
 
@@ -231,17 +177,9 @@ export function createUpstream(deps: UpstreamDeps) {
    * Runs attempts until one succeeds, a final error comes back, or attempts
    * run out: then 429 when every failure was upstream back-pressure, else 503.
    */
-  async function run<T>(
-    aliasName: string,
-    alias: AliasConfig,
-    path: string,
-    payloadFor: (t: Target) => string,
-    ctx: CallContext,
-    stream: boolean,
-    onHead: (res: UpstreamResponse, ac: AbortController, clearTimer: () => void, unlink: () => void, target: Target) => Promise<T>,
-  ): Promise<{ target: Target; value: T }> {
+  async function run<T>(call: Call<T>): Promise<{ target: Target; value: T }> {
+    const { aliasName, ctx } = call;
     const list = targets.get(aliasName) ?? [];
-    const timeouts = timeoutsFor(config, alias);
     const tried = new Set<Target>();
     let only429 = true;
     let made = 0;
@@ -258,9 +196,7 @@ export function createUpstream(deps: UpstreamDeps) {
       if (!target) break;
       tried.add(target);
       made++;
-      const r = await attempt(target, aliasName, path, payloadFor(target), timeouts, ctx, stream, (res, ac, clearTimer, unlink) =>
-        onHead(res, ac, clearTimer, unlink, target),
-      );
+      const r = await attempt(call, target);
       if (r.kind === "ok") {
         target.breaker.success();
         return { target, value: r.value };
@@ -286,12 +222,7 @@ export function createUpstream(deps: UpstreamDeps) {
     throw unavailable(aliasName, detail);
   }
 
-  /**
-   * A non-streamed call: the whole body is read before anything is sent, so a
-   * cut-off body still fails over. At most `maxBytes` are read (a larger
-   * answer closes the connection and fails over); the body may take as long
-   * as it needs while it is never silent for `idleMs`.
-   */
+  /** A non-streamed call: the whole body, at most `maxBytes` of it (see readWhole). */
   function complete(
     aliasName: string,
     alias: AliasConfig,
@@ -300,81 +231,23 @@ export function createUpstream(deps: UpstreamDeps) {
     ctx: CallContext,
     maxBytes = up.maxResponseBytes,
   ) {
-    const { idleMs } = timeoutsFor(config, alias);
-    return run<string>(aliasName, alias, path, payloadFor, ctx, false, async (res, ac, clearTimer) => {
-      clearTimer();
-      const declared = res.header("content-length");
-      if (declared !== undefined && Number(declared) > maxBytes) {
-        res.body.cancel().catch(() => {});
-        throw new AnswerTooLarge(maxBytes);
-      }
-      // Idle timer without one per read: a read stamps when it ended, the timer re-arms for the remainder.
-      let lastRead = performance.now();
-      let idle: ReturnType<typeof setTimeout> | undefined;
-      const checkIdle = () => {
-        const quiet = performance.now() - lastRead;
-        if (quiet >= idleMs) ac.abort(new AttemptFailed(`response body stalled for ${idleMs} ms`));
-        else idle = setTimeout(checkIdle, idleMs - quiet);
-      };
-      idle = setTimeout(checkIdle, idleMs);
-      try {
-        const parts: Uint8Array[] = [];
-        let n = 0;
-        for (;;) {
-          const r = await res.body.read();
-          if (r.done) break;
-          n += r.value.byteLength;
-          if (n > maxBytes) {
-            res.body.cancel().catch(() => {});
-            throw new AnswerTooLarge(maxBytes);
-          }
-          parts.push(r.value);
-          lastRead = performance.now();
-        }
-        const only = parts.length === 1 ? parts[0] : undefined;
-        return (only ? Buffer.from(only.buffer, only.byteOffset, only.byteLength) : Buffer.concat(parts, n)).toString("utf8");
-      } finally {
-        clearTimeout(idle);
-      }
-    }).then(({ target, value }): Completed => ({ target, body: value }));
+    const call: Call<string> = { aliasName, path, payloadFor, ctx, stream: false, timeouts: timeoutsFor(config, alias), maxBytes, read: readWhole };
+    return run(call).then(({ target, value }): Completed => ({ target, body: value }));
   }
 
   /** A streamed call, handed over once the first body bytes arrived (still under the first-byte timer). */
   function open(aliasName: string, alias: AliasConfig, path: string, payloadFor: (t: Target) => string, ctx: CallContext) {
-    return run<Opened>(aliasName, alias, path, payloadFor, ctx, true, async (res, ac, clearTimer, unlink, target) => {
-      const reader: ByteReader = res.body;
-      let first: Uint8Array | undefined;
-      try {
-        while (first === undefined) {
-          const r = await reader.read();
-          if (r.done) throw new AttemptFailed("stream ended before any data");
-          if (r.value.byteLength > 0) first = r.value;
-        }
-      } catch (e) {
-        reader.cancel().catch(() => {});
-        throw e;
-      }
-      clearTimer();
-      let finished = false;
-      const opened: Opened = {
-        target,
-        reader,
-        first,
-        abort(reason) {
-          if (!ac.signal.aborted) ac.abort(new AttemptFailed(reason));
-          reader.cancel().catch(() => {});
-        },
-        finish(ok) {
-          if (finished) return;
-          finished = true;
-          unlink();
-          if (ok === true) target.breaker.success();
-          else if (ok === false) failed(target, "stream failed");
-          else target.breaker.release();
-        },
-      };
-      return opened;
-    }).then(({ value }) => value);
+    const call: Call<Opened> = {
+      aliasName,
+      path,
+      payloadFor,
+      ctx,
+      stream: true,
+      timeouts: timeoutsFor(config, alias),
+      maxBytes: up.maxResponseBytes,
+      read: readFirst,
+    };
+    return run(call).then(({ value }) => value);
   }
 
   /** Each target's breaker, for the metrics scrape (not the request path). */
