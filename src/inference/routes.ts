@@ -17,7 +17,7 @@ export interface InferenceDeps {
   config: Config;
   metering: Metering;
   log: Logger;
-  /** Tests inject a connector that never connects, to exercise the connect timeout. */
+  /** The connect probe for requests on kept-alive connections (tests inject a connector that never connects). */
   probe?: ConnectProbe;
   metrics?: Metrics;
   /** Resolves image URL hosts; the system resolver by default. */

@@ -1,8 +1,8 @@
 /**
  * One upstream call (a complete() or an open()) and each attempt it makes
  * against a target. The call is built once and shared by its attempts; an
- * attempt owns the AbortController that the client's signal, the first-byte
- * timer and the connect timeout all abort.
+ * attempt owns the AbortController that the client's signal and the
+ * first-byte timer abort.
  */
 
 import type { TimeoutsConfig } from "../../config/schema.ts";
@@ -56,15 +56,14 @@ export type Outcome<T> =
   | { kind: "fail"; error: AppError };
 
 /**
- * One attempt against one target. Aborted by the client leaving, by the
- * first-byte timer (armed here) and by the connect timeout; a stream it opens
+ * One attempt against one target. Aborted by the client leaving and by the
+ * first-byte timer (armed here); the client's connect timeout fails its
+ * request. A stream it opens
  * keeps it until the stream ends. It holds no reference to the call, so an
  * open stream does not keep the request body alive.
  */
 export class Attempt {
   readonly ac = new AbortController();
-  /** Response headers arrived: a connect-timeout verdict no longer applies. */
-  headed = false;
   private timer: ReturnType<typeof setTimeout> | undefined;
   private readonly onClientAbort = (): void => {
     this.ac.abort(new ClientGone());

@@ -4,7 +4,7 @@
  * chunked, or until close) into the exchange it carries.
  */
 
-import type { Socket } from "bun";
+import type { Socket, TCPSocketConnectOptions } from "bun";
 import { type Exchange, UpstreamConnectionError } from "./http1-exchange.ts";
 import { parseHead } from "./http1-head.ts";
 
@@ -18,7 +18,14 @@ export interface ConnPool {
   release(conn: Conn): void;
   /** Drops a closed connection from the idle list. */
   forget(conn: Conn): void;
+  /** A sign of life from the origin: a connection opened, or a response head arrived. */
+  alive(): void;
+  /** Opens the socket: `Bun.connect`, or a test's stand-in. */
+  readonly connect: SocketOpener;
 }
+
+/** `Bun.connect` for a connection's socket. */
+export type SocketOpener = (options: TCPSocketConnectOptions<Conn>) => Promise<Socket<Conn>>;
 
 const CRLF2 = Buffer.from("\r\n\r\n");
 /**
@@ -82,7 +89,7 @@ export class Conn {
     });
     const conn = new Conn(pool, ready);
     conn.opened = settle;
-    Bun.connect<Conn>({
+    pool.connect({
       hostname: pool.hostname,
       port: pool.port,
       ...(pool.tls ? { tls: { serverName: pool.hostname } } : {}),
@@ -94,6 +101,7 @@ export class Conn {
 
   onOpen(s: UpSocket): void {
     this.socket = s;
+    this.pool.alive();
     const o = this.opened;
     this.opened = undefined;
     o?.resolve();
@@ -196,6 +204,7 @@ export class Conn {
         this.framing = Framing.UntilClose;
         this.keepAlive = false;
       }
+      this.pool.alive();
       ex.onHead(head);
       if (this.framing === Framing.None || (this.framing === Framing.Length && this.remaining === 0)) return this.complete(b);
     }

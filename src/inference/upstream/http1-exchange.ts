@@ -20,6 +20,13 @@ export interface UpstreamResponse {
 /** The connection failed or closed before the response was complete. */
 export class UpstreamConnectionError extends Error {}
 
+/** No connection to the origin within the request's `connectMs`, and no sign of life from it meanwhile. */
+export class ConnectTimeout extends UpstreamConnectionError {
+  constructor(readonly ms: number) {
+    super(`no connection within ${ms} ms`);
+  }
+}
+
 /** What an exchange needs of the connection it is on. */
 export interface ExchangeConn {
   destroy(why: Error | undefined): void;
@@ -69,6 +76,8 @@ export class Exchange implements UpstreamResponse, ByteReader {
     readonly signal: AbortSignal,
     payload: Uint8Array,
     private readonly highWaterMark: number,
+    /** How long a connection for this request may take to open (see RequestOptions.connectMs). */
+    readonly connectMs: number | undefined,
   ) {
     this.payload = payload;
     this.headPromise = new Promise<UpstreamResponse>((resolve, reject) => {
@@ -138,6 +147,19 @@ export class Exchange implements UpstreamResponse, ByteReader {
     const w = this.waiter;
     this.waiter = undefined;
     w?.reject(e);
+  }
+
+  /** Gives up the exchange for `reason`, as an abort does: closes its connection, or fails it while it has none. */
+  abandon(reason: Error): void {
+    // Not worth sending again: the verdict is about the origin, not this connection.
+    this.retry = undefined;
+    if (this.conn) this.conn.destroy(reason);
+    else this.fail(reason);
+  }
+
+  /** The response ended or failed: nothing more will happen to this exchange. */
+  get over(): boolean {
+    return this.ended || this.failure !== undefined;
   }
 
   get headPending(): boolean {

@@ -27,11 +27,13 @@
  * being reported as an upstream failure.
  */
 
-import { Conn } from "./http1-conn.ts";
-import { Exchange, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
-import { originOf } from "./origin.ts";
+import { Conn, type SocketOpener } from "./http1-conn.ts";
+import { ConnectTimeout, Exchange, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
+import { type Origin, originOf } from "./origin.ts";
+import { type ConnectProbe, createConnectProbe } from "./probe.ts";
 
-export { type ByteReader, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
+export type { SocketOpener } from "./http1-conn.ts";
+export { type ByteReader, ConnectTimeout, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
 
 export interface RequestOptions {
   method: "POST" | "GET";
@@ -42,6 +44,13 @@ export interface RequestOptions {
   body?: string;
   /** Aborting closes the connection; the request rejects (or the body read fails) with the signal's reason. */
   signal: AbortSignal;
+  /**
+   * The request fails with ConnectTimeout when the origin shows no sign of
+   * life for this long: a new connection that does not open (dropped SYNs),
+   * or a kept-alive one to an origin that went silent (see Pool.watchReused).
+   * Unset: no connect deadline.
+   */
+  connectMs?: number;
 }
 
 export interface Endpoint {
@@ -57,6 +66,10 @@ export interface Http1ClientOptions {
   maxHeaderBytes?: number;
   /** Body bytes queued for a reader that is not reading before the socket stops reading (default 16 KB: 10,000 slow readers hold at most ~160 MB). */
   highWaterMark?: number;
+  /** Checks an origin that went silent, for requests sent on kept-alive connections; one per client by default. */
+  probe?: ConnectProbe;
+  /** Opens sockets; `Bun.connect` by default (tests stand in one that never completes, for dropped SYNs). */
+  connect?: SocketOpener;
 }
 
 const enc = new TextEncoder();
@@ -71,6 +84,9 @@ class Pool implements Endpoint {
   private readonly idle: Conn[] = [];
   /** Sweeps idle connections older than idleMs (Bun's socket timeouts tick in 4 s steps, too coarse here). */
   private sweeper: ReturnType<typeof setInterval> | undefined;
+  private readonly origin: Origin;
+  /** Counts signs of life (connections opened, response heads): a connect deadline checks whether it moved. */
+  private lifeSigns = 0;
 
   private readonly idleMs: number;
 
@@ -80,11 +96,19 @@ class Pool implements Endpoint {
     idleMs: number,
     readonly maxHeaderBytes: number,
     private readonly highWaterMark: number,
+    private readonly probe: ConnectProbe,
+    readonly connect: SocketOpener,
   ) {
     this.tls = url.protocol === "https:";
-    ({ hostname: this.hostname, port: this.port } = originOf(url.href));
+    this.origin = originOf(url.href);
+    ({ hostname: this.hostname, port: this.port } = this.origin);
     this.hostHeader = url.host;
     this.idleMs = idleMs;
+  }
+
+  alive(): void {
+    this.lifeSigns++;
+    this.probe.alive(this.origin);
   }
 
   request(opts: RequestOptions): Promise<UpstreamResponse> {
@@ -101,7 +125,7 @@ class Pool implements Endpoint {
       head += `${k}: ${v}\r\n`;
     }
     if (opts.method === "POST" || body !== "") head += `content-length: ${Buffer.byteLength(body)}\r\n`;
-    const ex = new Exchange(opts.signal, enc.encode(`${head}\r\n${body}`), this.highWaterMark);
+    const ex = new Exchange(opts.signal, enc.encode(`${head}\r\n${body}`), this.highWaterMark, opts.connectMs);
     this.dispatch(ex, false);
     return ex.headPromise;
   }
@@ -119,17 +143,56 @@ class Pool implements Endpoint {
         this.dispatch(ex, true);
       };
       conn.send(ex);
+      this.watchReused(ex);
       return;
     }
     const fresh = Conn.open(this);
+    const deadline = this.connectDeadline(ex);
     fresh.ready.then(
       () => {
-        // Aborted while connecting: the exchange has failed already; the connection is kept for the next request.
-        if (ex.signal.aborted) this.release(fresh);
+        clearTimeout(deadline);
+        // Failed while connecting (aborted, or the deadline): the connection is kept for the next request.
+        if (ex.signal.aborted || ex.over) this.release(fresh);
         else fresh.send(ex);
       },
-      (e: unknown) => ex.fail(e instanceof Error ? e : new UpstreamConnectionError(String(e))),
+      (e: unknown) => {
+        clearTimeout(deadline);
+        ex.fail(e instanceof Error ? e : new UpstreamConnectionError(String(e)));
+      },
     );
+  }
+
+  /**
+   * The connect timeout of a new connection. Under a burst of new connections
+   * the origin's accept queue overflows and SYNs are retried, so a slow
+   * connect alone proves little: if the origin showed any sign of life
+   * meanwhile (another connection opened, a response arrived), the request
+   * keeps waiting, bounded by the caller's first-byte timeout.
+   */
+  private connectDeadline(ex: Exchange): ReturnType<typeof setTimeout> | undefined {
+    const ms = ex.connectMs;
+    if (ms === undefined) return undefined;
+    const signs = this.lifeSigns;
+    return setTimeout(() => {
+      if (this.lifeSigns === signs) ex.fail(new ConnectTimeout(ms));
+    }, ms);
+  }
+
+  /**
+   * A request on a kept-alive connection has no connect phase to time, yet
+   * the server behind it may have died without a word (a host gone, a
+   * dropped route): writes succeed and nothing comes back, for as long as the
+   * first-byte timeout (minutes for slow models). So when the origin has not
+   * been heard from lately, the probe opens a connection of its own, raced
+   * against connectMs; one probe per origin at a time, none while the origin
+   * keeps answering, which is the steady-state hot path.
+   */
+  private watchReused(ex: Exchange): void {
+    const ms = ex.connectMs;
+    if (ms === undefined) return;
+    this.probe.check(this.origin, ms)?.then((r) => {
+      if (r === "timeout" && ex.headPending) ex.abandon(new ConnectTimeout(ms));
+    });
   }
 
   release(conn: Conn): void {
@@ -180,6 +243,8 @@ export interface Http1Client {
 
 export function createHttp1Client(opts: Http1ClientOptions = {}): Http1Client {
   const pools = new Map<string, Pool>();
+  const probe = opts.probe ?? createConnectProbe();
+  const connect: SocketOpener = opts.connect ?? Bun.connect;
   return {
     endpoint(baseUrl) {
       const url = new URL(baseUrl);
@@ -187,7 +252,7 @@ export function createHttp1Client(opts: Http1ClientOptions = {}): Http1Client {
       const key = `${url.protocol}//${url.host}`;
       let p = pools.get(key);
       if (!p) {
-        p = new Pool(url, opts.maxIdle ?? 512, opts.idleMs ?? 3_000, opts.maxHeaderBytes ?? 64 * 1024, opts.highWaterMark ?? 16 * 1024);
+        p = new Pool(url, opts.maxIdle ?? 512, opts.idleMs ?? 3_000, opts.maxHeaderBytes ?? 64 * 1024, opts.highWaterMark ?? 16 * 1024, probe, connect);
         pools.set(key, p);
       }
       return p;

@@ -17,8 +17,8 @@ import type { Logger } from "../../lib/log.ts";
 import { type Completed, type Opened, openStream, readWhole } from "./answer.ts";
 import { AnswerTooLarge, Attempt, AttemptFailed, type Call, type CallContext, ClientGone, type Outcome } from "./attempt.ts";
 import { ERROR_BODY_MS, readErrorBody, retryAfterSeconds, upstreamMessage } from "./error-body.ts";
-import { createHttp1Client, type Http1Client, type UpstreamResponse } from "./http1.ts";
-import { type ConnectProbe, createConnectProbe } from "./probe.ts";
+import { ConnectTimeout, createHttp1Client, type Http1Client, type UpstreamResponse } from "./http1.ts";
+import type { ConnectProbe } from "./probe.ts";
 import { buildTargets, pickTarget, type Target, timeoutsFor } from "./targets.ts";
 
 /** Observation hooks (metrics); called on the request path, so they must be cheap. */
@@ -31,6 +31,7 @@ export interface UpstreamDeps {
   config: Config;
   log: Logger;
   observe?: UpstreamObserver;
+  /** For the client the upstream makes (see Http1ClientOptions.probe); a caller's `http` has its own. */
   probe?: ConnectProbe;
   random?: () => number;
   now?: () => number;
@@ -62,11 +63,10 @@ function sleep(ms: number, signal: AbortSignal): Promise<void> {
 
 export function createUpstream(deps: UpstreamDeps) {
   const { config, log } = deps;
-  const probe = deps.probe ?? createConnectProbe();
   const random = deps.random ?? Math.random;
   const now = deps.now ?? Date.now;
   const up = config.upstream;
-  const http = deps.http ?? createHttp1Client();
+  const http = deps.http ?? createHttp1Client(deps.probe ? { probe: deps.probe } : {});
   const targets = buildTargets(config, http);
 
   function headersFor(target: Target, ctx: CallContext, stream: boolean): Record<string, string> {
@@ -134,22 +134,21 @@ export function createUpstream(deps: UpstreamDeps) {
     const { ctx, timeouts, aliasName } = call;
     const a = new Attempt(target, ctx.signal, timeouts.firstByteMs);
     const ac = a.ac;
-    probe.check(target.origin, timeouts.connectMs)?.then((r) => {
-      if (r === "timeout" && !a.headed) ac.abort(new AttemptFailed(`no connection within ${timeouts.connectMs} ms`));
-    });
     target.breaker.acquire(now());
+    let headed = false;
     let handedOver = false;
     const sentAt = performance.now();
     try {
+      // The connect timeout is the client's: it owns the connection.
       const res = await target.endpoint.request({
         method: "POST",
         path: `${target.basePath}${call.path}`,
         body: payload,
         headers: headersFor(target, ctx, call.stream),
         signal: ac.signal,
+        connectMs: timeouts.connectMs,
       });
-      a.headed = true;
-      probe.alive(target.origin);
+      headed = true;
       deps.observe?.attempt(aliasName, target.label, res.ok ? "ok" : `http_${res.status}`, (performance.now() - sentAt) / 1000);
       if (res.status < 200 || res.status > 299) {
         a.clearTimer();
@@ -164,8 +163,9 @@ export function createUpstream(deps: UpstreamDeps) {
         target.breaker.release();
         throw new ClientGone();
       }
-      const why = reason instanceof AttemptFailed ? reason.message : `connection error: ${reason instanceof Error ? reason.message : String(reason)}`;
-      if (!a.headed) deps.observe?.attempt(aliasName, target.label, reason instanceof AttemptFailed ? "timeout" : "connect_error", undefined);
+      const timedOut = reason instanceof AttemptFailed || reason instanceof ConnectTimeout;
+      const why = timedOut ? reason.message : `connection error: ${reason instanceof Error ? reason.message : String(reason)}`;
+      if (!headed) deps.observe?.attempt(aliasName, target.label, timedOut ? "timeout" : "connect_error", undefined);
       return { kind: "retry", why, countsAsFailure: true, ...(reason instanceof AnswerTooLarge ? { detail: reason.message } : {}) };
     } finally {
       a.clearTimer();

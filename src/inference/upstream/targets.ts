@@ -7,14 +7,12 @@
 import type { AliasConfig, Config, TargetConfig, TimeoutsConfig } from "../../config/schema.ts";
 import { Breaker } from "./breaker.ts";
 import type { Endpoint, Http1Client } from "./http1.ts";
-import { type Origin, originOf } from "./origin.ts";
 
 export interface Target {
   readonly alias: string;
   readonly cfg: TargetConfig;
   /** `<baseUrl>|<model>`, the label usage records and logs carry. */
   readonly label: string;
-  readonly origin: Origin;
   /** The connection pool of the target's origin. */
   readonly endpoint: Endpoint;
   /** The base URL's path without a trailing slash (`/v1`); request paths are appended to it. */
@@ -44,7 +42,6 @@ export function buildTargets(config: Config, http: Http1Client): Map<string, Tar
           alias,
           cfg,
           label: `${cfg.baseUrl}|${cfg.model}`,
-          origin: originOf(cfg.baseUrl),
           endpoint: http.endpoint(cfg.baseUrl),
           basePath: new URL(cfg.baseUrl).pathname.replace(/\/+$/, ""),
           authorization: key ? `Bearer ${key}` : undefined,
