@@ -14,7 +14,7 @@ import { mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
-import { startSimulator } from "../src/sim/upstream.ts";
+import { startSimulator } from "../src/sim/index.ts";
 
 const { values: args } = parseArgs({
   args: Bun.argv.slice(2),

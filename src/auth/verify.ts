@@ -17,7 +17,7 @@ import { ipPrefix } from "./security.ts";
  * - concurrent misses for one hash share one lookup;
  * - changes arrive on the `gateway_auth` NOTIFY channel (sent in the same
  *   transaction as the change), so revocation reaches every instance at once;
- *   a lookup that was out while a message arrived is not cached (see fetch).
+ *   a lookup that was out while a message arrived is not cached (see sharedLookup).
  *
  * Expiry and revocation are judged on every request from the cached fields.
  */
@@ -182,7 +182,7 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
   const perAll = opts.unknownPerMin;
   const prefixBuckets = new Map<string, Bucket>();
   const allBucket: Bucket = { tokens: perAll ?? 0, at: now() };
-  /** Bumped by every message that can make a row in hand stale (a key, organisation or user changed, or all); see fetch. */
+  /** Bumped by every message that can make a row in hand stale (a key, organisation or user changed, or all); see sharedLookup. */
   let generation = 0;
   /** Bumped by "new" (a key was created): only a "no such key" in hand can be stale then. */
   let created = 0;
@@ -219,7 +219,7 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
    * only discards a "no such key": it cannot make a row in hand stale, and
    * counting it would leave keys uncached whenever keys are being created.
    */
-  function fetch(hash: string): Promise<Principal | null> {
+  function sharedLookup(hash: string): Promise<Principal | null> {
     let p = inflight.get(hash);
     if (!p) {
       lookups++;
@@ -300,7 +300,7 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
       misses++;
       let principal: Principal | null;
       try {
-        principal = await fetch(hash);
+        principal = await sharedLookup(hash);
         if (principal) refund?.();
       } catch (e) {
         if (entry && t - entry.fetchedAt < opts.ttlMs * 10) return judge(entry.principal, t);

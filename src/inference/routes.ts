@@ -7,8 +7,8 @@ import type { Metrics } from "../metrics/registry.ts";
 import type { Metering } from "../limits/metering.ts";
 import { allowedAliases } from "./aliases.ts";
 import { createInferenceService, type Reply } from "./service.ts";
-import { type ConnectProbe, createConnectProbe } from "./probe.ts";
-import { createUpstream } from "./upstream.ts";
+import { type ConnectProbe, createConnectProbe } from "./upstream/probe.ts";
+import { createUpstream } from "./upstream/index.ts";
 import { createImageUrlCheck, type HostLookup } from "./image-url.ts";
 
 export { allowedAliases } from "./aliases.ts";
@@ -17,7 +17,7 @@ export interface InferenceDeps {
   config: Config;
   metering: Metering;
   log: Logger;
-  /** Tests inject a connector that never connects, to exercise the connect timeout. */
+  /** The connect probe for requests on kept-alive connections (tests inject a connector that never connects). */
   probe?: ConnectProbe;
   metrics?: Metrics;
   /** Resolves image URL hosts; the system resolver by default. */

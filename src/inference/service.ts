@@ -10,7 +10,7 @@ import type { ImageUrlCheck } from "./image-url.ts";
 import { type EndStream, relayStream } from "./stream.ts";
 import { countUsage } from "./usage.ts";
 import { charsToTokens, completionLimit, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
-import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream.ts";
+import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream/index.ts";
 import { isRecord } from "../lib/guards.ts";
 
 /**

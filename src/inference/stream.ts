@@ -1,6 +1,6 @@
 import { errorBody } from "../http/errors.ts";
-import type { Opened } from "./upstream.ts";
-import { upstreamMessage } from "./upstream.ts";
+import type { Opened } from "./upstream/index.ts";
+import { upstreamMessage } from "./upstream/error-body.ts";
 import { isRecord } from "../lib/guards.ts";
 import { charsToTokens } from "./tokens.ts";
 import { type Counted, countUsage } from "./usage.ts";

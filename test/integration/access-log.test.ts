@@ -1,7 +1,7 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
 import { TEST_PLANS, chatAlias, eventually, post, seedTestOrg, sseData, testAliases, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 

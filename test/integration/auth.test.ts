@@ -2,7 +2,7 @@ import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "
 import { createKey, createUser, revokeKey, rotateKey, setOrg } from "../../src/admin/service.ts";
 import { type Database, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { TEST_DATABASE_URL, bearer, seedOrg, sharedDatabase, startTestGateway, type SeededOrg } from "../helpers/harness.ts";
 import { testAliases } from "./inference-fixtures.ts";
 

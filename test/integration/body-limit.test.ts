@@ -1,7 +1,7 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { upstreamAliases } from "../../src/config/load.ts";
 import type { Gateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { type RawAnswer, rawRequest } from "../helpers/raw-http.ts";
 

@@ -2,7 +2,7 @@ import { afterAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { join } from "node:path";
 import { sql } from "drizzle-orm";
 import { openDatabase } from "../../src/db/client.ts";
-import { startSimulator } from "../../src/sim/upstream.ts";
+import { startSimulator } from "../../src/sim/index.ts";
 import { cleanEnv, exitWithin, freePort, onlyJson, removeScratch, runGateway, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.

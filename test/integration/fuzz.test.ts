@@ -2,7 +2,7 @@ import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "
 import fc from "fast-check";
 import { upstreamAliases } from "../../src/config/load.ts";
 import type { Gateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.

@@ -5,7 +5,7 @@ import { join } from "node:path";
 import { ConfigError, loadConfig } from "../../src/config/load.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, rejectionOf, type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
 import { TEST_PLANS, arr, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 

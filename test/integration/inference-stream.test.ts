@@ -4,7 +4,7 @@ import { usageEvents } from "../../src/db/schema.ts";
 import { parseChatBody } from "../../src/inference/model.ts";
 import { estimatePromptTokens } from "../../src/inference/tokens.ts";
 import type { Gateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import type { SeededOrg } from "../helpers/harness.ts";
 import { startTestGateway } from "../helpers/harness.ts";
 import {

@@ -1,10 +1,11 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { createLogger } from "../../src/lib/log.ts";
 import type { Config } from "../../src/config/schema.ts";
-import { createConnectProbe } from "../../src/inference/probe.ts";
-import { ClientGone, createUpstream } from "../../src/inference/upstream.ts";
+import { ConnectTimeout, createHttp1Client } from "../../src/inference/upstream/http1.ts";
+import { ClientGone, createUpstream } from "../../src/inference/upstream/index.ts";
+import { createConnectProbe } from "../../src/inference/upstream/probe.ts";
 import type { Gateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { startGateway } from "../../src/server.ts";
 import { errorOf, type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
 import { CHAT_MODEL, TEST_PLANS, chatAlias, eventually, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
@@ -303,9 +304,9 @@ describe("timeouts", () => {
       aliases: { "svc-fast": chatAlias([{ baseUrl: a.url, weight: 1 }, { baseUrl: b.url, weight: 0 }]) },
       upstream: upstreamSettings({ attempts: 2 }, { connectMs: 100, firstByteMs: 30_000 }),
     });
-    // A connector that never completes for A stands in for dropped SYNs (the sandbox answers every address).
-    const probe = createConnectProbe({ connect: (_host, port) => (port === a.port ? new Promise(() => {}) : Promise.resolve()) });
-    const upstream = createUpstream({ config, log: createLogger("silent"), probe });
+    // A connect that never completes for A stands in for dropped SYNs (the sandbox answers every address).
+    const http = createHttp1Client({ connect: (o) => (o.port === a.port ? new Promise(() => {}) : Bun.connect(o)) });
+    const upstream = createUpstream({ config, log: createLogger("silent"), http });
     a.setFault({ kind: "hang" });
     const t0 = performance.now();
     const res = await upstream.complete("svc-fast", config.aliases["svc-fast"] as NonNullable<Config["aliases"][string]>, "/chat/completions", () => JSON.stringify({ model: "m", messages: userMessages() }), {
@@ -316,6 +317,53 @@ describe("timeouts", () => {
     expect(performance.now() - t0).toBeLessThan(10_000);
     expect(res.target.cfg.baseUrl).toBe(b.url);
     expect(rec(JSON.parse(res.body)).object).toBe("chat.completion");
+  });
+
+  test("connect timeout on a kept-alive connection: an origin gone silent is probed, and the request fails within connectMs", async () => {
+    // A probe that never connects stands in for a host that vanished behind a pooled connection; freshMs 0 probes at every reuse.
+    const probe = createConnectProbe({ freshMs: 0, connect: () => new Promise(() => {}) });
+    const http = createHttp1Client({ probe });
+    const endpoint = http.endpoint(a.url);
+    const request = () =>
+      endpoint.request({
+        method: "POST",
+        path: "/v1/chat/completions",
+        headers: { "content-type": "application/json" },
+        body: JSON.stringify({ model: "m", messages: userMessages() }),
+        signal: new AbortController().signal,
+        connectMs: 100,
+      });
+    try {
+      // The first request opens the connection (timed by the client's connect) and leaves it in the pool.
+      expect((await (await request()).text()).length).toBeGreaterThan(0);
+      a.setFault({ kind: "hang" });
+      const t0 = performance.now();
+      const err = await request().catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(ConnectTimeout);
+      expect(performance.now() - t0).toBeLessThan(1_000);
+    } finally {
+      http.close();
+    }
+  });
+
+  test("connect timeout under a burst: a slow connect is not given up while the origin answers on other connections", async () => {
+    // The second connection never opens (its SYNs lost in a full accept queue); the first opens and answers meanwhile.
+    let opened = 0;
+    const http = createHttp1Client({ connect: (o) => (++opened === 2 ? new Promise(() => {}) : Bun.connect(o)) });
+    const endpoint = http.endpoint(a.url);
+    const request = (signal: AbortSignal) =>
+      endpoint.request({ method: "POST", path: "/v1/chat/completions", headers: { "content-type": "application/json" }, body: JSON.stringify({ model: "m", messages: userMessages() }), signal, connectMs: 50 });
+    const slow = new AbortController();
+    try {
+      const [first, second] = [request(new AbortController().signal), request(slow.signal).catch((e: unknown) => e)];
+      expect((await (await first).text()).length).toBeGreaterThan(0);
+      const settled = await Promise.race([second.then(() => "settled"), Bun.sleep(300).then(() => "waiting")]);
+      expect(settled).toBe("waiting");
+      slow.abort(new Error("test over"));
+      expect(await second).not.toBeInstanceOf(ConnectTimeout);
+    } finally {
+      http.close();
+    }
   });
 
   test("a client that leaves during the backoff stops the attempts", async () => {

@@ -2,7 +2,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, te
 import { eq } from "drizzle-orm";
 import { usageEvents } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
 import {
   CHAT_MODEL,

@@ -6,7 +6,7 @@ import { DEFAULT_PLANS } from "../../src/config/schema.ts";
 import type { Database } from "../../src/db/client.ts";
 import { isRecord } from "../../src/lib/guards.ts";
 import type { Gateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, freshDatabase, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
 
 // Two gateways, a simulator and a database of its own on a busy machine.

@@ -3,7 +3,7 @@ import { eq, sql } from "drizzle-orm";
 import type { Database } from "../../src/db/client.ts";
 import { usageCounters } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
 import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 

@@ -4,7 +4,7 @@ import postgres from "postgres";
 import { createKey, createOrg } from "../../src/admin/service.ts";
 import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { usageCounters } from "../../src/db/schema.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { TEST_DATABASE_URL } from "../helpers/harness.ts";
 import { type Proc, cleanEnv, createScratchDatabase, exitWithin, freePort, type ScratchPostgres, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 

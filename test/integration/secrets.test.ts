@@ -4,7 +4,7 @@ import { revokeKey } from "../../src/admin/service.ts";
 import { upstreamAliases } from "../../src/config/load.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, type SeededOrg, seedOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
 import { eventually, until } from "../helpers/poll.ts";
 

@@ -5,7 +5,7 @@ import { sql } from "drizzle-orm";
 import { createKey, createOrg } from "../../src/admin/service.ts";
 import { migrate, openDatabase } from "../../src/db/client.ts";
 import { charsToTokens } from "../../src/inference/tokens.ts";
-import { type Simulator, startSimulator } from "../../src/sim/upstream.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { until } from "../helpers/poll.ts";
 import { cleanEnv, exitWithin, listeningUrl, type Proc, removeScratch, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 

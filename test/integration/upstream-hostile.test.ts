@@ -196,7 +196,7 @@ describe("peak memory of a separate process", () => {
     // The gateway's upstream layer alone (no database): what holds the body is exactly the code under test.
     writeFileSync(
       script,
-      `import { createUpstream } from ${src("../../src/inference/upstream.ts")};
+      `import { createUpstream } from ${src("../../src/inference/upstream/index.ts")};
 import { createLogger } from ${src("../../src/lib/log.ts")};
 import { testConfig } from ${src("../helpers/harness.ts")};
 import { chatAlias, upstreamSettings } from ${src("./inference-fixtures.ts")};

@@ -1,7 +1,7 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import type { Socket, TCPSocketListener } from "bun";
 import fc from "fast-check";
-import { createHttp1Client, UpstreamConnectionError } from "../../src/inference/http1.ts";
+import { createHttp1Client, UpstreamConnectionError } from "../../src/inference/upstream/http1.ts";
 
 setDefaultTimeout(60_000);
 

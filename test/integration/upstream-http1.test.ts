@@ -3,7 +3,7 @@ import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { Socket, TCPSocketListener } from "bun";
-import { createHttp1Client, type Http1Client, type Http1ClientOptions, UpstreamConnectionError } from "../../src/inference/http1.ts";
+import { createHttp1Client, type Http1Client, type Http1ClientOptions, UpstreamConnectionError } from "../../src/inference/upstream/http1.ts";
 import { rejectionOf } from "../helpers/harness.ts";
 
 setDefaultTimeout(20_000);
@@ -465,7 +465,7 @@ describe("upstream HTTP/1.1 client", () => {
     const script = join(dir, "proxy.ts");
     writeFileSync(
       script,
-      `import { createHttp1Client } from ${JSON.stringify(join(import.meta.dir, "../../src/inference/http1.ts"))};
+      `import { createHttp1Client } from ${JSON.stringify(join(import.meta.dir, "../../src/inference/upstream/http1.ts"))};
 const c = createHttp1Client();
 const r = await c.endpoint(${JSON.stringify(target.url)}).request({ method: "POST", path: "/v1/x", headers: {}, body: "", signal: new AbortController().signal });
 console.log(await r.text());`,
@@ -490,7 +490,7 @@ console.log(await r.text());`,
     const script = join(dir, "idle.ts");
     writeFileSync(
       script,
-      `import { createHttp1Client } from ${JSON.stringify(join(import.meta.dir, "../../src/inference/http1.ts"))};
+      `import { createHttp1Client } from ${JSON.stringify(join(import.meta.dir, "../../src/inference/upstream/http1.ts"))};
 const c = createHttp1Client({ idleMs: 60_000 });
 const r = await c.endpoint(${JSON.stringify(srv.url)}).request({ method: "POST", path: "/", headers: {}, body: "", signal: new AbortController().signal });
 console.log(await r.text());`,
@@ -519,7 +519,7 @@ console.log(await r.text());`,
       const script = join(dir, "tls.ts");
       writeFileSync(
         script,
-        `import { createHttp1Client } from ${JSON.stringify(join(import.meta.dir, "../../src/inference/http1.ts"))};
+        `import { createHttp1Client } from ${JSON.stringify(join(import.meta.dir, "../../src/inference/upstream/http1.ts"))};
 const c = createHttp1Client();
 try {
   const r = await c.endpoint("https://localhost:${server.port}/v1").request({ method: "POST", path: "/v1/x", headers: {}, body: "hi", signal: new AbortController().signal });

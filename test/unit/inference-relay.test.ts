@@ -1,8 +1,10 @@
 import { describe, expect, test } from "bun:test";
-import { Breaker } from "../../src/inference/breaker.ts";
-import { createConnectProbe, originOf } from "../../src/inference/probe.ts";
 import { type EndStream, relayStream, type StreamEnd } from "../../src/inference/stream.ts";
-import { type ByteReader, type Opened, type Target, upstreamMessage } from "../../src/inference/upstream.ts";
+import { Breaker } from "../../src/inference/upstream/breaker.ts";
+import { upstreamMessage } from "../../src/inference/upstream/error-body.ts";
+import type { ByteReader, Opened, Target } from "../../src/inference/upstream/index.ts";
+import { originOf } from "../../src/inference/upstream/origin.ts";
+import { createConnectProbe } from "../../src/inference/upstream/probe.ts";
 
 const enc = new TextEncoder();
 const UP = "org/upstream-model";

@@ -1,6 +1,6 @@
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
 import OpenAI from "openai";
-import { DEFAULT_SIM_MODELS, SIM_EMBEDDING_DIMS, startSimulator, type Simulator } from "../../src/sim/upstream";
+import { DEFAULT_SIM_MODELS, SIM_EMBEDDING_DIMS, startSimulator, type Simulator } from "../../src/sim/index.ts";
 import { until } from "../helpers/poll.ts";
 
 function isRecord(v: unknown): v is Record<string, unknown> {

@@ -6,7 +6,7 @@ import { ConfigError, upstreamAliases } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
 import { VERSION } from "../../lib/version.ts";
 import { startGateway } from "../../server.ts";
-import { startSimulator } from "../../sim/upstream.ts";
+import { startSimulator } from "../../sim/index.ts";
 
 export const serve = defineCommand({
   group: "serve",

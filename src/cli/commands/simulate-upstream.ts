@@ -1,6 +1,6 @@
 import { defineCommand } from "../command.ts";
 import { int, waitForSignal } from "../context.ts";
-import { startSimulator } from "../../sim/upstream.ts";
+import { startSimulator } from "../../sim/index.ts";
 
 export const simulateUpstream = defineCommand({
   group: "simulate-upstream",

@@ -1,23 +1,19 @@
 /**
- * Connect timeout for upstream requests: a TCP connect to the target's host
- * and port, raced against `connectMs`, run beside the real request. A target
- * that does not accept a connection in time (dropped SYNs, or a dead host
- * behind a pooled keep-alive connection, where the request itself has no
- * connect phase to time) fails over after connectMs instead of waiting out
- * firstByteMs, which is minutes for slow models.
+ * The connect timeout for a request sent on a kept-alive connection, which
+ * has no connect phase of its own to time: a TCP connect to the origin's host
+ * and port, raced against `connectMs`. A server that died behind a pooled
+ * connection (its host gone, no reset) fails over after connectMs instead of
+ * waiting out firstByteMs, which is minutes for slow models. New connections
+ * are timed by the HTTP client's own connect (http1.ts, Pool.connectDeadline).
  *
- * Any sign of life from an origin (a probe or an upstream response) is
- * remembered for `freshMs`, so under load probes are rare: at most about one
- * per origin per `freshMs`, none on the steady-state hot path. A probe that
- * times out while the origin answers other requests does not count, and a
- * verdict only stops attempts still waiting for response headers.
+ * Any sign of life from an origin (a probe, a connection opened, a response)
+ * is remembered for `freshMs`, so under load probes are rare: at most about
+ * one per origin per `freshMs`, none on the steady-state hot path. A probe
+ * that times out while the origin answers other requests does not count, and
+ * a verdict only stops requests still waiting for response headers.
  */
 
-export interface Origin {
-  hostname: string;
-  port: number;
-  key: string;
-}
+import type { Origin } from "./origin.ts";
 
 export type Connector = (hostname: string, port: number) => Promise<void>;
 
@@ -35,13 +31,6 @@ export const tcpConnect: Connector = async (hostname, port) => {
     },
   });
 };
-
-export function originOf(baseUrl: string): Origin {
-  const u = new URL(baseUrl);
-  const port = u.port ? Number(u.port) : u.protocol === "https:" ? 443 : 80;
-  const hostname = u.hostname.replace(/^\[|\]$/g, "");
-  return { hostname, port, key: `${hostname}:${port}` };
-}
 
 export interface ConnectProbe {
   /**

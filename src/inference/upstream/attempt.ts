@@ -1,0 +1,92 @@
+/**
+ * One upstream call (a complete() or an open()) and each attempt it makes
+ * against a target. The call is built once and shared by its attempts; an
+ * attempt owns the AbortController that the client's signal and the
+ * first-byte timer abort.
+ */
+
+import type { TimeoutsConfig } from "../../config/schema.ts";
+import type { AppError } from "../../http/errors.ts";
+import type { UpstreamResponse } from "./http1.ts";
+import type { Target } from "./targets.ts";
+
+/** Client went away while we were still trying; there is nobody to answer. */
+export class ClientGone extends Error {}
+
+/** Why an attempt was given up (a timeout, an empty stream): worth trying the next target. */
+export class AttemptFailed extends Error {}
+
+/** The answer is larger than we read; the message is fit for the client. */
+export class AnswerTooLarge extends AttemptFailed {
+  constructor(max: number) {
+    super(`its answer was larger than ${max} bytes, the gateway's limit`);
+  }
+}
+
+export interface CallContext {
+  /** Aborted when the client disconnects. */
+  signal: AbortSignal;
+  requestId: string;
+}
+
+/** One call to an alias, as every attempt of it needs it. */
+export interface Call<T> {
+  readonly aliasName: string;
+  /** Appended to the target's base path: `/chat/completions`. */
+  readonly path: string;
+  /** The request body for a target (its model id differs). */
+  readonly payloadFor: (t: Target) => string;
+  readonly ctx: CallContext;
+  readonly stream: boolean;
+  readonly timeouts: TimeoutsConfig;
+  /** The largest answer read (a non-streamed call). */
+  readonly maxBytes: number;
+  /**
+   * Turns a 2xx response into the call's value (the whole body, or the first
+   * stream bytes) while the attempt's timers still apply. One function per
+   * kind of call, not one per call.
+   */
+  readonly read: (res: UpstreamResponse, attempt: Attempt, call: Call<T>) => Promise<T>;
+}
+
+/** How one attempt ended. */
+export type Outcome<T> =
+  | { kind: "ok"; value: T }
+  | { kind: "retry"; why: string; status?: number; retryAfter?: number; countsAsFailure: boolean; detail?: string }
+  | { kind: "fail"; error: AppError };
+
+/**
+ * One attempt against one target. Aborted by the client leaving and by the
+ * first-byte timer (armed here); the client's connect timeout fails its
+ * request. A stream it opens
+ * keeps it until the stream ends. It holds no reference to the call, so an
+ * open stream does not keep the request body alive.
+ */
+export class Attempt {
+  readonly ac = new AbortController();
+  private timer: ReturnType<typeof setTimeout> | undefined;
+  private readonly onClientAbort = (): void => {
+    this.ac.abort(new ClientGone());
+  };
+
+  constructor(
+    readonly target: Target,
+    private readonly client: AbortSignal,
+    firstByteMs: number,
+  ) {
+    client.addEventListener("abort", this.onClientAbort, { once: true });
+    const ac = this.ac;
+    this.timer = setTimeout(() => ac.abort(new AttemptFailed(`no response within ${firstByteMs} ms`)), firstByteMs);
+  }
+
+  /** Stops the first-byte timer: the answer (or its first stream bytes) arrived, or the attempt is over. */
+  clearTimer(): void {
+    if (this.timer !== undefined) clearTimeout(this.timer);
+    this.timer = undefined;
+  }
+
+  /** Stops listening to the client's signal: when the attempt ends, or the stream it opened does. */
+  unlink(): void {
+    this.client.removeEventListener("abort", this.onClientAbort);
+  }
+}

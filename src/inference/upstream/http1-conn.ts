@@ -1,0 +1,381 @@
+/**
+ * One upstream connection: opens the socket (TCP or TLS), writes a request,
+ * and parses the response (head, then the body by its framing: length,
+ * chunked, or until close) into the exchange it carries.
+ */
+
+import type { Socket, TCPSocketConnectOptions } from "bun";
+import { type Exchange, UpstreamConnectionError } from "./http1-exchange.ts";
+import { parseHead } from "./http1-head.ts";
+
+/** What a connection needs of the pool it belongs to. */
+export interface ConnPool {
+  readonly hostname: string;
+  readonly port: number;
+  readonly tls: boolean;
+  readonly maxHeaderBytes: number;
+  /** The keep-alive race window: a request whose kept-alive connection closes this soon after the write, before any answer byte, is resent. */
+  readonly staleRetryMs: number;
+  /** Takes the connection back once its response is complete (or closes it). */
+  release(conn: Conn): void;
+  /** Drops a closed connection from the idle list. */
+  forget(conn: Conn): void;
+  /** A sign of life from the origin: a connection opened, or a response head arrived. */
+  alive(): void;
+  /** Opens the socket: `Bun.connect`, or a test's stand-in. */
+  readonly connect: SocketOpener;
+}
+
+/** `Bun.connect` for a connection's socket. */
+export type SocketOpener = (options: TCPSocketConnectOptions<Conn>) => Promise<Socket<Conn>>;
+
+const CRLF2 = Buffer.from("\r\n\r\n");
+/**
+ * A pooled connection that fails within this long after the request was
+ * written, before any answer byte, was closed by the server before it read
+ * the request (the keep-alive race): the request is sent once more. A later
+ * failure may follow work the server did, and is reported instead.
+ */
+/** The keep-alive race window's default (Http1ClientOptions.staleRetryMs). */
+export const STALE_RETRY_MS = 100;
+/** Interim (1xx) answers skipped before the real one; more is a server that never answers. */
+const MAX_INTERIM = 8;
+const CRLF = Buffer.from("\r\n");
+
+const enum Framing {
+  None,
+  Length,
+  Chunked,
+  UntilClose,
+}
+
+const enum Chunk {
+  Size,
+  Data,
+  DataEnd,
+  Trailers,
+}
+
+type UpSocket = Socket<Conn>;
+
+/** One connection: writes the request, parses the response head and body framing, feeds the exchange. */
+export class Conn {
+  socket: UpSocket | undefined;
+  ex: Exchange | undefined;
+  dead = false;
+  /** When the connection last went back to the pool. */
+  idleSince = 0;
+  /** When the current request was written. */
+  sentAt = 0;
+  private opened: { resolve: () => void; reject: (e: Error) => void } | undefined;
+  private headBuf: Buffer | undefined;
+  private framing = Framing.None;
+  private remaining = 0;
+  private chunk = Chunk.Size;
+  private line = "";
+  private pendingWrite: Uint8Array | undefined;
+  private keepAlive = false;
+  private paused = false;
+  private interim = 0;
+  /** Bytes of trailer lines so far (bounded like a head). */
+  private trailerBytes = 0;
+
+  constructor(
+    readonly pool: ConnPool,
+    readonly ready: Promise<void>,
+  ) {}
+
+  static open(pool: ConnPool): Conn {
+    let settle: Conn["opened"];
+    const ready = new Promise<void>((resolve, reject) => {
+      settle = { resolve, reject };
+    });
+    const conn = new Conn(pool, ready);
+    conn.opened = settle;
+    pool.connect({
+      hostname: pool.hostname,
+      port: pool.port,
+      ...(pool.tls ? { tls: { serverName: pool.hostname } } : {}),
+      data: conn,
+      socket: HANDLERS,
+    }).catch((e: unknown) => conn.closed(e instanceof Error ? e : new Error(String(e))));
+    return conn;
+  }
+
+  onOpen(s: UpSocket): void {
+    this.socket = s;
+    this.pool.alive();
+    const o = this.opened;
+    this.opened = undefined;
+    o?.resolve();
+  }
+
+  /** Sends an exchange's request on this (open, idle) connection. */
+  send(ex: Exchange): void {
+    const s = this.socket;
+    if (!s || this.dead) {
+      ex.fail(new UpstreamConnectionError("connection closed"));
+      return;
+    }
+    this.ex = ex;
+    ex.conn = this;
+    this.headBuf = undefined;
+    this.framing = Framing.None;
+    this.keepAlive = false;
+    this.interim = 0;
+    s.ref();
+    const payload = ex.payload;
+    if (!payload) {
+      this.destroy(new UpstreamConnectionError("request already answered"));
+      return;
+    }
+    this.sentAt = performance.now();
+    const n = s.write(payload);
+    if (n < payload.byteLength) this.pendingWrite = payload.subarray(Math.max(0, n));
+  }
+
+  onDrain(): void {
+    const p = this.pendingWrite;
+    const s = this.socket;
+    if (!p || !s) return;
+    const n = s.write(p);
+    this.pendingWrite = n < p.byteLength ? p.subarray(Math.max(0, n)) : undefined;
+  }
+
+  pauseReading(): void {
+    if (this.paused || !this.socket) return;
+    this.paused = true;
+    this.socket.pause();
+  }
+
+  resumeReading(): void {
+    if (!this.paused || !this.socket) return;
+    this.paused = false;
+    this.socket.resume();
+  }
+
+  onData(buf: Buffer): void {
+    const ex = this.ex;
+    if (!ex) {
+      // Bytes on an idle connection: the server is confused; never reuse it.
+      this.destroy(new UpstreamConnectionError("unexpected data on an idle connection"));
+      return;
+    }
+    ex.gotBytes = true;
+    let b: Buffer = buf;
+    while (ex.headPending) {
+      let from = 0;
+      if (this.headBuf) {
+        from = Math.max(0, this.headBuf.byteLength - 3);
+        b = Buffer.concat([this.headBuf, b]);
+      }
+      this.headBuf = undefined;
+      const end = b.indexOf(CRLF2, from);
+      if (end === -1) {
+        if (b.byteLength > this.pool.maxHeaderBytes) return this.destroy(new UpstreamConnectionError("response head too large"));
+        this.headBuf = b;
+        return;
+      }
+      if (end > this.pool.maxHeaderBytes) return this.destroy(new UpstreamConnectionError("response head too large"));
+      const head = parseHead(b.toString("latin1", 0, end));
+      b = b.subarray(end + 4);
+      if (typeof head === "string") return this.destroy(new UpstreamConnectionError(head));
+      if (head.status < 200) {
+        // 100 Continue, 103 Early Hints: the real answer follows.
+        if (++this.interim > MAX_INTERIM) return this.destroy(new UpstreamConnectionError("too many interim (1xx) responses"));
+        continue;
+      }
+      // We ask for no encoding (no accept-encoding), so a compressed body is a server we cannot read.
+      const ce = head.headers.get("content-encoding");
+      if (ce !== undefined && ce.toLowerCase() !== "identity") return this.destroy(new UpstreamConnectionError(`unsupported content-encoding: ${ce}`));
+      const te = head.headers.get("transfer-encoding");
+      const cl = head.headers.get("content-length");
+      // Two framings: a proxy on the way may pick the other one (request smuggling); never guess.
+      if (te !== undefined && cl !== undefined) return this.destroy(new UpstreamConnectionError("ambiguous framing: both transfer-encoding and content-length"));
+      this.keepAlive = head.keepAlive;
+      if (head.status === 204 || head.status === 304) this.framing = Framing.None;
+      else if (te !== undefined) {
+        if (te.trim().toLowerCase() !== "chunked") return this.destroy(new UpstreamConnectionError(`unsupported transfer-encoding: ${te}`));
+        this.framing = Framing.Chunked;
+        this.chunk = Chunk.Size;
+        this.line = "";
+      } else if (cl !== undefined) {
+        if (!/^\d+$/.test(cl)) return this.destroy(new UpstreamConnectionError(`invalid content-length: ${cl}`));
+        this.framing = Framing.Length;
+        this.remaining = Number(cl);
+      } else {
+        this.framing = Framing.UntilClose;
+        this.keepAlive = false;
+      }
+      this.pool.alive();
+      ex.onHead(head);
+      if (this.framing === Framing.None || (this.framing === Framing.Length && this.remaining === 0)) return this.complete(b);
+    }
+    if (this.ex !== ex) return; // the head's receiver cancelled the body
+    this.body(ex, b);
+  }
+
+  private body(ex: Exchange, b: Buffer): void {
+    switch (this.framing) {
+      case Framing.UntilClose:
+        ex.push(b);
+        return;
+      case Framing.Length: {
+        if (b.byteLength < this.remaining) {
+          this.remaining -= b.byteLength;
+          ex.push(b);
+          return;
+        }
+        ex.push(b.subarray(0, this.remaining));
+        const rest = b.subarray(this.remaining);
+        this.remaining = 0;
+        return this.complete(rest);
+      }
+      case Framing.Chunked:
+        return this.chunked(ex, b);
+      default:
+        if (b.byteLength > 0) this.destroy(new UpstreamConnectionError("data after the response"));
+    }
+  }
+
+  /** Decodes chunked transfer coding; body slices go to the exchange as they arrive (none waits for a whole chunk). */
+  private chunked(ex: Exchange, b: Buffer): void {
+    let at = 0;
+    while (at < b.byteLength) {
+      switch (this.chunk) {
+        case Chunk.Size:
+        case Chunk.Trailers: {
+          let line: string;
+          if (this.line.endsWith("\r") && b[at] === 0x0a) {
+            // The CR ended the previous read, its LF starts this one.
+            line = this.line.slice(0, -1);
+            at += 1;
+          } else {
+            const nl = b.indexOf(CRLF, at);
+            if (nl === -1) {
+              this.line += b.toString("latin1", at);
+              if (this.line.length > 4096) return this.destroy(new UpstreamConnectionError("chunk header too long"));
+              return;
+            }
+            line = this.line + b.toString("latin1", at, nl);
+            at = nl + 2;
+          }
+          this.line = "";
+          if (this.chunk === Chunk.Trailers) {
+            if (line === "") return this.complete(b.subarray(at));
+            this.trailerBytes += line.length + 2;
+            if (this.trailerBytes > this.pool.maxHeaderBytes) return this.destroy(new UpstreamConnectionError("response trailers too large"));
+            continue;
+          }
+          const hex = (line.split(";", 1)[0] ?? "").trim();
+          if (!/^[0-9a-fA-F]{1,8}$/.test(hex)) return this.destroy(new UpstreamConnectionError(`invalid chunk size: ${JSON.stringify(hex.slice(0, 20))}`));
+          this.remaining = Number.parseInt(hex, 16);
+          this.chunk = this.remaining === 0 ? Chunk.Trailers : Chunk.Data;
+          this.trailerBytes = 0;
+          break;
+        }
+        case Chunk.Data: {
+          const n = Math.min(this.remaining, b.byteLength - at);
+          ex.push(b.subarray(at, at + n));
+          at += n;
+          this.remaining -= n;
+          if (this.remaining === 0) {
+            this.chunk = Chunk.DataEnd;
+            this.remaining = 2;
+          }
+          break;
+        }
+        case Chunk.DataEnd: {
+          // The CRLF after a chunk's data, possibly split across reads.
+          const want = this.remaining === 2 ? 0x0d : 0x0a;
+          if (b[at] !== want) return this.destroy(new UpstreamConnectionError("missing CRLF after chunk data"));
+          at++;
+          if (--this.remaining === 0) this.chunk = Chunk.Size;
+          break;
+        }
+      }
+    }
+  }
+
+  /** The response is complete: hand the body's end to the reader, and the connection back to the pool if it may be reused. */
+  private complete(rest: Buffer): void {
+    const ex = this.ex;
+    this.ex = undefined;
+    if (ex) ex.conn = undefined;
+    const reusable = this.keepAlive && rest.byteLength === 0 && this.pendingWrite === undefined && !this.dead;
+    this.resumeReading();
+    if (reusable) this.pool.release(this);
+    else this.destroy(undefined);
+    ex?.end();
+  }
+
+  /** Closes the connection; a response in progress fails with `why` (undefined: it already completed). */
+  destroy(why: Error | undefined): void {
+    const wasDead = this.dead;
+    // First the exchange learns why (closing the socket reports a plain close).
+    this.closed(why);
+    if (wasDead) return;
+    // A failure or an abort resets the connection (the server stops at once); a finished one closes politely.
+    if (why) this.socket?.terminate();
+    else this.socket?.end();
+  }
+
+  /** The socket is gone (or never opened): whatever was waiting on it fails. */
+  closed(why: Error | undefined): void {
+    this.dead = true;
+    this.pool.forget(this);
+    const o = this.opened;
+    this.opened = undefined;
+    o?.reject(why ?? new UpstreamConnectionError("connection closed"));
+    const ex = this.ex;
+    this.ex = undefined;
+    if (!ex) return;
+    ex.conn = undefined;
+    if (ex.retry && !ex.gotBytes && !ex.signal.aborted && performance.now() - this.sentAt < this.pool.staleRetryMs) {
+      // A kept-alive connection the server had closed as we sent: it processed nothing; send it again.
+      // Later than that, the server may have been working on it (a crash mid-prefill): not resent here.
+      ex.retry();
+      return;
+    }
+    if (this.framing === Framing.UntilClose && !ex.headPending && !why) {
+      ex.end();
+      return;
+    }
+    ex.fail(why ?? new UpstreamConnectionError(ex.headPending ? "connection closed before the response" : "connection closed mid-response"));
+  }
+}
+
+const HANDLERS: import("bun").SocketHandler<Conn> = {
+  open(s) {
+    // A TLS connection is ready only once its handshake is done and the certificate verified.
+    if (!s.data.pool.tls) s.data.onOpen(s);
+  },
+  handshake(s, ok, authorizationError) {
+    if (ok && !authorizationError) s.data.onOpen(s);
+    else {
+      s.data.destroy(new UpstreamConnectionError(`TLS handshake failed: ${authorizationError?.message ?? "unknown reason"}`));
+      s.terminate();
+    }
+  },
+  data(s, d) {
+    s.data.onData(d);
+  },
+  drain(s) {
+    s.data.onDrain();
+  },
+  end(s) {
+    // The server closed its side: a read-until-close body ends here; anything else was cut short.
+    s.data.closed(undefined);
+    s.end();
+  },
+  close(s, err) {
+    s.data.closed(err ? new UpstreamConnectionError(err.message) : undefined);
+  },
+  error(s, err) {
+    s.data.destroy(new UpstreamConnectionError(err.message));
+    s.terminate();
+  },
+  connectError(s, err) {
+    s.data.closed(new UpstreamConnectionError(err.message));
+  },
+};
