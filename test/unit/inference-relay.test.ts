@@ -265,7 +265,11 @@ describe("connect probe", () => {
   test("times out a connect that never completes; shares one probe; skips fresh origins", async () => {
     let connects = 0;
     let t = 0;
-    const probe = createConnectProbe({ freshMs: 1_000, now: () => t, connect: () => (connects++, new Promise(() => {})) });
+    const probe = createConnectProbe({ freshMs: 1_000, now: () => t, connect: () => {
+        connects++;
+        return new Promise(() => {});
+      },
+    });
     const origin = originOf("http://10.0.0.9:8000/v1");
     expect(origin).toEqual({ hostname: "10.0.0.9", port: 8000, key: "10.0.0.9:8000" });
     const [x, y] = await Promise.all([probe.check(origin, 20), probe.check(origin, 20)]);

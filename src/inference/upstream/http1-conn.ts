@@ -42,14 +42,14 @@ export const STALE_RETRY_MS = 100;
 const MAX_INTERIM = 8;
 const CRLF = Buffer.from("\r\n");
 
-const enum Framing {
+enum Framing {
   None,
   Length,
   Chunked,
   UntilClose,
 }
 
-const enum Chunk {
+enum Chunk {
   Size,
   Data,
   DataEnd,
@@ -172,35 +172,59 @@ export class Conn {
       this.headBuf = undefined;
       const end = b.indexOf(CRLF2, from);
       if (end === -1) {
-        if (b.byteLength > this.pool.maxHeaderBytes) return this.destroy(new UpstreamConnectionError("response head too large"));
+        if (b.byteLength > this.pool.maxHeaderBytes) {
+          this.destroy(new UpstreamConnectionError("response head too large"));
+          return;
+        }
         this.headBuf = b;
         return;
       }
-      if (end > this.pool.maxHeaderBytes) return this.destroy(new UpstreamConnectionError("response head too large"));
+      if (end > this.pool.maxHeaderBytes) {
+        this.destroy(new UpstreamConnectionError("response head too large"));
+        return;
+      }
       const head = parseHead(b.toString("latin1", 0, end));
       b = b.subarray(end + 4);
-      if (typeof head === "string") return this.destroy(new UpstreamConnectionError(head));
+      if (typeof head === "string") {
+        this.destroy(new UpstreamConnectionError(head));
+        return;
+      }
       if (head.status < 200) {
         // 100 Continue, 103 Early Hints: the real answer follows.
-        if (++this.interim > MAX_INTERIM) return this.destroy(new UpstreamConnectionError("too many interim (1xx) responses"));
+        if (++this.interim > MAX_INTERIM) {
+          this.destroy(new UpstreamConnectionError("too many interim (1xx) responses"));
+          return;
+        }
         continue;
       }
       // We ask for no encoding (no accept-encoding), so a compressed body is a server we cannot read.
       const ce = head.headers.get("content-encoding");
-      if (ce !== undefined && ce.toLowerCase() !== "identity") return this.destroy(new UpstreamConnectionError(`unsupported content-encoding: ${ce}`));
+      if (ce !== undefined && ce.toLowerCase() !== "identity") {
+        this.destroy(new UpstreamConnectionError(`unsupported content-encoding: ${ce}`));
+        return;
+      }
       const te = head.headers.get("transfer-encoding");
       const cl = head.headers.get("content-length");
       // Two framings: a proxy on the way may pick the other one (request smuggling); never guess.
-      if (te !== undefined && cl !== undefined) return this.destroy(new UpstreamConnectionError("ambiguous framing: both transfer-encoding and content-length"));
+      if (te !== undefined && cl !== undefined) {
+        this.destroy(new UpstreamConnectionError("ambiguous framing: both transfer-encoding and content-length"));
+        return;
+      }
       this.keepAlive = head.keepAlive;
       if (head.status === 204 || head.status === 304) this.framing = Framing.None;
       else if (te !== undefined) {
-        if (te.trim().toLowerCase() !== "chunked") return this.destroy(new UpstreamConnectionError(`unsupported transfer-encoding: ${te}`));
+        if (te.trim().toLowerCase() !== "chunked") {
+          this.destroy(new UpstreamConnectionError(`unsupported transfer-encoding: ${te}`));
+          return;
+        }
         this.framing = Framing.Chunked;
         this.chunk = Chunk.Size;
         this.line = "";
       } else if (cl !== undefined) {
-        if (!/^\d+$/.test(cl)) return this.destroy(new UpstreamConnectionError(`invalid content-length: ${cl}`));
+        if (!/^\d+$/.test(cl)) {
+          this.destroy(new UpstreamConnectionError(`invalid content-length: ${cl}`));
+          return;
+        }
         this.framing = Framing.Length;
         this.remaining = Number(cl);
       } else {
@@ -209,7 +233,10 @@ export class Conn {
       }
       this.pool.alive();
       ex.onHead(head);
-      if (this.framing === Framing.None || (this.framing === Framing.Length && this.remaining === 0)) return this.complete(b);
+      if (this.framing === Framing.None || (this.framing === Framing.Length && this.remaining === 0)) {
+        this.complete(b);
+        return;
+      }
     }
     if (this.ex !== ex) return; // the head's receiver cancelled the body
     this.body(ex, b);
@@ -229,10 +256,12 @@ export class Conn {
         ex.push(b.subarray(0, this.remaining));
         const rest = b.subarray(this.remaining);
         this.remaining = 0;
-        return this.complete(rest);
+        this.complete(rest);
+        return;
       }
       case Framing.Chunked:
-        return this.chunked(ex, b);
+        this.chunked(ex, b);
+        return;
       default:
         if (b.byteLength > 0) this.destroy(new UpstreamConnectionError("data after the response"));
     }
@@ -254,7 +283,10 @@ export class Conn {
             const nl = b.indexOf(CRLF, at);
             if (nl === -1) {
               this.line += b.toString("latin1", at);
-              if (this.line.length > 4096) return this.destroy(new UpstreamConnectionError("chunk header too long"));
+              if (this.line.length > 4096) {
+                this.destroy(new UpstreamConnectionError("chunk header too long"));
+                return;
+              }
               return;
             }
             line = this.line + b.toString("latin1", at, nl);
@@ -262,13 +294,22 @@ export class Conn {
           }
           this.line = "";
           if (this.chunk === Chunk.Trailers) {
-            if (line === "") return this.complete(b.subarray(at));
+            if (line === "") {
+              this.complete(b.subarray(at));
+              return;
+            }
             this.trailerBytes += line.length + 2;
-            if (this.trailerBytes > this.pool.maxHeaderBytes) return this.destroy(new UpstreamConnectionError("response trailers too large"));
+            if (this.trailerBytes > this.pool.maxHeaderBytes) {
+              this.destroy(new UpstreamConnectionError("response trailers too large"));
+              return;
+            }
             continue;
           }
           const hex = (line.split(";", 1)[0] ?? "").trim();
-          if (!/^[0-9a-fA-F]{1,8}$/.test(hex)) return this.destroy(new UpstreamConnectionError(`invalid chunk size: ${JSON.stringify(hex.slice(0, 20))}`));
+          if (!/^[0-9a-fA-F]{1,8}$/.test(hex)) {
+            this.destroy(new UpstreamConnectionError(`invalid chunk size: ${JSON.stringify(hex.slice(0, 20))}`));
+            return;
+          }
           this.remaining = Number.parseInt(hex, 16);
           this.chunk = this.remaining === 0 ? Chunk.Trailers : Chunk.Data;
           this.trailerBytes = 0;
@@ -288,7 +329,10 @@ export class Conn {
         case Chunk.DataEnd: {
           // The CRLF after a chunk's data, possibly split across reads.
           const want = this.remaining === 2 ? 0x0d : 0x0a;
-          if (b[at] !== want) return this.destroy(new UpstreamConnectionError("missing CRLF after chunk data"));
+          if (b[at] !== want) {
+            this.destroy(new UpstreamConnectionError("missing CRLF after chunk data"));
+            return;
+          }
           at++;
           if (--this.remaining === 0) this.chunk = Chunk.Size;
           break;

@@ -138,7 +138,7 @@ class Pool implements Endpoint {
     let conn: Conn | undefined;
     while (!retried) {
       conn = this.idle.pop();
-      if (!conn || !conn.dead) break;
+      if (!conn?.dead) break;
     }
     if (conn) {
       ex.retry = () => {
