@@ -2,6 +2,7 @@ import { beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { and, eq, sql } from "drizzle-orm";
 import { createOrg } from "../../src/admin/service.ts";
 import type { Principal } from "../../src/auth/verify.ts";
+import type { Database } from "../../src/db/client.ts";
 import { usageCounters, usageDeadLetters, usageEvents } from "../../src/db/schema.ts";
 import { AppError } from "../../src/http/errors.ts";
 import { createLogger } from "../../src/lib/log.ts";
@@ -302,19 +303,10 @@ describe("quota leases", () => {
     let gate: Promise<void> | undefined;
     let open = () => {};
     // The first write waits at a gate, so the second flush() is called while it is under way.
-    const gated = {
-      ...db,
-      db: new Proxy(db.db, {
-        get(target, prop, recv) {
-          const v = Reflect.get(target, prop, recv);
-          if (prop !== "transaction") return v;
-          return async (...args: unknown[]) => {
-            if (gate) await gate;
-            return (v as (...a: unknown[]) => Promise<unknown>).apply(target, args);
-          };
-        },
-      }),
-    };
+    const gated = aroundTransactions(db, async (run) => {
+      if (gate) await gate;
+      return run();
+    });
     const q = createQuota(gated, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
     q.settle(await q.admit(p, 10), { promptTokens: 1, completionTokens: 1 }, outcome);
     gate = new Promise<void>((r) => {
@@ -337,23 +329,14 @@ describe("quota leases", () => {
     const p = await org(10_000);
     let loseNextAnswer = false;
     // Fault injection at the driver boundary: the transaction commits, then the connection "dies" before we hear back.
-    const lossy = {
-      ...db,
-      db: new Proxy(db.db, {
-        get(target, prop, recv) {
-          const v = Reflect.get(target, prop, recv);
-          if (prop !== "transaction") return v;
-          return async (...args: unknown[]) => {
-            const result = await (v as (...a: unknown[]) => Promise<unknown>).apply(target, args);
-            if (loseNextAnswer) {
-              loseNextAnswer = false;
-              throw new Error("connection terminated unexpectedly");
-            }
-            return result;
-          };
-        },
-      }),
-    };
+    const lossy = aroundTransactions(db, async (run) => {
+      const result = await run();
+      if (loseNextAnswer) {
+        loseNextAnswer = false;
+        throw new Error("connection terminated unexpectedly");
+      }
+      return result;
+    });
     const q = createQuota(lossy, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
     for (let i = 0; i < 3; i++) q.settle(await q.admit(p, 10), { promptTokens: 4, completionTokens: 5 }, outcome);
     loseNextAnswer = true;
@@ -401,3 +384,20 @@ describe("quota leases", () => {
     await q.stop();
   });
 });
+
+/**
+ * The database with every transaction run through `around`: fault injection at
+ * the driver boundary (a gate, a lost answer), the rest of the code unchanged.
+ */
+function aroundTransactions(db: Database, around: (run: () => Promise<unknown>) => Promise<unknown>): Database {
+  return {
+    ...db,
+    db: new Proxy(db.db, {
+      get(target, prop, recv) {
+        const v = Reflect.get(target, prop, recv);
+        if (prop !== "transaction") return v;
+        return (...args: unknown[]) => around(() => (v as (...a: unknown[]) => Promise<unknown>).apply(target, args));
+      },
+    }),
+  };
+}
