@@ -10,6 +10,8 @@ import type { Gateway } from "../../src/server.ts";
 import { VERSION } from "../../src/lib/version.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, startTestGateway, type SeededOrg } from "../helpers/harness.ts";
 import { expectAuditPage } from "../helpers/spec-types.ts";
+import { startSimulator } from "../../src/sim/index.ts";
+import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -655,22 +657,48 @@ describe("append-only", () => {
 });
 
 describe("what the log holds", () => {
-  test("no chat content, even when a chat request is made", async () => {
-    const org = await seedOrg(db);
-    const marker = `secret-prompt-${crypto.randomUUID()}`;
-    await fetch(`${gw.url}/v1/chat/completions`, {
-      method: "POST",
-      headers: bearer(org.personalKey, { "content-type": "application/json" }),
-      body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: marker }] }),
-    });
-    await fetch(`${gw.url}/v1/embeddings`, {
-      method: "POST",
-      headers: bearer(org.personalKey, { "content-type": "application/json" }),
-      body: JSON.stringify({ model: "svc-embed", input: marker }),
-    });
-    await Bun.sleep(100);
-    const rows = await db.rows<{ n: number | string }>(sql`select count(*)::int as n from audit_events a where a::text like ${`%${marker}%`}`);
-    expect(Number(rows[0]?.n)).toBe(0);
+  test("no chat content, even when chat requests succeed, stream, or are refused after the key was read", async () => {
+    // Spec 2.6 rule 1. Against a real (simulated) upstream, so the content really went
+    // through the gateway; plus refusals that write security events for a known key.
+    const sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
+    const withUpstream = await startTestGateway({ ...HIGH_LIMITS, aliases: testAliases(sim.url), upstream: upstreamSettings() });
+    try {
+      const org = await seedOrg(db);
+      const marker = `secret-prompt-${crypto.randomUUID()}`;
+      const post = (path: string, body: unknown, extra: Record<string, string> = {}) =>
+        fetch(`${withUpstream.url}${path}`, {
+          method: "POST",
+          headers: bearer(org.personalKey, { "content-type": "application/json", ...extra }),
+          body: JSON.stringify(body),
+        });
+      const chat = { model: "svc-fast", messages: [{ role: "user", content: marker }] };
+      const answers = [
+        await post("/v1/chat/completions", chat),
+        await post("/v1/chat/completions", { ...chat, stream: true }),
+        await post("/v1/embeddings", { model: "svc-embed", input: marker }),
+      ];
+      for (const r of answers) {
+        expect(r.status).toBe(200);
+        await r.arrayBuffer();
+      }
+      expect(JSON.stringify(sim.stats.lastBody)).toContain(marker);
+      // A browser-looking request with a valid key writes security.browser_request_rejected.
+      const browser = await post("/v1/chat/completions", chat, { origin: "https://evil.example" });
+      expect(browser.status).toBe(403);
+      await withUpstream.stop();
+      // stop() waited for the security event's write.
+      const events = await db.rows<{ n: number | string }>(
+        sql`select count(*)::int as n from audit_events where org_id = ${org.orgId} and action = 'security.browser_request_rejected'`,
+      );
+      expect(Number(events[0]?.n)).toBe(1); // the security event is there…
+      const leaked = await db.rows<{ n: number | string }>(sql`select count(*)::int as n from audit_events a where a::text like ${`%${marker}%`}`);
+      expect(Number(leaked[0]?.n)).toBe(0); // …and holds no content
+      const usage = await db.rows<{ n: number | string }>(sql`select count(*)::int as n from usage_events u where u::text like ${`%${marker}%`}`);
+      expect(Number(usage[0]?.n)).toBe(0);
+    } finally {
+      await withUpstream.stop();
+      await sim.stop();
+    }
   });
 
   test("successful requests write no events (no sign-ins in the log)", async () => {
