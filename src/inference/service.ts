@@ -167,7 +167,10 @@ export function createInferenceService(deps: ServiceDeps) {
 
     const promptEstimate = estimatePromptTokens(body);
     const limit = completionLimit(body);
-    const reservation = promptEstimate + (limit ?? config.quota.defaultMaxTokens);
+    // The default bound leaves the prompt its room in the context window: vLLM
+    // refuses a request whose prompt plus max_tokens exceeds it.
+    const room = alias.contextWindow === undefined ? Number.POSITIVE_INFINITY : alias.contextWindow - promptEstimate;
+    const reservation = promptEstimate + (limit ?? Math.max(1, Math.min(config.quota.defaultMaxTokens, room)));
     // A caller who set a bound gets it or a refusal. Without one the request
     // can run with less: down to one completion token. Either way, under a
     // quota no request goes upstream unbounded: max_tokens becomes what the

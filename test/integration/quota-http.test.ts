@@ -158,6 +158,21 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus quota.
     expect((await errorOf(r0)).code).toBe("budget_exceeded");
   });
 
+  test("the default bound leaves the prompt room in the context window (vLLM refuses prompt + max_tokens beyond it)", async () => {
+    // svc-text's window is 4,096 tokens, the default bound's size: a 1,000-token prompt leaves room for 3,096.
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "day" });
+    sim.reset();
+    const res = await fetch(`${gwA.url}/v1/chat/completions`, {
+      method: "POST",
+      headers: { authorization: `Bearer ${org.serviceKey}`, "content-type": "application/json" },
+      body: JSON.stringify({ model: "svc-text", messages: [{ role: "user", content: "y".repeat(3_972) }] }),
+    });
+    expect(res.status).toBe(200);
+    await res.arrayBuffer();
+    // 3 + 4 + 3,972 / 4 = 1,000 tokens of prompt estimate.
+    expect(forwardedMaxTokens()).toBe(4_096 - 1_000);
+  });
+
   test("an unset max_tokens is lowered by what earlier requests used, on either instance", async () => {
     const quota = 2_000;
     const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
