@@ -3,7 +3,6 @@ import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { sql } from "drizzle-orm";
 import { COMMANDS } from "../../src/cli/commands/index.ts";
-import { runCli } from "../../src/cli/index.ts";
 import { type Database, openDatabase } from "../../src/db/client.ts";
 import { MIGRATIONS } from "../../src/db/migrations.ts";
 import {
@@ -20,6 +19,7 @@ import {
 } from "../helpers/process.ts";
 import { VERSION } from "../../src/lib/version.ts";
 import { expectAuditPage, expectKeyInfo } from "../helpers/spec-types.ts";
+import { type CliResult, captureCli } from "../helpers/cli.ts";
 
 // Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
 // runs (test/helpers/setup.ts), so files that spawn processes or open PGlite set
@@ -68,39 +68,16 @@ afterAll(() => {
   removeScratch();
 });
 
-interface Result {
-  code: number;
-  stdout: string;
-  stderr: string;
-}
+type Result = CliResult;
 
 /** runCli in-process on the shared data directory (unless the arguments name one). */
 async function cli(...args: string[]): Promise<Result> {
-  const r = { stdout: "", stderr: "" };
-  const argv = args.includes("--data-dir") ? args : [...args, "--data-dir", dataDir];
-  const code = await runCli(argv, {
-    stdout: (s) => {
-      r.stdout += s;
-    },
-    stderr: (s) => {
-      r.stderr += s;
-    },
-  });
-  return { code, ...r };
+  return captureCli(args.includes("--data-dir") ? args : [...args, "--data-dir", dataDir]);
 }
 
 /** runCli without a data directory (for commands that take none, or fail before opening one). */
 async function bare(...args: string[]): Promise<Result> {
-  const r = { stdout: "", stderr: "" };
-  const code = await runCli(args, {
-    stdout: (s) => {
-      r.stdout += s;
-    },
-    stderr: (s) => {
-      r.stderr += s;
-    },
-  });
-  return { code, ...r };
+  return captureCli(args);
 }
 
 /** A usage error: exit 2, one clear message on stderr, nothing on stdout. */

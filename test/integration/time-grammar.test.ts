@@ -1,9 +1,9 @@
 import { beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
 import { importAudit } from "../../src/audit/import.ts";
-import { runCli } from "../../src/cli/index.ts";
 import type { Database } from "../../src/db/client.ts";
 import { InputError } from "../../src/lib/errors.ts";
+import { captureCli } from "../helpers/cli.ts";
 import { rejectionOf, seedOrg, sharedDatabase } from "../helpers/harness.ts";
 
 setDefaultTimeout(60_000);
@@ -58,18 +58,7 @@ describe("audit import", () => {
 });
 
 describe("CLI time flags", () => {
-  const cli = async (...args: string[]) => {
-    const r = { stdout: "", stderr: "" };
-    const code = await runCli(args, {
-      stdout: (s) => {
-        r.stdout += s;
-      },
-      stderr: (s) => {
-        r.stderr += s;
-      },
-    });
-    return { code, ...r };
-  };
+  const cli = (...args: string[]) => captureCli(args);
 
   test("--since refuses a time without a zone (it would depend on the machine's clock settings)", async () => {
     const r = await cli("usage", "report", "--org", orgId, "--since", "2025-03-01T13:59:59", "--data-dir", "memory://");
