@@ -1,6 +1,6 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
-import { createKey, rotateKey } from "../../src/admin/service.ts";
+import { createKey, createUser, rotateKey } from "../../src/admin/service.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { createResponseStore } from "../../src/responses/store.ts";
 import type { Gateway } from "../../src/server.ts";
@@ -218,8 +218,10 @@ describe("ownership", () => {
     expect((await create({ model: "svc-fast", input: "x", previous_response_id: id, store: false }, sameUser.key)).status).toBe(200);
 
     const other = await seedTestOrg(gw.database);
-    const colleague = await createKey(gw.database, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: ["svc-fast"], tag: "gw" });
-    for (const key of [other.personalKey, other.serviceKey, org.serviceKey, colleague.key]) {
+    const service = await createKey(gw.database, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: ["svc-fast"], tag: "gw" });
+    const person = await createUser(gw.database, { orgId: org.orgId, name: "Colleague", email: `c-${crypto.randomUUID().slice(0, 8)}@example.com` });
+    const colleague = await createKey(gw.database, { orgId: org.orgId, userId: person.id, kind: "personal", scopes: ["inference"], knownModels: ["svc-fast"], tag: "gw" });
+    for (const key of [other.personalKey, other.serviceKey, org.serviceKey, service.key, colleague.key]) {
       await notFound(await get(`/v1/responses/${id}`, key));
       await notFound(await get(`/v1/responses/${id}/input_items`, key));
       await notFound(await get(`/v1/responses/${id}`, key, "DELETE"));
