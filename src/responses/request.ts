@@ -91,6 +91,8 @@ const FunctionCallItem = T.Object(
     id: T.Optional(Nullable(T.String())),
     status: Status,
     namespace: T.Optional(Nullable(T.String())),
+    // The Agents SDK's programmatic tool calling echoes who made the call; nothing to forward.
+    caller: T.Optional(Nullable(T.Unknown())),
   },
   Strict,
 );
@@ -101,6 +103,7 @@ const FunctionCallOutputItem = T.Object(
     output: T.Union([T.String(), T.Array(InputText)]),
     id: T.Optional(Nullable(T.String())),
     status: Status,
+    caller: T.Optional(Nullable(T.Unknown())),
   },
   Strict,
 );
