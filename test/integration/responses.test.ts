@@ -1,4 +1,5 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { Ajv2020 } from "ajv/dist/2020.js";
 import { createKey } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
@@ -327,5 +328,40 @@ describe("every error path of chat applies", () => {
   test("an upstream failure is the chat service's 503, and usage is recorded like chat's", async () => {
     sim.setFault({ kind: "status", status: 500, count: 5 });
     await expectError(await create(body), 503, "service_unavailable");
+  });
+});
+
+describe("the OpenAPI document", () => {
+  test("describes the real answers: create, retrieve, input items, delete, and errors", async () => {
+    const doc = rec(await (await fetch(`${gw.url}/openapi.json`)).json());
+    const ajv = new Ajv2020({ strict: false });
+    const base = "https://gateway.test/schemas/";
+    for (const [name, schema] of Object.entries(rec(rec(doc.components).schemas))) {
+      ajv.addSchema(JSON.parse(JSON.stringify(schema).replaceAll("#/components/schemas/", base)), `${base}${name}`);
+    }
+    const conforms = (name: string, body: unknown) => {
+      const validate = ajv.getSchema(`${base}${name}`);
+      if (!validate) throw new Error(`no schema ${name}`);
+      if (!validate(body)) throw new Error(`${name}: ${ajv.errorsText(validate.errors)}`);
+    };
+    const body = { model: "svc-fast", input: "hi" };
+    conforms("ResponsesRequest", body);
+    expect(ajv.getSchema(`${base}ResponsesRequest`)?.({ ...body, evil: 1 })).toBe(false);
+    const r = rec(await (await create(body)).json());
+    conforms("Response", r);
+    conforms("Response", await (await fetch(`${gw.url}/v1/responses/${String(r.id)}`, { headers: { authorization: `Bearer ${org.personalKey}` } })).json());
+    conforms("ResponseItemList", await (await fetch(`${gw.url}/v1/responses/${String(r.id)}/input_items`, { headers: { authorization: `Bearer ${org.personalKey}` } })).json());
+    conforms("ResponseDeleted", await (await fetch(`${gw.url}/v1/responses/${String(r.id)}`, { method: "DELETE", headers: { authorization: `Bearer ${org.personalKey}` } })).json());
+    conforms("Error", await (await create({ ...body, evil: 1 })).json());
+    const ops = rec(doc.paths);
+    for (const [path, method, status] of [
+      ["/v1/responses", "post", "400"],
+      ["/v1/responses", "post", "404"],
+      ["/v1/responses/{id}", "get", "404"],
+      ["/v1/responses/{id}", "delete", "200"],
+      ["/v1/responses/{id}/input_items", "get", "400"],
+    ] as const) {
+      expect(rec(rec(rec(ops[path])[method]).responses)[status]).toBeDefined();
+    }
   });
 });
