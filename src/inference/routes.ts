@@ -8,7 +8,7 @@ import type { Logger } from "../lib/log.ts";
 import type { Metrics } from "../metrics/registry.ts";
 import type { Metering } from "../limits/metering.ts";
 import { allowedAliases } from "./aliases.ts";
-import { type Call, createInferenceService } from "./service.ts";
+import { type CheckedCall, createInferenceService } from "./service.ts";
 import { type ConnectProbe, createConnectProbe } from "./upstream/probe.ts";
 import { createUpstream } from "./upstream/index.ts";
 import { createImageUrlCheck, type HostLookup } from "./image-url.ts";
@@ -78,7 +78,7 @@ export function createInference(deps: InferenceDeps) {
    * is still logged with it), then the tokens, or for a stream, when it ends.
    * JSON text gets its content type here; a Response carries its own.
    */
-  async function serve(call: Call, request: Request, set: { headers: Record<string, string | number> }) {
+  async function serve(call: CheckedCall, request: Request, set: { headers: Record<string, string | number> }) {
     const state = stateOf(request);
     annotate(request, { alias: call.alias, streamed: call.streamed });
     const served = await call.run({ signal: request.signal, requestId: state?.id ?? "" });

@@ -71,7 +71,7 @@ export interface Served {
  * quota or sent: the route learns the alias before anything can fail on
  * quota or upstream, so the access line of such a failure still names it.
  */
-export interface Call {
+export interface CheckedCall {
   alias: string;
   streamed: boolean;
   run(meta: RequestMeta): Promise<Served>;
@@ -190,7 +190,7 @@ export function createInferenceService(deps: ServiceDeps) {
     log.warn("upstream sent implausible usage; counted the gateway's estimate instead", { alias: name, target: target.label, ...rejected, request_id: requestId });
   }
 
-  async function chat(principal: Principal, raw: unknown): Promise<Call> {
+  async function chat(principal: Principal, raw: unknown): Promise<CheckedCall> {
     const start = performance.now();
     const body = parseChatBody(raw);
     const name = body.model;
@@ -295,7 +295,7 @@ export function createInferenceService(deps: ServiceDeps) {
     return { reply: new Response(stream, { headers: SSE_HEADERS }), ended };
   }
 
-  async function embeddings(principal: Principal, raw: unknown): Promise<Call> {
+  async function embeddings(principal: Principal, raw: unknown): Promise<CheckedCall> {
     const start = performance.now();
     const body: EmbeddingsBody = parseEmbeddingsBody(raw);
     const name = body.model;
