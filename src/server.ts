@@ -105,7 +105,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     const inference = createInference({ config, metering: quota, log, metrics, ...(opts.lookup ? { lookup: opts.lookup } : {}) });
 
     // Off by default: the spec's v1 surface is chat, embeddings and models (docs/decisions.md: Responses API).
-    const responsesApi = config.responses.enabled ? createResponses({ config, database, log, chat: inference.service }) : undefined;
+    const responsesApi = config.responses.enabled ? createResponses({ config, database, log, chat: inference }) : undefined;
     responsesApi?.start();
 
     observeInternals(metrics, verifier, quota, limiter);

@@ -1,5 +1,5 @@
 import { sql } from "drizzle-orm";
-import type { Principal } from "../auth/verify.ts";
+import type { Principal } from "../auth/types.ts";
 import type { Database } from "../db/client.ts";
 import { responses } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
