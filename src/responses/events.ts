@@ -2,13 +2,13 @@
  * The gateway's chat SSE answer -> the Responses API's event stream.
  *
  * The chat stream is read as it arrives and every read is translated and
- * written before the next read (translate.ts holds the state machine), so the
+ * written before the next read (stream-state.ts holds the state machine), so the
  * translation adds no waiting, only the parse and the re-serialisation of
  * one read's events. SSE framing follows the spec's rules: `\n`, `\r\n` or
  * `\r` line ends, `data:` with or without its space, comments ignored, and a
  * read may end anywhere, inside an event, a line end or a UTF-8 character.
  */
-import { ChatToResponses } from "./translate.ts";
+import { ChatToResponses } from "./stream-state.ts";
 import type { ResponseMeta, ResponseObject } from "./output.ts";
 
 /** One event larger than this without an end is not SSE we understand (as in inference/stream.ts). */
