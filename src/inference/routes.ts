@@ -77,6 +77,8 @@ export function createInference(deps: InferenceDeps) {
 
   return {
     upstream,
+    /** The chat and embeddings service itself (the Responses API calls its chat, src/responses/chat-call.ts). */
+    service,
     routes: (auth: ReturnType<typeof authPlugin>) =>
       new Elysia({ name: "inference" })
         .use(auth)

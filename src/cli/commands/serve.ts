@@ -32,7 +32,12 @@ export const serve = defineCommand({
       // Demo: an in-memory database and an in-process simulated upstream, so it runs anywhere with nothing set up.
       sim = await startSimulator({ port: 0, ttftMs: 150, interTokenMs: 30 });
       const base = await config(values, { ...overrides, dataDir: values["data-dir"] ?? "memory://demo" });
-      cfg = { ...base, aliases: Object.keys(base.aliases).length ? base.aliases : (upstreamAliases(sim.url) as Config["aliases"]) };
+      cfg = {
+        ...base,
+        aliases: Object.keys(base.aliases).length ? base.aliases : (upstreamAliases(sim.url) as Config["aliases"]),
+        // The demo shows everything the gateway can serve, the optional Responses API included.
+        responses: { ...base.responses, enabled: true },
+      };
     } else {
       cfg = await config(values, overrides);
       if (Object.keys(cfg.aliases).length === 0) {
