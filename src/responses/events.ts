@@ -1,0 +1,149 @@
+/**
+ * The gateway's chat SSE answer -> the Responses API's event stream.
+ *
+ * The chat stream is read as it arrives and every read is translated and
+ * written before the next read (stream-state.ts holds the state machine), so the
+ * translation adds no waiting, only the parse and the re-serialisation of
+ * one read's events. SSE framing follows the spec's rules: `\n`, `\r\n` or
+ * `\r` line ends, `data:` with or without its space, comments ignored, and a
+ * read may end anywhere, inside an event, a line end or a UTF-8 character.
+ */
+import { ChatToResponses } from "./stream-state.ts";
+import type { ResponseMeta, ResponseObject } from "./output.ts";
+
+/** One event larger than this without an end is not SSE we understand (as in inference/stream.ts). */
+const MAX_EVENT_CHARS = 8 * 1024 * 1024;
+const LINE_END = /[\r\n]/g;
+
+/** Incremental SSE `data` reader: returns the data of each event a read completes. */
+export class SseData {
+  private buf = "";
+  private data: string[] = [];
+  private dataChars = 0;
+  private readonly decoder = new TextDecoder();
+
+  push(bytes: Uint8Array): string[] {
+    // The held rest of the last read has no line end (but perhaps a last `\r`): scan only from there.
+    const from = Math.max(0, this.buf.length - 1);
+    this.buf += this.decoder.decode(bytes, { stream: true });
+    const events: string[] = [];
+    let start = 0;
+    LINE_END.lastIndex = from;
+    for (let m = LINE_END.exec(this.buf); m !== null; m = LINE_END.exec(this.buf)) {
+      const at = m.index;
+      let next = at + 1;
+      if (this.buf.charCodeAt(at) === 13) {
+        // A `\r` at the end of the read may be the first half of `\r\n`: wait for the next read.
+        if (next === this.buf.length) break;
+        if (this.buf.charCodeAt(next) === 10) next++;
+      }
+      this.line(this.buf.slice(start, at), events);
+      start = next;
+      LINE_END.lastIndex = next;
+    }
+    this.buf = start === 0 ? this.buf : this.buf.slice(start);
+    if (this.buf.length + this.dataChars > MAX_EVENT_CHARS) throw new Error("an oversized SSE event");
+    return events;
+  }
+
+  private line(line: string, events: string[]): void {
+    if (line === "") {
+      if (this.data.length > 0) events.push(this.data.join("\n"));
+      this.data = [];
+      this.dataChars = 0;
+    } else if (line.startsWith("data:")) {
+      const value = line.charCodeAt(5) === 32 ? line.slice(6) : line.slice(5);
+      this.data.push(value);
+      this.dataChars += value.length;
+    }
+    // Other fields (`event:`, `id:`, `retry:`) and `:` comments carry nothing for us.
+  }
+}
+
+/**
+ * The gateway's own chat SSE answer -> the Responses event stream as SSE bytes
+ * (`event: <type>\ndata: {json}\n\n`). Cancelling the returned stream cancels
+ * `chatSse` (so the upstream call is aborted as for chat). `onFinal` is called
+ * exactly once with the final Response object: completed, incomplete, failed,
+ * or `cancelled` when the client went away first.
+ */
+export function responseEventStream(
+  chatSse: ReadableStream<Uint8Array>,
+  meta: ResponseMeta,
+  onFinal: (r: ResponseObject) => void,
+): ReadableStream<Uint8Array> {
+  const t = new ChatToResponses(meta);
+  const sse = new SseData();
+  const reader = chatSse.getReader();
+  let reported = false;
+  let gone = false;
+  const report = (r: ResponseObject) => {
+    if (reported) return;
+    reported = true;
+    onFinal(r);
+  };
+
+  const clientGone = () => {
+    if (gone) return;
+    gone = true;
+    report(t.cancel());
+    reader.cancel("client disconnected").catch(() => {});
+  };
+
+  const write = async (c: ReadableStreamDirectController, text: string): Promise<boolean> => {
+    if (text === "") return true;
+    try {
+      const w = c.write(text);
+      if (typeof w !== "number") await w;
+      const f = c.flush();
+      if (typeof f !== "number") await f;
+      return true;
+    } catch {
+      clientGone();
+      return false;
+    }
+  };
+
+  const translate = (bytes: Uint8Array): string => {
+    let text = "";
+    try {
+      for (const data of sse.push(bytes)) text += t.data(data);
+    } catch (e) {
+      text += t.fail(`The model '${meta.model}' sent an unreadable stream: ${(e as Error).message}`, null);
+    }
+    return text;
+  };
+
+  async function pull(c: ReadableStreamDirectController): Promise<void> {
+    if (!(await write(c, t.start()))) return;
+    for (;;) {
+      let r: Awaited<ReturnType<typeof reader.read>>;
+      try {
+        r = await reader.read();
+      } catch {
+        if (gone) return;
+        r = { done: true, value: undefined };
+        if (!t.final && !(await write(c, t.fail(`The connection to the model '${meta.model}' was lost mid-stream.`, null)))) return;
+      }
+      if (gone) return;
+      if (r.done) {
+        // The chat relay always ends with [DONE] or its error event; anything else broke off.
+        if (!t.final && !(await write(c, t.fail(`The model '${meta.model}' ended the stream early.`, null)))) return;
+        if (t.final) report(t.final);
+        c.close();
+        return;
+      }
+      // After the final event the chat stream is still read to its end (it ends right after
+      // [DONE]), so the chat side records a finished request, not a client that went away.
+      if (t.final) continue;
+      if (!(await write(c, translate(r.value)))) return;
+      if (t.final) report(t.final);
+    }
+  }
+
+  return new ReadableStream<Uint8Array>({
+    type: "direct",
+    pull,
+    cancel: clientGone,
+  } satisfies import("bun").DirectUnderlyingSource<Uint8Array>);
+}
