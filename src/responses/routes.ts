@@ -64,7 +64,7 @@ export function createResponses(deps: ResponsesDeps) {
     return items;
   }
 
-  function save(p: Principal, meta: ResponseMeta, t: Translation, response: Record<string, unknown>): Promise<void> {
+  function save(p: Principal, meta: ResponseMeta, t: Translation, response: object): Promise<void> {
     if (!store) return Promise.resolve();
     return store
       .save({ id: meta.id, principal: p, previousResponseId: meta.echo.previous_response_id, inputItems: t.inputItems, response })

@@ -27,7 +27,8 @@ export interface SaveInput {
   principal: Principal;
   previousResponseId: string | null;
   inputItems: StoredItem[];
-  response: Record<string, unknown>;
+  /** The whole Response object (src/responses/output.ts). */
+  response: object;
 }
 
 /** Conversations longer than this many responses are replayed from their newest part only. */
