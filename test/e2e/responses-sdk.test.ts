@@ -89,7 +89,11 @@ describe("openai SDK: client.responses", () => {
     expect(types[0]).toBe("response.created");
     expect(types).toContain("response.output_text.delta");
     expect(types.at(-1)).toBe("response.completed");
-    expect(final?.output_text).toBe(text);
+    // output_text is the SDK's convenience on whole answers; in a raw event the text is in the output message.
+    const message = final?.output.find((o) => o.type === "message");
+    const part = message?.type === "message" ? message.content[0] : undefined;
+    expect(part?.type === "output_text" ? part.text : undefined).toBe(text);
+    expect(text.length).toBeGreaterThan(0);
     expect(final?.usage?.output_tokens).toBeGreaterThan(0);
     // Stored: readable as soon as the stream has ended.
     if (final) expect((await client.responses.retrieve(final.id)).status).toBe("completed");
