@@ -141,6 +141,8 @@ describe("OpenAI Agents SDK", () => {
     expect(String(result.finalOutput).length).toBeGreaterThan(0);
     const kinds = result.newItems.map((i) => i.type);
     expect(kinds).toEqual(["tool_call_item", "tool_call_output_item", "message_output_item"]);
+    // Two model turns, both on the Responses transport (a chat completions turn would carry a chatcmpl- id).
+    expect(result.rawResponses.map((r) => r.responseId?.slice(0, 5))).toEqual(["resp_", "resp_"]);
   });
 
   test("the same agent, streamed", async () => {
