@@ -4,7 +4,7 @@ import { createKey } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
-import { CHAT_MODEL, TEST_PLANS, arr, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+import { CHAT_MODEL, TEST_PLANS, arr, chatAlias, eventually, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -17,13 +17,17 @@ setDefaultTimeout(30_000);
  */
 
 let sim: Simulator;
+let slow: Simulator;
 let gw: Gateway;
 let off: Gateway;
 let org: SeededOrg;
 
 beforeAll(async () => {
   sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
-  const common = { aliases: testAliases(sim.url), plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 2 }) };
+  // The second token a minute after the first: a stream that stays open until the client leaves.
+  slow = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 60_000, completionTokens: 2 });
+  const aliases = { ...testAliases(sim.url), "svc-slow": chatAlias([{ baseUrl: slow.url }]) };
+  const common = { aliases, plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 2 }, { idleMs: 120_000 }) };
   gw = await startTestGateway({ ...common, responses: { enabled: true } });
   off = await startTestGateway(common);
   org = await seedTestOrg(gw.database);
@@ -33,6 +37,7 @@ afterAll(async () => {
   await gw.stop();
   await off.stop();
   await sim.stop();
+  await slow.stop();
 });
 
 const create = (body: unknown, key: string | undefined = org.personalKey, init?: RequestInit) => post(gw, "/v1/responses", key, body, init);
@@ -197,6 +202,24 @@ describe("request translation (what the chat upstream receives)", () => {
     expect(rec(rec(last?.response).usage).output_tokens).toBe(5);
     const seq = events.map((e) => Number(e.sequence_number));
     expect(seq).toEqual([...seq].sort((a, b) => a - b));
+  });
+
+  test("events arrive as the upstream generates them, and a client that leaves aborts the upstream call", async () => {
+    const ac = new AbortController();
+    const res = await create({ model: "svc-slow", input: "hi", stream: true }, org.personalKey, { signal: ac.signal });
+    const reader = res.body?.getReader();
+    if (!reader) throw new Error("no body");
+    let text = "";
+    while (!text.includes("response.output_text.delta")) {
+      const { value, done } = await reader.read();
+      if (done) throw new Error(`stream ended early: ${text}`);
+      text += new TextDecoder().decode(value);
+    }
+    expect(text).toContain("token0");
+    expect(text).not.toContain("response.completed");
+    expect(slow.stats.inFlight).toBe(1);
+    ac.abort();
+    await eventually(() => slow.stats.aborts === 1, 10_000);
   });
 
   test("json_object format and tool_choice strings pass; the gateway's max_tokens bound under a quota applies", async () => {
