@@ -101,7 +101,8 @@ const isEffort = (e: string | null): e is Effort => e !== null && (EFFORTS as re
 
 export type ResponseStatus = "in_progress" | "completed" | "incomplete" | "failed" | "cancelled";
 
-export interface ResponseObject {
+/** A type, not an interface, so it is also a `Record<string, unknown>` (what the store takes). */
+export type ResponseObject = {
   id: string;
   object: "response";
   created_at: number;
@@ -129,7 +130,7 @@ export interface ResponseObject {
   user?: string;
   metadata: Record<string, string>;
   access_programs: null;
-}
+};
 
 const hex = (bytes: number): string => Buffer.from(crypto.getRandomValues(new Uint8Array(bytes))).toString("hex");
 /** Item ids: `msg_…`, `fc_…`, `rs_…` (OpenAI's prefixes) with 24 random bytes. */
