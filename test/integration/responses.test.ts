@@ -1,4 +1,5 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import SwaggerParser from "@apidevtools/swagger-parser";
 import { Ajv2020 } from "ajv/dist/2020.js";
 import { createKey } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
@@ -357,7 +358,10 @@ describe("every error path of chat applies", () => {
 describe("the OpenAPI document", () => {
   test("describes the real answers: create, retrieve, input items, delete, and errors", async () => {
     const doc = rec(await (await fetch(`${gw.url}/openapi.json`)).json());
-    const ajv = new Ajv2020({ strict: false });
+    await SwaggerParser.validate(structuredClone(doc) as never);
+    const ajv = new Ajv2020({ strict: true });
+    ajv.addFormat("uuid", /^[0-9a-f-]{36}$/i);
+    ajv.addFormat("date-time", /^\d{4}-/);
     const base = "https://gateway.test/schemas/";
     for (const [name, schema] of Object.entries(rec(rec(doc.components).schemas))) {
       ajv.addSchema(JSON.parse(JSON.stringify(schema).replaceAll("#/components/schemas/", base)), `${base}${name}`);
