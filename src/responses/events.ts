@@ -91,22 +91,29 @@ export class SseData {
  * (`event: <type>\ndata: {json}\n\n`). Cancelling the returned stream cancels
  * `chatSse` (so the upstream call is aborted as for chat). `onFinal` is called
  * exactly once with the final Response object: completed, incomplete, failed,
- * or `cancelled` when the client went away first.
+ * or `cancelled` when the client went away first. When it returns a promise
+ * (storing the response), the stream ends only once that settles, so a client
+ * that has read to the end can use the id at once; no extra stream layer needed.
  */
 export function responseEventStream(
   chatSse: ReadableStream<Uint8Array>,
   meta: ResponseMeta,
-  onFinal: (r: ResponseObject) => void,
+  onFinal: (r: ResponseObject) => void | Promise<void>,
 ): ReadableStream<Uint8Array> {
   const t = new ChatToResponses(meta);
   const sse = new SseData();
   const reader = chatSse.getReader();
-  let reported = false;
+  let reported: Promise<void> | undefined;
   let gone = false;
-  const report = (r: ResponseObject) => {
-    if (reported) return;
-    reported = true;
-    onFinal(r);
+  const report = (r: ResponseObject): Promise<void> => {
+    if (reported) return reported;
+    try {
+      reported = Promise.resolve(onFinal(r)).catch(() => {});
+    } catch {
+      // The caller's hook failed; the stream still ends cleanly.
+      reported = Promise.resolve();
+    }
+    return reported;
   };
 
   const clientGone = () => {
@@ -155,15 +162,15 @@ export function responseEventStream(
       if (r.done) {
         // The chat relay always ends with [DONE] or its error event; anything else broke off.
         if (!t.final && !(await write(c, t.fail(`The model '${meta.model}' ended the stream early.`, null)))) return;
-        if (t.final) report(t.final);
-        c.close();
+        if (t.final) await report(t.final);
+        if (!gone) c.close();
         return;
       }
       // After the final event the chat stream is still read to its end (it ends right after
       // [DONE]), so the chat side records a finished request, not a client that went away.
       if (t.final) continue;
       if (!(await write(c, translate(r.value)))) return;
-      if (t.final) report(t.final);
+      if (t.final) void report(t.final);
     }
   }
 
