@@ -12,43 +12,69 @@ import { ChatToResponses } from "./stream-state.ts";
 import type { ResponseMeta, ResponseObject } from "./output.ts";
 
 /** One event larger than this without an end is not SSE we understand (as in inference/stream.ts). */
-const MAX_EVENT_CHARS = 8 * 1024 * 1024;
-const LINE_END = /[\r\n]/g;
+const MAX_EVENT_BYTES = 8 * 1024 * 1024;
+const LF = 0x0a;
+const CR = 0x0d;
 
-/** Incremental SSE `data` reader: returns the data of each event a read completes. */
+const asBuffer = (u: Uint8Array): Buffer => (Buffer.isBuffer(u) ? u : Buffer.from(u.buffer, u.byteOffset, u.byteLength));
+
+/**
+ * Incremental SSE `data` reader: returns the data of each event a read
+ * completes. It works on bytes and decodes whole lines only (a line end byte
+ * never occurs inside a UTF-8 sequence), so it needs no per-stream decoder,
+ * and a partial line is held as the pieces it arrived in, joined once.
+ */
 export class SseData {
-  private buf = "";
+  private held: Buffer[] = [];
+  private heldBytes = 0;
   private data: string[] = [];
   private dataChars = 0;
-  private readonly decoder = new TextDecoder();
 
   push(bytes: Uint8Array): string[] {
-    // The held rest of the last read has no line end (but perhaps a last `\r`): scan only from there.
-    const from = Math.max(0, this.buf.length - 1);
-    this.buf += this.decoder.decode(bytes, { stream: true });
-    const events: string[] = [];
-    let start = 0;
-    LINE_END.lastIndex = from;
-    for (let m = LINE_END.exec(this.buf); m !== null; m = LINE_END.exec(this.buf)) {
-      const at = m.index;
-      let next = at + 1;
-      if (this.buf.charCodeAt(at) === 13) {
-        // A `\r` at the end of the read may be the first half of `\r\n`: wait for the next read.
-        if (next === this.buf.length) break;
-        if (this.buf.charCodeAt(next) === 10) next++;
+    let buf = asBuffer(bytes);
+    if (this.heldBytes > 0) {
+      const last = this.held[this.held.length - 1];
+      // No line end in this read (and none pending as a last `\r`): the held line just grows.
+      if (last?.[last.length - 1] !== CR && buf.indexOf(LF) === -1 && buf.indexOf(CR) === -1) {
+        this.hold(buf);
+        return [];
       }
-      this.line(this.buf.slice(start, at), events);
-      start = next;
-      LINE_END.lastIndex = next;
+      buf = Buffer.concat([...this.held, buf]);
+      this.held = [];
+      this.heldBytes = 0;
     }
-    this.buf = start === 0 ? this.buf : this.buf.slice(start);
-    if (this.buf.length + this.dataChars > MAX_EVENT_CHARS) throw new Error("an oversized SSE event");
+    const events: string[] = [];
+    let pos = 0;
+    let lf = buf.indexOf(LF);
+    let cr = buf.indexOf(CR);
+    for (;;) {
+      if (lf !== -1 && lf < pos) lf = buf.indexOf(LF, pos);
+      if (cr !== -1 && cr < pos) cr = buf.indexOf(CR, pos);
+      const end = lf === -1 ? cr : cr === -1 ? lf : Math.min(lf, cr);
+      if (end === -1) break;
+      let next = end + 1;
+      if (end === cr) {
+        // A `\r` at the end of the read may be the first half of `\r\n`: wait for the next read.
+        if (next === buf.length) break;
+        if (buf[next] === LF) next++;
+      }
+      this.line(buf.toString("utf8", pos, end), events);
+      pos = next;
+    }
+    if (pos < buf.length) this.hold(buf.subarray(pos));
     return events;
+  }
+
+  /** Keeps a partial line, copied: it may be a view into a read the runtime reuses. */
+  private hold(piece: Buffer): void {
+    this.held.push(Buffer.from(piece));
+    this.heldBytes += piece.length;
+    if (this.heldBytes + this.dataChars > MAX_EVENT_BYTES) throw new Error("an oversized SSE event");
   }
 
   private line(line: string, events: string[]): void {
     if (line === "") {
-      if (this.data.length > 0) events.push(this.data.join("\n"));
+      if (this.data.length > 0) events.push(this.data.length === 1 ? (this.data[0] ?? "") : this.data.join("\n"));
       this.data = [];
       this.dataChars = 0;
     } else if (line.startsWith("data:")) {
@@ -65,22 +91,29 @@ export class SseData {
  * (`event: <type>\ndata: {json}\n\n`). Cancelling the returned stream cancels
  * `chatSse` (so the upstream call is aborted as for chat). `onFinal` is called
  * exactly once with the final Response object: completed, incomplete, failed,
- * or `cancelled` when the client went away first.
+ * or `cancelled` when the client went away first. When it returns a promise
+ * (storing the response), the stream ends only once that settles, so a client
+ * that has read to the end can use the id at once; no extra stream layer needed.
  */
 export function responseEventStream(
   chatSse: ReadableStream<Uint8Array>,
   meta: ResponseMeta,
-  onFinal: (r: ResponseObject) => void,
+  onFinal: (r: ResponseObject) => void | Promise<void>,
 ): ReadableStream<Uint8Array> {
   const t = new ChatToResponses(meta);
   const sse = new SseData();
   const reader = chatSse.getReader();
-  let reported = false;
+  let reported: Promise<void> | undefined;
   let gone = false;
-  const report = (r: ResponseObject) => {
-    if (reported) return;
-    reported = true;
-    onFinal(r);
+  const report = (r: ResponseObject): Promise<void> => {
+    if (reported) return reported;
+    try {
+      reported = Promise.resolve(onFinal(r)).catch(() => {});
+    } catch {
+      // The caller's hook failed; the stream still ends cleanly.
+      reported = Promise.resolve();
+    }
+    return reported;
   };
 
   const clientGone = () => {
@@ -129,15 +162,15 @@ export function responseEventStream(
       if (r.done) {
         // The chat relay always ends with [DONE] or its error event; anything else broke off.
         if (!t.final && !(await write(c, t.fail(`The model '${meta.model}' ended the stream early.`, null)))) return;
-        if (t.final) report(t.final);
-        c.close();
+        if (t.final) await report(t.final);
+        if (!gone) c.close();
         return;
       }
       // After the final event the chat stream is still read to its end (it ends right after
       // [DONE]), so the chat side records a finished request, not a client that went away.
       if (t.final) continue;
       if (!(await write(c, translate(r.value)))) return;
-      if (t.final) report(t.final);
+      if (t.final) void report(t.final);
     }
   }
 

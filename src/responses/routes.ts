@@ -92,13 +92,10 @@ export function createResponses(deps: ResponsesDeps) {
       set.headers["content-type"] = JSON_TYPE;
       return JSON.stringify(response);
     }
-    let saving: Promise<void> | undefined;
-    const events = responseEventStream(answer.body, meta, (final) => {
-      if (storeIt) saving = save(p, meta, t, final);
-    });
-    // Stored: the stream ends only once the row is written, so a client that reads to the end can use the id at once.
-    const out = storeIt ? events.pipeThrough(new TransformStream<Uint8Array, Uint8Array>({ flush: () => saving })) : events;
-    return new Response(out, { headers: answer.headers });
+    // Stored: the stream ends only once the row is written (responseEventStream awaits onFinal's promise),
+    // so a client that reads to the end can use the id at once.
+    const events = responseEventStream(answer.body, meta, (final) => (storeIt ? save(p, meta, t, final) : undefined));
+    return new Response(events, { headers: answer.headers });
   }
 
   function owned(p: Principal, id: string) {

@@ -60,7 +60,9 @@ function parseEvents(text: string): Ev[] {
 async function translate(parts: (string | Uint8Array)[]) {
   const { stream, state } = source(parts.map((p) => (typeof p === "string" ? enc.encode(p) : p)));
   const finals: ResponseObject[] = [];
-  const out = await new Response(responseEventStream(stream, meta(), (r) => finals.push(r))).text();
+  const out = await new Response(responseEventStream(stream, meta(), (r) => {
+      finals.push(r);
+    })).text();
   const events = parseEvents(out);
   expect(events.map((e) => e.sequence_number)).toEqual(events.map((_, i) => i));
   return { events, finals, state };
@@ -292,7 +294,9 @@ describe("responseEventStream: the event sequence", () => {
       },
     });
     const finals: ResponseObject[] = [];
-    const reader = responseEventStream(chat, meta(), (r) => finals.push(r)).getReader();
+    const reader = responseEventStream(chat, meta(), (r) => {
+      finals.push(r);
+    }).getReader();
     const dec = new TextDecoder();
     let seen = "";
     const readUntil = async (needle: string) => {
@@ -311,6 +315,33 @@ describe("responseEventStream: the event sequence", () => {
     await until(() => cancelled !== undefined, "the chat stream cancelled");
     expect(finals).toHaveLength(1);
     expect(finals[0]).toMatchObject({ status: "cancelled", output: [{ type: "message", status: "incomplete", content: [{ text: "first" }] }] });
+  });
+
+  test("onFinal's promise (storing the response) is awaited before the stream ends", async () => {
+    const { stream } = source([ROLE, chunk({ content: "x" }), chunk({}, "stop"), DONE].map((p) => enc.encode(p)));
+    let release: (() => void) | undefined;
+    let stored = false;
+    const storing = async () => {
+      await new Promise<void>((res) => {
+        release = res;
+      });
+      stored = true;
+    };
+    const reader = responseEventStream(stream, meta(), storing).getReader();
+    let text = "";
+    const dec = new TextDecoder();
+    while (!text.includes("response.completed")) {
+      const r = await reader.read();
+      if (r.done) throw new Error("ended before response.completed");
+      text += dec.decode(r.value);
+    }
+    const end = reader.read();
+    await until(() => release !== undefined, "onFinal called");
+    // A negative can only be watched for a while: 100 ms, far beyond the close that follows at once when the promise is not awaited.
+    expect(await Promise.race([end.then(() => "ended"), Bun.sleep(100).then(() => "open")])).toBe("open");
+    release?.();
+    expect((await end).done).toBe(true);
+    expect(stored).toBe(true);
   });
 });
 
