@@ -143,6 +143,11 @@ describe("OpenAI Agents SDK", () => {
     expect(kinds).toEqual(["tool_call_item", "tool_call_output_item", "message_output_item"]);
     // Two model turns, both on the Responses transport (a chat completions turn would carry a chatcmpl- id).
     expect(result.rawResponses.map((r) => r.responseId?.slice(0, 5))).toEqual(["resp_", "resp_"]);
+
+    // The next turn continues server-side: the gateway replays the stored run (message, tool call and its output).
+    const next = await run(agent, "And tomorrow?", { previousResponseId: result.lastResponseId });
+    expect(String(next.finalOutput).length).toBeGreaterThan(0);
+    expect(calls).toEqual(["Paris"]);
   });
 
   test("the same agent, streamed", async () => {
