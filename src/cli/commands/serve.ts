@@ -4,6 +4,7 @@ import { config, int, waitForSignal } from "../context.ts";
 import { seedDemo } from "../demo.ts";
 import { ConfigError, upstreamAliases } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
+import { runtimeEnvWarning } from "../../lib/runtime-env.ts";
 import { VERSION } from "../../lib/version.ts";
 import { startGateway } from "../../server.ts";
 import { startSimulator } from "../../sim/index.ts";
@@ -46,6 +47,9 @@ export const serve = defineCommand({
     }
     const gw = await startGateway({ config: cfg });
     gw.log.info("listening", { url: gw.url, database: gw.database.kind, demo: values.demo ?? false, version: VERSION });
+    // The allocator reads its setting only at start (src/lib/runtime-env.ts): say what is missing, once.
+    const allocator = runtimeEnvWarning();
+    if (allocator) gw.log.warn(allocator);
     if (ignoredDatabase) gw.log.warn("demo: the configured database (DATABASE_URL / databaseUrl) is not used; the demo runs on the embedded one", { data_dir: cfg.dataDir });
     if (values.demo) out.stdout(await seedDemo(gw));
     const embeddedOnDisk = gw.database.kind === "pglite" && !cfg.dataDir.startsWith("memory://");
