@@ -25,9 +25,12 @@
  *     lost chunks would show as a difference).
  *  3. N concurrent slow streams (default 10,000; 20 tokens 500 ms apart)
  *     through the gateway: all must complete; the gateway's peak RSS.
+ *  r. the Responses API on the same alias (bench/responses.ts): the gap its
+ *     stream adds over the upstream's chunks, and memory per open stream
+ *     against chat (--responses-streams N held open, default 4,000).
  *
  * Options: --streams N (phase 3 size), --duration S (phase 1 seconds),
- * --phases 1,2,3, --skip-direct, --keep (keep the temporary directory),
+ * --phases 1,2,3,r, --skip-direct, --keep (keep the temporary directory),
  * --quota-tokens N|none (the organisation's quota; default 10^12, i.e. on but never binding),
  * --profile DIR (write the gateway's CPU profile there),
  * --gateway-config JSON (merged into the gateway's config: e.g. '{"accessLog":false}' to see what a feature costs),
@@ -46,6 +49,7 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { responsesPhase } from "./responses.ts";
 
 const { values: args } = parseArgs({
   args: Bun.argv.slice(2),
@@ -56,13 +60,14 @@ const { values: args } = parseArgs({
     duration: { type: "string", default: "15" },
     "skip-direct": { type: "boolean", default: false },
     keep: { type: "boolean", default: false },
-    phases: { type: "string", default: "1,2,3" },
+    phases: { type: "string", default: "1,2,3,r" },
     "quota-tokens": { type: "string", default: "1000000000000" },
     profile: { type: "string" },
     "gateway-config": { type: "string" },
     "open-seconds": { type: "string", default: "5" },
     "open-rate": { type: "string", default: "1000" },
     bare: { type: "boolean", default: false },
+    "responses-streams": { type: "string", default: "4000" },
   },
 });
 
@@ -72,7 +77,7 @@ const UPSTREAM_MODEL = "sim/bench-model";
 // Load generator (runs in its own process)
 // ---------------------------------------------------------------------------
 
-interface LoadSpec {
+export interface LoadSpec {
   kind: "json" | "paced" | "stream" | "hold";
   url: string;
   headers: Record<string, string>;
@@ -84,6 +89,8 @@ interface LoadSpec {
   rampMs?: number;
   /** paced: requests per second, sent on schedule whatever the answers take (open loop). */
   rate?: number;
+  /** stream/hold: the answer is a Responses event stream (ends with response.completed, not [DONE]). */
+  responses?: boolean;
 }
 
 function percentile(sorted: number[], p: number): number {
@@ -186,7 +193,7 @@ async function oneStream(s: LoadSpec, signal?: AbortSignal) {
     if (parts.length > 0) last_ = parts[parts.length - 1] ?? "";
     if (text.includes("data: [DONE]")) tail = "";
   }
-  const ok = tail === "" && events > 0 && !last_.includes('"error"');
+  const ok = tail === "" && events > 0 && (s.responses ? last_.startsWith("event: response.completed") : !last_.includes('"error"'));
   if (!ok) reportFailure(`stream ended badly after ${events} events: ${last_.slice(0, 200)}`);
   return { ok, ttfb, gaps, events, reads };
 }
@@ -420,31 +427,17 @@ async function main() {
       aliases: {
         "svc-fast": { targets: [{ baseUrl: simUrl, model: UPSTREAM_MODEL, weight: 1 }] },
       },
+      // For phase r; chat does not notice.
+      responses: { enabled: true },
       ...(args["gateway-config"] ? (JSON.parse(args["gateway-config"]) as Record<string, unknown>) : {}),
     }),
   );
   const org = cli(["orgs", "create", "--name", "bench", "--plan", "Bench", "--quota-tokens", args["quota-tokens"] ?? "none", "--quota-window", "month"]) as { id: string };
   const key = (cli(["keys", "create", "--org", org.id, "--kind", "service", "--scopes", "inference"]) as { key: string }).key;
 
-  const logPath = join(dir, "gateway.log");
-  const profile = args.profile ? ["--cpu-prof", `--cpu-prof-dir=${args.profile}`] : [];
-  const gwProc = Bun.spawn(pin(0, ["bun", ...profile, "run", "src/main.ts", "serve", "--config", join(dir, "config.json")]), {
-    env,
-    stdout: Bun.file(logPath),
-    stderr: "inherit",
-  });
-  children.push(gwProc);
-  const gwUrl = await waitFor("the gateway to listen", () => {
-    let text = "";
-    try {
-      text = readFileSync(logPath, "utf8");
-    } catch {
-      return undefined;
-    }
-    const m = text.match(/"msg":"listening","url":"([^"]+)"/);
-    return m?.[1];
-  });
-
+  let gw = await spawnGateway();
+  const gwProc = gw.proc;
+  const gwUrl = gw.url;
   const direct = { url: `${simUrl}/chat/completions`, headers: { "content-type": "application/json" } };
   let bare: Endpoint | undefined;
   if (args.bare) {
@@ -458,6 +451,48 @@ async function main() {
   else if (phases.has("o")) await openLoop(direct, viaGw, bare);
   if (phases.has("2")) await streamed(simRoot, direct, viaGw);
   if (phases.has("3")) await manyStreams(simRoot, viaGw, gwProc.pid, streams, fdNote);
+  if (phases.has("r")) {
+    await responsesPhase({
+      simRoot,
+      direct,
+      key,
+      streams: Math.min(streams, Number(args["responses-streams"])),
+      loadgen,
+      setSim,
+      rssKb,
+      // A fresh gateway for each memory figure: one that already held streams reuses the memory it freed.
+      async freshGateway() {
+        gw.proc.kill("SIGTERM");
+        await gw.proc.exited;
+        gw = await spawnGateway();
+        return { url: gw.url, pid: gw.proc.pid };
+      },
+    });
+  }
+}
+
+let gatewayRuns = 0;
+/** Starts `gateway serve` on the bench config (pinned to CPU 0); its log goes to a file, where its address is read from. */
+async function spawnGateway(): Promise<{ proc: ReturnType<typeof Bun.spawn>; url: string }> {
+  const logPath = join(dir, `gateway-${gatewayRuns++}.log`);
+  const profile = args.profile ? ["--cpu-prof", `--cpu-prof-dir=${args.profile}`] : [];
+  const proc = Bun.spawn(pin(0, ["bun", ...profile, "run", "src/main.ts", "serve", "--config", join(dir, "config.json")]), {
+    env,
+    stdout: Bun.file(logPath),
+    stderr: "inherit",
+  });
+  children.push(proc);
+  const url = await waitFor("the gateway to listen", () => {
+    let text = "";
+    try {
+      text = readFileSync(logPath, "utf8");
+    } catch {
+      return undefined;
+    }
+    const m = text.match(/"msg":"listening","url":"([^"]+)"/);
+    return m?.[1];
+  });
+  return { proc, url };
 }
 
 /** Where load goes; `pid` is the serving process whose CPU is measured (gateway and bare proxy). */

@@ -19,6 +19,7 @@ import { type QuotaManager, createQuota } from "./limits/quota.ts";
 import { createLimiter, type Limiter } from "./limits/store.ts";
 import { createInference } from "./inference/routes.ts";
 import type { HostLookup } from "./inference/image-url.ts";
+import { createResponses } from "./responses/routes.ts";
 
 export interface Gateway {
   url: string;
@@ -106,10 +107,14 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     quota.start();
     const inference = createInference({ config, metering: quota, log, metrics, ...(opts.lookup ? { lookup: opts.lookup } : {}) });
 
+    // Off by default: the spec's v1 surface is chat, embeddings and models (docs/decisions.md: Responses API).
+    const responsesApi = config.responses.enabled ? createResponses({ config, database, log, chat: inference }) : undefined;
+    responsesApi?.start();
+
     observeInternals(metrics, verifier, quota, limiter);
     const app = createApp({
       metrics,
-      openapi: openApiDocument(VERSION),
+      openapi: openApiDocument(VERSION, { responses: responsesApi !== undefined }),
       metricsRoute: metricsOnMain,
       guard,
       verifier,
@@ -121,7 +126,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
         metrics.dbUp.set(up ? 1 : 0);
         return up && (await migrationsCurrent(database));
       },
-      modules: [meRoutes, auditRoutes({ database, cursorSecret: secret, log }), inference.routes],
+      modules: [meRoutes, auditRoutes({ database, cursorSecret: secret, log }), inference.routes, ...(responsesApi ? [responsesApi.routes] : [])],
     });
 
     app.listen({
@@ -196,6 +201,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
           clearInterval(sweep);
           await step("metrics", () => metricsServer?.stop(true));
           await step("inference", () => inference.stop());
+          await step("responses", () => responsesApi?.stop());
           await step("usage", () => quota.stop());
           await step("security", () => security.drain());
           await step("keys", () => verifier.stop());

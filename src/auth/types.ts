@@ -24,6 +24,12 @@ export interface Principal {
   /** Who acts with this key, for audit events: the user of a personal key, the key's name for a service key. */
   actorName: string;
   actorEmail: string;
+  /**
+   * The first key of this key's rotation lineage (itself when never rotated):
+   * a service key's stored responses belong to the lineage, so a rotated key
+   * keeps reading them.
+   */
+  keyRoot: string;
 }
 
 /** The client presenting a key: read only when a rejected key is audited or a lookup is charged. */

@@ -122,6 +122,7 @@ export async function lookupKey(database: Database, hash: string): Promise<Princ
       keyName: apiKeys.name,
       userName: users.name,
       userEmail: users.email,
+      rotatedFrom: apiKeys.rotatedFrom,
     })
     .from(apiKeys)
     .innerJoin(organizations, eq(organizations.id, apiKeys.orgId))
@@ -145,7 +146,20 @@ export async function lookupKey(database: Database, hash: string): Promise<Princ
     quotaPeriod: r.quotaWindow,
     actorName: r.userName ?? r.keyName,
     actorEmail: r.userEmail ?? "",
+    keyRoot: r.rotatedFrom === null ? r.keyId : await lineageRoot(database, r.keyId),
   };
+}
+
+/** Walks `rotated_from` back to the first key (bounded: a corrupt cycle cannot loop). Runs only on a cache miss of a rotated key. */
+async function lineageRoot(database: Database, keyId: string): Promise<string> {
+  const rows = await database.rows<{ id: string }>(sql`
+    with recursive chain(id, rotated_from, depth) as (
+      select id, rotated_from, 0 from api_keys where id = ${keyId}
+      union all
+      select k.id, k.rotated_from, c.depth + 1 from api_keys k join chain c on k.id = c.rotated_from where c.depth < 10000
+    )
+    select id from chain order by depth desc limit 1`);
+  return rows[0]?.id ?? keyId;
 }
 
 export function createKeyVerifier(database: Database, opts: VerifierOptions): KeyVerifier {

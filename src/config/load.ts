@@ -72,6 +72,12 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
   if (env.METRICS_LISTEN) raw.metrics = { ...(isRecord(raw.metrics) ? raw.metrics : {}), listen: env.METRICS_LISTEN };
   const instances = envInt(env, "GATEWAY_RATE_LIMIT_INSTANCES", problems);
   if (instances !== undefined) raw.rateLimit = { ...(isRecord(raw.rateLimit) ? raw.rateLimit : {}), instances };
+  const responses: Json = {};
+  if (env.GATEWAY_RESPONSES !== undefined && env.GATEWAY_RESPONSES !== "") responses.enabled = /^(1|true|yes)$/i.test(env.GATEWAY_RESPONSES);
+  if (env.GATEWAY_RESPONSES_STORE !== undefined && env.GATEWAY_RESPONSES_STORE !== "") responses.store = /^(1|true|yes)$/i.test(env.GATEWAY_RESPONSES_STORE);
+  const retentionDays = envInt(env, "GATEWAY_RESPONSES_RETENTION_DAYS", problems);
+  if (retentionDays !== undefined) responses.retentionDays = retentionDays;
+  if (Object.keys(responses).length > 0) raw.responses = { ...(isRecord(raw.responses) ? raw.responses : {}), ...responses };
   for (const [k, v] of Object.entries(input.overrides ?? {})) set(k, v);
 
   // Plans: a file that adds a plan keeps the built-in ones unless it overrides them.

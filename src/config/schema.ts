@@ -156,6 +156,20 @@ export const ConfigSchema = T.Object(
       },
       { additionalProperties: false, default: {} },
     ),
+    responses: T.Object(
+      {
+        enabled: T.Boolean({
+          default: false,
+          description: "Serve the Responses API (/v1/responses) on the chat aliases; off: those paths answer 404 like any unknown route",
+        }),
+        store: T.Boolean({
+          default: true,
+          description: "Keep responses (their input, output, usage, metadata) in the database for retrieve and previous_response_id; false: never stored",
+        }),
+        retentionDays: T.Integer({ minimum: 1, maximum: 3650, default: 30, description: "Days a stored response is kept; expired rows are deleted in the background" }),
+      },
+      { additionalProperties: false, default: {} },
+    ),
     // additionalProperties: false, or a key not matching the pattern would pass unvalidated.
     aliases: T.Record(T.String({ pattern: "^[A-Za-z0-9._:-]{1,64}$" }), Alias, { default: {}, additionalProperties: false }),
   },

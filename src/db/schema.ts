@@ -181,3 +181,30 @@ export const settings = pgTable("settings", {
   key: text("key").primaryKey(),
   value: text("value").notNull(),
 });
+
+/**
+ * Stored Responses API answers (src/responses/store.ts): conversation
+ * content, kept `responses.retentionDays` and deleted by the sweeper. The
+ * owner is the user of a personal key, or the root of a service key's
+ * rotation lineage. JSON is kept as text: jsonb refuses strings holding
+ * \u0000, which model output may contain.
+ */
+export const responses = pgTable(
+  "responses",
+  {
+    id: text("id").primaryKey(),
+    orgId: uuid("org_id")
+      .notNull()
+      .references(() => organizations.id),
+    ownerUserId: uuid("owner_user_id"),
+    ownerKeyId: uuid("owner_key_id"),
+    previousResponseId: text("previous_response_id"),
+    /** The request's own input items (not the replayed conversation), as a JSON array. */
+    inputItems: text("input_items").notNull(),
+    /** The whole Response object as answered. */
+    response: text("response").notNull(),
+    createdAt: createdAt(),
+    expiresAt: ts("expires_at").notNull(),
+  },
+  (t) => [index("responses_expires_idx").on(t.expiresAt)],
+);

@@ -1,6 +1,7 @@
 import { type TSchema, Type as T } from "@sinclair/typebox";
 import { CATEGORIES } from "../audit/record.ts";
 import { ChatBodySchema, EmbeddingsBodySchema } from "../inference/model.ts";
+import { ResponsesBodySchema } from "../responses/request.ts";
 import type { ErrorCode } from "../lib/errors.ts";
 import { codesWithStatus } from "./errors.ts";
 
@@ -101,6 +102,28 @@ const AuditEventList = T.Object({
   next_cursor: T.String({ description: "pass as `cursor` for the next page; empty string on the last page" }),
 });
 
+const Open = { additionalProperties: true } as const;
+const ResponseObject = T.Object(
+  {
+    id: T.String({ pattern: "^resp_" }),
+    object: T.Literal("response"),
+    created_at: T.Integer({ description: "Unix time in seconds" }),
+    status: T.Union([T.Literal("completed"), T.Literal("incomplete"), T.Literal("failed"), T.Literal("in_progress")]),
+    model: T.String({ description: "the alias used" }),
+    output: T.Array(T.Object({ type: T.String({ description: "message, function_call or reasoning" }) }, Open)),
+    usage: T.Union([T.Object({ input_tokens: T.Integer(), output_tokens: T.Integer(), total_tokens: T.Integer() }, Open), T.Null()]),
+  },
+  { ...Open, description: "OpenAI's Response object; the request fields it echoes (instructions, tools, text, metadata, …) as OpenAI's type declares them" },
+);
+const ResponseDeleted = T.Object({ id: T.String(), object: T.Literal("response"), deleted: T.Literal(true) });
+const ResponseItemList = T.Object({
+  object: T.Literal("list"),
+  data: T.Array(T.Object({ id: T.String(), type: T.String({ description: "message, function_call, function_call_output or reasoning" }) }, Open)),
+  first_id: T.Union([T.String(), T.Null()]),
+  last_id: T.Union([T.String(), T.Null()]),
+  has_more: T.Boolean(),
+});
+
 const Health = T.Object({ status: T.Literal("ok") }, { additionalProperties: false });
 const Ready = T.Object({ status: T.Literal("ready") }, { additionalProperties: false });
 
@@ -191,9 +214,9 @@ const admitted = (description: string, content: Record<string, unknown>) => ({ d
  * The OpenAPI document. `info.version` is the API's version label (spec 9:
  * `v1`); the build that serves it is `x-gateway-version`.
  */
-export function openApiDocument(buildVersion: string): Record<string, unknown> {
+export function openApiDocument(buildVersion: string, opts: { responses?: boolean } = {}): Record<string, unknown> {
   const secured = { security: [{ bearer: [] }] };
-  return {
+  const doc = {
     openapi: "3.1.0",
     info: {
       title: "gateway: inference API and App API",
@@ -218,6 +241,14 @@ export function openApiDocument(buildVersion: string): Record<string, unknown> {
         KeyInfo: json(KeyInfo),
         AuditEvent: json(AuditEvent),
         AuditEventList: json(AuditEventList),
+        ...(opts.responses
+          ? {
+              ResponsesRequest: json(ResponsesBodySchema),
+              Response: json(ResponseObject),
+              ResponseDeleted: json(ResponseDeleted),
+              ResponseItemList: json(ResponseItemList),
+            }
+          : {}),
         Health: json(Health),
         Ready: json(Ready),
       },
@@ -252,6 +283,7 @@ export function openApiDocument(buildVersion: string): Record<string, unknown> {
           },
         },
       },
+      ...(opts.responses ? responsesPaths(secured) : {}),
       "/v1/embeddings": {
         post: {
           operationId: "createEmbedding",
@@ -342,6 +374,66 @@ export function openApiDocument(buildVersion: string): Record<string, unknown> {
             },
           },
         },
+      },
+    },
+  };
+  return doc;
+}
+
+/** The Responses API (config responses.enabled): listed only when it is served. */
+function responsesPaths(secured: { security: { bearer: never[] }[] }) {
+  const id = { name: "id", in: "path", required: true, schema: { type: "string" }, description: "resp_…" };
+  const notStored = "not_found (no such response, or not this key's: deleted, expired, another owner's; also previous_response_id on create)";
+  const withNotFound = (r: Record<string, unknown>) => ({ ...r, "404": { ...(r["404"] as Record<string, unknown>), description: notStored } });
+  return {
+    "/v1/responses": {
+      post: {
+        operationId: "createResponse",
+        summary: "Create a response (OpenAI's Responses API on the chat aliases), in one piece or streamed (server-sent events)",
+        description:
+          "Translated to a chat completion upstream. background, hosted tools, input_file parts, prompt and conversation are refused with 400 naming them. " +
+          "With store (the default) the response is kept responses.retentionDays for retrieve and previous_response_id.",
+        ...secured,
+        requestBody: { required: true, content: jsonContent("ResponsesRequest") },
+        responses: {
+          "200": {
+            description: "The Response (JSON), or with stream=true a text/event-stream of Responses events (`event: <type>` and `data: <json>`, each with a sequence_number)",
+            headers: headers(["x-request-id", ...RATE], ["cache-control", "x-accel-buffering"]),
+            content: { ...jsonContent("Response"), "text/event-stream": { schema: { type: "string" } } },
+          },
+          ...withNotFound(errors(400, 401, 403, 404, 429, 500, 503)),
+        },
+      },
+    },
+    "/v1/responses/{id}": {
+      get: {
+        operationId: "getResponse",
+        summary: "A stored response (its owner only)",
+        ...secured,
+        parameters: [id],
+        responses: { "200": admitted("The stored Response", jsonContent("Response")), ...withNotFound(errors(401, 403, 404, 429, 500, 503)) },
+      },
+      delete: {
+        operationId: "deleteResponse",
+        summary: "Delete a stored response (its owner only)",
+        ...secured,
+        parameters: [id],
+        responses: { "200": admitted("Deleted", jsonContent("ResponseDeleted")), ...withNotFound(errors(401, 403, 404, 429, 500, 503)) },
+      },
+    },
+    "/v1/responses/{id}/input_items": {
+      get: {
+        operationId: "listResponseInputItems",
+        summary: "The input items of a stored response, cursor-paged",
+        ...secured,
+        parameters: [
+          id,
+          { name: "order", in: "query", schema: { type: "string", enum: ["asc", "desc"], default: "desc" } },
+          { name: "limit", in: "query", schema: { type: "integer", minimum: 1, maximum: 100, default: 20 } },
+          { name: "after", in: "query", schema: { type: "string" }, description: "an item id: the page after it" },
+          { name: "before", in: "query", schema: { type: "string" }, description: "an item id: the page before it" },
+        ],
+        responses: { "200": admitted("A page of input items", jsonContent("ResponseItemList")), ...withNotFound(errors(400, 401, 403, 404, 429, 500, 503)) },
       },
     },
   };

@@ -409,7 +409,8 @@ function bestError(errors: Iterable<ValueError>): ValueError | undefined {
   return first;
 }
 
-function firstError(check: TypeCheck<TSchema>, value: unknown, prefix: string): AppError | undefined {
+/** The first error of `value` against a compiled check, as a 400 whose `param` is the field's path under `prefix` (a JSON pointer). */
+export function firstError(check: TypeCheck<TSchema>, value: unknown, prefix: string): AppError | undefined {
   // Valid bodies (the hot path) pay for one compiled check only.
   if (check.Check(value)) return undefined;
   const e = bestError(check.Errors(value));

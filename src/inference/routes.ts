@@ -8,7 +8,8 @@ import type { Logger } from "../lib/log.ts";
 import type { Metrics } from "../metrics/registry.ts";
 import type { Metering } from "../limits/metering.ts";
 import { allowedAliases } from "./aliases.ts";
-import { type CheckedCall, createInferenceService } from "./service.ts";
+import type { Principal } from "../auth/types.ts";
+import { type CheckedCall, createInferenceService, type Reply } from "./service.ts";
 import { type ConnectProbe, createConnectProbe } from "./upstream/probe.ts";
 import { createUpstream } from "./upstream/index.ts";
 import { createImageUrlCheck, type HostLookup } from "./image-url.ts";
@@ -79,6 +80,12 @@ export function createInference(deps: InferenceDeps) {
    * JSON text gets its content type here; a Response carries its own.
    */
   async function serve(call: CheckedCall, request: Request, set: { headers: Record<string, string | number> }) {
+    const reply = await run(call, request);
+    if (typeof reply === "string") set.headers["content-type"] = "application/json";
+    return reply;
+  }
+
+  async function run(call: CheckedCall, request: Request): Promise<Reply> {
     const state = stateOf(request);
     annotate(request, { alias: call.alias, streamed: call.streamed });
     const served = await call.run({ signal: request.signal, requestId: state?.id ?? "" });
@@ -89,12 +96,16 @@ export function createInference(deps: InferenceDeps) {
         return o.status;
       });
     }
-    if (typeof served.reply === "string") set.headers["content-type"] = "application/json";
     return served.reply;
   }
 
   return {
     upstream,
+    /**
+     * Chat as POST /v1/chat/completions runs it (the checked call, the
+     * access-log state), for the Responses API (src/responses/chat-call.ts).
+     */
+    chat: async (principal: Principal, body: unknown, request: Request): Promise<Reply> => run(await service.chat(principal, body), request),
     routes: (auth: ReturnType<typeof authPlugin>) =>
       new Elysia({ name: "inference" })
         .use(auth)

@@ -1,9 +1,9 @@
 import { afterAll, beforeAll, describe, expect, test, setDefaultTimeout } from "bun:test";
-import { copyFileSync, existsSync, readdirSync, statSync, writeFileSync } from "node:fs";
+import { copyFileSync, existsSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
+import { ensureBinary } from "../helpers/binary.ts";
 import { eventually } from "../helpers/poll.ts";
 import {
-  BUN,
   type Proc,
   ROOT,
   cleanEnv,
@@ -31,30 +31,8 @@ setDefaultTimeout(60_000);
  * so CI's two `bun test` runs compile it once.
  */
 
-const DIST = join(ROOT, "dist/gateway");
 const PKG_VERSION = ((await Bun.file(join(ROOT, "package.json")).json()) as { version: string }).version;
 const TEST_DATABASE_URL = process.env.TEST_DATABASE_URL;
-
-function newestSource(): number {
-  let newest = 0;
-  const walk = (p: string) => {
-    const s = statSync(p);
-    if (s.isDirectory()) {
-      for (const e of readdirSync(p)) walk(join(p, e));
-    } else newest = Math.max(newest, s.mtimeMs);
-  };
-  for (const p of ["src", "drizzle", "package.json", "bun.lock", "tsconfig.json"]) {
-    if (existsSync(join(ROOT, p))) walk(join(ROOT, p));
-  }
-  return newest;
-}
-
-async function ensureBinary(): Promise<string> {
-  if (existsSync(DIST) && statSync(DIST).mtimeMs > newestSource()) return DIST;
-  const r = await run([BUN, "run", "build"], { cwd: ROOT, env: cleanEnv(), timeoutMs: 180_000 });
-  if (r.code !== 0) throw new Error(`bun run build failed (${r.code}):\n${r.stdout}\n${r.stderr}`);
-  return DIST;
-}
 
 let bin: string;
 beforeAll(async () => {

@@ -37,6 +37,7 @@ async function org(quotaTokens: number | null, quotaWindow: "hour" | "day" | "mo
     quotaPeriod: quotaWindow,
     actorName: "",
     actorEmail: "",
+    keyRoot: crypto.randomUUID(),
   };
 }
 

@@ -38,7 +38,13 @@ export const serve = defineCommand({
       // whatever earlier runs left. The embedded database, in memory unless --data-dir: every demo starts clean.
       const { databaseUrl, ...embedded } = base;
       ignoredDatabase = databaseUrl !== undefined;
-      cfg = { ...embedded, reusePort: false, aliases: Object.keys(base.aliases).length ? base.aliases : (upstreamAliases(sim.url) as Config["aliases"]) };
+      cfg = {
+        ...embedded,
+        reusePort: false,
+        aliases: Object.keys(base.aliases).length ? base.aliases : (upstreamAliases(sim.url) as Config["aliases"]),
+        // The demo shows everything the gateway can serve, the optional Responses API included.
+        responses: { ...base.responses, enabled: true },
+      };
     } else {
       cfg = await config(values, overrides);
       if (Object.keys(cfg.aliases).length === 0) {

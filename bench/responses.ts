@@ -1,0 +1,150 @@
+/**
+ * Phase r of `bun run bench` (bench/inference.ts): the Responses API's
+ * streaming overhead over the same chat alias (issue 16's targets).
+ *
+ *  - Gaps: 64 concurrent streams of 40 tokens 20 ms apart for 8 s, direct to
+ *    the simulator, as chat through the gateway, and as Responses through the
+ *    gateway. The figure: the Responses stream's inter-read gap p99 minus the
+ *    upstream's (direct) one (target <= 1 ms); against the chat stream through
+ *    the same gateway it is what the translation alone adds.
+ *  - Memory: N streams (20 tokens 500 ms apart) held open at once, on a fresh
+ *    gateway each time (one that already held streams reuses the memory it
+ *    freed, which would flatter whichever ran second): chat, Responses with
+ *    `store: false`, and Responses stored (the default). RSS per held stream is
+ *    (peak - before) / N; the target is Responses <= 1.5x chat.
+ */
+import { SseData } from "../src/responses/events.ts";
+import type { ResponseEcho } from "../src/responses/output.ts";
+import { ChatToResponses } from "../src/responses/stream-state.ts";
+import type { LoadSpec } from "./inference.ts";
+
+type Endpoint = { url: string; headers: Record<string, string> };
+
+export interface ResponsesPhaseContext {
+  simRoot: string;
+  direct: Endpoint;
+  key: string;
+  streams: number;
+  loadgen(spec: LoadSpec): Promise<Record<string, number>>;
+  setSim(root: string, patch: Record<string, number>): Promise<void>;
+  rssKb(pid: number, field: "VmRSS" | "VmHWM"): number;
+  freshGateway(): Promise<{ url: string; pid: number }>;
+}
+
+const UPSTREAM_MODEL = "sim/bench-model";
+/** Streams open within the 2 s ramp and live 10 s: until 9.5 s after the start all are open. */
+const OPEN_WINDOW_MS = 9_500;
+const f1 = (n: number) => (Number.isFinite(n) ? n.toFixed(1) : "n/a");
+const f2 = (n: number) => (Number.isFinite(n) ? n.toFixed(2) : "n/a");
+const num = (r: Record<string, number> | undefined, k: string) => r?.[k] ?? Number.NaN;
+
+const chatBody = (model: string) => JSON.stringify({ model, messages: [{ role: "user", content: "Count to forty." }], stream: true });
+const responsesBody = (store: boolean) => JSON.stringify({ model: "svc-fast", input: "Count to forty.", stream: true, ...(store ? {} : { store: false }) });
+
+type Kind = "chat" | "responses (store: false)" | "responses (stored)";
+
+function via(gwUrl: string, key: string, kind: Kind): Omit<LoadSpec, "kind" | "concurrency" | "durationMs" | "warmupMs"> {
+  const headers = { "content-type": "application/json", authorization: `Bearer ${key}` };
+  if (kind === "chat") return { url: `${gwUrl}/v1/chat/completions`, headers, body: chatBody("svc-fast") };
+  return { url: `${gwUrl}/v1/responses`, headers, body: responsesBody(kind === "responses (stored)"), responses: true };
+}
+
+export async function responsesPhase(ctx: ResponsesPhaseContext): Promise<void> {
+  console.log("\nr. Responses API (POST /v1/responses, stream: true) on the same alias as chat");
+  await ctx.setSim(ctx.simRoot, { ttftMs: 0, interTokenMs: 20, completionTokens: 40 });
+  const gw = await ctx.freshGateway();
+  const base = { concurrency: 64, durationMs: 8_000, warmupMs: 1_000 };
+  const d = await ctx.loadgen({ kind: "stream", ...ctx.direct, body: chatBody(UPSTREAM_MODEL), ...base });
+  const c = await ctx.loadgen({ kind: "stream", ...via(gw.url, ctx.key, "chat"), ...base });
+  const r = await ctx.loadgen({ kind: "stream", ...via(gw.url, ctx.key, "responses (store: false)"), ...base });
+  const s = await ctx.loadgen({ kind: "stream", ...via(gw.url, ctx.key, "responses (stored)"), ...base });
+  const line = (name: string, x: Record<string, number>) =>
+    `   ${name} ${x.streams} streams (${x.failed} failed)   TTFB p50 ${f2(num(x, "ttfbP50"))} / p99 ${f2(num(x, "ttfbP99"))} ms   gap p50 ${f2(num(x, "gapP50"))} / p99 ${f2(num(x, "gapP99"))} / max ${f2(num(x, "gapMax"))} ms   events/stream ${x.eventsMin}-${x.eventsMax}   reads/stream p50 ${x.readsP50}`;
+  console.log("   64 concurrent streams, 40 tokens 20 ms apart, 8 s each:");
+  console.log(line("direct:              ", d));
+  console.log(line("gateway chat:        ", c));
+  console.log(line("gateway responses:   ", r));
+  console.log(line("… stored (default):  ", s));
+  for (const [name, x] of [
+    ["responses", r],
+    ["stored", s],
+  ] as const) {
+    console.log(
+      `   ${name}: inter-event gap p99 added over the upstream's chunks ${f2(num(x, "gapP99") - num(d, "gapP99"))} ms (target <= 1); over chat through the gateway ${f2(num(x, "gapP99") - num(c, "gapP99"))} ms`,
+    );
+  }
+
+  console.log(`   ${ctx.streams} streams held open at once (20 tokens 500 ms apart), a fresh gateway for each:`);
+  const perStream: Partial<Record<Kind, number>> = {};
+  for (const kind of ["chat", "responses (store: false)", "responses (stored)"] as const) {
+    const g = await ctx.freshGateway();
+    // Warm-up at full speed, so code loading and JIT are not counted as stream memory.
+    await ctx.setSim(ctx.simRoot, { ttftMs: 0, interTokenMs: 0, completionTokens: 20 });
+    await ctx.loadgen({ kind: "hold", ...via(g.url, ctx.key, kind), concurrency: 200, durationMs: 0, warmupMs: 0, rampMs: 200 });
+    await ctx.setSim(ctx.simRoot, { ttftMs: 0, interTokenMs: 500, completionTokens: 20 });
+    const before = ctx.rssKb(g.pid, "VmRSS");
+    // Two peaks: while the streams are all open (the first one ends ~10 s after the first
+    // opened: 20 tokens 500 ms apart), and overall, which adds the burst of their endings
+    // (for stored responses: thousands of rows written within a second or two).
+    const t0 = performance.now();
+    let openPeak = before;
+    let peak = before;
+    const sampler = setInterval(() => {
+      const now = ctx.rssKb(g.pid, "VmRSS");
+      peak = Math.max(peak, now);
+      if (performance.now() - t0 < OPEN_WINDOW_MS) openPeak = Math.max(openPeak, now);
+    }, 100);
+    const h = await ctx.loadgen({ kind: "hold", ...via(g.url, ctx.key, kind), concurrency: ctx.streams, durationMs: 0, warmupMs: 0, rampMs: 2_000 });
+    clearInterval(sampler);
+    peak = Math.max(peak, ctx.rssKb(g.pid, "VmHWM"));
+    perStream[kind] = (openPeak - before) / ctx.streams;
+    console.log(
+      `   ${kind.padEnd(24)} completed ${h.completed}/${h.streams} (${h.failed} failed, ${h.peakOpen} open at once)   RSS ${f1(before / 1024)} MB before, ${f1(openPeak / 1024)} all open, ${f1(peak / 1024)} peak with the endings   ${f1(num(perStream, kind))} KB per open stream (${f1((peak - before) / ctx.streams)} with the endings)`,
+    );
+  }
+  const chat = num(perStream, "chat");
+  console.log(
+    `   memory per open stream, responses / chat: ${f2(num(perStream, "responses (store: false)") / chat)}x (store: false), ${f2(num(perStream, "responses (stored)") / chat)}x (stored) (target <= 1.5)`,
+  );
+  translationCost();
+}
+
+/** The translation alone, in this process: CPU per upstream chunk (what it can add to a gap), from the gateway's own modules. */
+function translationCost(): void {
+  const enc = new TextEncoder();
+  const chunk = (i: number) =>
+    enc.encode(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"svc-fast","choices":[{"index":0,"delta":{"content":"token${i} "},"logprobs":null,"finish_reason":null}]}\n\n`);
+  const chunks = Array.from({ length: 40 }, (_, i) => chunk(i));
+  const meta = { id: "resp_bench", createdAt: 0, model: "svc-fast", echo: benchEcho };
+  const times: number[] = [];
+  for (let s = 0; s < 2_000; s++) {
+    const t = new ChatToResponses(meta);
+    const sse = new SseData();
+    t.start();
+    for (const c of chunks) {
+      const t0 = performance.now();
+      for (const d of sse.push(c)) t.data(d);
+      times.push(performance.now() - t0);
+    }
+  }
+  times.sort((a, b) => a - b);
+  const at = (p: number) => (times[Math.min(times.length - 1, Math.floor((p / 100) * times.length))] ?? Number.NaN) * 1000;
+  console.log(`   translation per upstream chunk (in-process, ${times.length} chunks): p50 ${f1(at(50))} µs, p99 ${f1(at(99))} µs`);
+}
+
+const benchEcho: ResponseEcho = {
+  instructions: null,
+  max_output_tokens: null,
+  metadata: {},
+  parallel_tool_calls: true,
+  previous_response_id: null,
+  temperature: null,
+  top_p: null,
+  tool_choice: "auto",
+  tools: [],
+  text: { format: { type: "text" } },
+  reasoning: { effort: null, summary: null },
+  store: false,
+  truncation: "disabled",
+  user: null,
+};

@@ -1,0 +1,182 @@
+/**
+ * The gateway's chat SSE answer -> the Responses API's event stream.
+ *
+ * The chat stream is read as it arrives and every read is translated and
+ * written before the next read (stream-state.ts holds the state machine), so the
+ * translation adds no waiting, only the parse and the re-serialisation of
+ * one read's events. SSE framing follows the spec's rules: `\n`, `\r\n` or
+ * `\r` line ends, `data:` with or without its space, comments ignored, and a
+ * read may end anywhere, inside an event, a line end or a UTF-8 character.
+ */
+import { ChatToResponses } from "./stream-state.ts";
+import type { ResponseMeta, ResponseObject } from "./output.ts";
+
+/** One event larger than this without an end is not SSE we understand (as in inference/stream.ts). */
+const MAX_EVENT_BYTES = 8 * 1024 * 1024;
+const LF = 0x0a;
+const CR = 0x0d;
+
+const asBuffer = (u: Uint8Array): Buffer => (Buffer.isBuffer(u) ? u : Buffer.from(u.buffer, u.byteOffset, u.byteLength));
+
+/**
+ * Incremental SSE `data` reader: returns the data of each event a read
+ * completes. It works on bytes and decodes whole lines only (a line end byte
+ * never occurs inside a UTF-8 sequence), so it needs no per-stream decoder,
+ * and a partial line is held as the pieces it arrived in, joined once.
+ */
+export class SseData {
+  private held: Buffer[] = [];
+  private heldBytes = 0;
+  private data: string[] = [];
+  private dataChars = 0;
+
+  push(bytes: Uint8Array): string[] {
+    let buf = asBuffer(bytes);
+    if (this.heldBytes > 0) {
+      const last = this.held[this.held.length - 1];
+      // No line end in this read (and none pending as a last `\r`): the held line just grows.
+      if (last?.[last.length - 1] !== CR && buf.indexOf(LF) === -1 && buf.indexOf(CR) === -1) {
+        this.hold(buf);
+        return [];
+      }
+      buf = Buffer.concat([...this.held, buf]);
+      this.held = [];
+      this.heldBytes = 0;
+    }
+    const events: string[] = [];
+    let pos = 0;
+    let lf = buf.indexOf(LF);
+    let cr = buf.indexOf(CR);
+    for (;;) {
+      if (lf !== -1 && lf < pos) lf = buf.indexOf(LF, pos);
+      if (cr !== -1 && cr < pos) cr = buf.indexOf(CR, pos);
+      const end = lf === -1 ? cr : cr === -1 ? lf : Math.min(lf, cr);
+      if (end === -1) break;
+      let next = end + 1;
+      if (end === cr) {
+        // A `\r` at the end of the read may be the first half of `\r\n`: wait for the next read.
+        if (next === buf.length) break;
+        if (buf[next] === LF) next++;
+      }
+      this.line(buf.toString("utf8", pos, end), events);
+      pos = next;
+    }
+    if (pos < buf.length) this.hold(buf.subarray(pos));
+    return events;
+  }
+
+  /** Keeps a partial line, copied: it may be a view into a read the runtime reuses. */
+  private hold(piece: Buffer): void {
+    this.held.push(Buffer.from(piece));
+    this.heldBytes += piece.length;
+    if (this.heldBytes + this.dataChars > MAX_EVENT_BYTES) throw new Error("an oversized SSE event");
+  }
+
+  private line(line: string, events: string[]): void {
+    if (line === "") {
+      if (this.data.length > 0) events.push(this.data.length === 1 ? (this.data[0] ?? "") : this.data.join("\n"));
+      this.data = [];
+      this.dataChars = 0;
+    } else if (line.startsWith("data:")) {
+      const value = line.charCodeAt(5) === 32 ? line.slice(6) : line.slice(5);
+      this.data.push(value);
+      this.dataChars += value.length;
+    }
+    // Other fields (`event:`, `id:`, `retry:`) and `:` comments carry nothing for us.
+  }
+}
+
+/**
+ * The gateway's own chat SSE answer -> the Responses event stream as SSE bytes
+ * (`event: <type>\ndata: {json}\n\n`). Cancelling the returned stream cancels
+ * `chatSse` (so the upstream call is aborted as for chat). `onFinal` is called
+ * exactly once with the final Response object: completed, incomplete, failed,
+ * or `cancelled` when the client went away first. When it returns a promise
+ * (storing the response), the stream ends only once that settles, so a client
+ * that has read to the end can use the id at once; no extra stream layer needed.
+ */
+export function responseEventStream(
+  chatSse: ReadableStream<Uint8Array>,
+  meta: ResponseMeta,
+  onFinal: (r: ResponseObject) => void | Promise<void>,
+): ReadableStream<Uint8Array> {
+  const t = new ChatToResponses(meta);
+  const sse = new SseData();
+  const reader = chatSse.getReader();
+  let reported: Promise<void> | undefined;
+  let gone = false;
+  const report = (r: ResponseObject): Promise<void> => {
+    if (reported) return reported;
+    try {
+      reported = Promise.resolve(onFinal(r)).catch(() => {});
+    } catch {
+      // The caller's hook failed; the stream still ends cleanly.
+      reported = Promise.resolve();
+    }
+    return reported;
+  };
+
+  const clientGone = () => {
+    if (gone) return;
+    gone = true;
+    report(t.cancel());
+    reader.cancel("client disconnected").catch(() => {});
+  };
+
+  const write = async (c: ReadableStreamDirectController, text: string): Promise<boolean> => {
+    if (text === "") return true;
+    try {
+      const w = c.write(text);
+      if (typeof w !== "number") await w;
+      const f = c.flush();
+      if (typeof f !== "number") await f;
+      return true;
+    } catch {
+      clientGone();
+      return false;
+    }
+  };
+
+  const translate = (bytes: Uint8Array): string => {
+    let text = "";
+    try {
+      for (const data of sse.push(bytes)) text += t.data(data);
+    } catch (e) {
+      text += t.fail(`The model '${meta.model}' sent an unreadable stream: ${(e as Error).message}`, null);
+    }
+    return text;
+  };
+
+  async function pull(c: ReadableStreamDirectController): Promise<void> {
+    if (!(await write(c, t.start()))) return;
+    for (;;) {
+      let r: Awaited<ReturnType<typeof reader.read>>;
+      try {
+        r = await reader.read();
+      } catch {
+        if (gone) return;
+        r = { done: true, value: undefined };
+        if (!t.final && !(await write(c, t.fail(`The connection to the model '${meta.model}' was lost mid-stream.`, null)))) return;
+      }
+      if (gone) return;
+      if (r.done) {
+        // The chat relay always ends with [DONE] or its error event; anything else broke off.
+        if (!t.final && !(await write(c, t.fail(`The model '${meta.model}' ended the stream early.`, null)))) return;
+        if (t.final) await report(t.final);
+        if (!gone) c.close();
+        return;
+      }
+      // After the final event the chat stream is still read to its end (it ends right after
+      // [DONE]), so the chat side records a finished request, not a client that went away.
+      if (t.final) continue;
+      if (!(await write(c, translate(r.value)))) return;
+      if (t.final) void report(t.final);
+    }
+  }
+
+  return new ReadableStream<Uint8Array>({
+    type: "direct",
+    pull,
+    cancel: clientGone,
+  } satisfies import("bun").DirectUnderlyingSource<Uint8Array>);
+}

@@ -1,0 +1,242 @@
+/**
+ * OpenAI's Response object, built from the gateway's own chat answers.
+ *
+ * The shapes below follow the `openai` SDK's `Response` type field for field
+ * (test/unit/responses-output.test.ts checks that they are assignable to it),
+ * with two deliberate differences: `output_text` is left out, because it is
+ * not on OpenAI's wire (the SDKs compute it from `output`), and `store` is
+ * included, because OpenAI's API sends it although the SDK type does not
+ * declare it. Fields the SDK declares as optional and non-nullable (`usage`,
+ * `user`) are left out rather than sent as null.
+ */
+import { isRecord } from "../lib/guards.ts";
+
+/** Request fields a Response object echoes (OpenAI's Response type declares them); built by 16a. */
+export interface ResponseEcho {
+  instructions: string | null;
+  max_output_tokens: number | null;
+  metadata: Record<string, string>;
+  parallel_tool_calls: boolean;
+  previous_response_id: string | null;
+  temperature: number | null;
+  top_p: number | null;
+  tool_choice: "auto" | "none" | "required" | { type: "function"; name: string };
+  tools: Array<{ type: "function"; name: string; description: string | null; parameters: Record<string, unknown> | null; strict: boolean | null }>;
+  text: {
+    format:
+      | { type: "text" }
+      | { type: "json_object" }
+      | { type: "json_schema"; name: string; schema: Record<string, unknown>; strict: boolean | null; description?: string };
+  };
+  reasoning: { effort: string | null; summary: null };
+  store: boolean;
+  truncation: "disabled" | "auto";
+  user: string | null;
+}
+
+export interface ResponseMeta {
+  /** `resp_…` */
+  id: string;
+  /** Seconds. */
+  createdAt: number;
+  /** The alias the client asked for. */
+  model: string;
+  echo: ResponseEcho;
+}
+
+export type ItemStatus = "in_progress" | "completed" | "incomplete";
+
+export interface OutputText {
+  type: "output_text";
+  text: string;
+  annotations: never[];
+  logprobs: never[];
+}
+export interface OutputRefusal {
+  type: "refusal";
+  refusal: string;
+}
+export interface ReasoningText {
+  type: "reasoning_text";
+  text: string;
+}
+export interface MessageItem {
+  type: "message";
+  id: string;
+  status: ItemStatus;
+  role: "assistant";
+  content: Array<OutputText | OutputRefusal>;
+}
+export interface FunctionCallItem {
+  type: "function_call";
+  id: string;
+  call_id: string;
+  name: string;
+  arguments: string;
+  status: ItemStatus;
+}
+/** The upstream's reasoning text (vLLM's `reasoning_content` / `reasoning`), as OpenAI's open-weight models report it. */
+export interface ReasoningItem {
+  type: "reasoning";
+  id: string;
+  summary: never[];
+  content: ReasoningText[];
+  status: ItemStatus;
+}
+/** The output items of a Response (what previous_response_id replays and input_items lists are built from). */
+export type OutputItem = MessageItem | FunctionCallItem | ReasoningItem;
+
+export interface ResponseUsage {
+  input_tokens: number;
+  input_tokens_details: { cached_tokens: number; cache_write_tokens: number };
+  output_tokens: number;
+  output_tokens_details: { reasoning_tokens: number };
+  total_tokens: number;
+}
+
+/** The efforts the SDK's `ReasoningEffort` names; any other value the client sent is forwarded but echoed as null. */
+const EFFORTS = ["none", "minimal", "low", "medium", "high", "xhigh", "max"] as const;
+type Effort = (typeof EFFORTS)[number];
+const isEffort = (e: string | null): e is Effort => e !== null && (EFFORTS as readonly string[]).includes(e);
+
+export type ResponseStatus = "in_progress" | "completed" | "incomplete" | "failed" | "cancelled";
+
+/** A type, not an interface, so it is also a `Record<string, unknown>` (what the store takes). */
+export type ResponseObject = {
+  id: string;
+  object: "response";
+  created_at: number;
+  status: ResponseStatus;
+  background: boolean;
+  completed_at: number | null;
+  error: { code: "server_error"; message: string } | null;
+  incomplete_details: { reason: "max_output_tokens" | "content_filter" } | null;
+  instructions: string | null;
+  max_output_tokens: number | null;
+  max_tool_calls: null;
+  model: string;
+  output: OutputItem[];
+  parallel_tool_calls: boolean;
+  previous_response_id: string | null;
+  reasoning: { effort: Effort | null; summary: null };
+  store: boolean;
+  temperature: number | null;
+  text: ResponseEcho["text"];
+  tool_choice: ResponseEcho["tool_choice"];
+  tools: ResponseEcho["tools"];
+  top_p: number | null;
+  truncation: "disabled" | "auto";
+  usage?: ResponseUsage;
+  user?: string;
+  metadata: Record<string, string>;
+  access_programs: null;
+};
+
+const hex = (bytes: number): string => Buffer.from(crypto.getRandomValues(new Uint8Array(bytes))).toString("hex");
+/** Item ids: `msg_…`, `fc_…`, `rs_…` (OpenAI's prefixes) with 24 random bytes. */
+export const itemId = (prefix: "msg" | "fc" | "rs"): string => `${prefix}_${hex(24)}`;
+
+/** A Response with no output yet (`response.created`), or the frame the final one is built in. */
+export function responseShell(meta: ResponseMeta, status: ResponseStatus): ResponseObject {
+  const e = meta.echo;
+  const r: ResponseObject = {
+    id: meta.id,
+    object: "response",
+    created_at: meta.createdAt,
+    status,
+    background: false,
+    completed_at: null,
+    error: null,
+    incomplete_details: null,
+    instructions: e.instructions,
+    max_output_tokens: e.max_output_tokens,
+    max_tool_calls: null,
+    model: meta.model,
+    output: [],
+    parallel_tool_calls: e.parallel_tool_calls,
+    previous_response_id: e.previous_response_id,
+    reasoning: { effort: isEffort(e.reasoning.effort) ? e.reasoning.effort : null, summary: null },
+    store: e.store,
+    temperature: e.temperature,
+    text: e.text,
+    tool_choice: e.tool_choice,
+    tools: e.tools,
+    top_p: e.top_p,
+    truncation: e.truncation,
+    metadata: e.metadata,
+    access_programs: null,
+  };
+  if (e.user !== null) r.user = e.user;
+  return r;
+}
+
+const count = (v: unknown): number => (typeof v === "number" && Number.isFinite(v) && v > 0 ? Math.floor(v) : 0);
+
+/** Chat usage -> Responses usage; the upstream's cached and reasoning token counts when it reports them. */
+export function usageFromChat(u: unknown): ResponseUsage | undefined {
+  if (!isRecord(u)) return undefined;
+  const input = count(u.prompt_tokens);
+  const output = count(u.completion_tokens);
+  const cached = isRecord(u.prompt_tokens_details) ? count(u.prompt_tokens_details.cached_tokens) : 0;
+  const reasoning = isRecord(u.completion_tokens_details) ? count(u.completion_tokens_details.reasoning_tokens) : 0;
+  return {
+    input_tokens: input,
+    input_tokens_details: { cached_tokens: Math.min(cached, input), cache_write_tokens: 0 },
+    output_tokens: output,
+    output_tokens_details: { reasoning_tokens: Math.min(reasoning, output) },
+    total_tokens: input + output,
+  };
+}
+
+/** How a chat finish_reason ends a Response. */
+export function endOf(finishReason: unknown): { status: "completed" | "incomplete"; incomplete: ResponseObject["incomplete_details"] } {
+  if (finishReason === "length") return { status: "incomplete", incomplete: { reason: "max_output_tokens" } };
+  if (finishReason === "content_filter") return { status: "incomplete", incomplete: { reason: "content_filter" } };
+  return { status: "completed", incomplete: null };
+}
+
+/** Sets the end state of `r` (a shell whose output is filled in). */
+export function finish(
+  r: ResponseObject,
+  status: ResponseStatus,
+  fields: { incomplete?: ResponseObject["incomplete_details"]; usage?: ResponseUsage; error?: string },
+): ResponseObject {
+  r.status = status;
+  if (status === "completed" || status === "incomplete") r.completed_at = Math.floor(Date.now() / 1000);
+  r.incomplete_details = fields.incomplete ?? null;
+  if (fields.error !== undefined) r.error = { code: "server_error", message: fields.error };
+  if (fields.usage) r.usage = fields.usage;
+  return r;
+}
+
+const str = (v: unknown): string => (typeof v === "string" ? v : "");
+/** vLLM names the field `reasoning_content` (older) or `reasoning` (newer). */
+export const reasoningOf = (m: Record<string, unknown>): string => str(m.reasoning_content) || str(m.reasoning);
+
+/** The gateway's own non-streamed chat.completion answer (already model = alias, with usage) -> a Response. */
+export function responseFromChat(chat: Record<string, unknown>, meta: ResponseMeta): ResponseObject {
+  const choice = Array.isArray(chat.choices) ? chat.choices.find((c) => isRecord(c) && (c.index ?? 0) === 0) : undefined;
+  const message = isRecord(choice) && isRecord(choice.message) ? choice.message : {};
+  const end = endOf(isRecord(choice) ? choice.finish_reason : undefined);
+  const itemStatus: ItemStatus = end.status === "completed" ? "completed" : "incomplete";
+  const r = responseShell(meta, end.status);
+
+  const reasoning = reasoningOf(message);
+  if (reasoning) r.output.push({ type: "reasoning", id: itemId("rs"), summary: [], content: [{ type: "reasoning_text", text: reasoning }], status: itemStatus });
+
+  const text = str(message.content);
+  const refusal = str(message.refusal);
+  const calls = Array.isArray(message.tool_calls) ? message.tool_calls.filter(isRecord) : [];
+  if (text || refusal || calls.length === 0) {
+    const content: MessageItem["content"] = [];
+    if (text || !refusal) content.push({ type: "output_text", text, annotations: [], logprobs: [] });
+    if (refusal) content.push({ type: "refusal", refusal });
+    r.output.push({ type: "message", id: itemId("msg"), status: itemStatus, role: "assistant", content });
+  }
+  for (const call of calls) {
+    const fn = isRecord(call.function) ? call.function : {};
+    const callId = str(call.id) || `call_${hex(12)}`;
+    r.output.push({ type: "function_call", id: itemId("fc"), call_id: callId, name: str(fn.name), arguments: str(fn.arguments), status: itemStatus });
+  }
+  return finish(r, end.status, { incomplete: end.incomplete, usage: usageFromChat(chat.usage) });
+}

@@ -1,0 +1,304 @@
+import { type Static, type TSchema, Type as T } from "@sinclair/typebox";
+import { TypeCompiler, type TypeCheck } from "@sinclair/typebox/compiler";
+import { AppError } from "../lib/errors.ts";
+import { firstError } from "../inference/model.ts";
+import { isRecord } from "../lib/guards.ts";
+
+/**
+ * The body of POST /v1/responses, compiled once. Like chat (spec 7), a field
+ * outside the format is refused with 400 and its path in `param`; every field
+ * the official `openai` SDK and the OpenAI Agents SDK send is known (some are
+ * accepted and ignored: docs/decisions.md says which). Items and content parts
+ * are dispatched on `type` (as chat dispatches on `role`) so that `param`
+ * names the exact field (`input[2].content[0].text`).
+ *
+ * What the gateway cannot do is refused by name: `background`, hosted tools
+ * (`web_search`, `file_search`, …), `input_file` parts and `file_id` images
+ * (there is no files API), reusable `prompt`s and `conversation`s.
+ */
+
+const Nullable = <S extends TSchema>(s: S) => T.Union([s, T.Null()]);
+const Strict = { additionalProperties: false } as const;
+const Json = T.Record(T.String(), T.Unknown());
+
+// ---------------------------------------------------------------------------
+// Content parts
+// ---------------------------------------------------------------------------
+
+const InputText = T.Object({ type: T.Literal("input_text"), text: T.String() }, Strict);
+const InputImage = T.Object(
+  {
+    type: T.Literal("input_image"),
+    // A URL the upstream fetches (checked like chat's image URLs) or a data URL.
+    image_url: T.Optional(Nullable(T.String({ pattern: "^(https?://|data:image/)" }))),
+    file_id: T.Optional(Nullable(T.String())),
+    detail: T.Optional(T.Union([T.Literal("auto"), T.Literal("low"), T.Literal("high"), T.Literal("original")])),
+  },
+  Strict,
+);
+/** What an assistant message echoed back from a previous output carries. */
+const OutputText = T.Object(
+  { type: T.Literal("output_text"), text: T.String(), annotations: T.Optional(T.Array(T.Unknown())), logprobs: T.Optional(Nullable(T.Array(T.Unknown()))) },
+  Strict,
+);
+const Refusal = T.Object({ type: T.Literal("refusal"), refusal: T.String() }, Strict);
+
+const PART_CHECKS: Record<string, TypeCheck<TSchema>> = {
+  input_text: TypeCompiler.Compile(InputText),
+  input_image: TypeCompiler.Compile(InputImage),
+  output_text: TypeCompiler.Compile(OutputText),
+  refusal: TypeCompiler.Compile(Refusal),
+};
+/** Part types per role: images only from the user; assistants echo output text (or plain input text). */
+const PARTS_BY_ROLE: Record<string, readonly string[]> = {
+  user: ["input_text", "input_image"],
+  system: ["input_text"],
+  developer: ["input_text"],
+  assistant: ["output_text", "refusal", "input_text"],
+};
+
+export type InputTextPart = Static<typeof InputText>;
+export type InputImagePart = Static<typeof InputImage>;
+export type OutputTextPart = Static<typeof OutputText>;
+export type RefusalPart = Static<typeof Refusal>;
+export type ContentPart = InputTextPart | InputImagePart | OutputTextPart | RefusalPart;
+
+// ---------------------------------------------------------------------------
+// Input items
+// ---------------------------------------------------------------------------
+
+const Status = T.Optional(Nullable(T.String()));
+const Parts = T.Array(T.Object({ type: T.String() }));
+
+const MessageItem = T.Object(
+  {
+    type: T.Optional(T.Literal("message")),
+    role: T.Union([T.Literal("user"), T.Literal("system"), T.Literal("developer"), T.Literal("assistant")]),
+    content: T.Union([T.String(), Parts]),
+    // Present when a previous output message is echoed back (the Agents SDK does).
+    id: T.Optional(Nullable(T.String())),
+    status: Status,
+    phase: T.Optional(Nullable(T.String())),
+  },
+  Strict,
+);
+const FunctionCallItem = T.Object(
+  {
+    type: T.Literal("function_call"),
+    call_id: T.String({ minLength: 1 }),
+    name: T.String({ minLength: 1 }),
+    arguments: T.String(),
+    id: T.Optional(Nullable(T.String())),
+    status: Status,
+    namespace: T.Optional(Nullable(T.String())),
+    // The Agents SDK's programmatic tool calling echoes who made the call; nothing to forward.
+    caller: T.Optional(Nullable(T.Unknown())),
+  },
+  Strict,
+);
+const FunctionCallOutputItem = T.Object(
+  {
+    type: T.Literal("function_call_output"),
+    call_id: T.String({ minLength: 1 }),
+    output: T.Union([T.String(), T.Array(InputText)]),
+    id: T.Optional(Nullable(T.String())),
+    status: Status,
+    caller: T.Optional(Nullable(T.Unknown())),
+  },
+  Strict,
+);
+/** Reasoning items are accepted and dropped: chat upstreams take no reasoning input. */
+const ReasoningItem = T.Object(
+  {
+    type: T.Literal("reasoning"),
+    id: T.Optional(Nullable(T.String())),
+    summary: T.Optional(T.Array(T.Unknown())),
+    content: T.Optional(Nullable(T.Array(T.Unknown()))),
+    encrypted_content: T.Optional(Nullable(T.String())),
+    status: Status,
+  },
+  Strict,
+);
+
+const ITEM_CHECKS: Record<string, TypeCheck<TSchema>> = {
+  message: TypeCompiler.Compile(MessageItem),
+  function_call: TypeCompiler.Compile(FunctionCallItem),
+  function_call_output: TypeCompiler.Compile(FunctionCallOutputItem),
+  reasoning: TypeCompiler.Compile(ReasoningItem),
+};
+
+export type MessageItem = Omit<Static<typeof MessageItem>, "content"> & { content: string | ContentPart[] };
+export type FunctionCallItem = Static<typeof FunctionCallItem>;
+export type FunctionCallOutputItem = Static<typeof FunctionCallOutputItem>;
+export type ReasoningItem = Static<typeof ReasoningItem>;
+export type InputItem = (MessageItem & { type?: "message" }) | FunctionCallItem | FunctionCallOutputItem | ReasoningItem;
+
+// ---------------------------------------------------------------------------
+// Tools, tool choice, text format
+// ---------------------------------------------------------------------------
+
+const FunctionTool = T.Object(
+  {
+    type: T.Literal("function"),
+    name: T.String({ minLength: 1 }),
+    description: T.Optional(Nullable(T.String())),
+    // Arbitrary JSON Schema ($schema, additionalProperties, …): never validated inside.
+    parameters: T.Optional(Nullable(Json)),
+    strict: T.Optional(Nullable(T.Boolean())),
+  },
+  Strict,
+);
+const functionToolCheck = TypeCompiler.Compile(FunctionTool);
+export type FunctionTool = Static<typeof FunctionTool>;
+
+const FunctionChoice = T.Object({ type: T.Literal("function"), name: T.String({ minLength: 1 }) }, Strict);
+const functionChoiceCheck = TypeCompiler.Compile(FunctionChoice);
+const ToolChoice = T.Union([T.Literal("auto"), T.Literal("none"), T.Literal("required"), FunctionChoice]);
+
+const TextFormat = T.Union([
+  T.Object({ type: T.Literal("text") }, Strict),
+  T.Object({ type: T.Literal("json_object") }, Strict),
+  T.Object(
+    {
+      type: T.Literal("json_schema"),
+      name: T.String({ minLength: 1 }),
+      schema: Json,
+      strict: T.Optional(Nullable(T.Boolean())),
+      description: T.Optional(T.String()),
+    },
+    Strict,
+  ),
+]);
+
+// ---------------------------------------------------------------------------
+// The body
+// ---------------------------------------------------------------------------
+
+const Body = T.Object(
+  {
+    model: T.String({ minLength: 1 }),
+    // Dispatched by item type afterwards (parseResponsesBody).
+    input: T.Optional(T.Union([T.String(), T.Array(T.Object({}))])),
+    instructions: T.Optional(Nullable(T.String())),
+    previous_response_id: T.Optional(Nullable(T.String({ minLength: 1, maxLength: 128 }))),
+    store: T.Optional(Nullable(T.Boolean())),
+    stream: T.Optional(Nullable(T.Boolean())),
+    stream_options: T.Optional(Nullable(T.Object({ include_obfuscation: T.Optional(Nullable(T.Boolean())) }, Strict))),
+    background: T.Optional(Nullable(T.Boolean())),
+    // Dispatched by tool type afterwards: function tools pass, hosted tools are refused by name.
+    tools: T.Optional(T.Array(T.Object({ type: T.String() }))),
+    tool_choice: T.Optional(T.Union([ToolChoice, T.Object({ type: T.String() })])),
+    parallel_tool_calls: T.Optional(Nullable(T.Boolean())),
+    max_tool_calls: T.Optional(Nullable(T.Integer({ minimum: 1 }))),
+    text: T.Optional(Nullable(T.Object({ format: T.Optional(Nullable(TextFormat)), verbosity: T.Optional(Nullable(T.String())) }, Strict))),
+    max_output_tokens: T.Optional(Nullable(T.Integer({ minimum: 1 }))),
+    temperature: T.Optional(Nullable(T.Number({ minimum: 0, maximum: 2 }))),
+    top_p: T.Optional(Nullable(T.Number())),
+    top_logprobs: T.Optional(Nullable(T.Integer({ minimum: 0 }))),
+    reasoning: T.Optional(
+      Nullable(
+        T.Object(
+          { effort: T.Optional(Nullable(T.String())), summary: T.Optional(Nullable(T.String())), generate_summary: T.Optional(Nullable(T.String())) },
+          Strict,
+        ),
+      ),
+    ),
+    user: T.Optional(Nullable(T.String())),
+    safety_identifier: T.Optional(Nullable(T.String())),
+    metadata: T.Optional(Nullable(T.Record(T.String({ maxLength: 64 }), T.String({ maxLength: 512 }), { maxProperties: 16 }))),
+    include: T.Optional(Nullable(T.Array(T.String()))),
+    truncation: T.Optional(Nullable(T.Union([T.Literal("auto"), T.Literal("disabled")]))),
+    service_tier: T.Optional(Nullable(T.String())),
+    prompt_cache_key: T.Optional(Nullable(T.String())),
+    prompt_cache_retention: T.Optional(Nullable(T.String())),
+    prompt_cache_options: T.Optional(Nullable(Json)),
+    context_management: T.Optional(Nullable(T.Unknown())),
+    // Features this gateway does not have: accepted only when empty.
+    prompt: T.Optional(T.Null()),
+    conversation: T.Optional(T.Null()),
+  },
+  { ...Strict, description: "Unknown fields are refused at any depth (400 with param = the field's path); tool parameters and text.format schemas are free-form JSON Schema" },
+);
+
+export type ResponsesBody = Omit<Static<typeof Body>, "input" | "tools" | "tool_choice"> & {
+  input?: string | InputItem[];
+  tools?: FunctionTool[];
+  tool_choice?: Static<typeof ToolChoice>;
+};
+
+/** For the OpenAPI document. */
+export const ResponsesBodySchema = Body;
+
+const bodyCheck = TypeCompiler.Compile(Body);
+const BODY_KEYS = new Set(Object.keys(Body.properties));
+
+function invalid(param: string, message: string): AppError {
+  return new AppError("invalid_request_error", message, param);
+}
+
+function checkParts(role: string, content: unknown[], j: number): void {
+  const at = `input[${j}]`;
+  const allowed = PARTS_BY_ROLE[role] ?? [];
+  for (const [k, part] of content.entries()) {
+    const type = isRecord(part) ? part.type : undefined;
+    const p = `${at}.content[${k}]`;
+    if (type === "input_file") throw invalid(p, `'${p}' is an input_file part: this gateway has no files API; send the text or image inline.`);
+    if (typeof type !== "string" || !allowed.includes(type)) {
+      throw invalid(`${p}.type`, `Invalid value for '${p}.type': a ${role} message takes ${allowed.join(" or ")} parts.`);
+    }
+    const check = PART_CHECKS[type];
+    const err = check && firstError(check, part, `/input/${j}/content/${k}`);
+    if (err) throw err;
+    if (type === "input_image" && isRecord(part)) {
+      if (part.file_id != null) throw invalid(`${p}.file_id`, `'${p}.file_id': this gateway has no files API; send image_url (an https or data URL).`);
+      if (typeof part.image_url !== "string") throw invalid(`${p}.image_url`, `Missing required parameter: '${p}.image_url'.`);
+    }
+  }
+}
+
+function checkItem(item: Record<string, unknown>, j: number): void {
+  const at = `input[${j}]`;
+  const type = item.type === undefined && "role" in item ? "message" : item.type;
+  const check = typeof type === "string" ? ITEM_CHECKS[type] : undefined;
+  if (!check) {
+    throw invalid(
+      `${at}.type`,
+      `Invalid value for '${at}.type': ${JSON.stringify(type ?? null)} is not supported here; input items are message, function_call, function_call_output or reasoning.`,
+    );
+  }
+  const err = firstError(check, item, `/input/${j}`);
+  if (err) throw err;
+  if (type === "message" && Array.isArray(item.content)) checkParts(String(item.role), item.content, j);
+}
+
+function checkTools(tools: Record<string, unknown>[]): void {
+  for (const [i, tool] of tools.entries()) {
+    if (tool.type !== "function") {
+      throw invalid(
+        `tools[${i}].type`,
+        `The tool type '${String(tool.type)}' is not supported: this gateway serves function tools only (no hosted tools such as web_search, file_search or code_interpreter).`,
+      );
+    }
+    const err = firstError(functionToolCheck, tool, `/tools/${i}`);
+    if (err) throw err;
+  }
+}
+
+/** Validates a Responses body or throws a 400 AppError whose `param` names the field in the Responses format. */
+export function parseResponsesBody(raw: unknown): ResponsesBody {
+  if (!isRecord(raw)) throw new AppError("invalid_request_error", "The request body must be a JSON object.");
+  for (const k in raw) if (!BODY_KEYS.has(k)) throw invalid(k, `Unrecognized request argument supplied: ${k}`);
+  const err = firstError(bodyCheck, raw, "");
+  if (err) throw err;
+  if (raw.background === true) throw invalid("background", "Background responses are not supported by this gateway; send the request without background (streaming keeps long answers alive).");
+  if (Array.isArray(raw.input)) for (const [j, item] of raw.input.entries()) checkItem(item as Record<string, unknown>, j);
+  if (Array.isArray(raw.tools)) checkTools(raw.tools as Record<string, unknown>[]);
+  const choice = raw.tool_choice;
+  if (isRecord(choice) && choice.type !== "function") {
+    throw invalid("tool_choice", `The tool_choice type '${String(choice.type)}' is not supported: name a function tool, or auto, none or required.`);
+  }
+  const choiceErr = isRecord(choice) ? firstError(functionChoiceCheck, choice, "/tool_choice") : undefined;
+  if (choiceErr) throw choiceErr;
+  if (raw.input === undefined && raw.previous_response_id == null) throw invalid("input", "Missing required parameter: 'input'.");
+  return raw as ResponsesBody;
+}

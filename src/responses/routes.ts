@@ -1,0 +1,146 @@
+import { Elysia } from "elysia";
+import type { authPlugin } from "../http/auth.ts";
+import type { Principal } from "../auth/types.ts";
+import type { Config } from "../config/schema.ts";
+import type { Database } from "../db/client.ts";
+import { readJsonBody } from "../http/body.ts";
+import { AppError } from "../lib/errors.ts";
+import { resolveAlias } from "../inference/aliases.ts";
+import type { Logger } from "../lib/log.ts";
+import { type ChatService, callChat } from "./chat-call.ts";
+import { responseEventStream } from "./events.ts";
+import { listItems } from "./list.ts";
+import { type ResponseMeta, responseFromChat } from "./output.ts";
+import { parseResponsesBody } from "./request.ts";
+import { createResponseStore, type ResponseStore } from "./store.ts";
+import { type Translation, newItemId, responsesError, toChat } from "./translate.ts";
+
+/**
+ * The Responses API (config `responses.enabled`): POST /v1/responses on the
+ * chat aliases, and GET/DELETE /v1/responses/{id} with its input items when
+ * responses are stored. Mounted only when enabled, so otherwise these paths
+ * are unknown routes (404) and absent from /openapi.json.
+ */
+
+export interface ResponsesDeps {
+  config: Config;
+  database: Database;
+  log: Logger;
+  chat: ChatService;
+}
+
+const ID = /^resp_[A-Za-z0-9_-]{1,100}$/;
+const JSON_TYPE = "application/json";
+
+function notFound(id: string): AppError {
+  return new AppError("not_found", `No response with id '${id}' was found.`);
+}
+
+export function createResponses(deps: ResponsesDeps) {
+  const { config, log } = deps;
+  const store: ResponseStore | undefined = config.responses.store
+    ? createResponseStore(deps.database, { retentionDays: config.responses.retentionDays, log })
+    : undefined;
+
+  /** Read under the server's idle timeout, then lifted: an answer may take minutes (as in inference/routes.ts). */
+  async function readBody(request: Request, server: { timeout(req: Request, seconds: number): void } | null): Promise<unknown> {
+    server?.timeout(request, Math.min(255, config.idleTimeoutS + 8));
+    const body = await readJsonBody(request, config.bodyLimitBytes, "invalid_request_error", config.idleTimeoutS * 1000);
+    server?.timeout(request, 0);
+    return body;
+  }
+
+  async function replayed(p: Principal, previous: string | null | undefined): Promise<Record<string, unknown>[]> {
+    if (previous == null) return [];
+    if (!store) {
+      throw new AppError(
+        "invalid_request_error",
+        "previous_response_id cannot be used: this gateway does not store responses (responses.store is false). Send the whole conversation as input.",
+        "previous_response_id",
+      );
+    }
+    const items = ID.test(previous) ? await store.conversation(p, previous) : undefined;
+    if (!items) throw new AppError("not_found", `Previous response with id '${previous}' not found.`, "previous_response_id");
+    return items;
+  }
+
+  function save(p: Principal, meta: ResponseMeta, t: Translation, response: object): Promise<void> {
+    if (!store) return Promise.resolve();
+    return store
+      .save({ id: meta.id, principal: p, previousResponseId: meta.echo.previous_response_id, inputItems: t.inputItems, response })
+      .catch((e: unknown) => log.error("storing a response failed", { response_id: meta.id, err: e instanceof Error ? e.message : String(e) }));
+  }
+
+  async function create(p: Principal, raw: unknown, request: Request, set: { headers: Record<string, string | number> }) {
+    const body = parseResponsesBody(raw);
+    // The model first, as chat checks it first: an unknown alias is 404 model_not_found whatever else the request says.
+    resolveAlias(config, body.model, p, "chat");
+    const storeIt = store !== undefined && body.store !== false;
+    const t = toChat(body, await replayed(p, body.previous_response_id), storeIt);
+    const meta: ResponseMeta = { id: newItemId("resp"), createdAt: Math.floor(Date.now() / 1000), model: body.model, echo: t.echo };
+    let answer: Awaited<ReturnType<typeof callChat>>;
+    try {
+      answer = await callChat(deps.chat, p, t.chat, request);
+    } catch (e) {
+      throw responsesError(e, t);
+    }
+    if (answer.kind === "gone") return answer.response;
+    if (answer.kind === "json") {
+      const response = responseFromChat(answer.completion, meta);
+      // Written before the answer, so the client's next request (retrieve, previous_response_id) finds it on any instance.
+      if (storeIt) await save(p, meta, t, response);
+      set.headers["content-type"] = JSON_TYPE;
+      return JSON.stringify(response);
+    }
+    // Stored: the stream ends only once the row is written (responseEventStream awaits onFinal's promise),
+    // so a client that reads to the end can use the id at once.
+    const events = responseEventStream(answer.body, meta, (final) => (storeIt ? save(p, meta, t, final) : undefined));
+    return new Response(events, { headers: answer.headers });
+  }
+
+  function owned(p: Principal, id: string) {
+    if (!store || !ID.test(id)) throw notFound(id);
+    return store.get(p, id).then((r) => {
+      if (!r) throw notFound(id);
+      return r;
+    });
+  }
+
+  return {
+    store,
+    start() {
+      store?.start();
+    },
+    stop: () => store?.stop(),
+    routes: (auth: ReturnType<typeof authPlugin>) =>
+      new Elysia({ name: "responses" })
+        .use(auth)
+        // Bodies are read after authentication (parse: "none"), as for chat.
+        .post("/v1/responses", async ({ principal, request, server, set }) => create(principal, await readBody(request, server), request, set), {
+          auth: { scope: "inference" },
+          parse: "none",
+        })
+        .get(
+          "/v1/responses/:id",
+          async ({ principal, params, set }) => {
+            const r = await owned(principal, params.id);
+            set.headers["content-type"] = JSON_TYPE;
+            return JSON.stringify(r.response);
+          },
+          { auth: { scope: "inference" } },
+        )
+        .delete(
+          "/v1/responses/:id",
+          async ({ principal, params }) => {
+            if (!store || !ID.test(params.id) || !(await store.remove(principal, params.id))) throw notFound(params.id);
+            return { id: params.id, object: "response", deleted: true };
+          },
+          { auth: { scope: "inference" } },
+        )
+        .get(
+          "/v1/responses/:id/input_items",
+          async ({ principal, params, query }) => listItems((await owned(principal, params.id)).inputItems, query),
+          { auth: { scope: "inference" } },
+        ),
+  };
+}

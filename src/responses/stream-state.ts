@@ -1,0 +1,322 @@
+/**
+ * The chat -> Responses event translation as a pure state machine: chat SSE
+ * payloads in, Responses SSE text out, no I/O (events.ts wraps it in a
+ * stream). Each input payload yields its events at once; nothing is held
+ * back for later input, so the client sees a token when the upstream sent it.
+ *
+ * Items follow the order the upstream's deltas open them: a `reasoning` item
+ * for `reasoning_content`/`reasoning` text, a `message` item for `content`
+ * (and `refusal`), a `function_call` item per tool-call index. A reasoning or
+ * message item ends when an item of another kind begins (a later delta of
+ * the same kind opens a new item); function calls stay open until the choice
+ * finishes, because chat may interleave argument deltas of several calls by
+ * index. The final event (`response.completed` / `response.incomplete`) waits
+ * for `[DONE]`, since the usage chunk comes after the finish_reason chunk.
+ */
+import { isRecord } from "../lib/guards.ts";
+import {
+  endOf,
+  type FunctionCallItem,
+  finish,
+  type ItemStatus,
+  itemId,
+  type MessageItem,
+  type OutputRefusal,
+  type OutputText,
+  type ReasoningItem,
+  type ReasoningText,
+  type ResponseMeta,
+  type ResponseObject,
+  type ResponseUsage,
+  responseShell,
+  usageFromChat,
+} from "./output.ts";
+
+interface OpenMessage {
+  item: MessageItem;
+  index: number;
+  text?: { part: OutputText; at: number };
+  refusal?: { part: OutputRefusal; at: number };
+}
+interface OpenReasoning {
+  item: ReasoningItem;
+  index: number;
+  part: ReasoningText;
+}
+interface Call {
+  callId: string | undefined;
+  name: string;
+  /** Argument text received before the call's name (the item opens once the name is known). */
+  pending: string;
+  item?: FunctionCallItem;
+  index: number;
+  done: boolean;
+}
+
+/** One chat tool-call index per call; more than this in one answer is not a model talking. */
+const MAX_CALLS = 128;
+
+const str = (v: unknown): string => (typeof v === "string" ? v : "");
+const q = JSON.stringify;
+
+export class ChatToResponses {
+  readonly response: ResponseObject;
+  /** Set once the final event has been produced. */
+  final: ResponseObject | undefined;
+  private seq = 0;
+  private out = "";
+  private msg: OpenMessage | undefined;
+  private rs: OpenReasoning | undefined;
+  private readonly calls = new Map<number, Call>();
+  private finishReason: unknown = null;
+  private usage: ResponseUsage | undefined;
+
+  constructor(meta: ResponseMeta) {
+    this.response = responseShell(meta, "in_progress");
+  }
+
+  private emit(type: string, body: string): void {
+    this.out += `event: ${type}\ndata: {"type":"${type}","sequence_number":${this.seq++},${body}}\n\n`;
+  }
+
+  private take(): string {
+    const s = this.out;
+    this.out = "";
+    return s;
+  }
+
+  /** `response.created` and `response.in_progress`, sent before the upstream's first chunk is read. */
+  start(): string {
+    const snapshot = q(this.response);
+    this.emit("response.created", `"response":${snapshot}`);
+    this.emit("response.in_progress", `"response":${snapshot}`);
+    return this.take();
+  }
+
+  /** One chat SSE `data:` payload (`[DONE]`, a chunk, or the gateway's error event) -> the Responses events it causes. */
+  data(payload: string): string {
+    if (this.final) return "";
+    if (payload === "[DONE]") {
+      this.complete();
+      return this.take();
+    }
+    let v: unknown;
+    try {
+      v = JSON.parse(payload);
+    } catch {
+      return this.fail("The model sent an unreadable stream.", null);
+    }
+    if (!isRecord(v)) return "";
+    if (isRecord(v.error) || v.object === "error") {
+      const e = isRecord(v.error) ? v.error : v;
+      return this.fail(str(e.message) || "The model failed while generating.", typeof e.code === "string" ? e.code : null);
+    }
+    if (isRecord(v.usage)) this.usage = usageFromChat(v.usage);
+    if (Array.isArray(v.choices)) {
+      for (const c of v.choices) if (isRecord(c) && (c.index ?? 0) === 0) this.choice(c);
+    }
+    return this.take();
+  }
+
+  private choice(c: Record<string, unknown>): void {
+    if (this.finishReason !== null) return;
+    const d = isRecord(c.delta) ? c.delta : {};
+    const reasoning = str(d.reasoning_content) || str(d.reasoning);
+    if (reasoning) this.reasoningDelta(reasoning);
+    const content = str(d.content);
+    if (content) this.textDelta(content);
+    const refusal = str(d.refusal);
+    if (refusal) this.refusalDelta(refusal);
+    if (Array.isArray(d.tool_calls)) {
+      d.tool_calls.forEach((tc, i) => {
+        if (isRecord(tc)) this.toolCallDelta(tc, i);
+      });
+    }
+    if (typeof c.finish_reason === "string") {
+      this.finishReason = c.finish_reason;
+      this.closeAll(this.itemStatus());
+    }
+  }
+
+  private itemStatus(): ItemStatus {
+    return endOf(this.finishReason).status === "completed" ? "completed" : "incomplete";
+  }
+
+  private addItem(item: MessageItem | ReasoningItem | FunctionCallItem): number {
+    const index = this.response.output.length;
+    this.response.output.push(item);
+    this.emit("response.output_item.added", `"output_index":${index},"item":${q(item)}`);
+    return index;
+  }
+
+  private reasoningDelta(delta: string): void {
+    this.closeMessage("completed");
+    if (!this.rs) {
+      const item: ReasoningItem = { type: "reasoning", id: itemId("rs"), summary: [], content: [], status: "in_progress" };
+      const index = this.addItem(item);
+      const part: ReasoningText = { type: "reasoning_text", text: "" };
+      item.content.push(part);
+      this.emit("response.content_part.added", `"item_id":"${item.id}","output_index":${index},"content_index":0,"part":${q(part)}`);
+      this.rs = { item, index, part };
+    }
+    const { item, index, part } = this.rs;
+    part.text += delta;
+    this.emit("response.reasoning_text.delta", `"item_id":"${item.id}","output_index":${index},"content_index":0,"delta":${q(delta)}`);
+  }
+
+  private openMessage(): OpenMessage {
+    this.closeReasoning("completed");
+    if (!this.msg) {
+      const item: MessageItem = { type: "message", id: itemId("msg"), status: "in_progress", role: "assistant", content: [] };
+      this.msg = { item, index: this.addItem(item) };
+    }
+    return this.msg;
+  }
+
+  private textDelta(delta: string): void {
+    const m = this.openMessage();
+    if (!m.text) {
+      const part: OutputText = { type: "output_text", text: "", annotations: [], logprobs: [] };
+      m.text = { part, at: m.item.content.length };
+      m.item.content.push(part);
+      this.emit("response.content_part.added", `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${m.text.at},"part":${q(part)}`);
+    }
+    m.text.part.text += delta;
+    this.emit(
+      "response.output_text.delta",
+      `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${m.text.at},"delta":${q(delta)},"logprobs":[]`,
+    );
+  }
+
+  private refusalDelta(delta: string): void {
+    const m = this.openMessage();
+    if (!m.refusal) {
+      const part: OutputRefusal = { type: "refusal", refusal: "" };
+      m.refusal = { part, at: m.item.content.length };
+      m.item.content.push(part);
+      this.emit("response.content_part.added", `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${m.refusal.at},"part":${q(part)}`);
+    }
+    m.refusal.part.refusal += delta;
+    this.emit("response.refusal.delta", `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${m.refusal.at},"delta":${q(delta)}`);
+  }
+
+  private toolCallDelta(tc: Record<string, unknown>, position: number): void {
+    const key = typeof tc.index === "number" && Number.isSafeInteger(tc.index) ? tc.index : position;
+    let call = this.calls.get(key);
+    if (!call) {
+      if (this.calls.size >= MAX_CALLS) return;
+      call = { callId: undefined, name: "", pending: "", index: -1, done: false };
+      this.calls.set(key, call);
+    }
+    const fn = isRecord(tc.function) ? tc.function : {};
+    if (typeof tc.id === "string" && tc.id !== "") call.callId ??= tc.id;
+    const args = str(fn.arguments);
+    if (!call.item) {
+      call.name += str(fn.name);
+      call.pending += args;
+      if (call.name !== "") this.openCall(call);
+    } else if (args) {
+      call.item.arguments += args;
+      this.emit("response.function_call_arguments.delta", `"item_id":"${call.item.id}","output_index":${call.index},"delta":${q(args)}`);
+    }
+  }
+
+  private openCall(call: Call): void {
+    this.closeReasoning("completed");
+    this.closeMessage("completed");
+    const item: FunctionCallItem = {
+      type: "function_call",
+      id: itemId("fc"),
+      call_id: call.callId ?? `call_${itemId("fc").slice(3, 27)}`,
+      name: call.name,
+      arguments: "",
+      status: "in_progress",
+    };
+    call.item = item;
+    call.index = this.addItem(item);
+    if (call.pending) {
+      item.arguments = call.pending;
+      this.emit("response.function_call_arguments.delta", `"item_id":"${item.id}","output_index":${call.index},"delta":${q(call.pending)}`);
+      call.pending = "";
+    }
+  }
+
+  private closeReasoning(status: ItemStatus): void {
+    const r = this.rs;
+    if (!r) return;
+    this.rs = undefined;
+    const at = `"item_id":"${r.item.id}","output_index":${r.index},"content_index":0`;
+    this.emit("response.reasoning_text.done", `${at},"text":${q(r.part.text)}`);
+    this.emit("response.content_part.done", `${at},"part":${q(r.part)}`);
+    r.item.status = status;
+    this.emit("response.output_item.done", `"output_index":${r.index},"item":${q(r.item)}`);
+  }
+
+  private closeMessage(status: ItemStatus): void {
+    const m = this.msg;
+    if (!m) return;
+    this.msg = undefined;
+    const id = `"item_id":"${m.item.id}","output_index":${m.index}`;
+    m.item.content.forEach((part, i) => {
+      if (part.type === "output_text") this.emit("response.output_text.done", `${id},"content_index":${i},"text":${q(part.text)},"logprobs":[]`);
+      else this.emit("response.refusal.done", `${id},"content_index":${i},"refusal":${q(part.refusal)}`);
+      this.emit("response.content_part.done", `${id},"content_index":${i},"part":${q(part)}`);
+    });
+    m.item.status = status;
+    this.emit("response.output_item.done", `"output_index":${m.index},"item":${q(m.item)}`);
+  }
+
+  private closeAll(status: ItemStatus): void {
+    this.closeReasoning(status);
+    this.closeMessage(status);
+    // A call whose name never came is still reported, rather than losing its arguments.
+    for (const call of this.calls.values()) if (!call.item) this.openCall(call);
+    const open = [...this.calls.values()].filter((c) => !c.done).sort((a, b) => a.index - b.index);
+    for (const call of open) {
+      const item = call.item;
+      if (!item) continue;
+      call.done = true;
+      this.emit("response.function_call_arguments.done", `"item_id":"${item.id}","output_index":${call.index},"name":${q(item.name)},"arguments":${q(item.arguments)}`);
+      item.status = status;
+      this.emit("response.output_item.done", `"output_index":${call.index},"item":${q(item)}`);
+    }
+  }
+
+  /** `[DONE]`: the answer is whole. */
+  private complete(): void {
+    if (this.finishReason === null) this.closeAll("completed");
+    const end = endOf(this.finishReason);
+    const r = finish(this.response, end.status, { incomplete: end.incomplete, usage: this.usage });
+    this.final = r;
+    this.emit(end.status === "completed" ? "response.completed" : "response.incomplete", `"response":${q(r)}`);
+  }
+
+  /** Items still open when the answer stops short: reported as incomplete, without their done events. */
+  private markOpenIncomplete(): void {
+    for (const item of this.response.output) if (item.status === "in_progress") item.status = "incomplete";
+  }
+
+  /**
+   * The chat stream failed (its error event, or it broke off): `response.failed`
+   * with what was generated so far, then an `error` event, which the SDKs raise
+   * as an APIError as they do for chat's error event.
+   */
+  fail(message: string, code: string | null): string {
+    if (this.final) return "";
+    this.markOpenIncomplete();
+    const r = finish(this.response, "failed", { usage: this.usage, error: message });
+    this.final = r;
+    this.emit("response.failed", `"response":${q(r)}`);
+    this.emit("error", `"code":${q(code ?? "server_error")},"message":${q(message)},"param":null`);
+    return this.take();
+  }
+
+  /** The client went away: the Response as it stood, `cancelled`. No events (nobody reads them). */
+  cancel(): ResponseObject {
+    if (this.final) return this.final;
+    this.markOpenIncomplete();
+    const r = finish(this.response, "cancelled", { usage: this.usage });
+    this.final = r;
+    return r;
+  }
+}

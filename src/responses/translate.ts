@@ -1,0 +1,215 @@
+import { AppError } from "../lib/errors.ts";
+import type { ResponseEcho } from "./output.ts";
+import type { ContentPart, FunctionTool, InputItem, MessageItem, ResponsesBody } from "./request.ts";
+
+/**
+ * A Responses request → the chat completions body the upstream gets (the
+ * upstreams speak chat completions only), the request fields the Response
+ * echoes, and the request's own input items in the form they are stored and
+ * listed. Errors the chat service raises about the translated body name chat
+ * fields (`messages[3].content[0]`, `max_tokens`); `responsesError` names the
+ * Responses field they came from (`input[2].content[0]`, `max_output_tokens`).
+ *
+ * Forwarded: input/instructions (as messages), tools, tool_choice,
+ * parallel_tool_calls, text.format (response_format), max_output_tokens
+ * (max_tokens), temperature, top_p, reasoning.effort (vLLM's
+ * reasoning_effort), user (or else safety_identifier, as user). Everything
+ * else accepted is the gateway's own (store, metadata, previous_response_id)
+ * or ignored (docs/decisions.md).
+ */
+
+/** An input item as stored and listed by GET /v1/responses/{id}/input_items: always with an id and a status. */
+export type StoredItem = Record<string, unknown> & { id: string; type: string };
+
+export interface Translation {
+  chat: Record<string, unknown>;
+  echo: ResponseEcho;
+  inputItems: StoredItem[];
+  /** The Responses field a chat field came from (null stays null). */
+  param(chatParam: string | null): string | null;
+}
+
+type ChatMessage = Record<string, unknown> & { role: string };
+
+const hex = () => crypto.randomUUID().replaceAll("-", "");
+export const newItemId = (prefix: string) => `${prefix}_${hex()}`;
+
+function textOf(content: string | ContentPart[]): string {
+  if (typeof content === "string") return content;
+  let s = "";
+  for (const p of content) if (p.type === "output_text" || p.type === "input_text") s += p.text;
+  return s;
+}
+
+function chatParts(content: string | ContentPart[]): string | Record<string, unknown>[] {
+  if (typeof content === "string") return content;
+  // One chat part per Responses part, so a part's index is the same on both sides (see param()).
+  return content.map((p) => {
+    if (p.type === "input_image") return { type: "image_url", image_url: { url: p.image_url ?? "", ...(p.detail ? { detail: p.detail } : {}) } };
+    if (p.type === "refusal") return { type: "text", text: p.refusal };
+    return { type: "text", text: p.text };
+  });
+}
+
+/** The item in its stored form: string content becomes parts, ids are assigned. */
+export function storedItem(item: InputItem): StoredItem {
+  const type = item.type ?? "message";
+  if (type === "message") {
+    const m = item as MessageItem;
+    const content =
+      typeof m.content === "string"
+        ? [m.role === "assistant" ? { type: "output_text", text: m.content, annotations: [] } : { type: "input_text", text: m.content }]
+        : m.content;
+    return { id: m.id ?? newItemId("msg"), type: "message", role: m.role, content, status: m.status ?? "completed" };
+  }
+  const id = item.id ?? newItemId(type === "function_call" ? "fc" : type === "function_call_output" ? "fco" : "rs");
+  return { ...item, id, type, status: item.status ?? "completed" } as StoredItem;
+}
+
+function echoTools(tools: FunctionTool[] | undefined): ResponseEcho["tools"] {
+  return (tools ?? []).map((t) => ({ type: "function", name: t.name, description: t.description ?? null, parameters: t.parameters ?? null, strict: t.strict ?? null }));
+}
+
+/**
+ * `replay` is the stored conversation `previous_response_id` names (oldest
+ * first: each response's input items, then its output items); it is sent
+ * before this request's input.
+ */
+export function toChat(body: ResponsesBody, replay: readonly Record<string, unknown>[], store: boolean): Translation {
+  const messages: ChatMessage[] = [];
+  /** Per chat message: where it came from (`instructions`, `input[j]`, `previous_response_id`). */
+  const origin: string[] = [];
+  const push = (m: ChatMessage, from: string) => {
+    messages.push(m);
+    origin.push(from);
+  };
+
+  if (body.instructions) push({ role: "system", content: body.instructions }, "instructions");
+
+  const add = (item: InputItem, from: string) => {
+    const type = item.type ?? "message";
+    if (type === "message") {
+      const m = item as MessageItem;
+      if (m.role === "assistant") push({ role: "assistant", content: textOf(m.content) }, from);
+      else push({ role: m.role === "developer" ? "system" : m.role, content: chatParts(m.content) }, from);
+    } else if (type === "function_call") {
+      const c = item as Extract<InputItem, { type: "function_call" }>;
+      const call = { id: c.call_id, type: "function", function: { name: c.name, arguments: c.arguments } };
+      // Calls of one turn share an assistant message (chat's shape for parallel calls).
+      const last = messages[messages.length - 1];
+      if (last?.role === "assistant") {
+        const calls = Array.isArray(last.tool_calls) ? last.tool_calls : [];
+        last.tool_calls = [...calls, call];
+        if (last.content === "") last.content = null;
+      } else push({ role: "assistant", content: null, tool_calls: [call] }, from);
+    } else if (type === "function_call_output") {
+      const o = item as Extract<InputItem, { type: "function_call_output" }>;
+      const content = typeof o.output === "string" ? o.output : o.output.map((p) => ({ type: "text", text: p.text }));
+      push({ role: "tool", tool_call_id: o.call_id, content }, from);
+    }
+    // reasoning items: dropped (chat upstreams take no reasoning input).
+  };
+
+  for (const item of replay) add(item as InputItem, "previous_response_id");
+  const input: InputItem[] = typeof body.input === "string" ? [{ role: "user", content: body.input }] : (body.input ?? []);
+  for (const [j, item] of input.entries()) add(item, `input[${j}]`);
+  if (messages.length === 0) throw new AppError("invalid_request_error", "The request has no messages: send input (or instructions).", "input");
+
+  const chat: Record<string, unknown> = { model: body.model, messages };
+  if (body.stream === true) chat.stream = true;
+  if (body.tools && body.tools.length > 0) {
+    chat.tools = body.tools.map((t) => ({
+      type: "function",
+      function: {
+        name: t.name,
+        ...(t.description != null ? { description: t.description } : {}),
+        ...(t.parameters != null ? { parameters: t.parameters } : {}),
+        ...(t.strict != null ? { strict: t.strict } : {}),
+      },
+    }));
+  }
+  const choice = body.tool_choice;
+  if (choice !== undefined) chat.tool_choice = typeof choice === "string" ? choice : { type: "function", function: { name: choice.name } };
+  if (body.parallel_tool_calls != null) chat.parallel_tool_calls = body.parallel_tool_calls;
+  const format = body.text?.format;
+  if (format?.type === "json_object") chat.response_format = { type: "json_object" };
+  if (format?.type === "json_schema") {
+    chat.response_format = {
+      type: "json_schema",
+      json_schema: {
+        name: format.name,
+        schema: format.schema,
+        ...(format.strict != null ? { strict: format.strict } : {}),
+        ...(format.description !== undefined ? { description: format.description } : {}),
+      },
+    };
+  }
+  if (body.max_output_tokens != null) chat.max_tokens = body.max_output_tokens;
+  if (body.temperature != null) chat.temperature = body.temperature;
+  if (body.top_p != null) chat.top_p = body.top_p;
+  if (body.reasoning?.effort != null) chat.reasoning_effort = body.reasoning.effort;
+  const user = body.user ?? body.safety_identifier;
+  if (user != null) chat.user = user;
+
+  const echo: ResponseEcho = {
+    instructions: body.instructions ?? null,
+    max_output_tokens: body.max_output_tokens ?? null,
+    metadata: body.metadata ?? {},
+    parallel_tool_calls: body.parallel_tool_calls ?? true,
+    previous_response_id: body.previous_response_id ?? null,
+    temperature: body.temperature ?? null,
+    top_p: body.top_p ?? null,
+    tool_choice: choice ?? "auto",
+    tools: echoTools(body.tools),
+    text: {
+      format:
+        format?.type === "json_schema"
+          ? {
+              type: "json_schema",
+              name: format.name,
+              schema: format.schema,
+              strict: format.strict ?? null,
+              ...(format.description !== undefined ? { description: format.description } : {}),
+            }
+          : (format ?? { type: "text" }),
+    },
+    reasoning: { effort: body.reasoning?.effort ?? null, summary: null },
+    store,
+    truncation: body.truncation ?? "disabled",
+    user: body.user ?? null,
+  };
+
+  return { chat, echo, inputItems: input.map(storedItem), param: (p) => responsesParam(p, origin) };
+}
+
+const RENAMES: [RegExp, string][] = [
+  [/^max_(completion_)?tokens$/, "max_output_tokens"],
+  [/^response_format(\.json_schema)?/, "text.format"],
+  [/^reasoning_effort$/, "reasoning.effort"],
+  [/^tool_choice\.function\.name$/, "tool_choice.name"],
+  [/^(tools\[\d+\])\.function/, "$1"],
+  [/^stream_options.*$/, "stream"],
+];
+
+/** A chat field's path → the Responses field it was translated from. */
+export function responsesParam(param: string | null, origin: readonly string[]): string | null {
+  if (param === null) return null;
+  const m = /^messages\[(\d+)\](.*)$/.exec(param);
+  if (m) {
+    const from = origin[Number(m[1])] ?? "input";
+    // Within an input item only content part paths line up (one chat part per Responses part).
+    const rest = /^\.content\[\d+\]/.exec(m[2] ?? "")?.[0];
+    return from.startsWith("input[") && rest ? from + rest : from;
+  }
+  if (param === "messages") return "input";
+  for (const [re, to] of RENAMES) if (re.test(param)) return param.replace(re, to);
+  return param;
+}
+
+/** A chat service error, re-worded for the Responses request it came from. */
+export function responsesError(e: unknown, t: Translation): unknown {
+  if (!(e instanceof AppError) || e.param === null) return e;
+  const param = t.param(e.param);
+  if (param === e.param) return e;
+  return new AppError(e.code, e.message.replaceAll(e.param, param ?? ""), param, e.headers);
+}

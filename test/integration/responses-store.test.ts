@@ -1,0 +1,261 @@
+import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { sql } from "drizzle-orm";
+import { createKey, createUser, rotateKey } from "../../src/admin/service.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { createResponseStore } from "../../src/responses/store.ts";
+import type { Gateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_PLANS, arr, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+
+setDefaultTimeout(30_000);
+
+/**
+ * Stored responses on the real database (PGlite, or Postgres with
+ * TEST_DATABASE_URL): retrieve, delete, input items, previous_response_id
+ * replay, ownership (personal key → its user, service key → its rotation
+ * lineage), store: false, responses.store: false, and the retention sweep.
+ */
+
+let sim: Simulator;
+let gw: Gateway;
+let noStore: Gateway;
+let org: SeededOrg;
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 4 });
+  const common = { aliases: testAliases(sim.url), plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 2 }) };
+  gw = await startTestGateway({ ...common, responses: { enabled: true } });
+  noStore = await startTestGateway({ ...common, responses: { enabled: true, store: false } });
+  org = await seedTestOrg(gw.database);
+});
+afterEach(() => sim.reset());
+afterAll(async () => {
+  await gw.stop();
+  await noStore.stop();
+  await sim.stop();
+});
+
+const create = (body: unknown, key = org.personalKey, g = gw) => post(g, "/v1/responses", key, body);
+const get = (path: string, key = org.personalKey, method = "GET", g = gw) => fetch(`${g.url}${path}`, { method, headers: { authorization: `Bearer ${key}` } });
+
+async function made(body: Record<string, unknown>, key = org.personalKey): Promise<Record<string, unknown>> {
+  const res = await create({ model: "svc-fast", ...body }, key);
+  expect(res.status).toBe(200);
+  return rec(await res.json());
+}
+
+async function madeStreamed(body: Record<string, unknown>, key = org.personalKey): Promise<string> {
+  const res = await create({ model: "svc-fast", stream: true, ...body }, key);
+  expect(res.status).toBe(200);
+  const text = await res.text();
+  const m = /"id":"(resp_[A-Za-z0-9_-]+)"/.exec(text);
+  if (!m?.[1]) throw new Error(`no response id in the stream: ${text.slice(0, 300)}`);
+  return m[1];
+}
+
+async function notFound(res: Response, param: string | null = null): Promise<void> {
+  const err = await errorOf(res);
+  expect({ status: res.status, code: err.code, param: err.param }).toEqual({ status: 404, code: "not_found", param });
+}
+
+const upstreamMessages = () => arr(rec(sim.stats.lastBody).messages);
+
+describe("retrieve, delete, input items", () => {
+  test("a stored response reads back as answered; delete removes it; then 404", async () => {
+    const r = await made({ input: "hello", metadata: { a: "1" } });
+    const id = String(r.id);
+    const back = await get(`/v1/responses/${id}`);
+    expect(back.status).toBe(200);
+    expect(rec(await back.json())).toEqual(r);
+    const del = await get(`/v1/responses/${id}`, org.personalKey, "DELETE");
+    expect(await del.json()).toEqual({ id, object: "response", deleted: true });
+    await notFound(await get(`/v1/responses/${id}`));
+    await notFound(await get(`/v1/responses/${id}`, org.personalKey, "DELETE"));
+    await notFound(await get(`/v1/responses/${id}/input_items`));
+  });
+
+  test("a streamed response is stored by the time its stream has ended", async () => {
+    const id = await madeStreamed({ input: "hello" });
+    const back = await get(`/v1/responses/${id}`);
+    expect(back.status).toBe(200);
+    const r = rec(await back.json());
+    expect(r.status).toBe("completed");
+    expect(rec(r.usage).output_tokens).toBe(4);
+  });
+
+  test("store: false is not stored; unknown and malformed ids are 404", async () => {
+    const r = await made({ input: "hello", store: false });
+    expect(r.store).toBe(false);
+    await notFound(await get(`/v1/responses/${String(r.id)}`));
+    await notFound(await get("/v1/responses/resp_doesnotexist"));
+    await notFound(await get("/v1/responses/not-an-id"));
+    await notFound(await get(`/v1/responses/resp_${"x".repeat(500)}`));
+  });
+
+  test("input items: ids assigned, OpenAI's list shape, order, limit, after, before", async () => {
+    const input = [
+      { role: "user", content: "one" },
+      { type: "message", role: "assistant", content: [{ type: "output_text", text: "two", annotations: [] }] },
+      { type: "function_call", call_id: "c1", name: "f", arguments: "{}" },
+      { type: "function_call_output", call_id: "c1", output: "three" },
+      { role: "user", content: [{ type: "input_text", text: "four" }] },
+    ];
+    const id = String((await made({ input })).id);
+    const page = async (q: string) => {
+      const res = await get(`/v1/responses/${id}/input_items${q}`);
+      expect(res.status).toBe(200);
+      return rec(await res.json());
+    };
+    const all = await page("?order=asc");
+    const items = arr(all.data).map(rec);
+    expect(items.map((i) => i.type)).toEqual(["message", "message", "function_call", "function_call_output", "message"]);
+    expect(items[0]).toMatchObject({ type: "message", role: "user", content: [{ type: "input_text", text: "one" }], status: "completed" });
+    expect(String(items[0]?.id)).toMatch(/^msg_/);
+    expect(new Set(items.map((i) => i.id)).size).toBe(5);
+    expect(all).toMatchObject({ object: "list", first_id: items[0]?.id, last_id: items[4]?.id, has_more: false });
+
+    const desc = await page("?limit=2");
+    expect(arr(desc.data).map((i) => rec(i).id)).toEqual([items[4]?.id, items[3]?.id]);
+    expect(desc.has_more).toBe(true);
+    const next = await page(`?limit=2&after=${String(desc.last_id)}`);
+    expect(arr(next.data).map((i) => rec(i).id)).toEqual([items[2]?.id, items[1]?.id]);
+    expect(next.has_more).toBe(true);
+    const last = await page(`?limit=2&after=${String(next.last_id)}`);
+    expect(arr(last.data).map((i) => rec(i).id)).toEqual([items[0]?.id]);
+    expect(last.has_more).toBe(false);
+    const back = await page(`?order=asc&limit=2&before=${String(items[4]?.id)}`);
+    expect(arr(back.data).map((i) => rec(i).id)).toEqual([items[2]?.id, items[3]?.id]);
+    expect(back.has_more).toBe(true);
+
+    for (const [q, param] of [
+      ["?limit=0", "limit"],
+      ["?limit=101", "limit"],
+      ["?limit=x", "limit"],
+      ["?order=up", "order"],
+      ["?after=msg_nope", "after"],
+    ] as const) {
+      const res = await get(`/v1/responses/${id}/input_items${q}`);
+      expect(res.status).toBe(400);
+      expect((await errorOf(res)).param).toBe(param);
+    }
+  });
+});
+
+describe("previous_response_id", () => {
+  test("replays the stored conversation, recursively, before the new input; instructions are not carried over", async () => {
+    const first = await made({ instructions: "Be brief.", input: "My name is Ada." });
+    const second = await made({ previous_response_id: first.id, input: "What is my name?" });
+    expect(second.previous_response_id).toBe(first.id);
+    // Stored input items hold their text as parts (the form input_items lists), so they are replayed as parts.
+    const ada = { role: "user", content: [{ type: "text", text: "My name is Ada." }] };
+    expect(upstreamMessages()).toEqual([ada, { role: "assistant", content: "token0 token1 token2 token3 " }, { role: "user", content: "What is my name?" }]);
+    const thirdId = await madeStreamed({ previous_response_id: second.id, instructions: "Now in French.", input: [{ role: "user", content: "Again?" }] });
+    expect(upstreamMessages()).toEqual([
+      { role: "system", content: "Now in French." },
+      ada,
+      { role: "assistant", content: "token0 token1 token2 token3 " },
+      { role: "user", content: [{ type: "text", text: "What is my name?" }] },
+      { role: "assistant", content: "token0 token1 token2 token3 " },
+      { role: "user", content: "Again?" },
+    ]);
+    // Input items are the response's own, not the replayed conversation.
+    const items = rec(await (await get(`/v1/responses/${thirdId}/input_items`)).json());
+    expect(arr(items.data).length).toBe(1);
+  });
+
+  test("a function call round trip replays as chat tool calls", async () => {
+    const tools = [{ type: "function", name: "get_weather", parameters: { type: "object", properties: { location: { type: "string" } } } }];
+    const first = await made({ input: "What is the weather in Paris?", tools });
+    const call = rec(arr(first.output).find((o) => rec(o).type === "function_call"));
+    expect(call.name).toBe("get_weather");
+    await made({ previous_response_id: first.id, tools, input: [{ type: "function_call_output", call_id: call.call_id, output: "sunny" }] });
+    const messages = upstreamMessages().map(rec);
+    expect(messages.map((m) => m.role)).toEqual(["user", "assistant", "tool"]);
+    expect(arr(messages[1]?.tool_calls)).toEqual([{ id: call.call_id, type: "function", function: { name: "get_weather", arguments: call.arguments } }]);
+    expect(messages[2]).toEqual({ role: "tool", tool_call_id: call.call_id, content: "sunny" });
+  });
+
+  test("unknown, deleted and store:false ids are 404 with param previous_response_id; nothing goes upstream", async () => {
+    await notFound(await create({ model: "svc-fast", input: "x", previous_response_id: "resp_unknown" }), "previous_response_id");
+    const gone = await made({ input: "x" });
+    await get(`/v1/responses/${String(gone.id)}`, org.personalKey, "DELETE");
+    await notFound(await create({ model: "svc-fast", input: "x", previous_response_id: gone.id }), "previous_response_id");
+    const unstored = await made({ input: "x", store: false });
+    sim.reset();
+    await notFound(await create({ model: "svc-fast", input: "x", previous_response_id: unstored.id }), "previous_response_id");
+    expect(sim.stats.requests).toBe(0);
+  });
+
+  test("an expired response is 404 everywhere, and the sweep deletes it in batches", async () => {
+    const r = await made({ input: "old" });
+    const id = String(r.id);
+    await gw.database.rows(sql`update responses set expires_at = now() - interval '1 second' where id = ${id}`);
+    await notFound(await get(`/v1/responses/${id}`));
+    await notFound(await create({ model: "svc-fast", input: "x", previous_response_id: id }), "previous_response_id");
+    const keep = String((await made({ input: "new" })).id);
+    const store = createResponseStore(gw.database, { retentionDays: 30, log: createLogger("silent") });
+    expect(await store.sweep()).toBeGreaterThanOrEqual(1);
+    expect(await gw.database.rows(sql`select id from responses where id = ${id}`)).toEqual([]);
+    expect((await gw.database.rows(sql`select id from responses where id = ${keep}`)).length).toBe(1);
+  });
+
+  test("the retention is responses.retentionDays", async () => {
+    const id = String((await made({ input: "x" })).id);
+    const [row] = await gw.database.rows<{ days: number }>(sql`select round(extract(epoch from expires_at - created_at) / 86400) as days from responses where id = ${id}`);
+    expect(Number(row?.days)).toBe(30);
+  });
+});
+
+describe("ownership", () => {
+  test("a personal key's responses: any personal key of that user; not another user's, not the org's service key", async () => {
+    const r = await made({ input: "mine" });
+    const id = String(r.id);
+    const sameUser = await createKey(gw.database, { orgId: org.orgId, userId: org.userId, kind: "personal", scopes: ["inference"], knownModels: ["svc-fast"], tag: "gw" });
+    expect((await get(`/v1/responses/${id}`, sameUser.key)).status).toBe(200);
+    expect((await create({ model: "svc-fast", input: "x", previous_response_id: id, store: false }, sameUser.key)).status).toBe(200);
+
+    const other = await seedTestOrg(gw.database);
+    const service = await createKey(gw.database, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: ["svc-fast"], tag: "gw" });
+    const person = await createUser(gw.database, { orgId: org.orgId, name: "Colleague", email: `c-${crypto.randomUUID().slice(0, 8)}@example.com` });
+    const colleague = await createKey(gw.database, { orgId: org.orgId, userId: person.id, kind: "personal", scopes: ["inference"], knownModels: ["svc-fast"], tag: "gw" });
+    for (const key of [other.personalKey, other.serviceKey, org.serviceKey, service.key, colleague.key]) {
+      await notFound(await get(`/v1/responses/${id}`, key));
+      await notFound(await get(`/v1/responses/${id}/input_items`, key));
+      await notFound(await get(`/v1/responses/${id}`, key, "DELETE"));
+      await notFound(await create({ model: "svc-fast", input: "x", previous_response_id: id }, key), "previous_response_id");
+    }
+    expect((await get(`/v1/responses/${id}`)).status).toBe(200);
+  });
+
+  test("a service key's responses: that key and the keys rotated from it; not a sibling service key", async () => {
+    const svc = await seedTestOrg(gw.database);
+    const id = String((await made({ input: "service" }, svc.serviceKey)).id);
+    const rotated = await rotateKey(gw.database, { id: svc.serviceKeyId, graceMs: 60_000, tag: "gw" });
+    const again = await rotateKey(gw.database, { id: rotated.id, graceMs: 60_000, tag: "gw" });
+    expect((await get(`/v1/responses/${id}`, again.key)).status).toBe(200);
+    // And what the newest key stores, the original (still in its grace period) reads.
+    const newer = String((await made({ input: "from the rotated key" }, again.key)).id);
+    expect((await get(`/v1/responses/${newer}`, svc.serviceKey)).status).toBe(200);
+    await notFound(await get(`/v1/responses/${id}`, svc.personalKey));
+    const sibling = await createKey(gw.database, { orgId: svc.orgId, kind: "service", scopes: ["inference"], knownModels: ["svc-fast"], tag: "gw" });
+    await notFound(await get(`/v1/responses/${id}`, sibling.key));
+  });
+});
+
+describe("responses.store: false", () => {
+  test("nothing is stored; previous_response_id is 400 saying so; retrieve is 404", async () => {
+    const res = await create({ model: "svc-fast", input: "x" }, org.personalKey, noStore);
+    expect(res.status).toBe(200);
+    const r = rec(await res.json());
+    expect(r.store).toBe(false);
+    const [row] = await gw.database.rows(sql`select id from responses where id = ${String(r.id)}`);
+    expect(row).toBeUndefined();
+    const prev = await create({ model: "svc-fast", input: "x", previous_response_id: "resp_abc" }, org.personalKey, noStore);
+    expect(prev.status).toBe(400);
+    const err = await errorOf(prev);
+    expect(err.param).toBe("previous_response_id");
+    expect(err.message).toContain("responses.store");
+    await notFound(await get(`/v1/responses/${String(r.id)}`, org.personalKey, "GET", noStore));
+  });
+});

@@ -1,0 +1,394 @@
+import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import SwaggerParser from "@apidevtools/swagger-parser";
+import { Ajv2020 } from "ajv/dist/2020.js";
+import { createKey } from "../../src/admin/service.ts";
+import type { Gateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { errorOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { CHAT_MODEL, TEST_PLANS, arr, chatAlias, eventually, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+
+// Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(30_000);
+
+/**
+ * POST /v1/responses through real HTTP against the simulator (which speaks
+ * chat completions only): what the upstream receives for a Responses request,
+ * what the client gets back, every validation refusal with its Responses
+ * `param`, and every error path of chat applying unchanged.
+ */
+
+let sim: Simulator;
+let slow: Simulator;
+let gw: Gateway;
+let off: Gateway;
+let org: SeededOrg;
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
+  // The second token a minute after the first: a stream that stays open until the client leaves.
+  slow = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 60_000, completionTokens: 2 });
+  const aliases = { ...testAliases(sim.url), "svc-slow": chatAlias([{ baseUrl: slow.url }]) };
+  const common = { aliases, plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 2 }, { idleMs: 120_000 }) };
+  gw = await startTestGateway({ ...common, responses: { enabled: true } });
+  off = await startTestGateway(common);
+  org = await seedTestOrg(gw.database);
+});
+afterEach(() => sim.reset());
+afterAll(async () => {
+  await gw.stop();
+  await off.stop();
+  await sim.stop();
+  await slow.stop();
+});
+
+const create = (body: unknown, key: string | undefined = org.personalKey, init?: RequestInit) => post(gw, "/v1/responses", key, body, init);
+const upstreamBody = () => rec(sim.stats.lastBody);
+
+async function expectError(res: Response, status: number, code: string, param: string | null = null): Promise<string> {
+  const err = await errorOf(res);
+  expect({ status: res.status, code: err.code, param: err.param }).toEqual({ status, code, param });
+  return err.message;
+}
+
+describe("off by default", () => {
+  test("/v1/responses answers 404 exactly like an unknown route, and /openapi.json does not list it", async () => {
+    for (const [method, path] of [
+      ["POST", "/v1/responses"],
+      ["GET", "/v1/responses/resp_1"],
+      ["DELETE", "/v1/responses/resp_1"],
+      ["GET", "/v1/responses/resp_1/input_items"],
+    ] as const) {
+      const res = await fetch(`${off.url}${path}`, { method, headers: { authorization: `Bearer ${org.personalKey}` } });
+      const unknown = await fetch(`${off.url}/v1/nope`, { method, headers: { authorization: `Bearer ${org.personalKey}` } });
+      const [a, b] = [await errorOf(res), await errorOf(unknown)];
+      expect({ status: res.status, code: a.code, type: a.type, param: a.param }).toEqual({ status: unknown.status, code: b.code, type: b.type, param: b.param });
+      expect(res.status).toBe(404);
+      expect(a.message).toBe(`No route for ${method} ${path}.`);
+    }
+    const doc = rec(await (await fetch(`${off.url}/openapi.json`)).json());
+    expect(Object.keys(rec(doc.paths)).filter((p) => p.includes("responses"))).toEqual([]);
+    const on = rec(await (await fetch(`${gw.url}/openapi.json`)).json());
+    expect(Object.keys(rec(on.paths)).filter((p) => p.includes("responses"))).toEqual([
+      "/v1/responses",
+      "/v1/responses/{id}",
+      "/v1/responses/{id}/input_items",
+    ]);
+  });
+});
+
+describe("request translation (what the chat upstream receives)", () => {
+  test("a string input: one user message, the alias swapped for the upstream model, the answer a Response", async () => {
+    const res = await create({ model: "svc-fast", input: "Say hi", store: false });
+    expect(res.status).toBe(200);
+    const r = rec(await res.json());
+    expect(r.object).toBe("response");
+    expect(String(r.id)).toMatch(/^resp_/);
+    expect(r.model).toBe("svc-fast");
+    expect(r.status).toBe("completed");
+    const message = rec(arr(r.output).find((o) => rec(o).type === "message"));
+    expect(rec(arr(message.content)[0]).text).toBe("token0 token1 token2 token3 token4 ");
+    expect(rec(r.usage).output_tokens).toBe(5);
+    expect(upstreamBody()).toEqual({ model: CHAT_MODEL, messages: [{ role: "user", content: "Say hi" }] });
+  });
+
+  test("instructions, developer/system messages, parts, images, tool history and every forwarded parameter", async () => {
+    const res = await create({
+      model: "svc-fast",
+      instructions: "Be brief.",
+      input: [
+        { role: "developer", content: "Answer in French." },
+        { type: "message", role: "system", content: [{ type: "input_text", text: "No emojis." }] },
+        {
+          type: "message",
+          role: "user",
+          content: [
+            { type: "input_text", text: "What is this?" },
+            { type: "input_image", image_url: "data:image/png;base64,iVBORw0KGgo=", detail: "low" },
+          ],
+        },
+        { type: "reasoning", id: "rs_1", summary: [] },
+        { id: "msg_1", type: "message", role: "assistant", status: "completed", content: [{ type: "output_text", text: "Let me check.", annotations: [] }] },
+        { id: "fc_1", type: "function_call", call_id: "call_1", name: "lookup", arguments: '{"q":"x"}', status: "completed" },
+        { id: "fc_2", type: "function_call", call_id: "call_2", name: "lookup", arguments: '{"q":"y"}', status: "completed" },
+        { type: "function_call_output", call_id: "call_1", output: "a cat", status: "completed" },
+        { type: "function_call_output", call_id: "call_2", output: [{ type: "input_text", text: "a dog" }] },
+      ],
+      tools: [
+        {
+          type: "function",
+          name: "lookup",
+          description: "Look up",
+          strict: true,
+          parameters: { $schema: "http://json-schema.org/draft-07/schema#", type: "object", properties: { q: { type: "string" } }, required: ["q"], additionalProperties: false },
+        },
+      ],
+      tool_choice: { type: "function", name: "lookup" },
+      parallel_tool_calls: false,
+      text: { format: { type: "json_schema", name: "answer", schema: { type: "object", properties: { a: { type: "string" } } }, strict: true }, verbosity: "low" },
+      max_output_tokens: 50,
+      temperature: 0.5,
+      top_p: 0.9,
+      reasoning: { effort: "whatever-the-upstream-takes", summary: "auto" },
+      user: "u-1",
+      metadata: { ticket: "42" },
+      include: [],
+      store: false,
+      prompt_cache_key: "k",
+      service_tier: "auto",
+      truncation: "disabled",
+    });
+    expect(res.status).toBe(200);
+    const r = rec(await res.json());
+    expect(r.metadata).toEqual({ ticket: "42" });
+    expect(r.instructions).toBe("Be brief.");
+    expect(upstreamBody()).toEqual({
+      model: CHAT_MODEL,
+      messages: [
+        { role: "system", content: "Be brief." },
+        { role: "system", content: "Answer in French." },
+        { role: "system", content: [{ type: "text", text: "No emojis." }] },
+        {
+          role: "user",
+          content: [
+            { type: "text", text: "What is this?" },
+            { type: "image_url", image_url: { url: "data:image/png;base64,iVBORw0KGgo=", detail: "low" } },
+          ],
+        },
+        {
+          role: "assistant",
+          content: "Let me check.",
+          tool_calls: [
+            { id: "call_1", type: "function", function: { name: "lookup", arguments: '{"q":"x"}' } },
+            { id: "call_2", type: "function", function: { name: "lookup", arguments: '{"q":"y"}' } },
+          ],
+        },
+        { role: "tool", tool_call_id: "call_1", content: "a cat" },
+        { role: "tool", tool_call_id: "call_2", content: [{ type: "text", text: "a dog" }] },
+      ],
+      tools: [
+        {
+          type: "function",
+          function: {
+            name: "lookup",
+            description: "Look up",
+            parameters: { $schema: "http://json-schema.org/draft-07/schema#", type: "object", properties: { q: { type: "string" } }, required: ["q"], additionalProperties: false },
+            strict: true,
+          },
+        },
+      ],
+      tool_choice: { type: "function", function: { name: "lookup" } },
+      parallel_tool_calls: false,
+      response_format: { type: "json_schema", json_schema: { name: "answer", schema: { type: "object", properties: { a: { type: "string" } } }, strict: true } },
+      max_tokens: 50,
+      temperature: 0.5,
+      top_p: 0.9,
+      reasoning_effort: "whatever-the-upstream-takes",
+      user: "u-1",
+    });
+  });
+
+  test("a stream forces include_usage upstream and answers Responses events ending in response.completed with usage", async () => {
+    const res = await create({ model: "svc-fast", input: "hi", stream: true, store: false });
+    expect(res.status).toBe(200);
+    expect(res.headers.get("content-type")).toStartWith("text/event-stream");
+    const text = await res.text();
+    expect(rec(upstreamBody().stream_options)).toEqual({ include_usage: true });
+    const events = text
+      .split("\n\n")
+      .filter((e) => e.trim() !== "")
+      .map((e) => rec(JSON.parse(e.split("\n").find((l) => l.startsWith("data: "))?.slice(6) ?? "null")));
+    expect(events[0]?.type).toBe("response.created");
+    const last = events.at(-1);
+    expect(last?.type).toBe("response.completed");
+    expect(rec(rec(last?.response).usage).output_tokens).toBe(5);
+    const seq = events.map((e) => Number(e.sequence_number));
+    expect(seq).toEqual([...seq].sort((a, b) => a - b));
+  });
+
+  test("events arrive as the upstream generates them, and a client that leaves aborts the upstream call", async () => {
+    const ac = new AbortController();
+    const res = await create({ model: "svc-slow", input: "hi", stream: true }, org.personalKey, { signal: ac.signal });
+    const reader = res.body?.getReader();
+    if (!reader) throw new Error("no body");
+    let text = "";
+    while (!text.includes("response.output_text.delta")) {
+      const { value, done } = await reader.read();
+      if (done) throw new Error(`stream ended early: ${text}`);
+      text += new TextDecoder().decode(value);
+    }
+    expect(text).toContain("token0");
+    expect(text).not.toContain("response.completed");
+    expect(slow.stats.inFlight).toBe(1);
+    ac.abort();
+    await eventually(() => slow.stats.aborts === 1, 10_000);
+  });
+
+  test("json_object format and tool_choice strings pass; the gateway's max_tokens bound under a quota applies", async () => {
+    const quoted = await seedTestOrg(gw.database, { quotaTokens: 1_000_000 });
+    const res = await create({ model: "svc-fast", input: "hi", text: { format: { type: "json_object" } }, tool_choice: "none", store: false }, quoted.personalKey);
+    expect(res.status).toBe(200);
+    await res.text();
+    const body = upstreamBody();
+    expect(body.response_format).toEqual({ type: "json_object" });
+    expect(body.tool_choice).toBe("none");
+    expect(typeof body.max_tokens).toBe("number");
+  });
+});
+
+describe("validation: 400 with the Responses param", () => {
+  const base = { model: "svc-fast", input: "hi" };
+  const cases: [name: string, body: Record<string, unknown>, param: string, messageHas?: string][] = [
+    ["unknown top-level parameter", { ...base, evil_param: 1 }, "evil_param", "Unrecognized request argument"],
+    ["unknown nested parameter", { ...base, reasoning: { effort: "low", evil: 1 } }, "reasoning.evil"],
+    ["background", { ...base, background: true }, "background", "Background"],
+    ["a hosted tool", { ...base, tools: [{ type: "web_search" }] }, "tools[0].type", "web_search"],
+    ["a hosted tool after a function", { ...base, tools: [{ type: "function", name: "f" }, { type: "code_interpreter", container: { type: "auto" } }] }, "tools[1].type", "code_interpreter"],
+    ["a hosted tool_choice", { ...base, tool_choice: { type: "file_search" } }, "tool_choice", "file_search"],
+    ["input_file", { ...base, input: [{ role: "user", content: [{ type: "input_file", file_id: "file-1" }] }] }, "input[0].content[0]", "files API"],
+    ["an image by file_id", { ...base, input: [{ role: "user", content: [{ type: "input_image", file_id: "file-1" }] }] }, "input[0].content[0].file_id", "files API"],
+    ["an image in a system message", { ...base, input: [{ role: "system", content: [{ type: "input_image", image_url: "https://x.example/a.png" }] }] }, "input[0].content[0].type"],
+    ["an unsupported item type", { ...base, input: [{ type: "web_search_call", id: "ws_1" }] }, "input[0].type"],
+    ["a function_call without call_id", { ...base, input: [{ type: "function_call", name: "f", arguments: "{}" }] }, "input[0].call_id", "Missing required parameter"],
+    ["an unknown field in an item", { ...base, input: [{ role: "user", content: "x", evil: 1 }] }, "input[0].evil"],
+    ["an unknown role", { ...base, input: [{ role: "wizard", content: "x" }] }, "input[0].role"],
+    ["temperature out of range", { ...base, temperature: 3 }, "temperature"],
+    ["max_output_tokens 0", { ...base, max_output_tokens: 0 }, "max_output_tokens"],
+    ["a non-empty prompt", { ...base, prompt: { id: "pmpt_1" } }, "prompt"],
+    ["a conversation", { ...base, conversation: "conv_1" }, "conversation"],
+    ["no input", { model: "svc-fast" }, "input", "Missing required parameter"],
+    ["no model", { input: "hi" }, "model"],
+    ["json_schema without a name", { ...base, text: { format: { type: "json_schema", schema: {} } } }, "text.format.name"],
+  ];
+  for (const [name, body, param, messageHas] of cases) {
+    test(name, async () => {
+      const message = await expectError(await create(body), 400, "invalid_request_error", param);
+      if (messageHas) expect(message).toContain(messageHas);
+      expect(sim.stats.requests).toBe(0);
+    });
+  }
+
+  test("not JSON, and not an object", async () => {
+    await expectError(await create("{nope"), 400, "invalid_request_error");
+    await expectError(await create("[1]"), 400, "invalid_request_error");
+  });
+
+  test("errors the chat rules raise name the Responses fields they came from", async () => {
+    // svc-text: no images, no tools, a 4,096-token window.
+    const image = await create({
+      model: "svc-text",
+      input: [
+        { role: "user", content: "first" },
+        { role: "user", content: [{ type: "input_text", text: "see" }, { type: "input_image", image_url: "https://img.example/a.png" }] },
+      ],
+    });
+    const msg = await expectError(image, 400, "invalid_request_error", "input[1].content[1]");
+    expect(msg).not.toContain("messages");
+    await expectError(await create({ model: "svc-text", input: "hi", tools: [{ type: "function", name: "f" }] }), 400, "invalid_request_error", "tools");
+    const long = await create({ model: "svc-text", input: "hi", max_output_tokens: 5_000 });
+    expect(await expectError(long, 400, "invalid_request_error", "max_output_tokens")).toContain("'max_output_tokens' is 5000");
+    const internal = await create({ model: "svc-fast", instructions: "x", input: [{ role: "user", content: [{ type: "input_image", image_url: "http://127.0.0.1/a.png" }] }] });
+    expect((await errorOf(internal)).param).toStartWith("input[0].content[0]");
+    expect(sim.stats.requests).toBe(0);
+  });
+});
+
+describe("every error path of chat applies", () => {
+  const body = { model: "svc-fast", input: "hi", store: false };
+
+  test("401 without a key or with a bad one, before the body is read", async () => {
+    await expectError(await post(gw, "/v1/responses", undefined, body), 401, "unauthorized");
+    await expectError(await create("{not json", `sk-gw-${"x".repeat(43)}`), 401, "unauthorized");
+  });
+
+  test("403 browser, scope and academy", async () => {
+    await expectError(await create(body, org.personalKey, { headers: { origin: "https://app.example" } }), 403, "browser_request_rejected");
+    const auditOnly = await createKey(gw.database, { orgId: org.orgId, kind: "service", scopes: ["audit:read"], knownModels: [], tag: "gw" });
+    await expectError(await create(body, auditOnly.key), 403, "scope_missing");
+    for (const [method, path] of [
+      ["GET", "/v1/responses/resp_1"],
+      ["DELETE", "/v1/responses/resp_1"],
+      ["GET", "/v1/responses/resp_1/input_items"],
+    ] as const) {
+      const res = await fetch(`${gw.url}${path}`, { method, headers: { authorization: `Bearer ${auditOnly.key}` } });
+      await expectError(res, 403, "scope_missing");
+    }
+    const academy = await seedTestOrg(gw.database, { academyOnly: true });
+    await expectError(await create(body, academy.personalKey), 403, "academy_only");
+  });
+
+  test("404 model_not_found for an unknown alias, an embedding alias and one outside the key's list", async () => {
+    await expectError(await create({ ...body, model: "nope" }), 404, "model_not_found", "model");
+    await expectError(await create({ ...body, model: "svc-embed" }), 404, "model_not_found", "model");
+    const limited = await seedTestOrg(gw.database, { models: ["svc-smart"] });
+    await expectError(await create(body, limited.personalKey), 404, "model_not_found", "model");
+    expect(sim.stats.requests).toBe(0);
+  });
+
+  test("429 rate_limit_error with the same headers as chat", async () => {
+    const tiny = await seedOrg(gw.database, { plan: "Tiny", plans: Object.keys(TEST_PLANS) });
+    for (let i = 0; i < 2; i++) expect((await create(body, tiny.personalKey)).status).toBe(200);
+    const res = await create(body, tiny.personalKey);
+    await expectError(res, 429, "rate_limit_error");
+    for (const h of ["retry-after", "retry-after-ms", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"]) {
+      expect(res.headers.get(h)).not.toBeNull();
+    }
+    expect(res.headers.get("x-ratelimit-remaining-requests")).toBe("0");
+  });
+
+  test("429 budget_exceeded with x-should-retry: false", async () => {
+    const broke = await seedTestOrg(gw.database, { quotaTokens: 1 });
+    let seen: Response | undefined;
+    for (let i = 0; i < 5 && !seen; i++) {
+      const res = await create(body, broke.personalKey);
+      if (res.status === 429) seen = res;
+      else await res.text();
+      await gw.quota.flush();
+    }
+    if (!seen) throw new Error("no budget_exceeded after 5 requests on a 1-token quota");
+    await expectError(seen, 429, "budget_exceeded");
+    expect(seen.headers.get("x-should-retry")).toBe("false");
+  });
+
+  test("an upstream failure is the chat service's 503, and usage is recorded like chat's", async () => {
+    sim.setFault({ kind: "status", status: 500, count: 5 });
+    await expectError(await create(body), 503, "service_unavailable");
+  });
+});
+
+describe("the OpenAPI document", () => {
+  test("describes the real answers: create, retrieve, input items, delete, and errors", async () => {
+    const doc = rec(await (await fetch(`${gw.url}/openapi.json`)).json());
+    await SwaggerParser.validate(structuredClone(doc) as never);
+    const ajv = new Ajv2020({ strict: true });
+    ajv.addFormat("uuid", /^[0-9a-f-]{36}$/i);
+    ajv.addFormat("date-time", /^\d{4}-/);
+    const base = "https://gateway.test/schemas/";
+    for (const [name, schema] of Object.entries(rec(rec(doc.components).schemas))) {
+      ajv.addSchema(JSON.parse(JSON.stringify(schema).replaceAll("#/components/schemas/", base)), `${base}${name}`);
+    }
+    const conforms = (name: string, body: unknown) => {
+      const validate = ajv.getSchema(`${base}${name}`);
+      if (!validate) throw new Error(`no schema ${name}`);
+      if (!validate(body)) throw new Error(`${name}: ${ajv.errorsText(validate.errors)}`);
+    };
+    const body = { model: "svc-fast", input: "hi" };
+    conforms("ResponsesRequest", body);
+    expect(ajv.getSchema(`${base}ResponsesRequest`)?.({ ...body, evil: 1 })).toBe(false);
+    const r = rec(await (await create(body)).json());
+    conforms("Response", r);
+    conforms("Response", await (await fetch(`${gw.url}/v1/responses/${String(r.id)}`, { headers: { authorization: `Bearer ${org.personalKey}` } })).json());
+    conforms("ResponseItemList", await (await fetch(`${gw.url}/v1/responses/${String(r.id)}/input_items`, { headers: { authorization: `Bearer ${org.personalKey}` } })).json());
+    conforms("ResponseDeleted", await (await fetch(`${gw.url}/v1/responses/${String(r.id)}`, { method: "DELETE", headers: { authorization: `Bearer ${org.personalKey}` } })).json());
+    conforms("Error", await (await create({ ...body, evil: 1 })).json());
+    const ops = rec(doc.paths);
+    for (const [path, method, status] of [
+      ["/v1/responses", "post", "400"],
+      ["/v1/responses", "post", "404"],
+      ["/v1/responses/{id}", "get", "404"],
+      ["/v1/responses/{id}", "delete", "200"],
+      ["/v1/responses/{id}/input_items", "get", "400"],
+    ] as const) {
+      expect(rec(rec(rec(ops[path])[method]).responses)[status]).toBeDefined();
+    }
+  });
+});

@@ -1,0 +1,472 @@
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import OpenAI from "openai";
+import type { ResponseStreamEvent } from "openai/resources/responses/responses";
+import { errorBody } from "../../src/http/errors.ts";
+import { responseEventStream, SseData } from "../../src/responses/events.ts";
+import type { ResponseObject } from "../../src/responses/output.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { until } from "../helpers/poll.ts";
+import { meta } from "../helpers/responses.ts";
+
+const enc = new TextEncoder();
+
+/** A chunk exactly as vLLM (and the simulator, and so the gateway's relay) writes it. */
+function chunk(delta: Record<string, unknown>, finish: string | null = null): string {
+  return `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"chat-small","choices":[{"index":0,"delta":${JSON.stringify(delta)},"logprobs":null,"finish_reason":${JSON.stringify(finish)}}]}\n\n`;
+}
+const ROLE = chunk({ role: "assistant", content: "" });
+const USAGE = `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"chat-small","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":4,"total_tokens":16,"prompt_tokens_details":{"cached_tokens":8}}}\n\n`;
+const DONE = "data: [DONE]\n\n";
+/** The gateway relay's own mid-stream error event (inference/stream.ts). */
+const ERROR = `data: ${JSON.stringify(errorBody("service_unavailable", "The model 'chat-small' failed while generating: boom"))}\n\n`;
+
+interface Ev {
+  type: string;
+  sequence_number: number;
+  [k: string]: unknown;
+}
+
+/** A chat SSE body that yields `parts` one read each, and records its cancellation. */
+function source(parts: Uint8Array[]) {
+  const state = { cancelled: undefined as unknown, reads: 0 };
+  const stream = new ReadableStream<Uint8Array>({
+    pull(c) {
+      const p = parts[state.reads++];
+      if (p === undefined) c.close();
+      else c.enqueue(p);
+    },
+    cancel(reason) {
+      state.cancelled = reason ?? "cancelled";
+    },
+  });
+  return { stream, state };
+}
+
+/** Parses Responses SSE text, checking each event's `event:` line against its `type`. */
+function parseEvents(text: string): Ev[] {
+  expect(text.endsWith("\n\n")).toBe(true);
+  return text
+    .slice(0, -2)
+    .split("\n\n")
+    .map((block) => {
+      const [eventLine, dataLine, ...rest] = block.split("\n");
+      expect(rest).toEqual([]);
+      const ev = JSON.parse(String(dataLine).replace(/^data: /, "")) as Ev;
+      expect(eventLine).toBe(`event: ${ev.type}`);
+      return ev;
+    });
+}
+
+async function translate(parts: (string | Uint8Array)[]) {
+  const { stream, state } = source(parts.map((p) => (typeof p === "string" ? enc.encode(p) : p)));
+  const finals: ResponseObject[] = [];
+  const out = await new Response(responseEventStream(stream, meta(), (r) => {
+      finals.push(r);
+    })).text();
+  const events = parseEvents(out);
+  expect(events.map((e) => e.sequence_number)).toEqual(events.map((_, i) => i));
+  return { events, finals, state };
+}
+
+/** Item ids are random: the same stream split differently must give the same events up to them. */
+const normalise = (events: Ev[]) => JSON.parse(JSON.stringify(events).replace(/"(msg|fc|rs)_[0-9a-f]+"/g, '"$1_x"').replace(/"completed_at":\d+/g, '"completed_at":0'));
+
+describe("responseEventStream: the event sequence", () => {
+  test("a text answer: created, in_progress, item and part added, deltas, dones, completed with usage", async () => {
+    const { events, finals, state } = await translate([ROLE, chunk({ content: "Hel" }), chunk({ content: "lo" }), chunk({}, "stop"), USAGE, DONE]);
+    expect(events.map((e) => e.type)).toEqual([
+      "response.created",
+      "response.in_progress",
+      "response.output_item.added",
+      "response.content_part.added",
+      "response.output_text.delta",
+      "response.output_text.delta",
+      "response.output_text.done",
+      "response.content_part.done",
+      "response.output_item.done",
+      "response.completed",
+    ]);
+    const [created, , added, part, d1, d2, textDone, partDone, itemDone, completed] = events;
+    expect(created?.response).toMatchObject({ id: "resp_test1", object: "response", status: "in_progress", output: [], model: "chat-small", completed_at: null });
+    expect(created?.response).not.toHaveProperty("usage");
+    const id = String((added?.item as { id?: string } | undefined)?.id);
+    expect(id).toMatch(/^msg_/);
+    expect(added).toEqual({ type: "response.output_item.added", sequence_number: 2, output_index: 0, item: { type: "message", id, status: "in_progress", role: "assistant", content: [] } });
+    expect(part).toEqual({
+      type: "response.content_part.added",
+      sequence_number: 3,
+      item_id: id,
+      output_index: 0,
+      content_index: 0,
+      part: { type: "output_text", text: "", annotations: [], logprobs: [] },
+    });
+    expect(d1).toEqual({ type: "response.output_text.delta", sequence_number: 4, item_id: id, output_index: 0, content_index: 0, delta: "Hel", logprobs: [] });
+    expect(d2?.delta).toBe("lo");
+    expect(textDone).toMatchObject({ item_id: id, output_index: 0, content_index: 0, text: "Hello", logprobs: [] });
+    expect(partDone).toMatchObject({ item_id: id, part: { type: "output_text", text: "Hello", annotations: [], logprobs: [] } });
+    expect(itemDone?.item).toEqual({ type: "message", id, status: "completed", role: "assistant", content: [{ type: "output_text", text: "Hello", annotations: [], logprobs: [] }] });
+    const response = completed?.response as ResponseObject;
+    expect(response).toMatchObject({ status: "completed", incomplete_details: null, error: null, output: [itemDone?.item] });
+    expect(response.completed_at).toBeNumber();
+    expect(response.usage).toEqual({
+      input_tokens: 12,
+      input_tokens_details: { cached_tokens: 8, cache_write_tokens: 0 },
+      output_tokens: 4,
+      output_tokens_details: { reasoning_tokens: 0 },
+      total_tokens: 16,
+    });
+    expect(finals).toEqual([response]);
+    expect(state.cancelled).toBeUndefined();
+  });
+
+  test("split at every byte, and at awkward points (inside UTF-8, CRLF separators, data: without space), the events are the same", async () => {
+    const text = ["héllo ", "wörld ✓ ", "🙂", "\\n\"quoted\""];
+    const lf = [ROLE, ...text.map((t) => chunk({ content: t })), chunk({}, "stop"), USAGE, DONE].join("");
+    const whole = await translate([lf]);
+    expect(whole.finals[0]?.output[0]).toMatchObject({ content: [{ text: text.join("") }] });
+    const bytes = enc.encode(lf);
+    const single = await translate(Array.from(bytes, (b) => Uint8Array.of(b)));
+    expect(normalise(single.events)).toEqual(normalise(whole.events));
+    // CRLF event ends (sse-starlette servers), `data:` without its space, a comment line, and cuts inside "🙂" and inside "\r\n".
+    const crlf = lf.replaceAll("\n\n", "\r\n\r\n").replaceAll("data: ", "data:").replace("data:[DONE]", ": keep-alive\r\ndata: [DONE]");
+    const b2 = enc.encode(crlf);
+    const emoji = b2.indexOf(0xf0) + 2;
+    const cr = b2.indexOf(0x0d) + 1;
+    const cuts = [0, 3, cr, emoji, emoji + 1, b2.length - 7, b2.length].sort((a, b) => a - b);
+    const pieces = cuts.slice(1).map((end, i) => b2.subarray(cuts[i], end));
+    const awkward = await translate(pieces);
+    expect(normalise(awkward.events)).toEqual(normalise(whole.events));
+    // The deltas are the chat deltas, one event each, not merged or re-cut.
+    expect(whole.events.filter((e) => e.type === "response.output_text.delta").map((e) => e.delta)).toEqual(text);
+  });
+
+  test("empty deltas (role chunk, empty content, {}) open nothing", async () => {
+    const { events, finals } = await translate([ROLE, chunk({}), chunk({ content: "" }), chunk({ content: null }), chunk({}, "stop"), DONE]);
+    expect(events.map((e) => e.type)).toEqual(["response.created", "response.in_progress", "response.completed"]);
+    expect(finals[0]?.output).toEqual([]);
+  });
+
+  test("two tool calls interleaved by index: each delta goes to its own function_call item", async () => {
+    const { events, finals } = await translate([
+      ROLE,
+      chunk({ tool_calls: [{ index: 0, id: "call_A", type: "function", function: { name: "get_weather", arguments: "" } }] }),
+      chunk({ tool_calls: [{ index: 1, id: "call_B", type: "function", function: { name: "get_time", arguments: '{"tz"' } }] }),
+      chunk({ tool_calls: [{ index: 0, function: { arguments: '{"city":' } }] }),
+      chunk({ tool_calls: [{ index: 1, function: { arguments: ':"UTC"}' } }, { index: 0, function: { arguments: '"Oslo"}' } }] }),
+      chunk({}, "tool_calls"),
+      USAGE,
+      DONE,
+    ]);
+    const types = events.map((e) => e.type);
+    expect(types).toEqual([
+      "response.created",
+      "response.in_progress",
+      "response.output_item.added",
+      "response.output_item.added",
+      "response.function_call_arguments.delta",
+      "response.function_call_arguments.delta",
+      "response.function_call_arguments.delta",
+      "response.function_call_arguments.delta",
+      "response.function_call_arguments.done",
+      "response.output_item.done",
+      "response.function_call_arguments.done",
+      "response.output_item.done",
+      "response.completed",
+    ]);
+    const [a, b] = events.filter((e) => e.type === "response.output_item.added").map((e) => e.item as { id: string; call_id: string; name: string; arguments: string; output_index?: number });
+    expect(a).toMatchObject({ type: "function_call", call_id: "call_A", name: "get_weather", arguments: "", status: "in_progress" });
+    expect(b).toMatchObject({ type: "function_call", call_id: "call_B", name: "get_time", arguments: "", status: "in_progress" });
+    const deltas = events.filter((e) => e.type === "response.function_call_arguments.delta").map((e) => [e.item_id, e.output_index, e.delta]);
+    expect(deltas).toEqual([
+      [b?.id, 1, '{"tz"'],
+      [a?.id, 0, '{"city":'],
+      [b?.id, 1, ':"UTC"}'],
+      [a?.id, 0, '"Oslo"}'],
+    ]);
+    const dones = events.filter((e) => e.type === "response.function_call_arguments.done").map((e) => [e.item_id, e.name, e.arguments]);
+    expect(dones).toEqual([
+      [a?.id, "get_weather", '{"city":"Oslo"}'],
+      [b?.id, "get_time", '{"tz":"UTC"}'],
+    ]);
+    expect(finals[0]?.output).toEqual([
+      { type: "function_call", id: String(a?.id), call_id: "call_A", name: "get_weather", arguments: '{"city":"Oslo"}', status: "completed" },
+      { type: "function_call", id: String(b?.id), call_id: "call_B", name: "get_time", arguments: '{"tz":"UTC"}', status: "completed" },
+    ]);
+  });
+
+  test("reasoning, then text, then a tool call: each item ends before the next kind begins", async () => {
+    const { events, finals } = await translate([
+      chunk({ reasoning_content: "Let me " }),
+      chunk({ reasoning_content: "think." }),
+      chunk({ content: "Checking." }),
+      chunk({ tool_calls: [{ index: 0, id: "call_1", type: "function", function: { name: "lookup", arguments: "{}" } }] }),
+      chunk({}, "tool_calls"),
+      DONE,
+    ]);
+    expect(events.map((e) => `${e.type}${"output_index" in e ? `@${e.output_index}` : ""}`)).toEqual([
+      "response.created",
+      "response.in_progress",
+      "response.output_item.added@0",
+      "response.content_part.added@0",
+      "response.reasoning_text.delta@0",
+      "response.reasoning_text.delta@0",
+      "response.reasoning_text.done@0",
+      "response.content_part.done@0",
+      "response.output_item.done@0",
+      "response.output_item.added@1",
+      "response.content_part.added@1",
+      "response.output_text.delta@1",
+      "response.output_text.done@1",
+      "response.content_part.done@1",
+      "response.output_item.done@1",
+      "response.output_item.added@2",
+      "response.function_call_arguments.delta@2",
+      "response.function_call_arguments.done@2",
+      "response.output_item.done@2",
+      "response.completed",
+    ]);
+    expect(finals[0]?.output.map((i) => i.type)).toEqual(["reasoning", "message", "function_call"]);
+    expect(finals[0]?.output[0]).toMatchObject({ content: [{ type: "reasoning_text", text: "Let me think." }], summary: [], status: "completed" });
+    expect(finals[0]).not.toHaveProperty("usage");
+  });
+
+  test("a refusal streams as a refusal part", async () => {
+    const { events, finals } = await translate([chunk({ refusal: "I can't " }), chunk({ refusal: "help." }), chunk({}, "stop"), DONE]);
+    expect(events.filter((e) => e.type.startsWith("response.refusal")).map((e) => [e.type, e.delta ?? e.refusal])).toEqual([
+      ["response.refusal.delta", "I can't "],
+      ["response.refusal.delta", "help."],
+      ["response.refusal.done", "I can't help."],
+    ]);
+    expect(finals[0]?.output[0]).toMatchObject({ type: "message", content: [{ type: "refusal", refusal: "I can't help." }] });
+  });
+
+  test("finish_reason length: items done as incomplete, then response.incomplete (max_output_tokens) with usage", async () => {
+    const { events, finals } = await translate([chunk({ content: "cut" }), chunk({}, "length"), USAGE, DONE]);
+    expect(events.at(-2)).toMatchObject({ type: "response.output_item.done", item: { status: "incomplete" } });
+    const last = events.at(-1);
+    expect(last?.type).toBe("response.incomplete");
+    expect(last?.response).toMatchObject({ status: "incomplete", incomplete_details: { reason: "max_output_tokens" }, usage: { output_tokens: 4 } });
+    expect(finals[0]?.status).toBe("incomplete");
+  });
+
+  test("the relay's error event mid-stream: response.failed with the partial output, then an error event, then the end", async () => {
+    const { events, finals, state } = await translate([ROLE, chunk({ content: "partial" }), ERROR]);
+    expect(events.map((e) => e.type)).toEqual([
+      "response.created",
+      "response.in_progress",
+      "response.output_item.added",
+      "response.content_part.added",
+      "response.output_text.delta",
+      "response.failed",
+      "error",
+    ]);
+    const failed = events[5]?.response as ResponseObject;
+    expect(failed).toMatchObject({
+      status: "failed",
+      error: { code: "server_error", message: "The model 'chat-small' failed while generating: boom" },
+      incomplete_details: null,
+      completed_at: null,
+      output: [{ type: "message", status: "incomplete", content: [{ type: "output_text", text: "partial" }] }],
+    });
+    expect(events[6]).toEqual({ type: "error", sequence_number: 6, code: "service_unavailable", message: "The model 'chat-small' failed while generating: boom", param: null });
+    expect(finals).toEqual([failed]);
+    expect(state.cancelled).toBeUndefined();
+  });
+
+  test("a chat stream that ends without [DONE] or an error, or with unreadable JSON, fails the response", async () => {
+    const cut = await translate([ROLE, chunk({ content: "a" })]);
+    expect(cut.events.slice(-2).map((e) => e.type)).toEqual(["response.failed", "error"]);
+    expect(cut.finals[0]?.error?.message).toContain("ended the stream early");
+    const junk = await translate([ROLE, "data: {not json\n\n", chunk({ content: "after" }), DONE]);
+    expect(junk.events.slice(-2).map((e) => e.type)).toEqual(["response.failed", "error"]);
+    expect(junk.finals).toHaveLength(1);
+  });
+
+  test("events go out as chunks arrive: a delta is readable while the upstream is still generating", async () => {
+    let ctrl: ReadableStreamDefaultController<Uint8Array> | undefined;
+    let cancelled: unknown;
+    const chat = new ReadableStream<Uint8Array>({
+      start(c) {
+        ctrl = c;
+      },
+      cancel(r) {
+        cancelled = r;
+      },
+    });
+    const finals: ResponseObject[] = [];
+    const reader = responseEventStream(chat, meta(), (r) => {
+      finals.push(r);
+    }).getReader();
+    const dec = new TextDecoder();
+    let seen = "";
+    const readUntil = async (needle: string) => {
+      while (!seen.includes(needle)) {
+        const r = await reader.read();
+        if (r.done) throw new Error(`ended before ${needle}`);
+        seen += dec.decode(r.value);
+      }
+    };
+    await readUntil("response.in_progress");
+    ctrl?.enqueue(enc.encode(ROLE + chunk({ content: "first" })));
+    await readUntil('"delta":"first"');
+    expect(finals).toEqual([]);
+    // The client goes away: the chat stream is cancelled (so the upstream call is aborted) and onFinal says so.
+    await reader.cancel();
+    await until(() => cancelled !== undefined, "the chat stream cancelled");
+    expect(finals).toHaveLength(1);
+    expect(finals[0]).toMatchObject({ status: "cancelled", output: [{ type: "message", status: "incomplete", content: [{ text: "first" }] }] });
+  });
+
+  test("onFinal's promise (storing the response) is awaited before the stream ends", async () => {
+    const { stream } = source([ROLE, chunk({ content: "x" }), chunk({}, "stop"), DONE].map((p) => enc.encode(p)));
+    let release: (() => void) | undefined;
+    let stored = false;
+    const storing = async () => {
+      await new Promise<void>((res) => {
+        release = res;
+      });
+      stored = true;
+    };
+    const reader = responseEventStream(stream, meta(), storing).getReader();
+    let text = "";
+    const dec = new TextDecoder();
+    while (!text.includes("response.completed")) {
+      const r = await reader.read();
+      if (r.done) throw new Error("ended before response.completed");
+      text += dec.decode(r.value);
+    }
+    const end = reader.read();
+    await until(() => release !== undefined, "onFinal called");
+    // A negative can only be watched for a while: 100 ms, far beyond the close that follows at once when the promise is not awaited.
+    expect(await Promise.race([end.then(() => "ended"), Bun.sleep(100).then(() => "open")])).toBe("open");
+    release?.();
+    expect((await end).done).toBe(true);
+    expect(stored).toBe(true);
+  });
+});
+
+describe("SseData", () => {
+  test("multi-line data joins with \\n; an event over the size cap is refused", () => {
+    const s = new SseData();
+    expect(s.push(enc.encode("data: a\ndata: b\n\n"))).toEqual(["a\nb"]);
+    // A read ending in `\r` waits: with `\n` first in the next read it is one line end, not two (which would end the event).
+    expect(s.push(enc.encode("data: c\r"))).toEqual([]);
+    expect(s.push(enc.encode("\ndata: d\r\n\r"))).toEqual([]);
+    expect(s.push(enc.encode("\n"))).toEqual(["c\nd"]);
+    expect(() => s.push(new Uint8Array(9 * 1024 * 1024).fill(0x61))).toThrow("oversized");
+  });
+});
+
+/** A tiny server that answers /v1/responses with the translation of a chat stream (scripted, or the simulator's). */
+describe("the openai SDK accepts the event stream", () => {
+  let sim: Simulator;
+  let server: ReturnType<typeof Bun.serve>;
+  let client: OpenAI;
+  let script: string[] | undefined;
+  let lastFinal: ResponseObject | undefined;
+
+  beforeAll(async () => {
+    sim = await startSimulator({ ttftMs: 0, interTokenMs: 0, completionTokens: 6, reasoning: "Think first." });
+    server = Bun.serve({
+      port: 0,
+      hostname: "127.0.0.1",
+      async fetch(req) {
+        const body = (await req.json()) as { input: string; tools?: unknown[] };
+        let chatSse: ReadableStream<Uint8Array>;
+        if (script) chatSse = source(script.map((p) => enc.encode(p))).stream;
+        else {
+          const tools = (body.tools ?? []).map((t) => ({ type: "function", function: t }));
+          const res = await fetch(`${sim.url}/chat/completions`, {
+            method: "POST",
+            headers: { "content-type": "application/json" },
+            body: JSON.stringify({ model: "chat-small", messages: [{ role: "user", content: body.input }], stream: true, stream_options: { include_usage: true }, ...(tools.length ? { tools } : {}) }),
+          });
+          if (!res.body) throw new Error("no body");
+          chatSse = res.body;
+        }
+        return new Response(
+          responseEventStream(chatSse, meta(), (r) => {
+            lastFinal = r;
+          }),
+          { headers: { "content-type": "text/event-stream" } },
+        );
+      },
+    });
+    client = new OpenAI({ baseURL: `http://127.0.0.1:${server.port}/v1`, apiKey: "k", maxRetries: 0 });
+  });
+  afterAll(async () => {
+    await server.stop(true);
+    await sim.stop();
+  });
+
+  const plain = (r: unknown) => JSON.parse(JSON.stringify(r));
+  /** finalResponse() adds its parse results (`output_parsed`, `parsed`, `parsed_arguments`) and `output_text`; the rest must be the wire payload. */
+  const unparsed = (r: unknown) =>
+    JSON.parse(JSON.stringify(r), (k, v) => (k === "output_parsed" || k === "parsed" || k === "parsed_arguments" ? undefined : v));
+
+  test("responses.stream(): finalResponse() equals the response.completed payload (simulator reasoning + text)", async () => {
+    script = undefined;
+    const stream = client.responses.stream({ model: "chat-small", input: "hello" });
+    const seen: ResponseStreamEvent[] = [];
+    stream.on("event", (e) => seen.push(e));
+    const final = await stream.finalResponse();
+    const completed = seen.at(-1);
+    if (completed?.type !== "response.completed") throw new Error(`last event ${completed?.type}`);
+    const { output_text, ...rest } = unparsed(final);
+    expect(rest).toEqual(plain(completed.response));
+    expect(rest).toEqual(plain(lastFinal));
+    expect(output_text).toBe("token0 token1 token2 token3 token4 token5 ");
+    expect(final.output.map((i) => i.type)).toEqual(["reasoning", "message"]);
+    expect(final.usage?.output_tokens).toBeGreaterThan(0);
+  });
+
+  test("responses.stream() with a tool call from the simulator; responses.create({stream:true}) yields the same typed events", async () => {
+    script = undefined;
+    const tools = [{ type: "function" as const, name: "get_weather", parameters: { type: "object", properties: { city: { type: "string" } }, required: ["city"] }, strict: false }];
+    const final = await client.responses.stream({ model: "chat-small", input: "weather in Oslo?", tools }).finalResponse();
+    const call = final.output.find((i) => i.type === "function_call");
+    expect(call).toMatchObject({ type: "function_call", name: "get_weather", call_id: expect.stringMatching(/^call_/), status: "completed" });
+    expect(JSON.parse(call?.type === "function_call" ? call.arguments : "null")).toHaveProperty("city");
+    const types: string[] = [];
+    for await (const e of await client.responses.create({ model: "chat-small", input: "weather?", tools, stream: true })) types.push(e.type);
+    expect(types.at(-1)).toBe("response.completed");
+    expect(types).toContain("response.function_call_arguments.done");
+  });
+
+  test("scripted interleaved tool calls and an incomplete answer accumulate to the final payload", async () => {
+    script = [
+      chunk({ content: "Let me check." }),
+      chunk({ tool_calls: [{ index: 0, id: "call_A", type: "function", function: { name: "a", arguments: "{" } }] }),
+      chunk({ tool_calls: [{ index: 1, id: "call_B", type: "function", function: { name: "b", arguments: "{" } }] }),
+      chunk({ tool_calls: [{ index: 0, function: { arguments: "}" } }, { index: 1, function: { arguments: "}" } }] }),
+      chunk({}, "length"),
+      USAGE,
+      DONE,
+    ];
+    const stream = client.responses.stream({ model: "chat-small", input: "x" });
+    const seen: ResponseStreamEvent[] = [];
+    stream.on("event", (e) => seen.push(e));
+    const final = await stream.finalResponse();
+    const last = seen.at(-1);
+    if (last?.type !== "response.incomplete") throw new Error(`last event ${last?.type}`);
+    const { output_text, ...rest } = unparsed(final);
+    expect(rest).toEqual(plain(last.response));
+    expect(output_text).toBe("Let me check.");
+    expect(final.output.map((i) => (i.type === "function_call" ? i.arguments : i.type))).toEqual(["message", "{}", "{}"]);
+  });
+
+  test("a mid-stream failure: the SDK raises an APIError with the gateway's message, after response.failed", async () => {
+    script = [ROLE, chunk({ content: "partial" }), ERROR];
+    const stream = client.responses.stream({ model: "chat-small", input: "x" });
+    const seen: string[] = [];
+    stream.on("event", (e) => seen.push(e.type));
+    const err = await stream.finalResponse().then(
+      () => undefined,
+      (e: unknown) => e,
+    );
+    expect(err).toBeInstanceOf(OpenAI.APIError);
+    expect((err as Error).message).toContain("failed while generating: boom");
+    expect(seen.at(-1)).toBe("response.failed");
+    expect(lastFinal?.status).toBe("failed");
+  });
+});
