@@ -26,6 +26,7 @@
  *  3. N concurrent slow streams (default 10,000; 20 tokens 500 ms apart)
  *     through the gateway: all must complete; the gateway's peak RSS.
  *
+ * --wrk runs bench/wrk.ts instead (wrk as the load generator, CPU per request against the bare proxy).
  * Options: --streams N (phase 3 size), --duration S (phase 1 seconds),
  * --phases 1,2,3, --skip-direct, --keep (keep the temporary directory),
  * --quota-tokens N|none (the organisation's quota; default 10^12, i.e. on but never binding),
@@ -46,6 +47,12 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
 import { missingRuntimeEnv } from "../src/lib/runtime-env.ts";
+
+// `bun run bench -- --wrk [options]`: the wrk phase (bench/wrk.ts) instead of the phases below.
+if (Bun.argv.includes("--wrk")) {
+  const wrk = Bun.spawn(["bun", "bench/wrk.ts", ...Bun.argv.slice(2).filter((a) => a !== "--wrk")], { stdio: ["inherit", "inherit", "inherit"] });
+  process.exit(await wrk.exited);
+}
 
 const { values: args } = parseArgs({
   args: Bun.argv.slice(2),

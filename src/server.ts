@@ -103,7 +103,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     quota.start();
     const inference = createInference({ config, metering: quota, log, metrics, ...(opts.lookup ? { lookup: opts.lookup } : {}) });
 
-    observeInternals(metrics, verifier, quota, limiter);
+    observeInternals(metrics, verifier, quota, limiter, database);
     const app = createApp({
       metrics,
       openapi: openApiDocument(VERSION),
@@ -232,8 +232,9 @@ function serveMetrics(listen: string, metrics: Metrics): ReturnType<typeof Bun.s
 }
 
 /** Gauges and counters read from components' own counters at scrape time (nothing on the hot path). */
-function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager, limiter: Limiter) {
+function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager, limiter: Limiter, database: Database) {
   let seenHits = 0;
+  let seenTransactions = 0;
   let seenMisses = 0;
   let seenThrottled = 0;
   const sync = () => {
@@ -249,6 +250,11 @@ function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaM
     metrics.usagePendingTokens.set(q.pendingTokens);
     metrics.usageFlushFailures.set(q.flushFailures);
     metrics.rateLimitOrgs.set(limiter.size());
+    if (database.transactions) {
+      const t = database.transactions();
+      metrics.dbTransactions.inc(t - seenTransactions);
+      seenTransactions = t;
+    }
   };
   metrics.onScrape(sync);
 }

@@ -40,7 +40,7 @@ export const serve = defineCommand({
       }
     }
     const gw = await startGateway({ config: cfg });
-    gw.log.info("listening", { url: gw.url, database: gw.database.kind, demo: values.demo ?? false, version: VERSION });
+    gw.log.info("listening", { url: gw.url, metrics_url: gw.metricsUrl ?? null, database: gw.database.kind, demo: values.demo ?? false, version: VERSION });
     if (values.demo) out.stdout(await seedDemo(gw));
     const embeddedOnDisk = gw.database.kind === "pglite" && !cfg.dataDir.startsWith("memory://");
     const stopAdmin = embeddedOnDisk ? serveAdminSocket(cfg.dataDir, gw.database, cfg, runCli) : undefined;
