@@ -24,7 +24,9 @@
  *
  * Options: --rounds N (2), --duration S (10), --c1-duration S (5), --warmup S (3),
  * --gateway-config JSON (merged into the gateway's config), --profile DIR
- * (the gateway runs under `bun --cpu-prof --cpu-prof-md`, profile written on exit),
+ * (the gateway runs under `bun --cpu-prof --cpu-prof-md --cpu-prof-interval=200`, profile written on exit;
+ * only the gateway is loaded then, the c1 runs too),
+ * --compare DIR (also measure a gateway from another checkout, e.g. `git archive COMMIT | tar -x -C DIR` with node_modules linked: paired before/after figures),
  * --keep (keep the temporary directory).
  */
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
@@ -44,6 +46,7 @@ const { values: args } = parseArgs({
     profile: { type: "string" },
     keep: { type: "boolean", default: false },
     wrk: { type: "boolean", default: false },
+    compare: { type: "string" },
   },
   strict: false,
 });
@@ -95,7 +98,7 @@ function cpuUs(pid: number): number {
 }
 
 interface Target {
-  name: "direct" | "bare" | "gateway";
+  name: "direct" | "bare" | "gateway" | "base";
   url: string;
   /** Lua script setting method, headers and body. */
   script: string;
@@ -172,22 +175,28 @@ function range(xs: number[], fmt: (n: number) => string): string {
   return xs.length < 2 || fmt(lo) === fmt(hi) ? fmt(lo) : `${fmt(lo)}–${fmt(hi)}`;
 }
 
-async function setup(): Promise<Target[]> {
-  const sim = Bun.spawn(pin(1, ["bun", "run", "src/main.ts", "simulate-upstream", "--port", "0", "--ttft-ms", "0", "--inter-token-ms", "0", "--tokens", "16"]), {
-    env,
-    stdout: "pipe",
-    stderr: "inherit",
-  });
-  children.push(sim);
-  const simUrl = (JSON.parse(await firstLine(sim.stdout)) as { url: string }).url;
+const chatBody = (model: string) =>
+  JSON.stringify({ model, messages: [{ role: "user", content: "Summarise the plot of Hamlet in two sentences." }], max_tokens: 64 });
 
-  const config = join(dir, "config.json");
+function scriptFile(name: string, model: string, headers: Record<string, string>): string {
+  const path = join(dir, `${name}.lua`);
+  writeFileSync(path, luaScript(chatBody(model), { "Content-Type": "application/json", ...headers }));
+  return path;
+}
+
+/**
+ * A gateway from the checkout at `src` ("." is this one; --compare gives
+ * another, e.g. a `git worktree` of the commit before a change), on its own
+ * embedded database, with its own organisation and key.
+ */
+async function startGateway(src: string, name: Target["name"], simUrl: string): Promise<Target> {
+  const config = join(dir, `${name}.json`);
   writeFileSync(
     config,
     JSON.stringify({
       host: "127.0.0.1",
       port: 0,
-      dataDir: join(dir, "data"),
+      dataDir: join(dir, `${name}-data`),
       logLevel: "info",
       accessLog: true,
       metrics: { enabled: true, listen: "127.0.0.1:0" },
@@ -197,18 +206,18 @@ async function setup(): Promise<Target[]> {
     }),
   );
   const cli = (argv: string[]): Record<string, string> => {
-    const r = Bun.spawnSync(["bun", "run", "src/main.ts", ...argv, "--config", config, "--json"], { env, stderr: "pipe" });
+    const r = Bun.spawnSync(["bun", "run", "src/main.ts", ...argv, "--config", config, "--json"], { cwd: src, env, stderr: "pipe" });
     if (r.exitCode !== 0) throw new Error(`gateway ${argv.join(" ")} failed: ${r.stderr.toString()}`);
     return JSON.parse(r.stdout.toString()) as Record<string, string>;
   };
   const org = cli(["orgs", "create", "--name", "bench", "--plan", "Bench", "--quota-tokens", "1000000000000", "--quota-window", "month"]);
   const key = cli(["keys", "create", "--org", String(org.id), "--kind", "service", "--scopes", "inference"]).key;
 
-  const logPath = join(dir, "gateway.log");
-  const profile = args.profile ? ["--cpu-prof", "--cpu-prof-md", `--cpu-prof-dir=${args.profile}`] : [];
-  const gw = Bun.spawn(pin(0, ["bun", ...profile, "run", "src/main.ts", "serve", "--config", config]), { env, stdout: Bun.file(logPath), stderr: "inherit" });
+  const logPath = join(dir, `${name}.log`);
+  const profile = args.profile && name === "gateway" ? ["--cpu-prof", "--cpu-prof-md", "--cpu-prof-interval=200", `--cpu-prof-dir=${args.profile}`] : [];
+  const gw = Bun.spawn(pin(0, ["bun", ...profile, "run", "src/main.ts", "serve", "--config", config]), { cwd: src, env, stdout: Bun.file(logPath), stderr: "inherit" });
   children.push(gw);
-  const listening = await waitFor("the gateway to listen", () => {
+  const listening = await waitFor(`the gateway (${name}) to listen`, () => {
     let text = "";
     try {
       text = readFileSync(logPath, "utf8");
@@ -216,29 +225,38 @@ async function setup(): Promise<Target[]> {
       return undefined;
     }
     const line = text.split("\n").find((l) => l.includes('"msg":"listening"'));
-    return line ? (JSON.parse(line) as { url: string; metrics_url: string | null }) : undefined;
+    return line ? (JSON.parse(line) as { url: string; metrics_url?: string | null }) : undefined;
   });
+  return {
+    name,
+    url: `${listening.url}/v1/chat/completions`,
+    script: scriptFile(name, "svc-fast", { Authorization: `Bearer ${key}` }),
+    pid: gw.pid,
+    ...(listening.metrics_url ? { metricsUrl: listening.metrics_url } : {}),
+  };
+}
+
+async function setup(): Promise<Target[]> {
+  const sim = Bun.spawn(pin(1, ["bun", "run", "src/main.ts", "simulate-upstream", "--port", "0", "--ttft-ms", "0", "--inter-token-ms", "0", "--tokens", "16"]), {
+    env,
+    stdout: "pipe",
+    stderr: "inherit",
+  });
+  children.push(sim);
+  const simUrl = (JSON.parse(await firstLine(sim.stdout)) as { url: string }).url;
+
+  const gateways = [await startGateway(".", "gateway", simUrl)];
+  if (args.compare) gateways.push(await startGateway(String(args.compare), "base", simUrl));
 
   const bp = Bun.spawn(pin(0, ["bun", "bench/bare-proxy.ts", "--upstream", simUrl]), { env, stdout: "pipe", stderr: "inherit" });
   children.push(bp);
   const bareUrl = (JSON.parse(await firstLine(bp.stdout)) as { url: string }).url;
 
-  const body = (model: string) => JSON.stringify({ model, messages: [{ role: "user", content: "Summarise the plot of Hamlet in two sentences." }], max_tokens: 64 });
-  const script = (name: string, model: string, headers: Record<string, string>) => {
-    const path = join(dir, `${name}.lua`);
-    writeFileSync(path, luaScript(body(model), { "Content-Type": "application/json", ...headers }));
-    return path;
-  };
+  const script = (name: string, model: string, headers: Record<string, string>) => scriptFile(name, model, headers);
   return [
     { name: "direct", url: `${simUrl}/chat/completions`, script: script("direct", UPSTREAM_MODEL, {}) },
     { name: "bare", url: `${bareUrl}/chat/completions`, script: script("bare", UPSTREAM_MODEL, {}), pid: bp.pid },
-    {
-      name: "gateway",
-      url: `${listening.url}/v1/chat/completions`,
-      script: script("gateway", "svc-fast", { Authorization: `Bearer ${key}` }),
-      pid: gw.pid,
-      ...(listening.metrics_url ? { metricsUrl: listening.metrics_url } : {}),
-    },
+    ...gateways,
   ];
 }
 
@@ -250,32 +268,31 @@ async function main() {
   console.log(`gateway wrk bench: bun ${Bun.version}, ${cpus} CPUs, taskset ${pinned ? "on (gateway and bare proxy CPU 0; simulator and wrk CPU 1)" : "off"}`);
   console.log(`command: bun run bench:wrk${Bun.argv.length > 2 ? ` -- ${Bun.argv.slice(2).join(" ")}` : ""}`);
   console.log(`rounds ${rounds}, wrk -t1 -c64 -d${seconds}s and wrk -t1 -c1 -d${c1Seconds}s --latency per server and round\n`);
-  const targets = await setup();
+  // Profiling: load on the gateway alone, so the profile holds as little idle time as possible.
+  const targets = (await setup()).filter((t) => !args.profile || t.name === "gateway");
   for (const t of targets) await wrk(t, 64, Number(args.warmup));
 
-  const sat: Record<string, WrkResult[]> = { direct: [], bare: [], gateway: [] };
-  const one: Record<string, WrkResult[]> = { direct: [], bare: [], gateway: [] };
+  const sat: Record<string, WrkResult[]> = {};
+  const one: Record<string, WrkResult[]> = {};
   for (let i = 0; i < rounds; i++) {
     for (const t of targets) {
       const r = await wrk(t, 64, seconds);
-      sat[t.name]?.push(r);
+      sat[t.name] = [...(sat[t.name] ?? []), r];
       console.log(
         `   round ${i + 1} ${t.name.padEnd(7)} c64: ${f0(r.rps)} req/s   p99 ${f2(r.p99Ms)} ms   errors ${r.errors}${t.pid ? `   CPU ${f1(r.cpuUsPerRequest)} µs/req` : ""}${t.metricsUrl ? `   ${f3(r.txPerRequest)} db tx/req` : ""}`,
       );
     }
     for (const t of targets) {
       const r = await wrk(t, 1, c1Seconds);
-      one[t.name]?.push(r);
+      one[t.name] = [...(one[t.name] ?? []), r];
       console.log(`   round ${i + 1} ${t.name.padEnd(7)} c1:  p50 ${f3(r.p50Ms)} ms   p99 ${f3(r.p99Ms)} ms   errors ${r.errors}`);
     }
   }
 
   const d = sat.direct ?? [];
   const b = sat.bare ?? [];
-  const g = sat.gateway ?? [];
   const d1 = one.direct ?? [];
   const b1 = one.bare ?? [];
-  const g1 = one.gateway ?? [];
   // Ratios are taken within a round (the same minute of the machine's noise), then ranged.
   const per = (xs: WrkResult[], ys: WrkResult[], f: (x: WrkResult, y: WrkResult) => number) => xs.map((x, i) => f(x, ys[i] as WrkResult));
   console.log("\n| | req/s (c64) | vs direct | CPU per request | vs bare proxy | p99 added at c1 | db tx/request |");
@@ -284,13 +301,23 @@ async function main() {
   console.log(
     `| bare proxy | ${range(b.map((r) => r.rps), f0)} | ${range(per(b, d, (x, y) => x.rps / y.rps), f2)}× | ${range(b.map((r) => r.cpuUsPerRequest), f1)} µs | 1 | ${range(per(b1, d1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms | – |`,
   );
-  console.log(
-    `| gateway | ${range(g.map((r) => r.rps), f0)} | ${range(per(g, d, (x, y) => x.rps / y.rps), f2)}× | ${range(g.map((r) => r.cpuUsPerRequest), f1)} µs | **${range(per(g, b, (x, y) => x.cpuUsPerRequest / y.cpuUsPerRequest), f2)}×** | ${range(per(g1, d1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms | ${range(g.map((r) => r.txPerRequest), f3)} |`,
-  );
-  console.log(
-    `\ntargets: CPU/request <= 2.0x the bare proxy's; throughput >= 0.25x direct; p99 added at c1 <= the bare proxy's + 0.5 ms (here gateway - bare p99 at c1: ${range(per(g1, b1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms); db tx/request <= 0.01`,
-  );
-  const errors = [...d, ...b, ...g, ...d1, ...b1, ...g1].reduce((n, r) => n + r.errors, 0);
+  for (const name of ["gateway", "base"] as const) {
+    const g = sat[name];
+    const g1 = one[name] ?? [];
+    if (!g) continue;
+    console.log(
+      `| ${name === "base" ? `base (${args.compare})` : "gateway"} | ${range(g.map((r) => r.rps), f0)} | ${range(per(g, d, (x, y) => x.rps / y.rps), f2)}× | ${range(g.map((r) => r.cpuUsPerRequest), f1)} µs | **${range(per(g, b, (x, y) => x.cpuUsPerRequest / y.cpuUsPerRequest), f2)}×** | ${range(per(g1, d1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms | ${range(g.map((r) => r.txPerRequest), f3)} |`,
+    );
+    console.log(`   ${name}: p99 at c1 minus the bare proxy's ${range(per(g1, b1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms`);
+  }
+  if (sat.base && sat.gateway) {
+    console.log(`   gateway/base CPU per request, per round: ${per(sat.gateway, sat.base, (x, y) => x.cpuUsPerRequest / y.cpuUsPerRequest).map(f3).join(", ")}`);
+  }
+  console.log("\ntargets: CPU/request <= 2.0x the bare proxy's; throughput >= 0.25x direct; p99 added at c1 <= the bare proxy's + 0.5 ms; db tx/request <= 0.01");
+  const errors = Object.values(sat)
+    .concat(Object.values(one))
+    .flat()
+    .reduce((n, r) => n + r.errors, 0);
   if (errors > 0) console.log(`WARNING: ${errors} failed requests (non-2xx or socket errors) across all runs`);
 }
 
