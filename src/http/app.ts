@@ -49,21 +49,21 @@ export function createApp(deps: AppDeps) {
   // Set once every route is mounted (below): the app's own route list is the label set.
   let routeLabel = routeLabeler([]);
 
-  const q = JSON.stringify;
-  // One line a request, written field by field (same fields and order as a
-  // log.info object, absent ones left out): no intermediate object to build
-  // and walk. Strings from the request (the path) are quoted by JSON.stringify.
-  const accessLine = (method: string, route: string, status: number, s: RequestState) => {
-    let f = `"request_id":${q(s.id)},"method":${q(method)},"route":${q(route)},"status":${status},"latency_ms":${Math.round((performance.now() - s.start) * 100) / 100}`;
-    if (s.orgId !== undefined) f += `,"org_id":${q(s.orgId)}`;
-    if (s.keyId !== undefined) f += `,"key_id":${q(s.keyId)}`;
-    if (s.alias !== undefined) f += `,"alias":${q(s.alias)}`;
-    if (s.promptTokens !== undefined) f += `,"prompt_tokens":${q(s.promptTokens)}`;
-    if (s.completionTokens !== undefined) f += `,"completion_tokens":${q(s.completionTokens)}`;
-    if (s.streamed !== undefined) f += `,"streamed":${s.streamed}`;
-    if (s.errorCode !== undefined) f += `,"error":${q(s.errorCode)}`;
-    log.preformatted("info", "request", f);
-  };
+  const accessLine = (method: string, route: string, status: number, s: RequestState) =>
+    log.info("request", {
+      request_id: s.id,
+      method,
+      route,
+      status,
+      latency_ms: Math.round((performance.now() - s.start) * 100) / 100,
+      org_id: s.orgId,
+      key_id: s.keyId,
+      alias: s.alias,
+      prompt_tokens: s.promptTokens,
+      completion_tokens: s.completionTokens,
+      streamed: s.streamed,
+      error: s.errorCode,
+    });
 
   const app = new Elysia({ normalize: false })
     // Registered first: hooks apply only to routes added after them.

@@ -13,11 +13,6 @@ export interface Logger {
   info(msg: string, fields?: Record<string, unknown>): void;
   warn(msg: string, fields?: Record<string, unknown>): void;
   error(msg: string, fields?: Record<string, unknown>): void;
-  /**
-   * A line whose fields are already JSON (`"a":1,"b":"x"`, no braces): for
-   * the access log, one line a request, built without an intermediate object.
-   */
-  preformatted(level: Exclude<Level, "silent">, msg: string, fieldsJson: string): void;
   enabled(level: Level): boolean;
 }
 
@@ -73,10 +68,6 @@ export function createLogger(level: Level, write: (line: string) => void = buffe
     info: (m, f) => emit("info", m, f),
     warn: (m, f) => emit("warn", m, f),
     error: (m, f) => emit("error", m, f),
-    preformatted(lvl, msg, fieldsJson) {
-      if (RANK[lvl] < min) return;
-      write(`{"time":"${isoNow()}","level":"${lvl}","msg":${JSON.stringify(msg)}${fieldsJson ? `,${fieldsJson}` : ""}}\n`);
-    },
     enabled: (l) => RANK[l] >= min,
   };
 }

@@ -1,6 +1,5 @@
 import { describe, expect, test } from "bun:test";
 import { Counter, Histogram, Registry } from "prom-client";
-import { createLogger } from "../../src/lib/log.ts";
 import { HotCounter, HotHistogram } from "../../src/metrics/hot.ts";
 
 /**
@@ -41,19 +40,5 @@ describe("hot metrics", () => {
     h.record("/a", 0.5);
     r.resetMetrics();
     expect(await r.metrics()).not.toContain('route="/a"');
-  });
-});
-
-describe("preformatted log lines", () => {
-  test("are one JSON object with time, level, msg and the given fields", () => {
-    const lines: string[] = [];
-    const log = createLogger("info", (l) => lines.push(l));
-    log.preformatted("info", 'req"\\', `"route":${JSON.stringify('/x"\\\n')},"status":200`);
-    log.preformatted("debug", "dropped", `"a":1`);
-    expect(lines).toHaveLength(1);
-    expect(lines[0]?.endsWith("\n")).toBe(true);
-    const o = JSON.parse(lines[0] ?? "") as Record<string, unknown>;
-    expect(o).toEqual({ time: expect.any(String), level: "info", msg: 'req"\\', route: '/x"\\\n', status: 200 });
-    expect(Number.isNaN(Date.parse(String(o.time)))).toBe(false);
   });
 });
