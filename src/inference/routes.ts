@@ -1,12 +1,14 @@
 import { Elysia } from "elysia";
-import type { authPlugin } from "../auth/plugin.ts";
+import type { authPlugin } from "../http/auth.ts";
 import type { Config } from "../config/schema.ts";
 import { readJsonBody } from "../http/body.ts";
+import { annotate, stateOf } from "../http/context.ts";
+import { errorBody, statusOf } from "../http/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import type { Metrics } from "../metrics/registry.ts";
 import type { Metering } from "../limits/metering.ts";
 import { allowedAliases } from "./aliases.ts";
-import { createInferenceService, type Reply } from "./service.ts";
+import { type CheckedCall, createInferenceService } from "./service.ts";
 import { type ConnectProbe, createConnectProbe } from "./upstream/probe.ts";
 import { createUpstream } from "./upstream/index.ts";
 import { createImageUrlCheck, type HostLookup } from "./image-url.ts";
@@ -51,6 +53,7 @@ export function createInference(deps: InferenceDeps) {
     log,
     upstream,
     imageUrls: createImageUrlCheck(config.upstream.imageUrls ?? {}, deps.lookup),
+    wire: { statusOf, errorBody },
     ...(m ? { streams: { inc: () => m.activeStreams.inc(), dec: () => m.activeStreams.dec() } } : {}),
   });
   const created = Math.floor(Date.now() / 1000);
@@ -69,10 +72,25 @@ export function createInference(deps: InferenceDeps) {
     return body;
   }
 
-  /** JSON text gets its content type here; a Response carries its own. */
-  function send(set: { headers: Record<string, string | number> }, reply: Reply): Reply {
-    if (typeof reply === "string") set.headers["content-type"] = "application/json";
-    return reply;
+  /**
+   * Runs a checked call and writes what it came to into the request's
+   * access-log state: the alias first (a refusal on quota or by the upstream
+   * is still logged with it), then the tokens, or for a stream, when it ends.
+   * JSON text gets its content type here; a Response carries its own.
+   */
+  async function serve(call: CheckedCall, request: Request, set: { headers: Record<string, string | number> }) {
+    const state = stateOf(request);
+    annotate(request, { alias: call.alias, streamed: call.streamed });
+    const served = await call.run({ signal: request.signal, requestId: state?.id ?? "" });
+    if (served.usage) annotate(request, { promptTokens: served.usage.promptTokens, completionTokens: served.usage.completionTokens });
+    if (served.ended && state) {
+      state.ended = served.ended.then((o) => {
+        Object.assign(state, { promptTokens: o.usage.promptTokens, completionTokens: o.usage.completionTokens }, o.error ? { errorCode: o.error } : {});
+        return o.status;
+      });
+    }
+    if (typeof served.reply === "string") set.headers["content-type"] = "application/json";
+    return served.reply;
   }
 
   return {
@@ -92,12 +110,12 @@ export function createInference(deps: InferenceDeps) {
         // Bodies are read after authentication (parse: "none"), so an anonymous caller gets 401 before any 400.
         .post(
           "/v1/chat/completions",
-          async ({ principal, request, server, set }) => send(set, await service.chat(principal, await readBody(request, server), request)),
+          async ({ principal, request, server, set }) => serve(await service.chat(principal, await readBody(request, server)), request, set),
           { auth: { scope: "inference" }, parse: "none" },
         )
         .post(
           "/v1/embeddings",
-          async ({ principal, request, server, set }) => send(set, await service.embeddings(principal, await readBody(request, server), request)),
+          async ({ principal, request, server, set }) => serve(await service.embeddings(principal, await readBody(request, server)), request, set),
           { auth: { scope: "inference" }, parse: "none" },
         ),
     /** Shutdown past the drain limit: open streams end with an error event (service.ts); returns how many. */

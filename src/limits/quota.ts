@@ -1,8 +1,8 @@
 import { and, eq, inArray, sql } from "drizzle-orm";
-import type { Principal } from "../auth/verify.ts";
+import type { Principal } from "../auth/types.ts";
 import type { Database } from "../db/client.ts";
 import { usageCounters } from "../db/schema.ts";
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import { type Metering, type RequestOutcome, type Ticket, type UsageReport, clampTokens } from "./metering.ts";
 import { budgetExceeded, recordBudgetExceeded } from "./budget.ts";
