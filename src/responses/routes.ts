@@ -39,7 +39,7 @@ function notFound(id: string): AppError {
 export function createResponses(deps: ResponsesDeps) {
   const { config, log } = deps;
   const store: ResponseStore | undefined = config.responses.store
-    ? createResponseStore(deps.database, { retentionDays: config.responses.retentionDays, log })
+    ? createResponseStore(deps.database, { retentionDays: config.responses.retentionDays, log, maxReplayBytes: config.bodyLimitBytes })
     : undefined;
 
   /** Read under the server's idle timeout, then lifted: an answer may take minutes (as in inference/routes.ts). */

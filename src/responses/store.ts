@@ -46,7 +46,18 @@ function parseArray(text: string): Record<string, unknown>[] {
   return Array.isArray(v) ? v.filter(isRecord) : [];
 }
 
-export function createResponseStore(database: Database, opts: { retentionDays: number; log: Logger }) {
+export interface StoreOptions {
+  retentionDays: number;
+  log: Logger;
+  /**
+   * The most stored text (input items and Response, as JSON) one replay reads:
+   * older responses beyond it are left out, so a long chain of large answers
+   * costs no more memory than the largest request a client may send.
+   */
+  maxReplayBytes: number;
+}
+
+export function createResponseStore(database: Database, opts: StoreOptions) {
   const { log } = opts;
   let timer: ReturnType<typeof setInterval> | undefined;
   let sweeping: Promise<number> | undefined;
@@ -86,18 +97,23 @@ export function createResponseStore(database: Database, opts: { retentionDays: n
    * response's input items, then its output items. Undefined when `id` is not
    * this caller's (or unknown, deleted, expired). A link that has expired or
    * been deleted ends the walk: the conversation is replayed from after it.
+   * Older responses that would take the replay past `maxReplayBytes` are left
+   * out too (the newest one is always replayed), counted in the database so
+   * that no more than that is ever read.
    */
   async function conversation(p: Principal, id: string): Promise<Record<string, unknown>[] | undefined> {
     const rows = await database.rows<{ input_items: string; response: string }>(sql`
-      with recursive chain(id, previous_response_id, input_items, response, depth) as (
-        select id, previous_response_id, input_items, response, 0 from responses
+      with recursive chain(id, previous_response_id, input_items, response, depth, total) as (
+        select id, previous_response_id, input_items, response, 0, octet_length(input_items)::bigint + octet_length(response)::bigint
+        from responses
         where id = ${id} and org_id = ${p.orgId} and ${owner(p)} and expires_at > now()
         union all
-        select r.id, r.previous_response_id, r.input_items, r.response, c.depth + 1
+        select r.id, r.previous_response_id, r.input_items, r.response, c.depth + 1,
+          c.total + octet_length(r.input_items)::bigint + octet_length(r.response)::bigint
         from responses r join chain c on r.id = c.previous_response_id
-        where r.org_id = ${p.orgId} and r.expires_at > now() and c.depth < ${MAX_CHAIN - 1}
+        where r.org_id = ${p.orgId} and r.expires_at > now() and c.depth < ${MAX_CHAIN - 1} and c.total <= ${opts.maxReplayBytes}
       )
-      select input_items, response from chain order by depth desc`);
+      select input_items, response from chain where depth = 0 or total <= ${opts.maxReplayBytes} order by depth desc`);
     if (rows.length === 0) return undefined;
     const items: Record<string, unknown>[] = [];
     for (const row of rows) {

@@ -176,6 +176,35 @@ describe("previous_response_id", () => {
     expect(messages[2]).toEqual({ role: "tool", tool_call_id: call.call_id, content: "sunny" });
   });
 
+  test("the replay reads at most bodyLimitBytes of stored responses: older ones beyond it are left out", async () => {
+    // Seen failing before the bound: all three earlier inputs went upstream (the chain was read whole, however large).
+    const small = await startTestGateway({
+      aliases: testAliases(sim.url),
+      plans: TEST_PLANS,
+      upstream: upstreamSettings({ attempts: 2 }),
+      responses: { enabled: true },
+      bodyLimitBytes: 4096,
+    });
+    try {
+      const at = async (input: string, previous?: unknown) => {
+        const res = await post(small, "/v1/responses", org.personalKey, { model: "svc-fast", input, ...(previous ? { previous_response_id: previous } : {}) });
+        expect(res.status).toBe(200);
+        return rec(await res.json()).id;
+      };
+      // Each stored response is ~3.5 KB (its input, and the Response echoing nothing of it but its output).
+      const one = await at(`one ${"a".repeat(1500)}`);
+      const two = await at(`two ${"b".repeat(1500)}`, one);
+      const three = await at(`three ${"c".repeat(1500)}`, two);
+      await at("four", three);
+      const sent = JSON.stringify(upstreamMessages());
+      expect(sent).toContain("three ");
+      expect(sent).not.toContain("one ");
+      expect(sent.length).toBeLessThan(2 * 4096);
+    } finally {
+      await small.stop();
+    }
+  });
+
   test("unknown, deleted and store:false ids are 404 with param previous_response_id; nothing goes upstream", async () => {
     await notFound(await create({ model: "svc-fast", input: "x", previous_response_id: "resp_unknown" }), "previous_response_id");
     const gone = await made({ input: "x" });
@@ -194,7 +223,7 @@ describe("previous_response_id", () => {
     await notFound(await get(`/v1/responses/${id}`));
     await notFound(await create({ model: "svc-fast", input: "x", previous_response_id: id }), "previous_response_id");
     const keep = String((await made({ input: "new" })).id);
-    const store = createResponseStore(gw.database, { retentionDays: 30, log: createLogger("silent") });
+    const store = createResponseStore(gw.database, { retentionDays: 30, log: createLogger("silent"), maxReplayBytes: 1 << 20 });
     expect(await store.sweep()).toBeGreaterThanOrEqual(1);
     expect(await gw.database.rows(sql`select id from responses where id = ${id}`)).toEqual([]);
     expect((await gw.database.rows(sql`select id from responses where id = ${keep}`)).length).toBe(1);
