@@ -271,6 +271,21 @@ function checkItem(item: Record<string, unknown>, j: number): void {
   if (type === "message" && Array.isArray(item.content)) checkParts(String(item.role), item.content, j);
 }
 
+/**
+ * A stored item (an earlier request's input, or an earlier answer's output) is
+ * replayed only if it is still a valid input item: a row written by another
+ * version, or damaged, must not break the request that replays it.
+ */
+export function isReplayable(item: unknown): item is InputItem {
+  if (!isRecord(item)) return false;
+  try {
+    checkItem(item, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
 function checkTools(tools: Record<string, unknown>[]): void {
   for (const [i, tool] of tools.entries()) {
     if (tool.type !== "function") {

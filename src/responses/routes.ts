@@ -11,7 +11,7 @@ import { type ChatService, callChat } from "./chat-call.ts";
 import { responseEventStream } from "./events.ts";
 import { listItems } from "./list.ts";
 import { type ResponseMeta, responseFromChat } from "./output.ts";
-import { parseResponsesBody } from "./request.ts";
+import { type InputItem, parseResponsesBody } from "./request.ts";
 import { createResponseStore, type ResponseStore } from "./store.ts";
 import { type Translation, newItemId, responsesError, toChat } from "./translate.ts";
 
@@ -50,7 +50,7 @@ export function createResponses(deps: ResponsesDeps) {
     return body;
   }
 
-  async function replayed(p: Principal, previous: string | null | undefined): Promise<Record<string, unknown>[]> {
+  async function replayed(p: Principal, previous: string | null | undefined): Promise<InputItem[]> {
     if (previous == null) return [];
     if (!store) {
       throw new AppError(

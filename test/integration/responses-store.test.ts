@@ -272,6 +272,48 @@ describe("ownership", () => {
   });
 });
 
+describe("damaged rows and database failures", () => {
+  // Seen failing before: each of these answered 500 internal_error (JSON.parse of the row, a malformed
+  // replayed item reaching the chat translation, the database error thrown as is).
+  test("a damaged stored row is never a crash: unreadable items are not replayed, an unreadable response is 404", async () => {
+    const first = await made({ input: "kept" });
+    const id = String(first.id);
+    const bad = JSON.stringify([{ type: "message", role: "user", content: 5 }, { role: "user", content: "kept too" }, "x"]);
+    await gw.database.rows(sql`update responses set input_items = ${bad}, response = ${'{"output":[{"type":"message","role":"assistant"}]}'} where id = ${id}`);
+    const next = await create({ model: "svc-fast", input: "next", previous_response_id: id });
+    expect(next.status).toBe(200);
+    expect(upstreamMessages()).toEqual([{ role: "user", content: "kept too" }, { role: "user", content: "next" }]);
+    const items = await get(`/v1/responses/${id}/input_items`);
+    expect(items.status).toBe(200);
+
+    await gw.database.rows(sql`update responses set response = ${"{not json"}, input_items = ${"nor this"} where id = ${id}`);
+    await notFound(await get(`/v1/responses/${id}`));
+    const again = await create({ model: "svc-fast", input: "again", previous_response_id: id });
+    expect(again.status).toBe(200);
+    expect(upstreamMessages()).toEqual([{ role: "user", content: "again" }]);
+  });
+
+  test("the database failing is 503 service_unavailable on every read path, never a 500", async () => {
+    const id = String((await made({ input: "x" })).id);
+    await gw.database.rows(sql`alter table responses rename to responses_away`);
+    try {
+      for (const res of [
+        await get(`/v1/responses/${id}`),
+        await get(`/v1/responses/${id}/input_items`),
+        await get(`/v1/responses/${id}`, org.personalKey, "DELETE"),
+        await create({ model: "svc-fast", input: "x", previous_response_id: id }),
+      ]) {
+        const err = await errorOf(res);
+        expect({ status: res.status, code: err.code }).toEqual({ status: 503, code: "service_unavailable" });
+      }
+      // Storing fails too, after the answer: the answer is still given.
+      expect((await create({ model: "svc-fast", input: "y" })).status).toBe(200);
+    } finally {
+      await gw.database.rows(sql`alter table responses_away rename to responses`);
+    }
+  });
+});
+
 describe("responses.store: false", () => {
   test("nothing is stored; previous_response_id is 400 saying so; retrieve is 404", async () => {
     const res = await create({ model: "svc-fast", input: "x" }, org.personalKey, noStore);
