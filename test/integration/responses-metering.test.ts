@@ -1,8 +1,10 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
+import postgres from "postgres";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { type SeededOrg, startTestGateway } from "../helpers/harness.ts";
+import { type SeededOrg, startTestGateway, TEST_DATABASE_URL } from "../helpers/harness.ts";
+import { eventually } from "../helpers/poll.ts";
 import { TEST_PLANS, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 setDefaultTimeout(30_000);
@@ -11,7 +13,8 @@ setDefaultTimeout(30_000);
  * A Responses call is metered as chat is (one usage_events row with the
  * upstream's counts, the replayed conversation counted in the prompt), and a
  * stream the upstream breaks off ends with response.failed and an error
- * event, is stored as failed, and is metered as chat's failed stream.
+ * event, is stored as failed, and is metered as chat's failed stream. A
+ * store write that hangs holds the answer a bounded time only.
  */
 
 let sim: Simulator;
@@ -87,5 +90,34 @@ describe("a stream the upstream breaks off", () => {
     expect(rec(await back.json()).status).toBe("failed");
     const rows = (await usageRows()).slice(before);
     expect(rows.map((r) => ({ status: r.status, streamed: r.streamed }))).toEqual([{ status: 503, streamed: true }]);
+  });
+});
+
+describe.skipIf(!TEST_DATABASE_URL)("a store write that hangs (Postgres)", () => {
+  test("holds neither a JSON answer nor a stream's end for long; the row is written once the table is free", async () => {
+    // Seen failing before the bound: both requests hung until the lock was released (the fetch timed out).
+    const admin = postgres(TEST_DATABASE_URL ?? "", { max: 1, onnotice: () => {} });
+    const locker = await admin.reserve();
+    let locked = true;
+    try {
+      await locker`begin`;
+      await locker`lock table responses in access exclusive mode`;
+      const json = await post(gw, "/v1/responses", org.personalKey, { model: "svc-fast", input: "x" }, { signal: AbortSignal.timeout(12_000) });
+      expect(json.status).toBe(200);
+      const id = String(rec(await json.json()).id);
+      const streamed = await post(gw, "/v1/responses", org.personalKey, { model: "svc-fast", input: "y", stream: true }, { signal: AbortSignal.timeout(12_000) });
+      expect(events(await streamed.text()).at(-1)?.type).toBe("response.completed");
+      await locker`rollback`;
+      locked = false;
+      await eventually(
+        () => gw.database.rows(sql`select id from responses where id = ${id}`),
+        (rows) => rows.length === 1,
+        "the delayed write",
+      );
+    } finally {
+      if (locked) await locker`rollback`;
+      locker.release();
+      await admin.end();
+    }
   });
 });
