@@ -305,6 +305,10 @@ export function parseResponsesBody(raw: unknown): ResponsesBody {
   for (const k in raw) if (!BODY_KEYS.has(k)) throw invalid(k, `Unrecognized request argument supplied: ${k}`);
   const err = firstError(bodyCheck, raw, "");
   if (err) throw err;
+  // TypeBox's Record does not check its key schema: the 64-character bound on keys is checked here.
+  if (isRecord(raw.metadata)) {
+    for (const k in raw.metadata) if (k.length > 64) throw invalid("metadata", "Invalid 'metadata': keys are at most 64 characters.");
+  }
   if (raw.background === true) throw invalid("background", "Background responses are not supported by this gateway; send the request without background (streaming keeps long answers alive).");
   if (Array.isArray(raw.input)) for (const [j, item] of raw.input.entries()) checkItem(item as Record<string, unknown>, j);
   if (Array.isArray(raw.tools)) checkTools(raw.tools as Record<string, unknown>[]);
