@@ -271,6 +271,21 @@ function checkItem(item: Record<string, unknown>, j: number): void {
   if (type === "message" && Array.isArray(item.content)) checkParts(String(item.role), item.content, j);
 }
 
+/**
+ * A stored item (an earlier request's input, or an earlier answer's output) is
+ * replayed only if it is still a valid input item: a row written by another
+ * version, or damaged, must not break the request that replays it.
+ */
+export function isReplayable(item: unknown): item is InputItem {
+  if (!isRecord(item)) return false;
+  try {
+    checkItem(item, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
 function checkTools(tools: Record<string, unknown>[]): void {
   for (const [i, tool] of tools.entries()) {
     if (tool.type !== "function") {
@@ -290,6 +305,10 @@ export function parseResponsesBody(raw: unknown): ResponsesBody {
   for (const k in raw) if (!BODY_KEYS.has(k)) throw invalid(k, `Unrecognized request argument supplied: ${k}`);
   const err = firstError(bodyCheck, raw, "");
   if (err) throw err;
+  // TypeBox's Record does not check its key schema: the 64-character bound on keys is checked here.
+  if (isRecord(raw.metadata)) {
+    for (const k in raw.metadata) if (k.length > 64) throw invalid("metadata", "Invalid 'metadata': keys are at most 64 characters.");
+  }
   if (raw.background === true) throw invalid("background", "Background responses are not supported by this gateway; send the request without background (streaming keeps long answers alive).");
   if (Array.isArray(raw.input)) for (const [j, item] of raw.input.entries()) checkItem(item as Record<string, unknown>, j);
   if (Array.isArray(raw.tools)) checkTools(raw.tools as Record<string, unknown>[]);

@@ -11,7 +11,7 @@ import { type ChatService, callChat } from "./chat-call.ts";
 import { responseEventStream } from "./events.ts";
 import { listItems } from "./list.ts";
 import { type ResponseMeta, responseFromChat } from "./output.ts";
-import { parseResponsesBody } from "./request.ts";
+import { type InputItem, parseResponsesBody } from "./request.ts";
 import { createResponseStore, type ResponseStore } from "./store.ts";
 import { type Translation, newItemId, responsesError, toChat } from "./translate.ts";
 
@@ -31,6 +31,8 @@ export interface ResponsesDeps {
 
 const ID = /^resp_[A-Za-z0-9_-]{1,100}$/;
 const JSON_TYPE = "application/json";
+/** The longest an answer waits for its response to be stored (see save). */
+const STORE_WAIT_MS = 5_000;
 
 function notFound(id: string): AppError {
   return new AppError("not_found", `No response with id '${id}' was found.`);
@@ -39,7 +41,7 @@ function notFound(id: string): AppError {
 export function createResponses(deps: ResponsesDeps) {
   const { config, log } = deps;
   const store: ResponseStore | undefined = config.responses.store
-    ? createResponseStore(deps.database, { retentionDays: config.responses.retentionDays, log })
+    ? createResponseStore(deps.database, { retentionDays: config.responses.retentionDays, log, maxReplayBytes: config.bodyLimitBytes })
     : undefined;
 
   /** Read under the server's idle timeout, then lifted: an answer may take minutes (as in inference/routes.ts). */
@@ -50,7 +52,7 @@ export function createResponses(deps: ResponsesDeps) {
     return body;
   }
 
-  async function replayed(p: Principal, previous: string | null | undefined): Promise<Record<string, unknown>[]> {
+  async function replayed(p: Principal, previous: string | null | undefined): Promise<InputItem[]> {
     if (previous == null) return [];
     if (!store) {
       throw new AppError(
@@ -64,11 +66,24 @@ export function createResponses(deps: ResponsesDeps) {
     return items;
   }
 
+  /**
+   * Resolves once the row is written or has failed (logged), or after
+   * STORE_WAIT_MS: a database that hangs (a lock, a stalled connection) must
+   * not hold the answer or the stream's end; the write goes on without us.
+   */
   function save(p: Principal, meta: ResponseMeta, t: Translation, response: object): Promise<void> {
     if (!store) return Promise.resolve();
-    return store
+    const written = store
       .save({ id: meta.id, principal: p, previousResponseId: meta.echo.previous_response_id, inputItems: t.inputItems, response })
       .catch((e: unknown) => log.error("storing a response failed", { response_id: meta.id, err: e instanceof Error ? e.message : String(e) }));
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const late = new Promise<void>((resolve) => {
+      timer = setTimeout(() => {
+        log.warn("storing a response is slow; answered without waiting for it", { response_id: meta.id, waited_ms: STORE_WAIT_MS });
+        resolve();
+      }, STORE_WAIT_MS);
+    });
+    return Promise.race([written, late]).finally(() => clearTimeout(timer));
   }
 
   async function create(p: Principal, raw: unknown, request: Request, set: { headers: Record<string, string | number> }) {

@@ -4,6 +4,8 @@ import type { Database } from "../db/client.ts";
 import { responses } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
 import { isRecord } from "../lib/guards.ts";
+import { AppError } from "../lib/errors.ts";
+import { type InputItem, isReplayable } from "./request.ts";
 import type { StoredItem } from "./translate.ts";
 
 /**
@@ -41,12 +43,33 @@ function owner(p: Principal) {
   return p.kind === "personal" ? sql`owner_user_id = ${p.userId} and owner_key_id is null` : sql`owner_key_id = ${p.keyRoot} and owner_user_id is null`;
 }
 
-function parseArray(text: string): Record<string, unknown>[] {
-  const v: unknown = JSON.parse(text);
+/** A stored JSON column; undefined when it does not parse (a damaged row is never a crash). */
+function parse(text: unknown): unknown {
+  if (typeof text !== "string") return undefined;
+  try {
+    return JSON.parse(text);
+  } catch {
+    return undefined;
+  }
+}
+
+function parseArray(text: unknown): Record<string, unknown>[] {
+  const v = parse(text);
   return Array.isArray(v) ? v.filter(isRecord) : [];
 }
 
-export function createResponseStore(database: Database, opts: { retentionDays: number; log: Logger }) {
+export interface StoreOptions {
+  retentionDays: number;
+  log: Logger;
+  /**
+   * The most stored text (input items and Response, as JSON) one replay reads:
+   * older responses beyond it are left out, so a long chain of large answers
+   * costs no more memory than the largest request a client may send.
+   */
+  maxReplayBytes: number;
+}
+
+export function createResponseStore(database: Database, opts: StoreOptions) {
   const { log } = opts;
   let timer: ReturnType<typeof setInterval> | undefined;
   let sweeping: Promise<number> | undefined;
@@ -65,19 +88,45 @@ export function createResponseStore(database: Database, opts: { retentionDays: n
     });
   }
 
+  /**
+   * A read the request needs: input is validated before it runs, so a failure
+   * means the database is unreachable or overloaded, a 503 to retry (as the
+   * audit log's), never a 500.
+   */
+  async function read<T>(what: string, query: ReturnType<typeof sql>): Promise<T[]> {
+    try {
+      return await database.rows<T>(query);
+    } catch (e) {
+      const cause = e instanceof Error && e.cause instanceof Error ? e.cause : e;
+      log.error(`reading stored responses failed (${what})`, { err: cause instanceof Error ? cause.message : String(cause) });
+      throw new AppError("service_unavailable", "The response store is temporarily unavailable; retry with backoff.");
+    }
+  }
+
   async function get(p: Principal, id: string): Promise<StoredResponse | undefined> {
-    const rows = await database.rows<{ input_items: string; response: string }>(sql`
+    const rows = await read<{ input_items: string; response: string }>(
+      "retrieve",
+      sql`
       select input_items, response from responses
-      where id = ${id} and org_id = ${p.orgId} and ${owner(p)} and expires_at > now()`);
+      where id = ${id} and org_id = ${p.orgId} and ${owner(p)} and expires_at > now()`,
+    );
     const row = rows[0];
     if (!row) return undefined;
-    const response: unknown = JSON.parse(row.response);
-    return { response: isRecord(response) ? response : {}, inputItems: parseArray(row.input_items) as StoredItem[] };
+    const response = parse(row.response);
+    if (!isRecord(response)) {
+      // Nothing to answer with: reported, and to the caller as gone.
+      log.error("a stored response is unreadable", { response_id: id });
+      return undefined;
+    }
+    return { response, inputItems: parseArray(row.input_items).filter((i): i is StoredItem => typeof i.id === "string" && typeof i.type === "string") };
   }
 
   async function remove(p: Principal, id: string): Promise<boolean> {
-    const rows = await database.rows<{ id: string }>(sql`
-      delete from responses where id = ${id} and org_id = ${p.orgId} and ${owner(p)} and expires_at > now() returning id`);
+    const rows = await read<{ id: string }>(
+      "delete",
+      sql`
+      delete from responses where id = ${id} and org_id = ${p.orgId} and ${owner(p)} and expires_at > now() returning id`,
+    );
     return rows.length > 0;
   }
 
@@ -86,24 +135,32 @@ export function createResponseStore(database: Database, opts: { retentionDays: n
    * response's input items, then its output items. Undefined when `id` is not
    * this caller's (or unknown, deleted, expired). A link that has expired or
    * been deleted ends the walk: the conversation is replayed from after it.
+   * Older responses that would take the replay past `maxReplayBytes` are left
+   * out too (the newest one is always replayed), counted in the database so
+   * that no more than that is ever read.
    */
-  async function conversation(p: Principal, id: string): Promise<Record<string, unknown>[] | undefined> {
-    const rows = await database.rows<{ input_items: string; response: string }>(sql`
-      with recursive chain(id, previous_response_id, input_items, response, depth) as (
-        select id, previous_response_id, input_items, response, 0 from responses
+  async function conversation(p: Principal, id: string): Promise<InputItem[] | undefined> {
+    const rows = await read<{ input_items: string; response: string }>(
+      "previous_response_id",
+      sql`
+      with recursive chain(id, previous_response_id, input_items, response, depth, total) as (
+        select id, previous_response_id, input_items, response, 0, octet_length(input_items)::bigint + octet_length(response)::bigint
+        from responses
         where id = ${id} and org_id = ${p.orgId} and ${owner(p)} and expires_at > now()
         union all
-        select r.id, r.previous_response_id, r.input_items, r.response, c.depth + 1
+        select r.id, r.previous_response_id, r.input_items, r.response, c.depth + 1,
+          c.total + octet_length(r.input_items)::bigint + octet_length(r.response)::bigint
         from responses r join chain c on r.id = c.previous_response_id
-        where r.org_id = ${p.orgId} and r.expires_at > now() and c.depth < ${MAX_CHAIN - 1}
+        where r.org_id = ${p.orgId} and r.expires_at > now() and c.depth < ${MAX_CHAIN - 1} and c.total <= ${opts.maxReplayBytes}
       )
-      select input_items, response from chain order by depth desc`);
+      select input_items, response from chain where depth = 0 or total <= ${opts.maxReplayBytes} order by depth desc`,
+    );
     if (rows.length === 0) return undefined;
-    const items: Record<string, unknown>[] = [];
+    const items: InputItem[] = [];
     for (const row of rows) {
-      items.push(...parseArray(row.input_items));
-      const response: unknown = JSON.parse(row.response);
-      if (isRecord(response) && Array.isArray(response.output)) items.push(...response.output.filter(isRecord));
+      for (const item of parseArray(row.input_items)) if (isReplayable(item)) items.push(item);
+      const response = parse(row.response);
+      if (isRecord(response) && Array.isArray(response.output)) for (const item of response.output) if (isReplayable(item)) items.push(item);
     }
     return items;
   }

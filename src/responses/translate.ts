@@ -75,7 +75,7 @@ function echoTools(tools: FunctionTool[] | undefined): ResponseEcho["tools"] {
  * first: each response's input items, then its output items); it is sent
  * before this request's input.
  */
-export function toChat(body: ResponsesBody, replay: readonly Record<string, unknown>[], store: boolean): Translation {
+export function toChat(body: ResponsesBody, replay: readonly InputItem[], store: boolean): Translation {
   const messages: ChatMessage[] = [];
   /** Per chat message: where it came from (`instructions`, `input[j]`, `previous_response_id`). */
   const origin: string[] = [];
@@ -110,7 +110,7 @@ export function toChat(body: ResponsesBody, replay: readonly Record<string, unkn
     // reasoning items: dropped (chat upstreams take no reasoning input).
   };
 
-  for (const item of replay) add(item as InputItem, "previous_response_id");
+  for (const item of replay) add(item, "previous_response_id");
   const input: InputItem[] = typeof body.input === "string" ? [{ role: "user", content: body.input }] : (body.input ?? []);
   for (const [j, item] of input.entries()) add(item, `input[${j}]`);
   if (messages.length === 0) throw new AppError("invalid_request_error", "The request has no messages: send input (or instructions).", "input");

@@ -176,6 +176,35 @@ describe("previous_response_id", () => {
     expect(messages[2]).toEqual({ role: "tool", tool_call_id: call.call_id, content: "sunny" });
   });
 
+  test("the replay reads at most bodyLimitBytes of stored responses: older ones beyond it are left out", async () => {
+    // Seen failing before the bound: all three earlier inputs went upstream (the chain was read whole, however large).
+    const small = await startTestGateway({
+      aliases: testAliases(sim.url),
+      plans: TEST_PLANS,
+      upstream: upstreamSettings({ attempts: 2 }),
+      responses: { enabled: true },
+      bodyLimitBytes: 4096,
+    });
+    try {
+      const at = async (input: string, previous?: unknown) => {
+        const res = await post(small, "/v1/responses", org.personalKey, { model: "svc-fast", input, ...(previous ? { previous_response_id: previous } : {}) });
+        expect(res.status).toBe(200);
+        return rec(await res.json()).id;
+      };
+      // Each stored response is ~3.5 KB (its input, and the Response echoing nothing of it but its output).
+      const one = await at(`one ${"a".repeat(1500)}`);
+      const two = await at(`two ${"b".repeat(1500)}`, one);
+      const three = await at(`three ${"c".repeat(1500)}`, two);
+      await at("four", three);
+      const sent = JSON.stringify(upstreamMessages());
+      expect(sent).toContain("three ");
+      expect(sent).not.toContain("one ");
+      expect(sent.length).toBeLessThan(2 * 4096);
+    } finally {
+      await small.stop();
+    }
+  });
+
   test("unknown, deleted and store:false ids are 404 with param previous_response_id; nothing goes upstream", async () => {
     await notFound(await create({ model: "svc-fast", input: "x", previous_response_id: "resp_unknown" }), "previous_response_id");
     const gone = await made({ input: "x" });
@@ -194,7 +223,7 @@ describe("previous_response_id", () => {
     await notFound(await get(`/v1/responses/${id}`));
     await notFound(await create({ model: "svc-fast", input: "x", previous_response_id: id }), "previous_response_id");
     const keep = String((await made({ input: "new" })).id);
-    const store = createResponseStore(gw.database, { retentionDays: 30, log: createLogger("silent") });
+    const store = createResponseStore(gw.database, { retentionDays: 30, log: createLogger("silent"), maxReplayBytes: 1 << 20 });
     expect(await store.sweep()).toBeGreaterThanOrEqual(1);
     expect(await gw.database.rows(sql`select id from responses where id = ${id}`)).toEqual([]);
     expect((await gw.database.rows(sql`select id from responses where id = ${keep}`)).length).toBe(1);
@@ -240,6 +269,48 @@ describe("ownership", () => {
     await notFound(await get(`/v1/responses/${id}`, svc.personalKey));
     const sibling = await createKey(gw.database, { orgId: svc.orgId, kind: "service", scopes: ["inference"], knownModels: ["svc-fast"], tag: "gw" });
     await notFound(await get(`/v1/responses/${id}`, sibling.key));
+  });
+});
+
+describe("damaged rows and database failures", () => {
+  // Seen failing before: each of these answered 500 internal_error (JSON.parse of the row, a malformed
+  // replayed item reaching the chat translation, the database error thrown as is).
+  test("a damaged stored row is never a crash: unreadable items are not replayed, an unreadable response is 404", async () => {
+    const first = await made({ input: "kept" });
+    const id = String(first.id);
+    const bad = JSON.stringify([{ type: "message", role: "user", content: 5 }, { role: "user", content: "kept too" }, "x"]);
+    await gw.database.rows(sql`update responses set input_items = ${bad}, response = ${'{"output":[{"type":"message","role":"assistant"}]}'} where id = ${id}`);
+    const next = await create({ model: "svc-fast", input: "next", previous_response_id: id });
+    expect(next.status).toBe(200);
+    expect(upstreamMessages()).toEqual([{ role: "user", content: "kept too" }, { role: "user", content: "next" }]);
+    const items = await get(`/v1/responses/${id}/input_items`);
+    expect(items.status).toBe(200);
+
+    await gw.database.rows(sql`update responses set response = ${"{not json"}, input_items = ${"nor this"} where id = ${id}`);
+    await notFound(await get(`/v1/responses/${id}`));
+    const again = await create({ model: "svc-fast", input: "again", previous_response_id: id });
+    expect(again.status).toBe(200);
+    expect(upstreamMessages()).toEqual([{ role: "user", content: "again" }]);
+  });
+
+  test("the database failing is 503 service_unavailable on every read path, never a 500", async () => {
+    const id = String((await made({ input: "x" })).id);
+    await gw.database.rows(sql`alter table responses rename to responses_away`);
+    try {
+      for (const res of [
+        await get(`/v1/responses/${id}`),
+        await get(`/v1/responses/${id}/input_items`),
+        await get(`/v1/responses/${id}`, org.personalKey, "DELETE"),
+        await create({ model: "svc-fast", input: "x", previous_response_id: id }),
+      ]) {
+        const err = await errorOf(res);
+        expect({ status: res.status, code: err.code }).toEqual({ status: 503, code: "service_unavailable" });
+      }
+      // Storing fails too, after the answer: the answer is still given.
+      expect((await create({ model: "svc-fast", input: "y" })).status).toBe(200);
+    } finally {
+      await gw.database.rows(sql`alter table responses_away rename to responses`);
+    }
   });
 });
 

@@ -258,6 +258,9 @@ describe("validation: 400 with the Responses param", () => {
     ["no input", { model: "svc-fast" }, "input", "Missing required parameter"],
     ["no model", { input: "hi" }, "model"],
     ["json_schema without a name", { ...base, text: { format: { type: "json_schema", schema: {} } } }, "text.format.name"],
+    // The key's maxLength in the schema is not checked by TypeBox's Record: seen accepted (200) before the explicit check.
+    ["a metadata key over 64 characters", { ...base, metadata: { ["k".repeat(65)]: "v" } }, "metadata", "64"],
+    ["more than 16 metadata pairs", { ...base, metadata: Object.fromEntries(Array.from({ length: 17 }, (_, i) => [`k${i}`, "v"])) }, "metadata"],
   ];
   for (const [name, body, param, messageHas] of cases) {
     test(name, async () => {
