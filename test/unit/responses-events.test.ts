@@ -106,7 +106,8 @@ describe("responseEventStream: the event sequence", () => {
     expect(partDone).toMatchObject({ item_id: id, part: { type: "output_text", text: "Hello", annotations: [], logprobs: [] } });
     expect(itemDone?.item).toEqual({ type: "message", id, status: "completed", role: "assistant", content: [{ type: "output_text", text: "Hello", annotations: [], logprobs: [] }] });
     const response = completed?.response as ResponseObject;
-    expect(response).toMatchObject({ status: "completed", incomplete_details: null, error: null, output: [itemDone?.item] });
+    expect(response).toMatchObject({ status: "completed", incomplete_details: null, error: null, output: [itemDone?.item], output_text: "Hello" });
+    expect(created?.response).toMatchObject({ output_text: "" });
     expect(response.completed_at).toBeNumber();
     expect(response.usage).toEqual({
       input_tokens: 12,
@@ -267,6 +268,7 @@ describe("responseEventStream: the event sequence", () => {
       incomplete_details: null,
       completed_at: null,
       output: [{ type: "message", status: "incomplete", content: [{ type: "output_text", text: "partial" }] }],
+      output_text: "partial",
     });
     expect(events[6]).toEqual({ type: "error", sequence_number: 6, code: "service_unavailable", message: "The model 'chat-small' failed while generating: boom", param: null });
     expect(finals).toEqual([failed]);
@@ -400,7 +402,7 @@ describe("the openai SDK accepts the event stream", () => {
   });
 
   const plain = (r: unknown) => JSON.parse(JSON.stringify(r));
-  /** finalResponse() adds its parse results (`output_parsed`, `parsed`, `parsed_arguments`) and `output_text`; the rest must be the wire payload. */
+  /** finalResponse() adds its parse results (`output_parsed`, `parsed`, `parsed_arguments`); the rest must be the wire payload. */
   const unparsed = (r: unknown) =>
     JSON.parse(JSON.stringify(r), (k, v) => (k === "output_parsed" || k === "parsed" || k === "parsed_arguments" ? undefined : v));
 
@@ -412,7 +414,8 @@ describe("the openai SDK accepts the event stream", () => {
     const final = await stream.finalResponse();
     const completed = seen.at(-1);
     if (completed?.type !== "response.completed") throw new Error(`last event ${completed?.type}`);
-    const { output_text, ...rest } = unparsed(final);
+    const rest = unparsed(final);
+    const output_text = rest.output_text;
     expect(rest).toEqual(plain(completed.response));
     expect(rest).toEqual(plain(lastFinal));
     expect(output_text).toBe("token0 token1 token2 token3 token4 token5 ");
@@ -449,7 +452,8 @@ describe("the openai SDK accepts the event stream", () => {
     const final = await stream.finalResponse();
     const last = seen.at(-1);
     if (last?.type !== "response.incomplete") throw new Error(`last event ${last?.type}`);
-    const { output_text, ...rest } = unparsed(final);
+    const rest = unparsed(final);
+    const output_text = rest.output_text;
     expect(rest).toEqual(plain(last.response));
     expect(output_text).toBe("Let me check.");
     expect(final.output.map((i) => (i.type === "function_call" ? i.arguments : i.type))).toEqual(["message", "{}", "{}"]);
