@@ -34,7 +34,8 @@
  * --quota-tokens N|none (the organisation's quota; default 10^12, i.e. on but never binding),
  * --profile DIR (write the gateway's CPU profile there),
  * --gateway-config JSON (merged into the gateway's config: e.g. '{"accessLog":false}' to see what a feature costs),
- * --open-seconds S (length of the 1,000 req/s open loop; default 5).
+ * --open-seconds S (length of the 1,000 req/s open loop; default 5), --open-rate R (its rate).
+ * The gateway gets MIMALLOC_PURGE_HOLES=0, as the systemd units set it, unless the environment sets it.
  * Phase "o" runs only phase 1's open loop.
  * --bare also measures bench/bare-proxy.ts (a 20-line Bun proxy with nothing
  * else, pinned like the gateway) in phase 1: what Bun itself costs here.
@@ -48,7 +49,6 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
-import { missingRuntimeEnv } from "../src/lib/runtime-env.ts";
 import { responsesPhase } from "./responses.ts";
 
 const { values: args } = parseArgs({
@@ -65,6 +65,7 @@ const { values: args } = parseArgs({
     profile: { type: "string" },
     "gateway-config": { type: "string" },
     "open-seconds": { type: "string", default: "5" },
+    "open-rate": { type: "string", default: "1000" },
     bare: { type: "boolean", default: false },
     "responses-streams": { type: "string", default: "4000" },
   },
@@ -289,11 +290,11 @@ if (args.role === "loadgen") {
 const hasTaskset = Bun.spawnSync(["sh", "-c", "command -v taskset"]).exitCode === 0;
 const cpus = navigator.hardwareConcurrency;
 const pin = (cpu: number, cmd: string[]) => (hasTaskset && cpus >= 2 ? ["taskset", "-c", String(cpu), ...cmd] : cmd);
-// What `serve` would re-execute itself to get (the allocator option), given to every process
-// up front: the gateway then runs as the process measured, as under systemd. The load
-// generator is a fetch client: Bun's fetch keeps at most 256 requests in flight unless
-// BUN_CONFIG_MAX_HTTP_REQUESTS is set when the process starts.
-const env = { ...process.env, ...missingRuntimeEnv(), BUN_CONFIG_MAX_HTTP_REQUESTS: "65535" };
+// The allocator setting the systemd units give the gateway (docs/decisions.md "The allocator"), unless
+// the caller sets it (MIMALLOC_PURGE_HOLES=1 measures without it). The load generator is a fetch
+// client: Bun's fetch keeps at most 256 requests in flight unless BUN_CONFIG_MAX_HTTP_REQUESTS is
+// set when the process starts.
+const env = { ...process.env, MIMALLOC_PURGE_HOLES: process.env.MIMALLOC_PURGE_HOLES ?? "0", BUN_CONFIG_MAX_HTTP_REQUESTS: "65535" };
 const dir = mkdtempSync(join(tmpdir(), "gateway-bench-"));
 const children: ReturnType<typeof Bun.spawn>[] = [];
 
@@ -344,11 +345,27 @@ function cpuMs(pid: number | undefined): number {
   }
 }
 
-/** Run a load against a server process and add the CPU it used per request sent (µs), a figure the machine's noise moves far less than latency. */
+/** Minor page faults a process (all its threads) has taken, from /proc (NaN where there is none). */
+function minorFaults(pid: number | undefined): number {
+  if (pid === undefined) return Number.NaN;
+  try {
+    // minflt is field 10 of stat(5).
+    return Number((readFileSync(`/proc/${pid}/stat`, "utf8").split(") ")[1]?.split(" ") ?? [])[7]);
+  } catch {
+    return Number.NaN;
+  }
+}
+
+/**
+ * Run a load against a server process and add the CPU it used and the minor page faults it took per request
+ * sent: figures the machine's noise moves far less than latency.
+ */
 async function measured(pid: number | undefined, spec: LoadSpec): Promise<Record<string, number>> {
   const before = cpuMs(pid);
+  const faults = minorFaults(pid);
   const r = await loadgen(spec);
   r.cpuUsPerRequest = ((cpuMs(pid) - before) * 1000) / (r.sent ?? Number.NaN);
+  r.faultsPerRequest = (minorFaults(pid) - faults) / (r.sent ?? Number.NaN);
   return r;
 }
 
@@ -485,7 +502,9 @@ const jsonBody = (model: string) =>
   JSON.stringify({ model, messages: [{ role: "user", content: "Summarise the plot of Hamlet in two sentences." }], max_tokens: 64 });
 const streamBody = (model: string) => JSON.stringify({ model, messages: [{ role: "user", content: "Count to forty." }], stream: true });
 const num = (r: Record<string, number> | undefined, k: string) => r?.[k] ?? Number.NaN;
-const cpuNote = (r: Record<string, number>) => (Number.isFinite(num(r, "cpuUsPerRequest")) ? `   CPU ${f1(num(r, "cpuUsPerRequest"))} µs/request` : "");
+const cpuNote = (r: Record<string, number>) =>
+  (Number.isFinite(num(r, "cpuUsPerRequest")) ? `   CPU ${f1(num(r, "cpuUsPerRequest"))} µs/request` : "") +
+  (Number.isFinite(num(r, "faultsPerRequest")) ? `   minor faults ${f2(num(r, "faultsPerRequest"))}/request` : "");
 
 /** Phase 1: non-streamed chat at concurrency 64; the simulator answers at once, so this is pure overhead. */
 async function nonStreamed(direct: Endpoint, viaGw: Endpoint, durationMs: number, bare?: Endpoint) {
@@ -514,7 +533,7 @@ async function nonStreamed(direct: Endpoint, viaGw: Endpoint, durationMs: number
  * cost per request shows at a rate it handles without queueing.
  */
 async function openLoop(direct: Endpoint, viaGw: Endpoint, bare?: Endpoint) {
-  const rate = 1_000;
+  const rate = Number(args["open-rate"]);
   const seconds = Number(args["open-seconds"]);
   console.log(`   open loop at ${rate} req/s, ${seconds} s:`);
   const paced = { durationMs: seconds * 1_000, warmupMs: 1_000, concurrency: 0, rate };
@@ -526,6 +545,7 @@ async function openLoop(direct: Endpoint, viaGw: Endpoint, bare?: Endpoint) {
   if (dp) console.log(line("direct: ", dp));
   if (bp) console.log(line("bare:   ", bp));
   console.log(line("gateway:", gp));
+  console.log(`   gateway RSS after the loop: ${f1(rssKb(viaGw.pid ?? -1, "VmRSS") / 1024)} MB`);
   if (dp && bp) console.log(`   added by the bare Bun proxy: p50 ${f2(num(bp, "p50") - num(dp, "p50"))} ms, p99 ${f2(num(bp, "p99") - num(dp, "p99"))} ms`);
   if (dp) console.log(`   added latency p50 ${f2(num(gp, "p50") - num(dp, "p50"))} ms, p99 ${f2(num(gp, "p99") - num(dp, "p99"))} ms (target <= 2)`);
 }

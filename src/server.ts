@@ -45,6 +45,8 @@ export interface StartOptions {
   log?: Logger;
   /** How image URL hosts are resolved (tests stand in for DNS); the system resolver by default. */
   lookup?: HostLookup;
+  /** The quota's clock, epoch ms (tests move it to the end of a quota period); Date.now by default. */
+  now?: () => number;
 }
 
 /** The cursor HMAC secret: configured, or generated once and kept in the database (shared by instances). */
@@ -92,6 +94,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     });
     const quota = createQuota(database, log, {
       ...config.quota,
+      ...(opts.now ? { now: opts.now } : {}),
       // The embedded database runs in its own thread (src/db/pglite-worker.ts),
       // so a batch's insert no longer pauses request handling; it still runs
       // on the same cores, so batches stay moderate there.
@@ -105,7 +108,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     const inference = createInference({ config, metering: quota, log, metrics, ...(opts.lookup ? { lookup: opts.lookup } : {}) });
 
     // Off by default: the spec's v1 surface is chat, embeddings and models (docs/decisions.md: Responses API).
-    const responsesApi = config.responses.enabled ? createResponses({ config, database, log, chat: inference.service }) : undefined;
+    const responsesApi = config.responses.enabled ? createResponses({ config, database, log, chat: inference }) : undefined;
     responsesApi?.start();
 
     observeInternals(metrics, verifier, quota, limiter);

@@ -1,4 +1,4 @@
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 import { isUuid } from "../lib/ids.ts";
 import { type Instant, MAX_TIME, MIN_TIME, compareInstants, parseInstant } from "../lib/time.ts";
 import { CATEGORIES, type Category, isAction } from "./record.ts";

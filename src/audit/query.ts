@@ -1,5 +1,5 @@
 import type { Database } from "../db/client.ts";
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import { type CursorPosition, decodeCursor, encodeCursor } from "./cursor.ts";
 import { type AuditFilter, invalid, parseAuditQuery } from "./params.ts";

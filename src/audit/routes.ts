@@ -1,6 +1,6 @@
 import { Elysia } from "elysia";
-import type { authPlugin } from "../auth/plugin.ts";
-import { AppError } from "../http/errors.ts";
+import type { authPlugin } from "../http/auth.ts";
+import { AppError } from "../lib/errors.ts";
 import { type AuditReadDeps, readAuditEvents } from "./query.ts";
 
 /** Spec 4.5 takes no body; any sign of one is refused rather than ignored. */

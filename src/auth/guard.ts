@@ -1,9 +1,10 @@
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 import type { Limiter } from "../limits/store.ts";
 import { rateLimitHeaders } from "../limits/window.ts";
 import { bearerToken, createKeyMatcher } from "./keys.ts";
 import type { SecurityAuditor } from "./security.ts";
-import { AuthStoreUnavailable, type KeyVerifier, LookupThrottled, type Principal } from "./verify.ts";
+import type { Caller, Principal } from "./types.ts";
+import { AuthStoreUnavailable, type KeyVerifier, LookupThrottled } from "./verify.ts";
 
 /**
  * The order of checks, the same on every endpoint (README "Decisions"):
@@ -41,16 +42,11 @@ export interface Guarded {
   headers: Record<string, string>;
 }
 
-export interface RequestMeta {
-  ip: string | null;
-  userAgent: string | null;
-}
-
 export function createGuard(deps: GuardDeps) {
   const isWellFormed = createKeyMatcher(deps.keyTag);
   const now = deps.now ?? Date.now;
 
-  async function guard(authorization: string | null, req: Requirement, meta: RequestMeta): Promise<Guarded> {
+  async function guard(authorization: string | null, req: Requirement, meta: Caller): Promise<Guarded> {
     const token = bearerToken(authorization);
     if (!token) throw new AppError("unauthorized", "Missing API key: send the header Authorization: Bearer <key>.");
     if (!isWellFormed(token)) throw new AppError("unauthorized", "Invalid API key.");
@@ -107,7 +103,7 @@ export function createGuard(deps: GuardDeps) {
   }
 
   /** The principal of a currently valid key, without any check or side effect; null otherwise. */
-  async function peek(authorization: string | null, meta: RequestMeta) {
+  async function peek(authorization: string | null, meta: Caller) {
     const token = bearerToken(authorization);
     if (!token || !isWellFormed(token)) return null;
     try {

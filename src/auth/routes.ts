@@ -1,6 +1,6 @@
 import { Elysia } from "elysia";
-import type { authPlugin } from "./plugin.ts";
-import type { Principal } from "./verify.ts";
+import type { authPlugin } from "../http/auth.ts";
+import type { Principal } from "./types.ts";
 
 /** Spec 2.5. Every key expires (README "Decisions"), so `expires_at` is always a timestamp. */
 export function keyInfo(p: Principal) {

@@ -2,8 +2,7 @@ import { recordAudit } from "../audit/record.ts";
 import type { Database } from "../db/client.ts";
 import { networkPrefixProblem } from "../lib/cidr.ts";
 import type { Logger } from "../lib/log.ts";
-import type { RequestMeta } from "./guard.ts";
-import type { Principal } from "./verify.ts";
+import type { Caller, Principal } from "./types.ts";
 
 const IPV4 = /^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})$/;
 
@@ -86,7 +85,7 @@ export function userAgentSummary(ua: string | null): string {
  * surfaced to the caller).
  */
 export interface SecurityAuditor {
-  keyRejected(p: Principal, action: string, meta: RequestMeta): void;
+  keyRejected(p: Principal, action: string, meta: Caller): void;
   /** Wait for pending writes (shutdown, tests). */
   drain(): Promise<void>;
 }

@@ -1,8 +1,9 @@
 import { eq, sql } from "drizzle-orm";
 import type { Database } from "../db/client.ts";
-import { type QuotaPeriod, apiKeys, organizations, users } from "../db/schema.ts";
+import { apiKeys, organizations, users } from "../db/schema.ts";
 import { hashKey } from "./keys.ts";
 import { ipPrefix } from "./security.ts";
+import type { Principal } from "./types.ts";
 
 /**
  * Key verification with an in-memory cache, so a request touches no database
@@ -23,32 +24,6 @@ import { ipPrefix } from "./security.ts";
  */
 
 export const AUTH_CHANNEL = "gateway_auth";
-
-export interface Principal {
-  keyId: string;
-  orgId: string;
-  userId: string | null;
-  kind: "personal" | "service";
-  scopes: readonly string[];
-  /** Aliases the key may address; null = all. */
-  models: readonly string[] | null;
-  expiresAt: Date | null;
-  revokedAt: Date | null;
-  academyOnly: boolean;
-  plan: string;
-  /** The organisation's token quota (null = none) and its period; cached with the key. */
-  quotaTokens: number | null;
-  quotaPeriod: QuotaPeriod;
-  /** Who acts with this key, for audit events: the user of a personal key, the key's name for a service key. */
-  actorName: string;
-  actorEmail: string;
-  /**
-   * The first key of this key's rotation lineage (itself when never rotated):
-   * a service key's stored responses belong to the lineage, so a rotated key
-   * keeps reading them.
-   */
-  keyRoot: string;
-}
 
 export type Verdict =
   | { status: "valid"; principal: Principal }

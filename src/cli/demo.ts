@@ -43,6 +43,8 @@ Try:
     -d '{"model":"svc-fast","messages":[{"role":"user","content":"Hello!"}]}'
   curl -sN ${u}/v1/chat/completions -H "Authorization: Bearer ${personal.key}" -H "Content-Type: application/json" \\
     -d '{"model":"svc-fast","stream":true,"messages":[{"role":"user","content":"Hello!"}]}'
+  curl -s ${u}/v1/responses -H "Authorization: Bearer ${personal.key}" -H "Content-Type: application/json" \\
+    -d '{"model":"svc-fast","input":"Hello!"}'
   curl -s ${u}/v1/embeddings -H "Authorization: Bearer ${personal.key}" -H "Content-Type: application/json" \\
     -d '{"model":"svc-embed","input":"Paris"}'
   curl -s "${u}/v1/audit-events?limit=5" -H "Authorization: Bearer ${service.key}"

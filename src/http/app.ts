@@ -1,12 +1,13 @@
 import { type AnyElysia, Elysia } from "elysia";
-import { authPlugin } from "../auth/plugin.ts";
+import { authPlugin } from "./auth.ts";
 import type { Guard } from "../auth/guard.ts";
 import type { KeyVerifier } from "../auth/verify.ts";
 import type { SecurityAuditor } from "../auth/security.ts";
 import type { Logger } from "../lib/log.ts";
 import { type Metrics, methodLabel, routeLabeler } from "../metrics/registry.ts";
 import { beginRequest, type RequestState, requestIdOf, stateOf } from "./context.ts";
-import { AppError, errorBody } from "./errors.ts";
+import { AppError } from "../lib/errors.ts";
+import { errorBody, statusOf } from "./errors.ts";
 
 export interface AppDeps {
   guard: Guard;
@@ -79,7 +80,7 @@ export function createApp(deps: AppDeps) {
         err = new AppError("internal_error", "Internal error; the request id identifies it in the logs.");
       }
       if (state) state.errorCode = err.code;
-      set.status = err.status;
+      set.status = statusOf(err.code);
       Object.assign(set.headers, err.headers);
       // Refused before its body was read (e.g. 401 on a 40 MB upload): close
       // rather than receive and discard the body to keep the connection.

@@ -1,4 +1,4 @@
-import { AppError, type ErrorCode } from "./errors.ts";
+import { AppError, type ErrorCode } from "../lib/errors.ts";
 
 /**
  * Read a JSON request body ourselves (routes use `parse: "none"`), after

@@ -1,26 +1,12 @@
+import type { ErrorCode } from "../lib/errors.ts";
+
 /**
- * The one error vocabulary. Services throw `AppError` with a spec code; this
- * file alone decides the HTTP status and the wire body.
+ * The error table: what each domain error code (src/lib/errors.ts) answers on
+ * the wire. This file alone decides the HTTP status and the body.
  *
  * Wire shape (spec 7 leaves it open; we use OpenAI's, which every SDK parses):
  *   {"error":{"message":"…","type":"…","param":null|"…","code":"<spec code>"}}
  */
-
-export type ErrorCode =
-  | "invalid_request_error"
-  | "invalid_body"
-  | "unauthorized"
-  | "key_expired"
-  | "scope_missing"
-  | "academy_only"
-  | "browser_request_rejected"
-  | "model_not_found"
-  | "not_found"
-  | "method_not_allowed"
-  | "rate_limit_error"
-  | "budget_exceeded"
-  | "service_unavailable"
-  | "internal_error";
 
 /** Status and OpenAI-style `type` for each code. */
 const TABLE: Record<ErrorCode, { status: number; type: string }> = {
@@ -40,22 +26,14 @@ const TABLE: Record<ErrorCode, { status: number; type: string }> = {
   internal_error: { status: 500, type: "server_error" },
 };
 
+/** The HTTP status an error code answers with. */
+export function statusOf(code: ErrorCode): number {
+  return TABLE[code].status;
+}
+
 /** The codes answered with `status`, in the table's order (the OpenAPI document lists them per response). */
 export function codesWithStatus(status: number): ErrorCode[] {
   return (Object.keys(TABLE) as ErrorCode[]).filter((c) => TABLE[c].status === status);
-}
-
-export class AppError extends Error {
-  readonly status: number;
-  constructor(
-    readonly code: ErrorCode,
-    message: string,
-    readonly param: string | null = null,
-    readonly headers: Record<string, string> = {},
-  ) {
-    super(message);
-    this.status = TABLE[code].status;
-  }
 }
 
 export function errorBody(code: ErrorCode, message: string, param: string | null = null) {

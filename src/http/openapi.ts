@@ -2,7 +2,8 @@ import { type TSchema, Type as T } from "@sinclair/typebox";
 import { CATEGORIES } from "../audit/record.ts";
 import { ChatBodySchema, EmbeddingsBodySchema } from "../inference/model.ts";
 import { ResponsesBodySchema } from "../responses/request.ts";
-import { type ErrorCode, codesWithStatus } from "./errors.ts";
+import type { ErrorCode } from "../lib/errors.ts";
+import { codesWithStatus } from "./errors.ts";
 
 /**
  * The OpenAPI 3.1 document, built from the same TypeBox schemas that validate

@@ -1,6 +1,6 @@
-import type { Principal } from "../auth/verify.ts";
+import type { Principal } from "../auth/types.ts";
 import type { AliasConfig, Config } from "../config/schema.ts";
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 
 /** Aliases a key may address: all configured ones, or the key's own list. */
 export function allowedAliases(config: Config, p: Principal): string[] {

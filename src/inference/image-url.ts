@@ -1,5 +1,5 @@
 import { promises as dns } from "node:dns";
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 import { isRecord } from "../lib/guards.ts";
 import type { ChatMessage } from "./model.ts";
 

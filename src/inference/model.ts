@@ -2,7 +2,7 @@ import { type Static, type TSchema, Type as T } from "@sinclair/typebox";
 import { TypeCompiler, type TypeCheck } from "@sinclair/typebox/compiler";
 import { type ValueError, ValueErrorType } from "@sinclair/typebox/errors";
 import { Value } from "@sinclair/typebox/value";
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 import { isRecord } from "../lib/guards.ts";
 
 /**

@@ -1,12 +1,15 @@
 import { Elysia } from "elysia";
-import type { authPlugin } from "../auth/plugin.ts";
+import type { authPlugin } from "../http/auth.ts";
 import type { Config } from "../config/schema.ts";
 import { readJsonBody } from "../http/body.ts";
+import { annotate, stateOf } from "../http/context.ts";
+import { errorBody, statusOf } from "../http/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import type { Metrics } from "../metrics/registry.ts";
 import type { Metering } from "../limits/metering.ts";
 import { allowedAliases } from "./aliases.ts";
-import { createInferenceService, type Reply } from "./service.ts";
+import type { Principal } from "../auth/types.ts";
+import { type CheckedCall, createInferenceService, type Reply } from "./service.ts";
 import { type ConnectProbe, createConnectProbe } from "./upstream/probe.ts";
 import { createUpstream } from "./upstream/index.ts";
 import { createImageUrlCheck, type HostLookup } from "./image-url.ts";
@@ -51,6 +54,7 @@ export function createInference(deps: InferenceDeps) {
     log,
     upstream,
     imageUrls: createImageUrlCheck(config.upstream.imageUrls ?? {}, deps.lookup),
+    wire: { statusOf, errorBody },
     ...(m ? { streams: { inc: () => m.activeStreams.inc(), dec: () => m.activeStreams.dec() } } : {}),
   });
   const created = Math.floor(Date.now() / 1000);
@@ -69,16 +73,39 @@ export function createInference(deps: InferenceDeps) {
     return body;
   }
 
-  /** JSON text gets its content type here; a Response carries its own. */
-  function send(set: { headers: Record<string, string | number> }, reply: Reply): Reply {
+  /**
+   * Runs a checked call and writes what it came to into the request's
+   * access-log state: the alias first (a refusal on quota or by the upstream
+   * is still logged with it), then the tokens, or for a stream, when it ends.
+   * JSON text gets its content type here; a Response carries its own.
+   */
+  async function serve(call: CheckedCall, request: Request, set: { headers: Record<string, string | number> }) {
+    const reply = await run(call, request);
     if (typeof reply === "string") set.headers["content-type"] = "application/json";
     return reply;
   }
 
+  async function run(call: CheckedCall, request: Request): Promise<Reply> {
+    const state = stateOf(request);
+    annotate(request, { alias: call.alias, streamed: call.streamed });
+    const served = await call.run({ signal: request.signal, requestId: state?.id ?? "" });
+    if (served.usage) annotate(request, { promptTokens: served.usage.promptTokens, completionTokens: served.usage.completionTokens });
+    if (served.ended && state) {
+      state.ended = served.ended.then((o) => {
+        Object.assign(state, { promptTokens: o.usage.promptTokens, completionTokens: o.usage.completionTokens }, o.error ? { errorCode: o.error } : {});
+        return o.status;
+      });
+    }
+    return served.reply;
+  }
+
   return {
     upstream,
-    /** The chat and embeddings service itself (the Responses API calls its chat, src/responses/chat-call.ts). */
-    service,
+    /**
+     * Chat as POST /v1/chat/completions runs it (the checked call, the
+     * access-log state), for the Responses API (src/responses/chat-call.ts).
+     */
+    chat: async (principal: Principal, body: unknown, request: Request): Promise<Reply> => run(await service.chat(principal, body), request),
     routes: (auth: ReturnType<typeof authPlugin>) =>
       new Elysia({ name: "inference" })
         .use(auth)
@@ -94,12 +121,12 @@ export function createInference(deps: InferenceDeps) {
         // Bodies are read after authentication (parse: "none"), so an anonymous caller gets 401 before any 400.
         .post(
           "/v1/chat/completions",
-          async ({ principal, request, server, set }) => send(set, await service.chat(principal, await readBody(request, server), request)),
+          async ({ principal, request, server, set }) => serve(await service.chat(principal, await readBody(request, server)), request, set),
           { auth: { scope: "inference" }, parse: "none" },
         )
         .post(
           "/v1/embeddings",
-          async ({ principal, request, server, set }) => send(set, await service.embeddings(principal, await readBody(request, server), request)),
+          async ({ principal, request, server, set }) => serve(await service.embeddings(principal, await readBody(request, server)), request, set),
           { auth: { scope: "inference" }, parse: "none" },
         ),
     /** Shutdown past the drain limit: open streams end with an error event (service.ts); returns how many. */

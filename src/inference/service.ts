@@ -1,7 +1,6 @@
-import type { Principal } from "../auth/verify.ts";
+import type { Principal, RequestMeta } from "../auth/types.ts";
 import type { AliasConfig, Config } from "../config/schema.ts";
-import { annotate, stateOf } from "../http/context.ts";
-import { AppError } from "../http/errors.ts";
+import { AppError, type ErrorCode } from "../lib/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import type { Metering, RequestOutcome, Ticket, UsageReport } from "../limits/metering.ts";
 import { resolveAlias } from "./aliases.ts";
@@ -16,9 +15,17 @@ import { isRecord } from "../lib/guards.ts";
 /**
  * Chat completions and embeddings: validate, resolve the alias, admit against
  * the quota, call the upstream, shape the answer, settle the quota exactly
- * once with what was delivered. Routes hand over the parsed body and the
- * Request (for its abort signal and the access-log annotations).
+ * once with what was delivered. The service never sees the HTTP request:
+ * a route hands over the parsed body, then runs the call with the request's
+ * signal and id (RequestMeta), and writes what the call reports (alias,
+ * streamed, usage, a stream's end) into the request's access-log state.
  */
+
+/** The HTTP layer's word on errors (src/http/errors.ts), handed in by the routes so that no service imports HTTP. */
+export interface WireErrors {
+  statusOf(code: ErrorCode): number;
+  errorBody(code: ErrorCode, message: string): unknown;
+}
 
 export interface ServiceDeps {
   config: Config;
@@ -29,6 +36,7 @@ export interface ServiceDeps {
   imageUrls: ImageUrlCheck;
   /** Streams in progress (a metrics gauge). */
   streams?: { inc(): void; dec(): void };
+  wire: WireErrors;
 }
 
 /**
@@ -39,6 +47,35 @@ export interface ServiceDeps {
  * request, measured); for text it builds one Response with its own headers.
  */
 export type Reply = string | Response;
+
+/** How a stream ended: the status it came to (200; 499 the client left; 503 the upstream failed or shutdown cut it) and the tokens counted. */
+export interface StreamOutcome {
+  status: number;
+  usage: UsageReport;
+  /** The error the stream ended with, for the access log. */
+  error?: ErrorCode;
+}
+
+/** What a call came to. */
+export interface Served {
+  reply: Reply;
+  /** The tokens counted for an answer sent whole; absent for a stream and for a client that left. */
+  usage?: UsageReport;
+  /** A stream: settles when it ends. */
+  ended?: Promise<StreamOutcome>;
+}
+
+/**
+ * A request checked against its alias (body valid, alias allowed to this key,
+ * capabilities and context window respected), not yet admitted against the
+ * quota or sent: the route learns the alias before anything can fail on
+ * quota or upstream, so the access line of such a failure still names it.
+ */
+export interface CheckedCall {
+  alias: string;
+  streamed: boolean;
+  run(meta: RequestMeta): Promise<Served>;
+}
 
 const SSE_HEADERS = {
   "content-type": "text/event-stream; charset=utf-8",
@@ -134,12 +171,12 @@ export function createInferenceService(deps: ServiceDeps) {
   }
 
   /** Settles a failed call with nothing delivered and turns "client gone" into a response nobody reads. */
-  function settleFailure(ticket: Ticket, alias: string, start: number, streamed: boolean, e: unknown): Response {
+  function settleFailure(ticket: Ticket, alias: string, start: number, streamed: boolean, e: unknown): Served {
     if (e instanceof ClientGone) {
       metering.settle(ticket, NO_USAGE, outcome(alias, undefined, 499, start, streamed));
-      return new Response(null, { status: 499 });
+      return { reply: new Response(null, { status: 499 }) };
     }
-    metering.settle(ticket, NO_USAGE, outcome(alias, undefined, e instanceof AppError ? e.status : 500, start, streamed));
+    metering.settle(ticket, NO_USAGE, outcome(alias, undefined, e instanceof AppError ? deps.wire.statusOf(e.code) : 500, start, streamed));
     throw e;
   }
 
@@ -153,7 +190,7 @@ export function createInferenceService(deps: ServiceDeps) {
     log.warn("upstream sent implausible usage; counted the gateway's estimate instead", { alias: name, target: target.label, ...rejected, request_id: requestId });
   }
 
-  async function chat(principal: Principal, raw: unknown, request: Request): Promise<Reply> {
+  async function chat(principal: Principal, raw: unknown): Promise<CheckedCall> {
     const start = performance.now();
     const body = parseChatBody(raw);
     const name = body.model;
@@ -163,8 +200,12 @@ export function createInferenceService(deps: ServiceDeps) {
     const resolving = deps.imageUrls(body.messages);
     if (resolving) await resolving;
     const streamed = body.stream === true;
-    annotate(request, { alias: name, streamed });
+    return { alias: name, streamed, run: (meta) => runChat(principal, body, alias, meta, start) };
+  }
 
+  async function runChat(principal: Principal, body: ChatBody, alias: AliasConfig, ctx: RequestMeta, start: number): Promise<Served> {
+    const name = body.model;
+    const streamed = body.stream === true;
     const promptEstimate = estimatePromptTokens(body);
     const limit = completionLimit(body);
     // The default bound leaves the prompt its room in the context window: vLLM
@@ -178,7 +219,6 @@ export function createInferenceService(deps: ServiceDeps) {
     // reservation and the quota cannot be overshot by a completion.
     const ticket = await metering.admit(principal, reservation, limit === undefined ? promptEstimate + 1 : undefined);
     if (limit === undefined && principal.quotaTokens !== null) body.max_tokens = ticket.reserved - promptEstimate;
-    const ctx = { signal: request.signal, requestId: stateOf(request)?.id ?? "" };
 
     // The client's stream_options are kept; include_usage is forced on so every stream can be metered.
     const clientWantsUsage = body.stream_options?.include_usage === true;
@@ -202,8 +242,7 @@ export function createInferenceService(deps: ServiceDeps) {
         const { promptTokens, completionTokens } = counted;
         shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens };
         metering.settle(ticket, { promptTokens, completionTokens }, outcome(name, target, 200, start, false));
-        annotate(request, { promptTokens, completionTokens });
-        return JSON.stringify(shaped.out);
+        return { reply: JSON.stringify(shaped.out), usage: { promptTokens, completionTokens } };
       } catch (e) {
         return settleFailure(ticket, name, start, false, e);
       }
@@ -215,7 +254,7 @@ export function createInferenceService(deps: ServiceDeps) {
     } catch (e) {
       return settleFailure(ticket, name, start, true, e);
     }
-    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, ticket, start, request, requestId: ctx.requestId });
+    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, ticket, start, signal: ctx.signal, requestId: ctx.requestId });
   }
 
   /**
@@ -226,21 +265,22 @@ export function createInferenceService(deps: ServiceDeps) {
    */
   function relay(
     opened: Opened,
-    r: { name: string; alias: AliasConfig; clientWantsUsage: boolean; promptEstimate: number; ticket: Ticket; start: number; request: Request; requestId: string },
-  ): Response {
-    const { name, ticket, start, request, promptEstimate } = r;
+    r: { name: string; alias: AliasConfig; clientWantsUsage: boolean; promptEstimate: number; ticket: Ticket; start: number; signal: AbortSignal; requestId: string },
+  ): Served {
+    const { name, ticket, start, promptEstimate } = r;
     const target = opened.target;
     deps.streams?.inc();
-    let ended: (status: number) => void = () => {};
-    annotate(request, { ended: new Promise<number>((resolve) => (ended = resolve)) });
+    let settled: (o: StreamOutcome) => void = () => {};
+    const ended = new Promise<StreamOutcome>((resolve) => (settled = resolve));
     const stream = relayStream(opened, {
       alias: name,
       clientWantsUsage: r.clientWantsUsage,
       idleMs: timeoutsFor(config, r.alias).idleMs,
-      signal: request.signal,
+      signal: r.signal,
       promptEstimate,
       onImplausibleUsage: (rejected) => implausibleUsage(name, target, rejected, r.requestId),
       open,
+      errorBody: deps.wire.errorBody,
       onEnd(end) {
         deps.streams?.dec();
         // Without the upstream's count (stream cut off), estimate from what the client received.
@@ -248,15 +288,14 @@ export function createInferenceService(deps: ServiceDeps) {
         // "ended" (cut at shutdown) is a 503 like an upstream failure: the client got the same error event.
         const status = end.outcome === "done" ? 200 : end.outcome === "client_gone" ? 499 : 503;
         metering.settle(ticket, usage, outcome(name, target, status, start, true));
-        annotate(request, { promptTokens: usage.promptTokens, completionTokens: usage.completionTokens, ...(status === 503 ? { errorCode: "service_unavailable" } : {}) });
         if (end.outcome === "failed") log.warn("upstream stream failed", { alias: name, target: target.label, reason: end.reason, request_id: r.requestId });
-        ended(status);
+        settled(status === 503 ? { status, usage, error: "service_unavailable" } : { status, usage });
       },
     });
-    return new Response(stream, { headers: SSE_HEADERS });
+    return { reply: new Response(stream, { headers: SSE_HEADERS }), ended };
   }
 
-  async function embeddings(principal: Principal, raw: unknown, request: Request): Promise<Reply> {
+  async function embeddings(principal: Principal, raw: unknown): Promise<CheckedCall> {
     const start = performance.now();
     const body: EmbeddingsBody = parseEmbeddingsBody(raw);
     const name = body.model;
@@ -268,10 +307,13 @@ export function createInferenceService(deps: ServiceDeps) {
         "dimensions",
       );
     }
-    annotate(request, { alias: name, streamed: false });
+    return { alias: name, streamed: false, run: (meta) => runEmbeddings(principal, body, alias, meta, start) };
+  }
+
+  async function runEmbeddings(principal: Principal, body: EmbeddingsBody, alias: AliasConfig, ctx: RequestMeta, start: number): Promise<Served> {
+    const name = body.model;
     const estimate = estimateEmbeddingTokens(body);
     const ticket = await metering.admit(principal, estimate);
-    const ctx = { signal: request.signal, requestId: stateOf(request)?.id ?? "" };
     const payloadFor = (t: Target) => {
       body.model = t.cfg.model;
       return JSON.stringify(body);
@@ -288,9 +330,9 @@ export function createInferenceService(deps: ServiceDeps) {
       if (counted.rejected) implausibleUsage(name, res.target, { prompt_tokens: counted.rejected.prompt_tokens }, ctx.requestId);
       const promptTokens = counted.promptTokens;
       metering.settle(ticket, { promptTokens, completionTokens: 0 }, outcome(name, res.target, 200, start, false));
-      annotate(request, { promptTokens, completionTokens: 0 });
       // Spec 2.4; the embedding stays as the upstream wrote it (floats, or base64 when asked).
-      return JSON.stringify({ object: "list", data, model: name, usage: { prompt_tokens: promptTokens, total_tokens: promptTokens } });
+      const reply = JSON.stringify({ object: "list", data, model: name, usage: { prompt_tokens: promptTokens, total_tokens: promptTokens } });
+      return { reply, usage: { promptTokens, completionTokens: 0 } };
     } catch (e) {
       return settleFailure(ticket, name, start, false, e);
     }

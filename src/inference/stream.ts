@@ -1,4 +1,4 @@
-import { errorBody } from "../http/errors.ts";
+import type { ErrorCode } from "../lib/errors.ts";
 import type { Opened } from "./upstream/index.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import { isRecord } from "../lib/guards.ts";
@@ -48,6 +48,8 @@ export interface RelayOptions {
   /** The usage chunk carried implausible counts; they were replaced before the client saw them. */
   onImplausibleUsage?(rejected: Record<string, string>): void;
   onEnd(end: StreamEnd): void;
+  /** The wire's error body (src/http/errors.ts) for the error event a failed stream ends with. */
+  errorBody(code: ErrorCode, message: string): unknown;
   /**
    * Open streams register their `EndStream` here until they end, so shutdown
    * can end them all (one add and one delete per stream, nothing per chunk).
@@ -121,8 +123,8 @@ function usageOf(
   return { counted, onlyUsage, rewritten: JSON.stringify({ ...v, usage }) };
 }
 
-export function errorEvent(message: string): Uint8Array {
-  return Buffer.from(`data: ${JSON.stringify(errorBody("service_unavailable", message))}\n\n`);
+function errorEvent(opts: RelayOptions, message: string): Uint8Array {
+  return Buffer.from(`data: ${JSON.stringify(opts.errorBody("service_unavailable", message))}\n\n`);
 }
 
 export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint8Array> {
@@ -313,7 +315,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     up.abort(message);
     end(message === endedBecause ? "ended" : "failed", message);
     try {
-      await send(c, [errorEvent(message)]);
+      await send(c, [errorEvent(opts, message)]);
       c.close();
     } catch {
       // The client is already gone.

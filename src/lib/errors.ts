@@ -22,3 +22,39 @@ export class FieldError extends InputError {
     return this.text(name);
   }
 }
+
+/**
+ * The codes a request can fail with (spec 7). The HTTP status and the wire
+ * `type` of each are the HTTP layer's business (src/http/errors.ts).
+ */
+export type ErrorCode =
+  | "invalid_request_error"
+  | "invalid_body"
+  | "unauthorized"
+  | "key_expired"
+  | "scope_missing"
+  | "academy_only"
+  | "browser_request_rejected"
+  | "model_not_found"
+  | "not_found"
+  | "method_not_allowed"
+  | "rate_limit_error"
+  | "budget_exceeded"
+  | "service_unavailable"
+  | "internal_error";
+
+/**
+ * A refusal a caller is told about: a spec code, a message in plain words, the
+ * offending parameter (if one) and headers the answer carries (retry hints).
+ * Thrown by services; the app's one error mapper turns it into an answer.
+ */
+export class AppError extends Error {
+  constructor(
+    readonly code: ErrorCode,
+    message: string,
+    readonly param: string | null = null,
+    readonly headers: Record<string, string> = {},
+  ) {
+    super(message);
+  }
+}

@@ -2,7 +2,7 @@ import { and, eq, sql } from "drizzle-orm";
 import { recordAudit } from "../audit/record.ts";
 import type { Database } from "../db/client.ts";
 import { usageCounters } from "../db/schema.ts";
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 import { SYSTEM_ACTOR_ID } from "../lib/ids.ts";
 import { type QuotaPeriod, periodEnd } from "./period.ts";
 

@@ -1,4 +1,4 @@
-import type { Principal } from "../auth/verify.ts";
+import type { Principal } from "../auth/types.ts";
 
 /**
  * What the inference path needs from quota and usage accounting. In steady

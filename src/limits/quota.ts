@@ -1,8 +1,8 @@
 import { and, eq, inArray, sql } from "drizzle-orm";
-import type { Principal } from "../auth/verify.ts";
+import type { Principal } from "../auth/types.ts";
 import type { Database } from "../db/client.ts";
 import { usageCounters } from "../db/schema.ts";
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import { type Metering, type RequestOutcome, type Ticket, type UsageReport, clampTokens } from "./metering.ts";
 import { budgetExceeded, recordBudgetExceeded } from "./budget.ts";
@@ -47,8 +47,10 @@ import { type CounterDelta, type CounterSource, createUsageWriter } from "./usag
  * default reserve may run past it. (README "Quota" states this bound;
  * test/integration/quota*.test.ts checks it.)
  *
- * A crashed instance strands at most one lease (leaseTokens) per organisation
- * until the period ends: the safe direction (admits less, never more).
+ * A crashed instance strands at most one lease (leaseSize) per organisation,
+ * plus what requests reserved and did not use since its last write, until the
+ * period ends: the safe direction (admits less, never more). Each write gives
+ * back the unused lease beyond one lease for that.
  */
 
 /** A lease takes at most this share of what remains on the shared counter (more only when waiting requests need it). */
@@ -363,9 +365,9 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
 
   /**
    * The lease side of each write: what usage settled and what lease goes back.
-   * Unused lease goes back on shutdown and when its period has ended; and at
+   * Unused lease goes back on shutdown and when its period has ended; at
    * every flush once the shared counter is empty, so that another instance's
-   * requests can have it.
+   * requests can have it; and otherwise what exceeds one lease.
    */
   const counters: CounterSource = {
     cut(final) {
@@ -380,6 +382,10 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         let give = 0;
         if ((final || ended) && s.inflight === 0) give = s.granted;
         else if (s.sharedFree <= 0) give = Math.max(0, s.granted - s.inflight);
+        // Unused lease beyond what the next lease would be goes back at every write (a lease taken ahead of
+        // need on top of the last one, reservations settled far below their size), so a SIGKILL strands at
+        // most one lease per organisation.
+        else give = Math.max(0, s.granted - s.inflight - leaseSize(s));
         s.granted -= give;
         s.returning += convert + give;
         if (u > 0 || convert + give > 0) deltas.push({ orgId: s.orgId, start: s.start, used: u, leased: -(convert + give) });

@@ -1,4 +1,4 @@
-import type { Principal } from "../auth/verify.ts";
+import type { Principal } from "../auth/types.ts";
 import type { Reply } from "../inference/service.ts";
 import { isRecord } from "../lib/guards.ts";
 
@@ -11,8 +11,13 @@ import { isRecord } from "../lib/guards.ts";
  * every stream).
  */
 
+/**
+ * Chat as POST /v1/chat/completions runs it: the inference module's checked
+ * call (service.chat, then run with the request's signal and id) with its
+ * access-log writing (src/inference/routes.ts).
+ */
 export interface ChatService {
-  chat(principal: Principal, raw: unknown, request: Request): Promise<Reply>;
+  chat(principal: Principal, body: unknown, request: Request): Promise<Reply>;
 }
 
 export type ChatAnswer = { kind: "json"; completion: Record<string, unknown> } | { kind: "stream"; body: ReadableStream<Uint8Array>; headers: Headers } | { kind: "gone"; response: Response };

@@ -1,4 +1,4 @@
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 import type { StoredItem } from "./translate.ts";
 
 /**

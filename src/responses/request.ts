@@ -1,6 +1,6 @@
 import { type Static, type TSchema, Type as T } from "@sinclair/typebox";
 import { TypeCompiler, type TypeCheck } from "@sinclair/typebox/compiler";
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 import { firstError } from "../inference/model.ts";
 import { isRecord } from "../lib/guards.ts";
 

@@ -1,10 +1,10 @@
 import { Elysia } from "elysia";
-import type { authPlugin } from "../auth/plugin.ts";
-import type { Principal } from "../auth/verify.ts";
+import type { authPlugin } from "../http/auth.ts";
+import type { Principal } from "../auth/types.ts";
 import type { Config } from "../config/schema.ts";
 import type { Database } from "../db/client.ts";
 import { readJsonBody } from "../http/body.ts";
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
 import { resolveAlias } from "../inference/aliases.ts";
 import type { Logger } from "../lib/log.ts";
 import { type ChatService, callChat } from "./chat-call.ts";
@@ -64,7 +64,7 @@ export function createResponses(deps: ResponsesDeps) {
     return items;
   }
 
-  function save(p: Principal, meta: ResponseMeta, t: Translation, response: Record<string, unknown>): Promise<void> {
+  function save(p: Principal, meta: ResponseMeta, t: Translation, response: object): Promise<void> {
     if (!store) return Promise.resolve();
     return store
       .save({ id: meta.id, principal: p, previousResponseId: meta.echo.previous_response_id, inputItems: t.inputItems, response })

@@ -1,5 +1,5 @@
 import { sql } from "drizzle-orm";
-import type { Principal } from "../auth/verify.ts";
+import type { Principal } from "../auth/types.ts";
 import type { Database } from "../db/client.ts";
 import { responses } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
@@ -27,7 +27,8 @@ export interface SaveInput {
   principal: Principal;
   previousResponseId: string | null;
   inputItems: StoredItem[];
-  response: Record<string, unknown>;
+  /** The whole Response object (src/responses/output.ts). */
+  response: object;
 }
 
 /** Conversations longer than this many responses are replayed from their newest part only. */

@@ -1,4 +1,5 @@
-import { AppError } from "../http/errors.ts";
+import { AppError } from "../lib/errors.ts";
+import type { ResponseEcho } from "./output.ts";
 import type { ContentPart, FunctionTool, InputItem, MessageItem, ResponsesBody } from "./request.ts";
 
 /**
@@ -16,26 +17,6 @@ import type { ContentPart, FunctionTool, InputItem, MessageItem, ResponsesBody }
  * else accepted is the gateway's own (store, metadata, previous_response_id)
  * or ignored (docs/decisions.md).
  */
-
-/** Request fields a Response object echoes (the contract with src/responses/output.ts). */
-export interface ResponseEcho {
-  instructions: string | null;
-  max_output_tokens: number | null;
-  metadata: Record<string, string>;
-  parallel_tool_calls: boolean;
-  previous_response_id: string | null;
-  temperature: number | null;
-  top_p: number | null;
-  tool_choice: "auto" | "none" | "required" | { type: "function"; name: string };
-  tools: Array<{ type: "function"; name: string; description: string | null; parameters: Record<string, unknown> | null; strict: boolean | null }>;
-  text: {
-    format: { type: "text" } | { type: "json_object" } | { type: "json_schema"; name: string; schema: Record<string, unknown>; strict: boolean | null; description?: string };
-  };
-  reasoning: { effort: string | null; summary: null };
-  store: boolean;
-  truncation: "disabled" | "auto";
-  user: string | null;
-}
 
 /** An input item as stored and listed by GET /v1/responses/{id}/input_items: always with an id and a status. */
 export type StoredItem = Record<string, unknown> & { id: string; type: string };

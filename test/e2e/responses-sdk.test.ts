@@ -89,7 +89,11 @@ describe("openai SDK: client.responses", () => {
     expect(types[0]).toBe("response.created");
     expect(types).toContain("response.output_text.delta");
     expect(types.at(-1)).toBe("response.completed");
-    expect(final?.output_text).toBe(text);
+    // output_text is the SDK's convenience on whole answers; in a raw event the text is in the output message.
+    const message = final?.output.find((o) => o.type === "message");
+    const part = message?.type === "message" ? message.content[0] : undefined;
+    expect(part?.type === "output_text" ? part.text : undefined).toBe(text);
+    expect(text.length).toBeGreaterThan(0);
     expect(final?.usage?.output_tokens).toBeGreaterThan(0);
     // Stored: readable as soon as the stream has ended.
     if (final) expect((await client.responses.retrieve(final.id)).status).toBe("completed");
@@ -137,6 +141,13 @@ describe("OpenAI Agents SDK", () => {
     expect(String(result.finalOutput).length).toBeGreaterThan(0);
     const kinds = result.newItems.map((i) => i.type);
     expect(kinds).toEqual(["tool_call_item", "tool_call_output_item", "message_output_item"]);
+    // Two model turns, both on the Responses transport (a chat completions turn would carry a chatcmpl- id).
+    expect(result.rawResponses.map((r) => r.responseId?.slice(0, 5))).toEqual(["resp_", "resp_"]);
+
+    // The next turn continues server-side: the gateway replays the stored run (message, tool call and its output).
+    const next = await run(agent, "And tomorrow?", { previousResponseId: result.lastResponseId });
+    expect(String(next.finalOutput).length).toBeGreaterThan(0);
+    expect(calls).toEqual(["Paris"]);
   });
 
   test("the same agent, streamed", async () => {

@@ -3,7 +3,7 @@ import { loadConfig, upstreamAliases } from "../../src/config/load.ts";
 import type { Config } from "../../src/config/schema.ts";
 import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { createLogger } from "../../src/lib/log.ts";
-import { type Gateway, startGateway } from "../../src/server.ts";
+import { type Gateway, type StartOptions, startGateway } from "../../src/server.ts";
 
 /**
  * Test harness. One database per test process: embedded PGlite in memory by
@@ -51,9 +51,9 @@ function isPlainObject(v: unknown): v is Record<string, unknown> {
 }
 
 /** A gateway on a real socket (port 0), sharing the process's test database. */
-export async function startTestGateway(overrides: Record<string, unknown> = {}, database?: Database): Promise<Gateway> {
+export async function startTestGateway(overrides: Record<string, unknown> = {}, database?: Database, opts: Pick<StartOptions, "now"> = {}): Promise<Gateway> {
   const config = await testConfig(overrides);
-  return startGateway({ config, database: database ?? (await sharedDatabase()), log: createLogger("error") });
+  return startGateway({ ...opts, config, database: database ?? (await sharedDatabase()), log: createLogger("error") });
 }
 
 export interface SeededOrg {

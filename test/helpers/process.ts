@@ -2,7 +2,6 @@ import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import postgres from "postgres";
-import { missingRuntimeEnv } from "../../src/lib/runtime-env.ts";
 
 /**
  * Helpers for tests that run the gateway as a real process (CLI, shutdown,
@@ -20,8 +19,7 @@ export const BUN = process.execPath;
  * UPSTREAM_BASE_URL, PORT … must not leak into a spawned gateway.
  */
 export function cleanEnv(extra: Record<string, string | undefined> = {}): Record<string, string> {
-  // Start the server as one process (no runtime-env re-exec), so a signal from a test reaches the server itself.
-  const env: Record<string, string> = missingRuntimeEnv({});
+  const env: Record<string, string> = {};
   for (const k of ["PATH", "HOME", "TMPDIR", "LANG", "TZ"]) {
     const v = process.env[k];
     if (v !== undefined) env[k] = v;

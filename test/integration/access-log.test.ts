@@ -123,6 +123,21 @@ describe("access log", () => {
     expect(Number(line.latency_ms)).toBeGreaterThanOrEqual(leftAfter - 1);
   });
 
+  test("a request the upstream fails is logged with its alias and the error", async () => {
+    sim.setFault({ kind: "status", status: 500 });
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", messages: userMessages() });
+    const id = String(res.headers.get("x-request-id"));
+    expect(res.status).toBe(503);
+    await res.json();
+    await eventually(() => accessLines(id).length === 1);
+    const line = accessLines(id)[0] ?? {};
+    expect(line.status).toBe(503);
+    expect(line.error).toBe("service_unavailable");
+    expect(line.alias).toBe("svc-fast");
+    expect(line.streamed).toBe(false);
+    expect(line.completion_tokens).toBeUndefined();
+  });
+
   test("a stream the upstream breaks off is logged with the failure", async () => {
     sim.setFault({ kind: "drop-mid-stream", afterChunks: 3 });
     const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", stream: true, messages: userMessages() });

@@ -1,10 +1,10 @@
 import { beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { and, eq, sql } from "drizzle-orm";
 import { createOrg } from "../../src/admin/service.ts";
-import type { Principal } from "../../src/auth/verify.ts";
+import type { Principal } from "../../src/auth/types.ts";
 import type { Database } from "../../src/db/client.ts";
 import { usageCounters, usageDeadLetters, usageEvents } from "../../src/db/schema.ts";
-import { AppError } from "../../src/http/errors.ts";
+import { AppError } from "../../src/lib/errors.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { createQuota } from "../../src/limits/quota.ts";
 import { periodEnd, periodStart } from "../../src/limits/period.ts";

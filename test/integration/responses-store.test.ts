@@ -147,17 +147,15 @@ describe("previous_response_id", () => {
     const first = await made({ instructions: "Be brief.", input: "My name is Ada." });
     const second = await made({ previous_response_id: first.id, input: "What is my name?" });
     expect(second.previous_response_id).toBe(first.id);
-    expect(upstreamMessages()).toEqual([
-      { role: "user", content: "My name is Ada." },
-      { role: "assistant", content: "token0 token1 token2 token3 " },
-      { role: "user", content: "What is my name?" },
-    ]);
+    // Stored input items hold their text as parts (the form input_items lists), so they are replayed as parts.
+    const ada = { role: "user", content: [{ type: "text", text: "My name is Ada." }] };
+    expect(upstreamMessages()).toEqual([ada, { role: "assistant", content: "token0 token1 token2 token3 " }, { role: "user", content: "What is my name?" }]);
     const thirdId = await madeStreamed({ previous_response_id: second.id, instructions: "Now in French.", input: [{ role: "user", content: "Again?" }] });
     expect(upstreamMessages()).toEqual([
       { role: "system", content: "Now in French." },
-      { role: "user", content: "My name is Ada." },
+      ada,
       { role: "assistant", content: "token0 token1 token2 token3 " },
-      { role: "user", content: "What is my name?" },
+      { role: "user", content: [{ type: "text", text: "What is my name?" }] },
       { role: "assistant", content: "token0 token1 token2 token3 " },
       { role: "user", content: "Again?" },
     ]);

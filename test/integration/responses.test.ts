@@ -1,10 +1,11 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import SwaggerParser from "@apidevtools/swagger-parser";
 import { Ajv2020 } from "ajv/dist/2020.js";
 import { createKey } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
-import { CHAT_MODEL, TEST_PLANS, arr, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+import { CHAT_MODEL, TEST_PLANS, arr, chatAlias, eventually, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -17,13 +18,17 @@ setDefaultTimeout(30_000);
  */
 
 let sim: Simulator;
+let slow: Simulator;
 let gw: Gateway;
 let off: Gateway;
 let org: SeededOrg;
 
 beforeAll(async () => {
   sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
-  const common = { aliases: testAliases(sim.url), plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 2 }) };
+  // The second token a minute after the first: a stream that stays open until the client leaves.
+  slow = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 60_000, completionTokens: 2 });
+  const aliases = { ...testAliases(sim.url), "svc-slow": chatAlias([{ baseUrl: slow.url }]) };
+  const common = { aliases, plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 2 }, { idleMs: 120_000 }) };
   gw = await startTestGateway({ ...common, responses: { enabled: true } });
   off = await startTestGateway(common);
   org = await seedTestOrg(gw.database);
@@ -33,6 +38,7 @@ afterAll(async () => {
   await gw.stop();
   await off.stop();
   await sim.stop();
+  await slow.stop();
 });
 
 const create = (body: unknown, key: string | undefined = org.personalKey, init?: RequestInit) => post(gw, "/v1/responses", key, body, init);
@@ -199,6 +205,24 @@ describe("request translation (what the chat upstream receives)", () => {
     expect(seq).toEqual([...seq].sort((a, b) => a - b));
   });
 
+  test("events arrive as the upstream generates them, and a client that leaves aborts the upstream call", async () => {
+    const ac = new AbortController();
+    const res = await create({ model: "svc-slow", input: "hi", stream: true }, org.personalKey, { signal: ac.signal });
+    const reader = res.body?.getReader();
+    if (!reader) throw new Error("no body");
+    let text = "";
+    while (!text.includes("response.output_text.delta")) {
+      const { value, done } = await reader.read();
+      if (done) throw new Error(`stream ended early: ${text}`);
+      text += new TextDecoder().decode(value);
+    }
+    expect(text).toContain("token0");
+    expect(text).not.toContain("response.completed");
+    expect(slow.stats.inFlight).toBe(1);
+    ac.abort();
+    await eventually(() => slow.stats.aborts === 1, 10_000);
+  });
+
   test("json_object format and tool_choice strings pass; the gateway's max_tokens bound under a quota applies", async () => {
     const quoted = await seedTestOrg(gw.database, { quotaTokens: 1_000_000 });
     const res = await create({ model: "svc-fast", input: "hi", text: { format: { type: "json_object" } }, tool_choice: "none", store: false }, quoted.personalKey);
@@ -334,7 +358,10 @@ describe("every error path of chat applies", () => {
 describe("the OpenAPI document", () => {
   test("describes the real answers: create, retrieve, input items, delete, and errors", async () => {
     const doc = rec(await (await fetch(`${gw.url}/openapi.json`)).json());
-    const ajv = new Ajv2020({ strict: false });
+    await SwaggerParser.validate(structuredClone(doc) as never);
+    const ajv = new Ajv2020({ strict: true });
+    ajv.addFormat("uuid", /^[0-9a-f-]{36}$/i);
+    ajv.addFormat("date-time", /^\d{4}-/);
     const base = "https://gateway.test/schemas/";
     for (const [name, schema] of Object.entries(rec(rec(doc.components).schemas))) {
       ajv.addSchema(JSON.parse(JSON.stringify(schema).replaceAll("#/components/schemas/", base)), `${base}${name}`);

@@ -198,13 +198,14 @@ describe("peak memory of a separate process", () => {
       script,
       `import { createUpstream } from ${src("../../src/inference/upstream/index.ts")};
 import { createLogger } from ${src("../../src/lib/log.ts")};
+import { statusOf } from ${src("../../src/http/errors.ts")};
 import { testConfig } from ${src("../helpers/harness.ts")};
 import { chatAlias, upstreamSettings } from ${src("./inference-fixtures.ts")};
 const alias = chatAlias([{ baseUrl: ${JSON.stringify(up.url)} }]);
 const config = await testConfig({ aliases: { "svc-fast": alias }, upstream: upstreamSettings({ attempts: 1 }) });
 const upstream = createUpstream({ config, log: createLogger("silent") });
 const call = () => upstream.complete("svc-fast", alias, "/chat/completions", () => "{}", { signal: new AbortController().signal, requestId: "r" })
-  .then((r) => "ok " + r.body.length, (e) => String(e.status ?? e));
+  .then((r) => "ok " + r.body.length, (e) => String(e.code ? statusOf(e.code) : e));
 const warm = await call();
 Bun.gc(true);
 const baseline = process.resourceUsage().maxRSS;

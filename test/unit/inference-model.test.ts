@@ -1,5 +1,5 @@
 import { describe, expect, test } from "bun:test";
-import { AppError } from "../../src/http/errors.ts";
+import { AppError } from "../../src/lib/errors.ts";
 import { firstImage, paramOf, parseChatBody, parseEmbeddingsBody } from "../../src/inference/model.ts";
 import { estimateEmbeddingTokens, estimatePromptTokens } from "../../src/inference/tokens.ts";
 

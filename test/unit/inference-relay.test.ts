@@ -1,4 +1,5 @@
 import { describe, expect, test } from "bun:test";
+import { errorBody } from "../../src/http/errors.ts";
 import { type EndStream, relayStream, type StreamEnd } from "../../src/inference/stream.ts";
 import { Breaker } from "../../src/inference/upstream/breaker.ts";
 import { upstreamMessage } from "../../src/inference/upstream/error-body.ts";
@@ -62,6 +63,7 @@ async function relay(parts: (string | null | number)[], opts: { clientWantsUsage
     clientWantsUsage: opts.clientWantsUsage ?? false,
     idleMs: opts.idleMs ?? 10_000,
     signal: new AbortController().signal,
+    errorBody,
     onEnd: (e) => {
       ended = e;
     },
@@ -184,7 +186,7 @@ describe("relayStream", () => {
   test("client cancel aborts the upstream and ends without a verdict", async () => {
     const { opened, calls } = fakeOpened([chunk("a"), 1]);
     let ended: StreamEnd | undefined;
-    const s = relayStream(opened, { alias: "svc-fast", clientWantsUsage: false, idleMs: 10_000, signal: new AbortController().signal, onEnd: (e) => (ended = e) });
+    const s = relayStream(opened, { alias: "svc-fast", clientWantsUsage: false, idleMs: 10_000, signal: new AbortController().signal, errorBody, onEnd: (e) => (ended = e) });
     const reader = s.getReader();
     await reader.read();
     await reader.cancel();
@@ -197,7 +199,7 @@ describe("relayStream", () => {
     const { opened, calls } = fakeOpened([chunk("a"), 1]);
     const open = new Set<EndStream>();
     let ended: StreamEnd | undefined;
-    const s = relayStream(opened, { alias: "svc-fast", clientWantsUsage: false, idleMs: 10_000, signal: new AbortController().signal, onEnd: (e) => (ended = e), open });
+    const s = relayStream(opened, { alias: "svc-fast", clientWantsUsage: false, idleMs: 10_000, signal: new AbortController().signal, errorBody, onEnd: (e) => (ended = e), open });
     const reader = s.getReader();
     const dec = new TextDecoder();
     let text = dec.decode((await reader.read()).value);

@@ -1,7 +1,7 @@
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import OpenAI from "openai";
 import type { ResponseStreamEvent } from "openai/resources/responses/responses";
-import { errorEvent } from "../../src/inference/stream.ts";
+import { errorBody } from "../../src/http/errors.ts";
 import { responseEventStream, SseData } from "../../src/responses/events.ts";
 import type { ResponseObject } from "../../src/responses/output.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
@@ -18,7 +18,7 @@ const ROLE = chunk({ role: "assistant", content: "" });
 const USAGE = `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"chat-small","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":4,"total_tokens":16,"prompt_tokens_details":{"cached_tokens":8}}}\n\n`;
 const DONE = "data: [DONE]\n\n";
 /** The gateway relay's own mid-stream error event (inference/stream.ts). */
-const ERROR = Buffer.from(errorEvent("The model 'chat-small' failed while generating: boom")).toString();
+const ERROR = `data: ${JSON.stringify(errorBody("service_unavailable", "The model 'chat-small' failed while generating: boom"))}\n\n`;
 
 interface Ev {
   type: string;

@@ -1,5 +1,5 @@
 import { describe, expect, test } from "bun:test";
-import { AppError } from "../../src/http/errors.ts";
+import { AppError } from "../../src/lib/errors.ts";
 import { parseResponsesBody } from "../../src/responses/request.ts";
 import { responsesError, responsesParam, toChat } from "../../src/responses/translate.ts";
 

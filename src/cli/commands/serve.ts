@@ -4,6 +4,7 @@ import { config, int, waitForSignal } from "../context.ts";
 import { seedDemo } from "../demo.ts";
 import { ConfigError, upstreamAliases } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
+import { runtimeEnvWarning } from "../../lib/runtime-env.ts";
 import { VERSION } from "../../lib/version.ts";
 import { startGateway } from "../../server.ts";
 import { startSimulator } from "../../sim/index.ts";
@@ -28,12 +29,18 @@ export const serve = defineCommand({
     if (values.port) overrides.port = int(values.port, "--port");
     let sim: Awaited<ReturnType<typeof startSimulator>> | undefined;
     let cfg: Config;
+    let ignoredDatabase = false;
     if (values.demo) {
       // Demo: an in-memory database and an in-process simulated upstream, so it runs anywhere with nothing set up.
       sim = await startSimulator({ port: 0, ttftMs: 150, interTokenMs: 30 });
       const base = await config(values, { ...overrides, dataDir: values["data-dir"] ?? "memory://demo" });
+      // Never a configured Postgres (DATABASE_URL): the demo would seed its organisation and keys there, into
+      // whatever earlier runs left. The embedded database, in memory unless --data-dir: every demo starts clean.
+      const { databaseUrl, ...embedded } = base;
+      ignoredDatabase = databaseUrl !== undefined;
       cfg = {
-        ...base,
+        ...embedded,
+        reusePort: false,
         aliases: Object.keys(base.aliases).length ? base.aliases : (upstreamAliases(sim.url) as Config["aliases"]),
         // The demo shows everything the gateway can serve, the optional Responses API included.
         responses: { ...base.responses, enabled: true },
@@ -46,6 +53,10 @@ export const serve = defineCommand({
     }
     const gw = await startGateway({ config: cfg });
     gw.log.info("listening", { url: gw.url, database: gw.database.kind, demo: values.demo ?? false, version: VERSION });
+    // The allocator reads its setting only at start (src/lib/runtime-env.ts): say what is missing, once.
+    const allocator = runtimeEnvWarning();
+    if (allocator) gw.log.warn(allocator);
+    if (ignoredDatabase) gw.log.warn("demo: the configured database (DATABASE_URL / databaseUrl) is not used; the demo runs on the embedded one", { data_dir: cfg.dataDir });
     if (values.demo) out.stdout(await seedDemo(gw));
     const embeddedOnDisk = gw.database.kind === "pglite" && !cfg.dataDir.startsWith("memory://");
     const stopAdmin = embeddedOnDisk ? serveAdminSocket(cfg.dataDir, gw.database, cfg, runCli) : undefined;

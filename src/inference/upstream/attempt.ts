@@ -6,7 +6,7 @@
  */
 
 import type { TimeoutsConfig } from "../../config/schema.ts";
-import type { AppError } from "../../http/errors.ts";
+import type { AppError } from "../../lib/errors.ts";
 import type { UpstreamResponse } from "./http1.ts";
 import type { Target } from "./targets.ts";
 

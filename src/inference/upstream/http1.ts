@@ -10,7 +10,7 @@
  * over a socket costs about 8 KB (measured with 5,000 held streams, README
  * "Benchmarks"). At 10,000 streams that is the difference between meeting
  * the memory target and not. It also drops Bun's cap of 256 fetches in
- * flight, which needed a re-executed process to lift.
+ * flight, which only an environment variable set at start lifts.
  *
  * The client speaks just what an OpenAI-compatible server needs: one request
  * at a time per connection (no pipelining), a request body of known length,

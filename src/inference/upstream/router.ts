@@ -12,7 +12,7 @@
  */
 
 import type { AliasConfig, Config } from "../../config/schema.ts";
-import { AppError } from "../../http/errors.ts";
+import { AppError } from "../../lib/errors.ts";
 import type { Logger } from "../../lib/log.ts";
 import { type Completed, type Opened, openStream, readWhole } from "./answer.ts";
 import { AnswerTooLarge, Attempt, AttemptFailed, type Call, type CallContext, ClientGone, type Outcome } from "./attempt.ts";

@@ -1,6 +1,6 @@
 import { Elysia } from "elysia";
-import { annotate } from "../http/context.ts";
-import type { Guard, Requirement } from "./guard.ts";
+import type { Guard, Requirement } from "../auth/guard.ts";
+import { annotate } from "./context.ts";
 
 /**
  * `{ auth: { scope: "inference" } }` on a route runs the guard and gives the
