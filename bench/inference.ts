@@ -29,6 +29,7 @@
  *     stream adds over the upstream's chunks, and memory per open stream
  *     against chat (--responses-streams N held open, default 4,000).
  *
+ * --wrk runs bench/wrk.ts instead (wrk as the load generator, CPU per request against the bare proxy).
  * Options: --streams N (phase 3 size), --duration S (phase 1 seconds),
  * --phases 1,2,3,r, --skip-direct, --keep (keep the temporary directory),
  * --quota-tokens N|none (the organisation's quota; default 10^12, i.e. on but never binding),
@@ -50,6 +51,12 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
 import { responsesPhase } from "./responses.ts";
+
+// `bun run bench -- --wrk [options]`: the wrk phase (bench/wrk.ts) instead of the phases below.
+if (Bun.argv.includes("--wrk")) {
+  const wrk = Bun.spawn(["bun", "bench/wrk.ts", ...Bun.argv.slice(2).filter((a) => a !== "--wrk")], { stdio: ["inherit", "inherit", "inherit"] });
+  process.exit(await wrk.exited);
+}
 
 const { values: args } = parseArgs({
   args: Bun.argv.slice(2),

@@ -111,7 +111,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     const responsesApi = config.responses.enabled ? createResponses({ config, database, log, chat: inference }) : undefined;
     responsesApi?.start();
 
-    observeInternals(metrics, verifier, quota, limiter);
+    observeInternals(metrics, verifier, quota, limiter, database);
     const app = createApp({
       metrics,
       openapi: openApiDocument(VERSION, { responses: responsesApi !== undefined }),
@@ -241,8 +241,9 @@ function serveMetrics(listen: string, metrics: Metrics): ReturnType<typeof Bun.s
 }
 
 /** Gauges and counters read from components' own counters at scrape time (nothing on the hot path). */
-function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager, limiter: Limiter) {
+function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager, limiter: Limiter, database: Database) {
   let seenHits = 0;
+  let seenTransactions = 0;
   let seenMisses = 0;
   let seenThrottled = 0;
   const sync = () => {
@@ -258,6 +259,11 @@ function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaM
     metrics.usagePendingTokens.set(q.pendingTokens);
     metrics.usageFlushFailures.set(q.flushFailures);
     metrics.rateLimitOrgs.set(limiter.size());
+    if (database.transactions) {
+      const t = database.transactions();
+      metrics.dbTransactions.inc(t - seenTransactions);
+      seenTransactions = t;
+    }
   };
   metrics.onScrape(sync);
 }

@@ -31,6 +31,8 @@ export interface Database {
   listen(channel: string, onMessage: (payload: string) => void, onReconnect: () => void): Promise<() => Promise<void>>;
   ping(): Promise<boolean>;
   close(): Promise<void>;
+  /** Transactions this process started on the embedded database (Postgres counts its own: pg_stat_database). */
+  transactions?(): number;
 }
 
 export interface DbOptions {
@@ -154,6 +156,7 @@ async function openPglite(dataDir: string): Promise<Database> {
   return {
     kind: "pglite",
     db,
+    transactions: () => pg.transactions,
     async rows<T>(query: SQL) {
       const r = (await db.execute(query)) as unknown as { rows: T[] };
       return r.rows;

@@ -83,6 +83,8 @@ export class PGliteRemote {
   private waiting = new Map<number, { resolve: (v: unknown) => void; reject: (e: Error) => void }>();
   private listeners = new Map<string, Set<(payload: string) => void>>();
   private dead: Error | undefined;
+  /** Transactions started: statements outside a transaction (each its own) and BEGINs. */
+  transactions = 0;
 
   private constructor(worker: Worker) {
     this.worker = worker;
@@ -137,10 +139,12 @@ export class PGliteRemote {
   }
 
   query<T = Record<string, unknown>>(sql: string, params: unknown[] = [], options?: QueryOptions, tx?: number): Promise<Results<T>> {
+    if (tx === undefined) this.transactions++;
     return this.call<Results<T>>({ op: "query", sql, params, rowMode: options?.rowMode, rawTypes: rawTypes(options), tx });
   }
 
   exec(sql: string, tx?: number): Promise<Results[]> {
+    if (tx === undefined) this.transactions++;
     return this.call<Results[]>({ op: "exec", sql, tx });
   }
 
@@ -150,6 +154,7 @@ export class PGliteRemote {
    * holds every other statement back meanwhile, as PGlite does in-process.
    */
   async transaction<T>(fn: (tx: RemoteTransaction) => Promise<T>): Promise<T> {
+    this.transactions++;
     const id = await this.call<number>({ op: "begin" });
     let closed = false;
     const check = () => {

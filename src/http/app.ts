@@ -114,7 +114,7 @@ export function createApp(deps: AppDeps) {
       const route = routeLabel(path);
       const seconds = (performance.now() - s.start) / 1000;
       metrics.requests.inc({ route, method: methodLabel(request.method), status, code: s.errorCode ?? "" });
-      metrics.duration.observe({ route }, seconds);
+      metrics.duration.record(route, seconds);
       if (s.errorCode === "rate_limit_error") metrics.rateLimited.inc();
       else if (s.errorCode === "budget_exceeded") metrics.budgetExceeded.inc();
       if (!deps.accessLog) return;

@@ -39,7 +39,7 @@ export function createInference(deps: InferenceDeps) {
           observe: {
             attempt(alias, target, outcome, seconds) {
               m.upstreamAttempts.inc({ alias, target, outcome });
-              if (seconds !== undefined) m.upstreamFirstByte.observe({ alias }, seconds);
+              if (seconds !== undefined) m.upstreamFirstByte.record(alias, seconds);
             },
           },
         }

@@ -45,11 +45,23 @@ function bufferedStdout(line: string): void {
   }
 }
 
+/** The ISO time of the current millisecond, formatted once however many lines share it. */
+let lastMs = -1;
+let lastIso = "";
+function isoNow(): string {
+  const ms = Date.now();
+  if (ms !== lastMs) {
+    lastMs = ms;
+    lastIso = new Date(ms).toISOString();
+  }
+  return lastIso;
+}
+
 export function createLogger(level: Level, write: (line: string) => void = bufferedStdout): Logger {
   const min = RANK[level];
   const emit = (lvl: Exclude<Level, "silent">, msg: string, fields?: Record<string, unknown>) => {
     if (RANK[lvl] < min) return;
-    write(`${JSON.stringify({ time: new Date().toISOString(), level: lvl, msg, ...fields })}\n`);
+    write(`${JSON.stringify({ time: isoNow(), level: lvl, msg, ...fields })}\n`);
   };
   return {
     debug: (m, f) => emit("debug", m, f),

@@ -1,4 +1,5 @@
-import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from "prom-client";
+import { Counter, Gauge, Registry, collectDefaultMetrics } from "prom-client";
+import { HotCounter, HotHistogram } from "./hot.ts";
 
 /**
  * Prometheus metrics (prom-client: maintained, no worker threads, works in the
@@ -37,27 +38,27 @@ export function createMetrics() {
     onScrape(fn: () => void) {
       scrapeHooks.push(fn);
     },
-    requests: new Counter({
+    requests: new HotCounter({
       name: "gateway_http_requests_total",
       help: "HTTP requests by route, method, status and error code",
       labelNames: ["route", "method", "status", "code"] as const,
       registers,
     }),
-    duration: new Histogram({
+    duration: new HotHistogram({
       name: "gateway_http_request_duration_seconds",
       help: "Time to the response headers, by route (streams: until the stream starts)",
       labelNames: ["route"] as const,
       buckets: LATENCY_BUCKETS,
       registers,
     }),
-    upstreamFirstByte: new Histogram({
+    upstreamFirstByte: new HotHistogram({
       name: "gateway_upstream_first_byte_seconds",
       help: "Upstream time to response headers, by alias",
       labelNames: ["alias"] as const,
       buckets: LATENCY_BUCKETS,
       registers,
     }),
-    tokens: new Counter({
+    tokens: new HotCounter({
       name: "gateway_tokens_total",
       help: "Tokens by alias and direction (prompt, completion)",
       labelNames: ["alias", "direction"] as const,
@@ -66,7 +67,7 @@ export function createMetrics() {
     rateLimited: new Counter({ name: "gateway_rate_limited_total", help: "Requests refused by the rate limit", registers }),
     budgetExceeded: new Counter({ name: "gateway_budget_exceeded_total", help: "Requests refused because the quota is spent", registers }),
     activeStreams: new Gauge({ name: "gateway_active_streams", help: "Streamed responses in progress", registers }),
-    upstreamAttempts: new Counter({
+    upstreamAttempts: new HotCounter({
       name: "gateway_upstream_attempts_total",
       help: "Upstream attempts by alias, target and outcome (ok, http_<status>, timeout, connect_error, breaker_open)",
       labelNames: ["alias", "target", "outcome"] as const,
@@ -94,6 +95,11 @@ export function createMetrics() {
       name: "gateway_key_cache_total",
       help: "Key verifications served from the cache (hit), the database (miss), or refused without a lookup (throttled)",
       labelNames: ["result"] as const,
+      registers,
+    }),
+    dbTransactions: new Counter({
+      name: "gateway_database_transactions_total",
+      help: "Transactions started on the embedded database (statements outside a transaction and BEGINs); absent on Postgres, whose pg_stat_database counts them",
       registers,
     }),
     dbUp: new Gauge({ name: "gateway_database_up", help: "1 when the last readiness check reached the database", registers }),

@@ -52,7 +52,7 @@ export const serve = defineCommand({
       }
     }
     const gw = await startGateway({ config: cfg });
-    gw.log.info("listening", { url: gw.url, database: gw.database.kind, demo: values.demo ?? false, version: VERSION });
+    gw.log.info("listening", { url: gw.url, metrics_url: gw.metricsUrl ?? null, database: gw.database.kind, demo: values.demo ?? false, version: VERSION });
     // The allocator reads its setting only at start (src/lib/runtime-env.ts): say what is missing, once.
     const allocator = runtimeEnvWarning();
     if (allocator) gw.log.warn(allocator);

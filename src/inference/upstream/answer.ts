@@ -34,7 +34,6 @@ export async function readWhole(res: UpstreamResponse, a: Attempt, call: Call<st
   a.clearTimer();
   const { maxBytes } = call;
   const { idleMs } = call.timeouts;
-  const ac = a.ac;
   const declared = res.header("content-length");
   if (declared !== undefined && Number(declared) > maxBytes) {
     res.body.cancel().catch(() => {});
@@ -45,7 +44,7 @@ export async function readWhole(res: UpstreamResponse, a: Attempt, call: Call<st
   let idle: ReturnType<typeof setTimeout> | undefined;
   const checkIdle = () => {
     const quiet = performance.now() - lastRead;
-    if (quiet >= idleMs) ac.abort(new AttemptFailed(`response body stalled for ${idleMs} ms`));
+    if (quiet >= idleMs) a.abort(new AttemptFailed(`response body stalled for ${idleMs} ms`));
     else idle = setTimeout(checkIdle, idleMs - quiet);
   };
   idle = setTimeout(checkIdle, idleMs);
@@ -107,8 +106,7 @@ class OpenStream implements Opened {
   }
 
   abort(reason: string): void {
-    const ac = this.attempt.ac;
-    if (!ac.signal.aborted) ac.abort(new AttemptFailed(reason));
+    this.attempt.abort(new AttemptFailed(reason));
     this.reader.cancel().catch(() => {});
   }
 

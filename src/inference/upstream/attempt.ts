@@ -1,13 +1,13 @@
 /**
  * One upstream call (a complete() or an open()) and each attempt it makes
  * against a target. The call is built once and shared by its attempts; an
- * attempt owns the AbortController that the client's signal and the
- * first-byte timer abort.
+ * attempt is the abort signal of its request, aborted by the client's signal
+ * and by the first-byte timer.
  */
 
 import type { TimeoutsConfig } from "../../config/schema.ts";
 import type { AppError } from "../../lib/errors.ts";
-import type { UpstreamResponse } from "./http1.ts";
+import type { AbortLike, UpstreamResponse } from "./http1.ts";
 import type { Target } from "./targets.ts";
 
 /** Client went away while we were still trying; there is nobody to answer. */
@@ -56,17 +56,20 @@ export type Outcome<T> =
   | { kind: "fail"; error: AppError };
 
 /**
- * One attempt against one target. Aborted by the client leaving and by the
- * first-byte timer (armed here); the client's connect timeout fails its
- * request. A stream it opens
- * keeps it until the stream ends. It holds no reference to the call, so an
- * open stream does not keep the request body alive.
+ * One attempt against one target, and the abort signal of its request (see
+ * AbortLike): aborted by the client leaving and by the first-byte timer
+ * (armed here); the client's connect timeout fails its request. A stream it
+ * opens keeps it until the stream ends. It holds no reference to the call,
+ * so an open stream does not keep the request body alive.
  */
-export class Attempt {
-  readonly ac = new AbortController();
+export class Attempt implements AbortLike {
+  aborted = false;
+  reason: unknown = undefined;
+  /** The exchange's abort listener; an attempt has one exchange at a time. */
+  private listener: (() => void) | undefined;
   private timer: ReturnType<typeof setTimeout> | undefined;
   private readonly onClientAbort = (): void => {
-    this.ac.abort(new ClientGone());
+    this.abort(new ClientGone());
   };
 
   constructor(
@@ -75,8 +78,25 @@ export class Attempt {
     firstByteMs: number,
   ) {
     client.addEventListener("abort", this.onClientAbort, { once: true });
-    const ac = this.ac;
-    this.timer = setTimeout(() => ac.abort(new AttemptFailed(`no response within ${firstByteMs} ms`)), firstByteMs);
+    this.timer = setTimeout(() => this.abort(new AttemptFailed(`no response within ${firstByteMs} ms`)), firstByteMs);
+  }
+
+  addEventListener(_type: "abort", listener: () => void): void {
+    this.listener = listener;
+  }
+
+  removeEventListener(_type: "abort", listener: () => void): void {
+    if (this.listener === listener) this.listener = undefined;
+  }
+
+  /** Gives up the attempt for `reason` (the first call wins), as AbortController.abort does. */
+  abort(reason: Error): void {
+    if (this.aborted) return;
+    this.aborted = true;
+    this.reason = reason;
+    const l = this.listener;
+    this.listener = undefined;
+    l?.();
   }
 
   /** Stops the first-byte timer: the answer (or its first stream bytes) arrived, or the attempt is over. */

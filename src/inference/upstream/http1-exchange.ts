@@ -35,6 +35,18 @@ export interface ExchangeConn {
 }
 
 /**
+ * What an exchange needs of an abort signal. An AbortSignal has it; so does
+ * the router's Attempt, which spares the request path an AbortController
+ * and its EventTarget per attempt. An exchange adds one listener and removes it.
+ */
+export interface AbortLike {
+  readonly aborted: boolean;
+  readonly reason: unknown;
+  addEventListener(type: "abort", listener: () => void, options?: { once?: boolean }): void;
+  removeEventListener(type: "abort", listener: () => void): void;
+}
+
+/**
  * One request and its response on one connection: the head promise, then the
  * body as a queue read by one reader. Methods rather than closures, so an
  * open stream holds a few small objects.
@@ -73,7 +85,7 @@ export class Exchange implements UpstreamResponse, ByteReader {
   };
 
   constructor(
-    readonly signal: AbortSignal,
+    readonly signal: AbortLike,
     payload: Uint8Array,
     private readonly highWaterMark: number,
     /** How long a connection for this request may take to open (see RequestOptions.connectMs). */

@@ -28,12 +28,12 @@
  */
 
 import { Conn, STALE_RETRY_MS, type SocketOpener } from "./http1-conn.ts";
-import { ConnectTimeout, Exchange, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
+import { type AbortLike, ConnectTimeout, Exchange, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
 import { type Origin, originOf } from "./origin.ts";
 import { type ConnectProbe, createConnectProbe } from "./probe.ts";
 
 export type { SocketOpener } from "./http1-conn.ts";
-export { type ByteReader, ConnectTimeout, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
+export { type AbortLike, type ByteReader, ConnectTimeout, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
 
 export interface RequestOptions {
   method: "POST" | "GET";
@@ -43,7 +43,7 @@ export interface RequestOptions {
   headers: Record<string, string>;
   body?: string;
   /** Aborting closes the connection; the request rejects (or the body read fails) with the signal's reason. */
-  signal: AbortSignal;
+  signal: AbortLike;
   /**
    * The request fails with ConnectTimeout when the origin shows no sign of
    * life for this long: a new connection that does not open (dropped SYNs),

@@ -133,7 +133,6 @@ export function createUpstream(deps: UpstreamDeps) {
     const payload = call.payloadFor(target);
     const { ctx, timeouts, aliasName } = call;
     const a = new Attempt(target, ctx.signal, timeouts.firstByteMs);
-    const ac = a.ac;
     target.breaker.acquire(now());
     let headed = false;
     let handedOver = false;
@@ -145,7 +144,7 @@ export function createUpstream(deps: UpstreamDeps) {
         path: `${target.basePath}${call.path}`,
         body: payload,
         headers: headersFor(target, ctx, call.stream),
-        signal: ac.signal,
+        signal: a,
         connectMs: timeouts.connectMs,
       });
       headed = true;
@@ -158,7 +157,7 @@ export function createUpstream(deps: UpstreamDeps) {
       handedOver = true;
       return { kind: "ok", value };
     } catch (e) {
-      const reason: unknown = ac.signal.aborted ? ac.signal.reason : e;
+      const reason: unknown = a.aborted ? a.reason : e;
       if (reason instanceof ClientGone || ctx.signal.aborted) {
         target.breaker.release();
         throw new ClientGone();

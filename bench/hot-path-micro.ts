@@ -1,0 +1,117 @@
+/**
+ * Per-request costs of hot-path pieces, before and after the changes of
+ * issue 17, measured in-process: `bun run bench/hot-path-micro.ts` (pin it:
+ * `taskset -c 0 bun run bench/hot-path-micro.ts`). On a shared machine the
+ * end-to-end figure (bench/wrk.ts) moves by more than any one of these; a
+ * loop of a million iterations does not. "before" is the previous code,
+ * kept here as it was; "after" is the code the gateway runs.
+ */
+import { Counter, Histogram, Registry } from "prom-client";
+import { Attempt } from "../src/inference/upstream/attempt.ts";
+import type { Target } from "../src/inference/upstream/targets.ts";
+import { createLogger } from "../src/lib/log.ts";
+import { HotCounter, HotHistogram } from "../src/metrics/hot.ts";
+
+const ROUNDS = 5;
+const N = 300_000;
+
+function measure(name: string, f: (i: number) => void): void {
+  for (let i = 0; i < 20_000; i++) f(i);
+  const us: number[] = [];
+  for (let r = 0; r < ROUNDS; r++) {
+    const t0 = performance.now();
+    for (let i = 0; i < N; i++) f(i);
+    us.push(((performance.now() - t0) * 1000) / N);
+  }
+  us.sort((a, b) => a - b);
+  console.log(`${name.padEnd(64)} median ${(us[ROUNDS >> 1] ?? 0).toFixed(3)} µs   range ${(us[0] ?? 0).toFixed(3)}–${(us.at(-1) ?? 0).toFixed(3)}`);
+}
+
+// 1. The six metric updates of a non-streamed chat request.
+const B = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300];
+const r1 = [new Registry()];
+const pc = {
+  requests: new Counter({ name: "a", help: "a", labelNames: ["route", "method", "status", "code"] as const, registers: r1 }),
+  duration: new Histogram({ name: "b", help: "b", labelNames: ["route"] as const, buckets: B, registers: r1 }),
+  firstByte: new Histogram({ name: "c", help: "c", labelNames: ["alias"] as const, buckets: B, registers: r1 }),
+  attempts: new Counter({ name: "d", help: "d", labelNames: ["alias", "target", "outcome"] as const, registers: r1 }),
+  tokens: new Counter({ name: "e", help: "e", labelNames: ["alias", "direction"] as const, registers: r1 }),
+};
+const r2 = [new Registry()];
+const hot = {
+  requests: new HotCounter({ name: "a", help: "a", labelNames: ["route", "method", "status", "code"] as const, registers: r2 }),
+  duration: new HotHistogram({ name: "b", help: "b", labelNames: ["route"] as const, buckets: B, registers: r2 }),
+  firstByte: new HotHistogram({ name: "c", help: "c", labelNames: ["alias"] as const, buckets: B, registers: r2 }),
+  attempts: new HotCounter({ name: "d", help: "d", labelNames: ["alias", "target", "outcome"] as const, registers: r2 }),
+  tokens: new HotCounter({ name: "e", help: "e", labelNames: ["alias", "direction"] as const, registers: r2 }),
+};
+const route = "/v1/chat/completions";
+measure("metrics, 6 updates: before (prom-client labels)", (i) => {
+  const s = (i % 7) / 1000;
+  pc.requests.inc({ route, method: "POST", status: 200, code: "" });
+  pc.duration.observe({ route }, s);
+  pc.attempts.inc({ alias: "svc-fast", target: "sim-0", outcome: "ok" });
+  pc.firstByte.observe({ alias: "svc-fast" }, s);
+  pc.tokens.inc({ alias: "svc-fast", direction: "prompt" }, 12);
+  pc.tokens.inc({ alias: "svc-fast", direction: "completion" }, 16);
+});
+measure("metrics, 6 updates: after (HotCounter, HotHistogram)", (i) => {
+  const s = (i % 7) / 1000;
+  hot.requests.inc({ route, method: "POST", status: 200, code: "" });
+  hot.duration.record(route, s);
+  hot.attempts.inc({ alias: "svc-fast", target: "sim-0", outcome: "ok" });
+  hot.firstByte.record("svc-fast", s);
+  hot.tokens.inc({ alias: "svc-fast", direction: "prompt" }, 12);
+  hot.tokens.inc({ alias: "svc-fast", direction: "completion" }, 16);
+});
+
+// 2. The access-log line (written to a sink that drops it): its time stamp.
+let sunk = 0;
+const sink = (l: string) => {
+  sunk += l.length;
+};
+const log = createLogger("info", sink);
+const st = { id: "req_0123456789abcdef0123456789abcdef", start: performance.now(), orgId: "org_abc", keyId: "key_def", alias: "svc-fast", promptTokens: 12, completionTokens: 16, streamed: false };
+const fields = () => ({
+  request_id: st.id,
+  method: "POST",
+  route,
+  status: 200,
+  latency_ms: Math.round((performance.now() - st.start) * 100) / 100,
+  org_id: st.orgId,
+  key_id: st.keyId,
+  alias: st.alias,
+  prompt_tokens: st.promptTokens,
+  completion_tokens: st.completionTokens,
+  streamed: st.streamed,
+  error: undefined,
+});
+measure("access log line: before (a Date formatted per line)", () => {
+  sink(`${JSON.stringify({ time: new Date().toISOString(), level: "info", msg: "request", ...fields() })}\n`);
+});
+measure("access log line: after (log.info, time formatted once per ms)", () => {
+  log.info("request", fields());
+});
+
+// 3. An attempt's abort bookkeeping: the client's signal, the first-byte timer, the exchange's listener.
+const client = new AbortController().signal;
+const onAbort = () => {};
+const target = {} as Target;
+measure("attempt bookkeeping: before (AbortController + listeners)", () => {
+  const ac = new AbortController();
+  const onClient = () => ac.abort();
+  client.addEventListener("abort", onClient, { once: true });
+  const timer = setTimeout(() => ac.abort(), 60_000);
+  ac.signal.addEventListener("abort", onAbort, { once: true });
+  ac.signal.removeEventListener("abort", onAbort);
+  clearTimeout(timer);
+  client.removeEventListener("abort", onClient);
+});
+measure("attempt bookkeeping: after (the Attempt is the signal)", () => {
+  const a = new Attempt(target, client, 60_000);
+  a.addEventListener("abort", onAbort);
+  a.removeEventListener("abort", onAbort);
+  a.clearTimer();
+  a.unlink();
+});
+if (sunk < 0) console.log(sunk);
