@@ -2,12 +2,13 @@
  * OpenAI's Response object, built from the gateway's own chat answers.
  *
  * The shapes below follow the `openai` SDK's `Response` type field for field
- * (test/unit/responses-output.test.ts checks that they are assignable to it),
- * with two deliberate differences: `output_text` is left out, because it is
- * not on OpenAI's wire (the SDKs compute it from `output`), and `store` is
- * included, because OpenAI's API sends it although the SDK type does not
- * declare it. Fields the SDK declares as optional and non-nullable (`usage`,
- * `user`) are left out rather than sent as null.
+ * (test/unit/responses-output.test.ts checks that they are assignable to it).
+ * `output_text` is sent although OpenAI's reference calls it SDK-only: the SDK
+ * type declares it required, clients that read the raw JSON or the raw event
+ * stream find it, and the SDKs recompute the same value. `store` is sent as
+ * OpenAI's API does, although the SDK type does not declare it. Fields the SDK
+ * declares as optional and non-nullable (`usage`, `user`) are left out rather
+ * than sent as null.
  */
 import { isRecord } from "../lib/guards.ts";
 
@@ -116,6 +117,8 @@ export type ResponseObject = {
   max_tool_calls: null;
   model: string;
   output: OutputItem[];
+  /** The text of the output's `output_text` parts, joined. */
+  output_text: string;
   parallel_tool_calls: boolean;
   previous_response_id: string | null;
   reasoning: { effort: Effort | null; summary: null };
@@ -153,6 +156,7 @@ export function responseShell(meta: ResponseMeta, status: ResponseStatus): Respo
     max_tool_calls: null,
     model: meta.model,
     output: [],
+    output_text: "",
     parallel_tool_calls: e.parallel_tool_calls,
     previous_response_id: e.previous_response_id,
     reasoning: { effort: isEffort(e.reasoning.effort) ? e.reasoning.effort : null, summary: null },
@@ -195,6 +199,15 @@ export function endOf(finishReason: unknown): { status: "completed" | "incomplet
   return { status: "completed", incomplete: null };
 }
 
+export function outputText(output: OutputItem[]): string {
+  let text = "";
+  for (const item of output) {
+    if (item.type !== "message") continue;
+    for (const part of item.content) if (part.type === "output_text") text += part.text;
+  }
+  return text;
+}
+
 /** Sets the end state of `r` (a shell whose output is filled in). */
 export function finish(
   r: ResponseObject,
@@ -202,6 +215,7 @@ export function finish(
   fields: { incomplete?: ResponseObject["incomplete_details"]; usage?: ResponseUsage; error?: string },
 ): ResponseObject {
   r.status = status;
+  r.output_text = outputText(r.output);
   if (status === "completed" || status === "incomplete") r.completed_at = Math.floor(Date.now() / 1000);
   r.incomplete_details = fields.incomplete ?? null;
   if (fields.error !== undefined) r.error = { code: "server_error", message: fields.error };

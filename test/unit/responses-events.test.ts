@@ -1,45 +1,13 @@
-import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import OpenAI from "openai";
-import type { ResponseStreamEvent } from "openai/resources/responses/responses";
-import { errorBody } from "../../src/http/errors.ts";
+import { describe, expect, test } from "bun:test";
 import { responseEventStream, SseData } from "../../src/responses/events.ts";
 import type { ResponseObject } from "../../src/responses/output.ts";
-import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { until } from "../helpers/poll.ts";
-import { meta } from "../helpers/responses.ts";
-
-const enc = new TextEncoder();
-
-/** A chunk exactly as vLLM (and the simulator, and so the gateway's relay) writes it. */
-function chunk(delta: Record<string, unknown>, finish: string | null = null): string {
-  return `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"chat-small","choices":[{"index":0,"delta":${JSON.stringify(delta)},"logprobs":null,"finish_reason":${JSON.stringify(finish)}}]}\n\n`;
-}
-const ROLE = chunk({ role: "assistant", content: "" });
-const USAGE = `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"chat-small","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":4,"total_tokens":16,"prompt_tokens_details":{"cached_tokens":8}}}\n\n`;
-const DONE = "data: [DONE]\n\n";
-/** The gateway relay's own mid-stream error event (inference/stream.ts). */
-const ERROR = `data: ${JSON.stringify(errorBody("service_unavailable", "The model 'chat-small' failed while generating: boom"))}\n\n`;
+import { chunk, DONE, ERROR, enc, meta, ROLE, source, USAGE } from "../helpers/responses.ts";
 
 interface Ev {
   type: string;
   sequence_number: number;
   [k: string]: unknown;
-}
-
-/** A chat SSE body that yields `parts` one read each, and records its cancellation. */
-function source(parts: Uint8Array[]) {
-  const state = { cancelled: undefined as unknown, reads: 0 };
-  const stream = new ReadableStream<Uint8Array>({
-    pull(c) {
-      const p = parts[state.reads++];
-      if (p === undefined) c.close();
-      else c.enqueue(p);
-    },
-    cancel(reason) {
-      state.cancelled = reason ?? "cancelled";
-    },
-  });
-  return { stream, state };
 }
 
 /** Parses Responses SSE text, checking each event's `event:` line against its `type`. */
@@ -106,7 +74,8 @@ describe("responseEventStream: the event sequence", () => {
     expect(partDone).toMatchObject({ item_id: id, part: { type: "output_text", text: "Hello", annotations: [], logprobs: [] } });
     expect(itemDone?.item).toEqual({ type: "message", id, status: "completed", role: "assistant", content: [{ type: "output_text", text: "Hello", annotations: [], logprobs: [] }] });
     const response = completed?.response as ResponseObject;
-    expect(response).toMatchObject({ status: "completed", incomplete_details: null, error: null, output: [itemDone?.item] });
+    expect(response).toMatchObject({ status: "completed", incomplete_details: null, error: null, output: [itemDone?.item], output_text: "Hello" });
+    expect(created?.response).toMatchObject({ output_text: "" });
     expect(response.completed_at).toBeNumber();
     expect(response.usage).toEqual({
       input_tokens: 12,
@@ -267,6 +236,7 @@ describe("responseEventStream: the event sequence", () => {
       incomplete_details: null,
       completed_at: null,
       output: [{ type: "message", status: "incomplete", content: [{ type: "output_text", text: "partial" }] }],
+      output_text: "partial",
     });
     expect(events[6]).toEqual({ type: "error", sequence_number: 6, code: "service_unavailable", message: "The model 'chat-small' failed while generating: boom", param: null });
     expect(finals).toEqual([failed]);
@@ -354,119 +324,5 @@ describe("SseData", () => {
     expect(s.push(enc.encode("\ndata: d\r\n\r"))).toEqual([]);
     expect(s.push(enc.encode("\n"))).toEqual(["c\nd"]);
     expect(() => s.push(new Uint8Array(9 * 1024 * 1024).fill(0x61))).toThrow("oversized");
-  });
-});
-
-/** A tiny server that answers /v1/responses with the translation of a chat stream (scripted, or the simulator's). */
-describe("the openai SDK accepts the event stream", () => {
-  let sim: Simulator;
-  let server: ReturnType<typeof Bun.serve>;
-  let client: OpenAI;
-  let script: string[] | undefined;
-  let lastFinal: ResponseObject | undefined;
-
-  beforeAll(async () => {
-    sim = await startSimulator({ ttftMs: 0, interTokenMs: 0, completionTokens: 6, reasoning: "Think first." });
-    server = Bun.serve({
-      port: 0,
-      hostname: "127.0.0.1",
-      async fetch(req) {
-        const body = (await req.json()) as { input: string; tools?: unknown[] };
-        let chatSse: ReadableStream<Uint8Array>;
-        if (script) chatSse = source(script.map((p) => enc.encode(p))).stream;
-        else {
-          const tools = (body.tools ?? []).map((t) => ({ type: "function", function: t }));
-          const res = await fetch(`${sim.url}/chat/completions`, {
-            method: "POST",
-            headers: { "content-type": "application/json" },
-            body: JSON.stringify({ model: "chat-small", messages: [{ role: "user", content: body.input }], stream: true, stream_options: { include_usage: true }, ...(tools.length ? { tools } : {}) }),
-          });
-          if (!res.body) throw new Error("no body");
-          chatSse = res.body;
-        }
-        return new Response(
-          responseEventStream(chatSse, meta(), (r) => {
-            lastFinal = r;
-          }),
-          { headers: { "content-type": "text/event-stream" } },
-        );
-      },
-    });
-    client = new OpenAI({ baseURL: `http://127.0.0.1:${server.port}/v1`, apiKey: "k", maxRetries: 0 });
-  });
-  afterAll(async () => {
-    await server.stop(true);
-    await sim.stop();
-  });
-
-  const plain = (r: unknown) => JSON.parse(JSON.stringify(r));
-  /** finalResponse() adds its parse results (`output_parsed`, `parsed`, `parsed_arguments`) and `output_text`; the rest must be the wire payload. */
-  const unparsed = (r: unknown) =>
-    JSON.parse(JSON.stringify(r), (k, v) => (k === "output_parsed" || k === "parsed" || k === "parsed_arguments" ? undefined : v));
-
-  test("responses.stream(): finalResponse() equals the response.completed payload (simulator reasoning + text)", async () => {
-    script = undefined;
-    const stream = client.responses.stream({ model: "chat-small", input: "hello" });
-    const seen: ResponseStreamEvent[] = [];
-    stream.on("event", (e) => seen.push(e));
-    const final = await stream.finalResponse();
-    const completed = seen.at(-1);
-    if (completed?.type !== "response.completed") throw new Error(`last event ${completed?.type}`);
-    const { output_text, ...rest } = unparsed(final);
-    expect(rest).toEqual(plain(completed.response));
-    expect(rest).toEqual(plain(lastFinal));
-    expect(output_text).toBe("token0 token1 token2 token3 token4 token5 ");
-    expect(final.output.map((i) => i.type)).toEqual(["reasoning", "message"]);
-    expect(final.usage?.output_tokens).toBeGreaterThan(0);
-  });
-
-  test("responses.stream() with a tool call from the simulator; responses.create({stream:true}) yields the same typed events", async () => {
-    script = undefined;
-    const tools = [{ type: "function" as const, name: "get_weather", parameters: { type: "object", properties: { city: { type: "string" } }, required: ["city"] }, strict: false }];
-    const final = await client.responses.stream({ model: "chat-small", input: "weather in Oslo?", tools }).finalResponse();
-    const call = final.output.find((i) => i.type === "function_call");
-    expect(call).toMatchObject({ type: "function_call", name: "get_weather", call_id: expect.stringMatching(/^call_/), status: "completed" });
-    expect(JSON.parse(call?.type === "function_call" ? call.arguments : "null")).toHaveProperty("city");
-    const types: string[] = [];
-    for await (const e of await client.responses.create({ model: "chat-small", input: "weather?", tools, stream: true })) types.push(e.type);
-    expect(types.at(-1)).toBe("response.completed");
-    expect(types).toContain("response.function_call_arguments.done");
-  });
-
-  test("scripted interleaved tool calls and an incomplete answer accumulate to the final payload", async () => {
-    script = [
-      chunk({ content: "Let me check." }),
-      chunk({ tool_calls: [{ index: 0, id: "call_A", type: "function", function: { name: "a", arguments: "{" } }] }),
-      chunk({ tool_calls: [{ index: 1, id: "call_B", type: "function", function: { name: "b", arguments: "{" } }] }),
-      chunk({ tool_calls: [{ index: 0, function: { arguments: "}" } }, { index: 1, function: { arguments: "}" } }] }),
-      chunk({}, "length"),
-      USAGE,
-      DONE,
-    ];
-    const stream = client.responses.stream({ model: "chat-small", input: "x" });
-    const seen: ResponseStreamEvent[] = [];
-    stream.on("event", (e) => seen.push(e));
-    const final = await stream.finalResponse();
-    const last = seen.at(-1);
-    if (last?.type !== "response.incomplete") throw new Error(`last event ${last?.type}`);
-    const { output_text, ...rest } = unparsed(final);
-    expect(rest).toEqual(plain(last.response));
-    expect(output_text).toBe("Let me check.");
-    expect(final.output.map((i) => (i.type === "function_call" ? i.arguments : i.type))).toEqual(["message", "{}", "{}"]);
-  });
-
-  test("a mid-stream failure: the SDK raises an APIError with the gateway's message, after response.failed", async () => {
-    script = [ROLE, chunk({ content: "partial" }), ERROR];
-    const stream = client.responses.stream({ model: "chat-small", input: "x" });
-    const seen: string[] = [];
-    stream.on("event", (e) => seen.push(e.type));
-    const err = await stream.finalResponse().then(
-      () => undefined,
-      (e: unknown) => e,
-    );
-    expect(err).toBeInstanceOf(OpenAI.APIError);
-    expect((err as Error).message).toContain("failed while generating: boom");
-    expect(seen.at(-1)).toBe("response.failed");
-    expect(lastFinal?.status).toBe("failed");
   });
 });
