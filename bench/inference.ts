@@ -50,6 +50,7 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { firstLine, waitFor } from "./lib.ts";
 import { responsesPhase } from "./responses.ts";
 
 // `bun run bench -- --wrk [options]`: the wrk phase (bench/wrk.ts) instead of the phases below.
@@ -311,27 +312,6 @@ function cli(argv: string[]): unknown {
   return JSON.parse(r.stdout.toString());
 }
 
-async function firstLine(stream: ReadableStream<Uint8Array>): Promise<string> {
-  const reader = stream.getReader();
-  let text = "";
-  while (!text.includes("\n")) {
-    const r = await reader.read();
-    if (r.done) break;
-    text += new TextDecoder().decode(r.value);
-  }
-  reader.releaseLock();
-  return text.split("\n")[0] ?? "";
-}
-
-async function waitFor<T>(what: string, f: () => T | undefined, ms = 30_000): Promise<T> {
-  const until = performance.now() + ms;
-  for (;;) {
-    const v = f();
-    if (v !== undefined) return v;
-    if (performance.now() > until) throw new Error(`timed out waiting for ${what}`);
-    await Bun.sleep(50);
-  }
-}
 
 async function loadgen(spec: LoadSpec): Promise<Record<string, number>> {
   const p = Bun.spawn(pin(1, ["bun", "bench/inference.ts", "--role", "loadgen", "--spec", JSON.stringify(spec)]), { env, stdout: "pipe", stderr: "inherit" });
@@ -498,7 +478,7 @@ async function spawnGateway(): Promise<{ proc: ReturnType<typeof Bun.spawn>; url
     }
     const m = text.match(/"msg":"listening","url":"([^"]+)"/);
     return m?.[1];
-  });
+  }, 30_000);
   return { proc, url };
 }
 

@@ -33,6 +33,7 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { firstLine, waitFor } from "./lib.ts";
 
 const { values: args } = parseArgs({
   args: Bun.argv.slice(2),
@@ -69,27 +70,6 @@ function ensureWrk(): void {
   if (r.exitCode !== 0) throw new Error("wrk is not installed and apt-get could not install it");
 }
 
-async function firstLine(stream: ReadableStream<Uint8Array>): Promise<string> {
-  const reader = stream.getReader();
-  let text = "";
-  while (!text.includes("\n")) {
-    const r = await reader.read();
-    if (r.done) break;
-    text += new TextDecoder().decode(r.value);
-  }
-  reader.releaseLock();
-  return text.split("\n")[0] ?? "";
-}
-
-async function waitFor<T>(what: string, f: () => T | undefined, ms = 60_000): Promise<T> {
-  const until = performance.now() + ms;
-  for (;;) {
-    const v = f();
-    if (v !== undefined) return v;
-    if (performance.now() > until) throw new Error(`timed out waiting for ${what}`);
-    await Bun.sleep(50);
-  }
-}
 
 /** CPU time of a process (all its threads) in µs, from /proc/<pid>/stat (clock ticks of 10 ms). */
 function cpuUs(pid: number): number {
@@ -226,7 +206,7 @@ async function startGateway(src: string, name: Target["name"], simUrl: string): 
     }
     const line = text.split("\n").find((l) => l.includes('"msg":"listening"'));
     return line ? (JSON.parse(line) as { url: string; metrics_url?: string | null }) : undefined;
-  });
+  }, 60_000);
   return {
     name,
     url: `${listening.url}/v1/chat/completions`,
