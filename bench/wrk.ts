@@ -269,31 +269,35 @@ async function main() {
     }
   }
 
-  const d = sat.direct ?? [];
-  const b = sat.bare ?? [];
-  const d1 = one.direct ?? [];
-  const b1 = one.bare ?? [];
-  // Ratios are taken within a round (the same minute of the machine's noise), then ranged.
-  const per = (xs: WrkResult[], ys: WrkResult[], f: (x: WrkResult, y: WrkResult) => number) => xs.map((x, i) => f(x, ys[i] as WrkResult));
-  console.log("\n| | req/s (c64) | vs direct | CPU per request | vs bare proxy | p99 added at c1 | db tx/request |");
-  console.log("|---|---:|---:|---:|---:|---:|---:|");
-  console.log(`| direct | ${range(d.map((r) => r.rps), f0)} | 1 | – | – | – | – |`);
-  console.log(
-    `| bare proxy | ${range(b.map((r) => r.rps), f0)} | ${range(per(b, d, (x, y) => x.rps / y.rps), f2)}× | ${range(b.map((r) => r.cpuUsPerRequest), f1)} µs | 1 | ${range(per(b1, d1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms | – |`,
-  );
-  for (const name of ["gateway", "base"] as const) {
-    const g = sat[name];
-    const g1 = one[name] ?? [];
-    if (!g) continue;
+  // A profiling run loads the gateway alone: nothing to compare against.
+  if (args.profile) console.log(`\nprofile of the gateway: ${args.profile} (written when it exits)`);
+  else {
+    const d = sat.direct ?? [];
+    const b = sat.bare ?? [];
+    const d1 = one.direct ?? [];
+    const b1 = one.bare ?? [];
+    // Ratios are taken within a round (the same minute of the machine's noise), then ranged.
+    const per = (xs: WrkResult[], ys: WrkResult[], f: (x: WrkResult, y: WrkResult) => number) => xs.map((x, i) => f(x, ys[i] as WrkResult));
+    console.log("\n| | req/s (c64) | vs direct | CPU per request | vs bare proxy | p99 added at c1 | db tx/request |");
+    console.log("|---|---:|---:|---:|---:|---:|---:|");
+    console.log(`| direct | ${range(d.map((r) => r.rps), f0)} | 1 | – | – | – | – |`);
     console.log(
-      `| ${name === "base" ? `base (${args.compare})` : "gateway"} | ${range(g.map((r) => r.rps), f0)} | ${range(per(g, d, (x, y) => x.rps / y.rps), f2)}× | ${range(g.map((r) => r.cpuUsPerRequest), f1)} µs | **${range(per(g, b, (x, y) => x.cpuUsPerRequest / y.cpuUsPerRequest), f2)}×** | ${range(per(g1, d1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms | ${range(g.map((r) => r.txPerRequest), f3)} |`,
+      `| bare proxy | ${range(b.map((r) => r.rps), f0)} | ${range(per(b, d, (x, y) => x.rps / y.rps), f2)}× | ${range(b.map((r) => r.cpuUsPerRequest), f1)} µs | 1 | ${range(per(b1, d1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms | – |`,
     );
-    console.log(`   ${name}: p99 at c1 minus the bare proxy's ${range(per(g1, b1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms`);
+    for (const name of ["gateway", "base"] as const) {
+      const g = sat[name];
+      const g1 = one[name] ?? [];
+      if (!g) continue;
+      console.log(
+        `| ${name === "base" ? `base (${args.compare})` : "gateway"} | ${range(g.map((r) => r.rps), f0)} | ${range(per(g, d, (x, y) => x.rps / y.rps), f2)}× | ${range(g.map((r) => r.cpuUsPerRequest), f1)} µs | **${range(per(g, b, (x, y) => x.cpuUsPerRequest / y.cpuUsPerRequest), f2)}×** | ${range(per(g1, d1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms | ${range(g.map((r) => r.txPerRequest), f3)} |`,
+      );
+      console.log(`   ${name}: p99 at c1 minus the bare proxy's ${range(per(g1, b1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms`);
+    }
+    if (sat.base && sat.gateway) {
+      console.log(`   gateway/base CPU per request, per round: ${per(sat.gateway, sat.base, (x, y) => x.cpuUsPerRequest / y.cpuUsPerRequest).map(f3).join(", ")}`);
+    }
+    console.log("\ntargets: CPU/request <= 2.0x the bare proxy's; throughput >= 0.25x direct; p99 added at c1 <= the bare proxy's + 0.5 ms; db tx/request <= 0.01");
   }
-  if (sat.base && sat.gateway) {
-    console.log(`   gateway/base CPU per request, per round: ${per(sat.gateway, sat.base, (x, y) => x.cpuUsPerRequest / y.cpuUsPerRequest).map(f3).join(", ")}`);
-  }
-  console.log("\ntargets: CPU/request <= 2.0x the bare proxy's; throughput >= 0.25x direct; p99 added at c1 <= the bare proxy's + 0.5 ms; db tx/request <= 0.01");
   const errors = Object.values(sat)
     .concat(Object.values(one))
     .flat()
