@@ -1,6 +1,7 @@
 import { sql } from "drizzle-orm";
 import type { Principal } from "../auth/types.ts";
 import type { Database } from "../db/client.ts";
+import { isDataError } from "../db/errors.ts";
 import { responses } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
 import { isRecord } from "../lib/guards.ts";
@@ -31,6 +32,16 @@ export interface SaveInput {
   inputItems: StoredItem[];
   /** The whole Response object (src/responses/output.ts). */
   response: object;
+}
+
+/** Rows written by one INSERT of the save queue. */
+const SAVE_BATCH = 100;
+
+type NewResponseRow = typeof responses.$inferInsert;
+interface PendingSave {
+  row: NewResponseRow;
+  resolve(): void;
+  reject(e: unknown): void;
 }
 
 /** Conversations longer than this many responses are replayed from their newest part only. */
@@ -74,9 +85,21 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
   let timer: ReturnType<typeof setInterval> | undefined;
   let sweeping: Promise<number> | undefined;
 
-  async function save(r: SaveInput): Promise<void> {
+  /**
+   * Rows waiting to be written, and the flush writing them. Responses that end
+   * together (a burst of streams) are written in multi-row INSERTs of up to
+   * SAVE_BATCH rows, one flush at a time, instead of one statement each: a
+   * queue of thousands of single inserts held every waiting answer's memory
+   * until its own turn (docs/benchmarks.md, phase r). Each save still settles
+   * when its own row is committed, so a client that has its answer can use the
+   * id at once.
+   */
+  let queue: PendingSave[] = [];
+  let flushing: Promise<void> | undefined;
+
+  function save(r: SaveInput): Promise<void> {
     const p = r.principal;
-    await database.db.insert(responses).values({
+    const row: NewResponseRow = {
       id: r.id,
       orgId: p.orgId,
       ownerUserId: p.kind === "personal" ? p.userId : null,
@@ -85,7 +108,47 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
       inputItems: JSON.stringify(r.inputItems),
       response: JSON.stringify(r.response),
       expiresAt: new Date(Date.now() + opts.retentionDays * 86_400_000),
+    };
+    return new Promise<void>((resolve, reject) => {
+      queue.push({ row, resolve, reject });
+      flushing ??= flush();
     });
+  }
+
+  async function flush(): Promise<void> {
+    try {
+      // One turn of the event loop, so the rows of the same moment share a statement.
+      await new Promise<void>((resolve) => setImmediate(resolve));
+      while (queue.length > 0) {
+        const batch = queue.slice(0, SAVE_BATCH);
+        queue = queue.slice(SAVE_BATCH);
+        await writeBatch(batch);
+      }
+    } finally {
+      flushing = undefined;
+    }
+  }
+
+  async function writeBatch(batch: PendingSave[]): Promise<void> {
+    try {
+      await database.db.insert(responses).values(batch.map((b) => b.row));
+      for (const b of batch) b.resolve();
+    } catch (e) {
+      // A row the database refuses must not lose the others: those are written one by one.
+      // Any other failure (unreachable, shutting down) fails the whole batch; its callers log it.
+      if (batch.length === 1 || !isDataError(e)) {
+        for (const b of batch) b.reject(e);
+        return;
+      }
+      for (const b of batch) {
+        try {
+          await database.db.insert(responses).values(b.row);
+          b.resolve();
+        } catch (one) {
+          b.reject(one);
+        }
+      }
+    }
   }
 
   /**
@@ -200,9 +263,11 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
       timer = setInterval(() => void sweep(), SWEEP_EVERY_MS);
       timer.unref?.();
     },
+    /** Stops the sweep and writes what is still queued, so a clean stop loses no stored response. */
     async stop() {
       clearInterval(timer);
       await sweeping;
+      await flushing;
     },
   };
 }

@@ -1,6 +1,7 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
 import { createKey, createUser, rotateKey } from "../../src/admin/service.ts";
+import type { Principal } from "../../src/auth/types.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { createResponseStore } from "../../src/responses/store.ts";
 import type { Gateway } from "../../src/server.ts";
@@ -328,5 +329,62 @@ describe("responses.store: false", () => {
     expect(err.param).toBe("previous_response_id");
     expect(err.message).toContain("responses.store");
     await notFound(await get(`/v1/responses/${String(r.id)}`, org.personalKey, "GET", noStore));
+  });
+});
+
+describe("the save queue", () => {
+  const principal = (): Principal => ({
+    keyId: org.personalKeyId,
+    keyRoot: org.personalKeyId,
+    orgId: org.orgId,
+    userId: org.userId,
+    kind: "personal",
+    scopes: ["inference"],
+    models: null,
+    expiresAt: null,
+    revokedAt: null,
+    academyOnly: false,
+    plan: "free",
+    quotaTokens: null,
+    quotaPeriod: "month",
+    actorName: "Test",
+    actorEmail: "test@example.com",
+  });
+  const saveInput = (id: string) => ({ id, principal: principal(), previousResponseId: null, inputItems: [], response: { id, object: "response", output: [] } });
+  const storeOf = () => createResponseStore(gw.database, { retentionDays: 30, log: createLogger("silent"), maxReplayBytes: 1 << 20 });
+  const ids = (n: number) => Array.from({ length: n }, () => `resp_${crypto.randomUUID().replaceAll("-", "")}`);
+  const count = async (list: string[]) =>
+    Number((await gw.database.rows<{ n: number }>(sql`select count(*)::int as n from responses where id in (${sql.join(list.map((i) => sql`${i}`), sql`, `)})`))[0]?.n);
+
+  test("responses ending together share INSERTs; each save settles once its row is committed", async () => {
+    const store = storeOf();
+    const list = ids(60);
+    const before = gw.database.transactions?.();
+    await Promise.all(list.map((id) => store.save(saveInput(id))));
+    const after = gw.database.transactions?.();
+    expect(await count(list)).toBe(60);
+    // The embedded database counts its statements: 60 single inserts were 60 (Postgres does not count).
+    if (before !== undefined && after !== undefined) expect(after - before).toBeLessThanOrEqual(2);
+    const got = await store.get(principal(), list[0] ?? "");
+    expect(got?.response.id).toBe(list[0]);
+  });
+
+  test("a row the database refuses fails alone; the rest of its batch is written", async () => {
+    const store = storeOf();
+    const list = ids(9);
+    const taken = list[4] ?? "";
+    await store.save(saveInput(taken));
+    const results = await Promise.allSettled(list.map((id) => store.save(saveInput(id))));
+    expect(results.map((r) => r.status)).toEqual(list.map((id) => (id === taken ? "rejected" : "fulfilled")));
+    expect(await count(list)).toBe(9);
+  });
+
+  test("stop writes what is still queued", async () => {
+    const store = storeOf();
+    const list = ids(30);
+    const saves = list.map((id) => store.save(saveInput(id)));
+    await store.stop();
+    expect(await count(list)).toBe(30);
+    await Promise.all(saves);
   });
 });
