@@ -1,5 +1,6 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { upstreamAliases } from "../../src/config/load.ts";
+import { WHOLE_BODY_MAX } from "../../src/http/body.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
@@ -78,8 +79,52 @@ describe("slow clients", () => {
     expect(errors.join("")).not.toContain("unhandled error");
   });
 
-  test("a body that trickles in (a byte every 300 ms) is read to the end", async () => {
+  // A small declared body is read whole by Bun (no stream, no per-request
+  // buffer: docs/benchmarks.md), so it must be complete within idleTimeoutS.
+  test("a small body still trickling in after idleTimeoutS gets 400", async () => {
     const payload = JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] });
+    const url = new URL(gw.url);
+    const started = Date.now();
+    const answer = await new Promise<string>((resolve, reject) => {
+      let got = "";
+      let open = true;
+      Bun.connect({
+        hostname: url.hostname,
+        port: Number(url.port),
+        socket: {
+          async open(s) {
+            s.write(`POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${org.serviceKey}\r\nContent-Type: application/json\r\nContent-Length: ${payload.length}\r\n\r\n`);
+            for (const ch of payload) {
+              if (!open) return;
+              s.write(ch);
+              await Bun.sleep(100);
+            }
+          },
+          data(_s, d) {
+            got += d.toString();
+          },
+          close() {
+            open = false;
+            resolve(got);
+          },
+          error(_s, e) {
+            reject(e);
+          },
+        },
+      }).catch(reject);
+    });
+    // The payload would take ~6 s at a byte every 100 ms; idleTimeoutS is 1.
+    expect(Date.now() - started).toBeLessThan(4_000);
+    expect(answer).toStartWith("HTTP/1.1 400 ");
+    const body = JSON.parse(answer.slice(answer.indexOf("\r\n\r\n") + 4)) as { error: { code: string; message: string } };
+    expect(body.error.code).toBe("invalid_request_error");
+    expect(body.error.message).toContain("stopped arriving: not complete after 1 s");
+  });
+
+  test("a body over WHOLE_BODY_MAX that trickles in (a byte every 300 ms) is read to the end", async () => {
+    // Larger than the small-body path: read as it streams in, where only silence is cut off.
+    const payload = JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi ".repeat(Math.ceil(WHOLE_BODY_MAX / 3)) }] });
+    expect(payload.length).toBeGreaterThan(WHOLE_BODY_MAX);
     const url = new URL(gw.url);
     const answer = await new Promise<string>((resolve, reject) => {
       let got = "";
