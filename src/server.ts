@@ -97,8 +97,10 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       ...(opts.now ? { now: opts.now } : {}),
       // The embedded database runs in its own thread (src/db/pglite-worker.ts),
       // so a batch's insert no longer pauses request handling; it still runs
-      // on the same cores, so batches stay moderate there.
-      eventsPerBatch: database.kind === "pglite" ? 1_000 : 5_000,
+      // on the same cores, so batches stay moderate there. Records are summed
+      // into a row per key, alias, target and status (usage-log.ts aggregate),
+      // so a batch of busy keys is a few rows.
+      eventsPerBatch: database.kind === "pglite" ? 10_000 : 50_000,
       onSettle: (alias, prompt, completion) => {
         metrics.tokens.inc({ alias, direction: "prompt" }, prompt);
         metrics.tokens.inc({ alias, direction: "completion" }, completion);

@@ -96,7 +96,13 @@ export const usageCounters = pgTable(
   (t) => [primaryKey({ columns: [t.orgId, t.windowStart] })],
 );
 
-/** One row per inference request; never any content. */
+/**
+ * Inference usage, never any content: one row per organisation, key, alias,
+ * target, status and streamed-or-not per usage write (`quota.flushMs`), with
+ * the number of requests it sums (`requests`), their tokens and their total
+ * latency; `created_at` is the newest request's. Rows written before 0008 are
+ * one request each.
+ */
 export const usageEvents = pgTable(
   "usage_events",
   {
@@ -111,6 +117,7 @@ export const usageEvents = pgTable(
     latencyMs: integer("latency_ms").notNull(),
     streamed: boolean("streamed").notNull(),
     createdAt: createdAt(),
+    requests: integer("requests").notNull().default(1),
   },
   (t) => [index("usage_events_org_created_idx").on(t.orgId, t.createdAt)],
 );

@@ -99,7 +99,7 @@ export interface QuotaOptions {
   flushMs: number;
   maxBuffered: number;
   now?: () => number;
-  /** Usage records per transaction (default 5,000); a larger backlog goes out as several. */
+  /** Usage records (requests) per batch (default 5,000), summed into rows per key, alias, target and status; a larger backlog goes out as several. */
   eventsPerBatch?: number;
   /** Called once per settled request (token metrics). */
   onSettle?: (alias: string, promptTokens: number, completionTokens: number) => void;

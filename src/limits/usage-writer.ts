@@ -3,13 +3,14 @@ import type { Database } from "../db/client.ts";
 import { pgArray } from "../db/arrays.ts";
 import { usageBatches, usageCounters, usageDeadLetters } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
-import { columnsAt, eventRecord, type UsageColumns, UsageLog } from "./usage-log.ts";
+import { aggregate, columnsAt, eventRecord, type UsageColumns, UsageLog } from "./usage-log.ts";
 import { isDataError } from "../db/errors.ts";
 
 /**
  * The batched usage writer: every flushMs, one transaction adds the settled
- * usage to the shared counters (usage_counters) and inserts the per-request
- * records (usage_events).
+ * usage to the shared counters (usage_counters) and inserts the usage
+ * records (usage_events), summed per organisation, key, alias, target, status
+ * and streamed-or-not (one row per group and write).
  *
  * - Idempotent: a batch is retried unchanged until it lands, under one id
  *   recorded in usage_batches in the same transaction, so a commit we never
@@ -60,7 +61,7 @@ export interface CounterSource {
 export interface UsageWriterOptions {
   flushMs: number;
   maxBuffered: number;
-  /** Usage records per transaction (default 5,000); a larger backlog goes out as several. */
+  /** Usage records (requests) per batch (default 5,000), summed into rows per key, alias, target and status; a larger backlog goes out as several. */
   eventsPerBatch?: number;
   /** How recent a request for lease counts as `wanted`. */
   wantedWithinMs: number;
@@ -105,7 +106,8 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     // A batch carries at most eventsPerBatch usage records; larger backlogs go out as several batches.
     const taken = events.take(opts.eventsPerBatch ?? 5_000);
     if (deltas.length === 0 && taken.length === 0) return undefined;
-    return { id: crypto.randomUUID(), deltas, events: taken, more: events.length > 0 };
+    // One row per organisation, key, alias, target, status and streamed-or-not (aggregate()).
+    return { id: crypto.randomUUID(), deltas, events: aggregate(taken), more: events.length > 0 };
   }
 
   /** Adds one delta to the shared counter and tells the source what the counter has left. */
@@ -214,12 +216,13 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
   async function insertEvents(tx: Pick<Database["db"], "execute">, c: UsageColumns): Promise<void> {
     // Times travel as epoch milliseconds (exact), turned into timestamptz by the database.
     await tx.execute(sql`
-      insert into usage_events (org_id, key_id, alias, target, prompt_tokens, completion_tokens, status, latency_ms, streamed, created_at)
-      select o, k, a, t, p, c, s, l, st, timestamptz 'epoch' + ms * interval '1 millisecond' from unnest(
+      insert into usage_events (requests, org_id, key_id, alias, target, prompt_tokens, completion_tokens, status, latency_ms, streamed, created_at)
+      select r, o, k, a, t, p, c, s, l, st, timestamptz 'epoch' + ms * interval '1 millisecond' from unnest(
+        ${pgArray(c.requests)}::int[],
         ${pgArray(c.orgId)}::uuid[], ${pgArray(c.keyId)}::uuid[], ${pgArray(c.alias)}::text[], ${pgArray(c.target)}::text[],
         ${pgArray(c.promptTokens)}::int[], ${pgArray(c.completionTokens)}::int[], ${pgArray(c.status)}::int[],
         ${pgArray(c.latencyMs)}::int[], ${pgArray(Array.from(c.streamed, (x) => x === 1))}::bool[], ${pgArray(c.createdAt)}::float8[])
-        as u(o, k, a, t, p, c, s, l, st, ms)`);
+        as u(r, o, k, a, t, p, c, s, l, st, ms)`);
   }
 
   function bufferedTokens(): number {
@@ -267,7 +270,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
       // Nothing is lost: the batch stays buffered and the next flush retries it.
       log.warn("usage flush failed; buffered for retry", {
         err: (e as Error).message,
-        buffered_events: events.length + (batch?.events.length ?? 0),
+        buffered_events: events.length + (batch?.events.requests.reduce((a, b) => a + b, 0) ?? 0),
         pending_tokens: bufferedTokens(),
       });
       throw e;
@@ -327,7 +330,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     },
     stats() {
       return {
-        bufferedEvents: events.length + (batch?.events.length ?? 0),
+        bufferedEvents: events.length + (batch?.events.requests.reduce((a, b) => a + b, 0) ?? 0),
         pendingTokens: bufferedTokens(),
         droppedEvents: events.dropped,
         flushFailures,

@@ -1,5 +1,6 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { eq } from "drizzle-orm";
+import { usageReport } from "../../src/admin/usage.ts";
 import { usageEvents } from "../../src/db/schema.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
@@ -161,3 +162,34 @@ describe("usage figures an upstream makes up are clamped", () => {
     expect(warnings()).toEqual([]);
   });
 });
+
+describe("usage rows", () => {
+  test("requests of one key, alias, target and status in one write are one row that sums them; streamed ones another", async () => {
+    usage = { prompt_tokens: 7, completion_tokens: 3, total_tokens: 10 };
+    const o = await seedTestOrg(gw.database);
+    await gw.quota.flush();
+    const n = 25;
+    const answers = await Promise.all(
+      Array.from({ length: n }, async (_, i) => {
+        const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: i % 5 === 0 });
+        expect(res.status).toBe(200);
+        return res.text();
+      }),
+    );
+    expect(answers).toHaveLength(n);
+    const got = await rows(o.orgId);
+    // One write: one unstreamed row and one streamed row (each ≤ one per write, should the flush timer fire in between).
+    expect(got.length).toBeLessThanOrEqual(4);
+    expect(got.length).toBeGreaterThanOrEqual(2);
+    const sum = (f: (r: (typeof got)[number]) => number) => got.reduce((a, r) => a + f(r), 0);
+    expect(sum((r) => r.requests)).toBe(n);
+    expect(sum((r) => (r.streamed ? r.requests : 0))).toBe(5);
+    expect(sum((r) => r.promptTokens)).toBe(7 * n);
+    expect(sum((r) => r.completionTokens)).toBe(3 * n);
+    for (const r of got) expect(r.latencyMs).toBeGreaterThanOrEqual(0);
+    // The usage report counts requests, not rows.
+    const report = await usageReport(gw.database, o.orgId);
+    expect(report.map((r) => [r.alias, r.requests, r.prompt_tokens, r.completion_tokens])).toEqual([["svc-fast", n, 7 * n, 3 * n]]);
+  });
+});
+

@@ -112,7 +112,7 @@ describe.skipIf(!TEST_DATABASE_URL)("quota across two instances (Postgres)", () 
     const used = rows.reduce((a, r) => a + r.used, 0);
     const leased = rows.reduce((a, r) => a + r.leased, 0);
     const events = await db.rows<{ n: string | number; t: string | number }>(
-      sql`select count(*) as n, coalesce(sum(prompt_tokens + completion_tokens), 0) as t from usage_events where org_id = ${org.id} and status = 200`,
+      sql`select coalesce(sum(requests), 0) as n, coalesce(sum(prompt_tokens + completion_tokens), 0) as t from usage_events where org_id = ${org.id} and status = 200`,
     );
     const overshoot = used - QUOTA;
     console.log(`quota-multi: quota=${QUOTA} used=${used} overshoot=${overshoot} ok=${ok} refused=${budget} leased_left=${leased}`);

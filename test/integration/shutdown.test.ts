@@ -132,7 +132,7 @@ describe("graceful shutdown of `gateway serve`", () => {
     const db = await openDatabase({ dataDir });
     try {
       const rows = await db.rows<{ n: number; streamed: number }>(
-        sql`select count(*)::int as n, count(*) filter (where streamed)::int as streamed from usage_events where org_id = ${orgId}`,
+        sql`select coalesce(sum(requests), 0)::int as n, coalesce(sum(requests) filter (where streamed), 0)::int as streamed from usage_events where org_id = ${orgId}`,
       );
       expect(rows[0]).toEqual({ n: 2, streamed: 1 });
     } finally {

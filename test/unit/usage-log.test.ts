@@ -1,5 +1,5 @@
 import { describe, expect, test } from "bun:test";
-import { UsageLog } from "../../src/limits/usage-log.ts";
+import { aggregate, UsageLog } from "../../src/limits/usage-log.ts";
 
 /** Pushes record i with fields derived from i, so order and content can be checked. */
 function pushN(log: UsageLog, from: number, to: number): void {
@@ -64,3 +64,48 @@ describe("UsageLog", () => {
     expect(() => new UsageLog(0)).toThrow(RangeError);
   });
 });
+
+describe("aggregate", () => {
+  test("sums records per organisation, key, alias, target, status and streamed-or-not, keeping the newest time", () => {
+    const log = new UsageLog(100);
+    const t0 = 1_700_000_000_000;
+    // key a: three 200s unstreamed (one group), one streamed, one 503; key b: one 200.
+    log.push("o1", "a", "svc-fast", "t1", 10, 1, 200, 5, false, t0 + 3);
+    log.push("o1", "a", "svc-fast", "t1", 20, 2, 200, 7, false, t0 + 1);
+    log.push("o1", "a", "svc-fast", "t1", 30, 3, 200, 9, true, t0 + 2);
+    log.push("o1", "b", "svc-fast", "t1", 40, 4, 200, 11, false, t0 + 4);
+    log.push("o1", "a", "svc-fast", "t1", 50, 5, 503, 13, false, t0 + 5);
+    log.push("o1", "a", "svc-fast", "t1", 60, 6, 200, 15, false, t0 + 0);
+    log.push("o1", "a", "svc-fast", "t2", 70, 7, 200, 17, false, t0 + 6);
+    const c = aggregate(log.take(10));
+    expect(c.length).toBe(5);
+    const rows = Array.from({ length: c.length }, (_, i) => [c.keyId[i], c.target[i], c.status[i], c.streamed[i], c.requests[i], c.promptTokens[i], c.completionTokens[i], c.latencyMs[i], (c.createdAt[i] as number) - t0]);
+    expect(rows).toEqual([
+      ["a", "t1", 200, 0, 3, 90, 9, 27, 3],
+      ["a", "t1", 200, 1, 1, 30, 3, 9, 2],
+      ["b", "t1", 200, 0, 1, 40, 4, 11, 4],
+      ["a", "t1", 503, 0, 1, 50, 5, 13, 5],
+      ["a", "t2", 200, 0, 1, 70, 7, 17, 6],
+    ]);
+    // Every column has the aggregated length (the insert unnests them side by side).
+    for (const col of [c.orgId, c.keyId, c.alias, c.target, c.requests, c.promptTokens, c.completionTokens, c.status, c.latencyMs, c.streamed, c.createdAt]) expect(col.length).toBe(5);
+  });
+
+  test("totals are conserved over many records, and a sum that would pass int32 starts a new row", () => {
+    const log = new UsageLog(10_000);
+    for (let i = 0; i < 5_000; i++) log.push("o", i % 2 ? "k1" : "k2", "svc-fast", "t", 1_000_000, 3, 200, 1, false, i);
+    const c = aggregate(log.take(5_000));
+    const sum = (a: ArrayLike<number>) => Array.from(a).reduce((x, y) => x + y, 0);
+    expect(sum(c.requests)).toBe(5_000);
+    expect(sum(c.promptTokens)).toBe(5_000 * 1_000_000);
+    expect(sum(c.completionTokens)).toBe(15_000);
+    for (const p of c.promptTokens) expect(p).toBeLessThanOrEqual(2_147_483_647);
+    // 2,500 records of 10^6 prompt tokens per key: 2,147 fit in one int32 row, so two rows per key.
+    expect(c.length).toBe(4);
+  });
+
+  test("nothing in, nothing out", () => {
+    expect(aggregate(new UsageLog(10).take(5)).length).toBe(0);
+  });
+});
+

@@ -1,0 +1,1 @@
+ALTER TABLE "usage_events" ADD COLUMN "requests" integer DEFAULT 1 NOT NULL;
