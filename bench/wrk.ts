@@ -47,6 +47,7 @@ const { values: args } = parseArgs({
     keep: { type: "boolean", default: false },
     wrk: { type: "boolean", default: false },
     compare: { type: "string" },
+    only: { type: "string" },
   },
   strict: false,
 });
@@ -249,7 +250,9 @@ async function main() {
   console.log(`command: bun run bench:wrk${Bun.argv.length > 2 ? ` -- ${Bun.argv.slice(2).join(" ")}` : ""}`);
   console.log(`rounds ${rounds}, wrk -t1 -c64 -d${seconds}s and wrk -t1 -c1 -d${c1Seconds}s --latency per server and round\n`);
   // Profiling: load on the gateway alone, so the profile holds as little idle time as possible.
-  const targets = (await setup()).filter((t) => !args.profile || t.name === "gateway");
+  // --only gateway,base: paired before/after runs of two checkouts without the direct and bare rounds.
+  const only = args.only ? new Set(String(args.only).split(",")) : undefined;
+  const targets = (await setup()).filter((t) => (!args.profile || t.name === "gateway") && (!only || only.has(t.name)));
   for (const t of targets) await wrk(t, 64, Number(args.warmup));
 
   const sat: Record<string, WrkResult[]> = {};
@@ -271,7 +274,22 @@ async function main() {
 
   // A profiling run loads the gateway alone: nothing to compare against.
   if (args.profile) console.log(`\nprofile of the gateway: ${args.profile} (written when it exits)`);
-  else {
+  else if (!sat.direct || !sat.bare) {
+    // --only without direct and bare: CPU per request of each target, and the pair's ratio per round.
+    const median = (xs: number[]) => {
+      const s = [...xs].sort((a, b) => a - b);
+      return s.length % 2 ? (s[(s.length - 1) / 2] as number) : ((s[s.length / 2 - 1] as number) + (s[s.length / 2] as number)) / 2;
+    };
+    for (const [name, rs] of Object.entries(sat)) {
+      const cpu = rs.map((r) => r.cpuUsPerRequest);
+      console.log(`${name.padEnd(8)} CPU per request median ${f1(median(cpu))} µs (${cpu.map(f1).join(", ")}); req/s ${range(rs.map((r) => r.rps), f0)}`);
+    }
+    const base = sat.base;
+    if (sat.gateway && base) {
+      const ratios = sat.gateway.map((g, i) => g.cpuUsPerRequest / (base[i] as WrkResult).cpuUsPerRequest);
+      console.log(`gateway/base CPU per request, per round: ${ratios.map(f3).join(", ")} (median ${f3(median(ratios))})`);
+    }
+  } else {
     const d = sat.direct ?? [];
     const b = sat.bare ?? [];
     const d1 = one.direct ?? [];
