@@ -17,19 +17,31 @@ import {
  * when it is scraped. The exposition (names, labels, buckets) is unchanged.
  */
 
-/** A counter whose increments are summed in a Map and handed to prom-client when scraped. */
+interface Pending<T extends string> {
+  labels: LabelValues<T>;
+  n: number;
+}
+
+/**
+ * A counter whose increments are summed per label set and handed to
+ * prom-client when scraped. The sums sit in a tree of Maps, one level per
+ * label, keyed by the label values themselves: an increment builds no key
+ * string (the values are mostly the same string instances every time, whose
+ * hashes JSC keeps), and allocates only for a label set never seen before.
+ */
 export class HotCounter<T extends string> {
   readonly counter: Counter<T>;
-  private readonly pending = new Map<string, { labels: LabelValues<T>; n: number }>();
+  private readonly root = new Map<unknown, unknown>();
+  private readonly leaves: Pending<T>[] = [];
   private readonly names: readonly T[];
 
   constructor(cfg: CounterConfiguration<T> & { labelNames: readonly T[] }) {
     this.names = cfg.labelNames;
-    const pending = this.pending;
+    const leaves = this.leaves;
     this.counter = new Counter<T>({
       ...cfg,
       collect() {
-        for (const p of pending.values()) {
+        for (const p of leaves) {
           if (p.n === 0) continue;
           this.inc(p.labels, p.n);
           p.n = 0;
@@ -38,13 +50,28 @@ export class HotCounter<T extends string> {
     });
   }
 
-  /** Adds `n` (default 1) for these labels; the label sets are small closed sets, so the Map stays small. */
+  /** Adds `n` (default 1) for these labels; the label sets are small closed sets, so the tree stays small. */
   inc(labels: LabelValues<T>, n = 1): void {
-    let key = "";
-    for (const name of this.names) key += `${labels[name] ?? ""}\u0000`;
-    const p = this.pending.get(key);
+    const names = this.names;
+    let node = this.root;
+    const last = names.length - 1;
+    for (let i = 0; i < last; i++) {
+      const v = labels[names[i] as T] ?? "";
+      let next = node.get(v) as Map<unknown, unknown> | undefined;
+      if (!next) {
+        next = new Map();
+        node.set(v, next);
+      }
+      node = next;
+    }
+    const v = last >= 0 ? (labels[names[last] as T] ?? "") : "";
+    const p = node.get(v) as Pending<T> | undefined;
     if (p) p.n += n;
-    else this.pending.set(key, { labels: { ...labels }, n });
+    else {
+      const leaf = { labels: { ...labels }, n };
+      node.set(v, leaf);
+      this.leaves.push(leaf);
+    }
   }
 }
 
