@@ -6,13 +6,20 @@ export interface Head {
   keepAlive: boolean;
 }
 
+const STATUS_LINE = /^HTTP\/1\.([01]) ([1-5]\d\d)(?: .*)?$/;
+
+/** Lines are taken by index rather than by split(): one array and one string fewer per line on every answer. */
 export function parseHead(text: string): Head | string {
-  const lines = text.split("\r\n");
-  const m = /^HTTP\/1\.([01]) ([1-5]\d\d)(?: .*)?$/.exec(lines[0] ?? "");
-  if (!m) return `not an HTTP/1.x status line: ${JSON.stringify((lines[0] ?? "").slice(0, 80))}`;
+  let eol = text.indexOf("\r\n");
+  const first = eol === -1 ? text : text.slice(0, eol);
+  const m = STATUS_LINE.exec(first);
+  if (!m) return `not an HTTP/1.x status line: ${JSON.stringify(first.slice(0, 80))}`;
   const headers = new Map<string, string>();
-  for (let i = 1; i < lines.length; i++) {
-    const line = lines[i] ?? "";
+  let pos = eol + 2;
+  while (eol !== -1) {
+    eol = text.indexOf("\r\n", pos);
+    const line = eol === -1 ? text.slice(pos) : text.slice(pos, eol);
+    pos = eol + 2;
     const colon = line.indexOf(":");
     if (colon <= 0) return `malformed header line: ${JSON.stringify(line.slice(0, 80))}`;
     const name = line.slice(0, colon).trim().toLowerCase();
