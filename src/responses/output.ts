@@ -47,11 +47,52 @@ export interface ResponseMeta {
 
 export type ItemStatus = "in_progress" | "completed" | "incomplete";
 
+/** A token's log probability, as the Response's output_text part carries it. */
+export interface Logprob {
+  token: string;
+  bytes: number[];
+  logprob: number;
+  top_logprobs: { token: string; bytes: number[]; logprob: number }[];
+}
+
 export interface OutputText {
   type: "output_text";
   text: string;
   annotations: never[];
-  logprobs: never[];
+  /** Filled only when the client asked (`include: ["message.output_text.logprobs"]`) and the upstream sent them. */
+  logprobs: Logprob[];
+}
+
+/** Alternatives per token kept at most (OpenAI's own bound for top_logprobs). */
+const MAX_TOP_LOGPROBS = 20;
+
+const bytesOf = (e: Record<string, unknown>, token: string): number[] =>
+  Array.isArray(e.bytes) && e.bytes.every((b) => Number.isInteger(b) && (b as number) >= 0 && (b as number) <= 255)
+    ? (e.bytes as number[])
+    : Array.from(Buffer.from(token, "utf8"));
+
+/**
+ * Chat's `choice.logprobs` (`{content: [{token, logprob, bytes, top_logprobs}]}`)
+ * -> the Responses form; entries that are not a token with a finite number are
+ * skipped, and [] when there are none.
+ */
+export function logprobsFromChat(v: unknown): Logprob[] {
+  if (!isRecord(v) || !Array.isArray(v.content)) return [];
+  const out: Logprob[] = [];
+  for (const e of v.content) {
+    if (!isRecord(e) || typeof e.token !== "string" || typeof e.logprob !== "number" || !Number.isFinite(e.logprob)) continue;
+    const top: Logprob["top_logprobs"] = [];
+    if (Array.isArray(e.top_logprobs)) {
+      for (const t of e.top_logprobs) {
+        if (top.length >= MAX_TOP_LOGPROBS) break;
+        if (isRecord(t) && typeof t.token === "string" && typeof t.logprob === "number" && Number.isFinite(t.logprob)) {
+          top.push({ token: t.token, bytes: bytesOf(t, t.token), logprob: t.logprob });
+        }
+      }
+    }
+    out.push({ token: e.token, bytes: bytesOf(e, e.token), logprob: e.logprob, top_logprobs: top });
+  }
+  return out;
 }
 export interface OutputRefusal {
   type: "refusal";
@@ -243,7 +284,7 @@ export function responseFromChat(chat: Record<string, unknown>, meta: ResponseMe
   const calls = Array.isArray(message.tool_calls) ? message.tool_calls.filter(isRecord) : [];
   if (text || refusal || calls.length === 0) {
     const content: MessageItem["content"] = [];
-    if (text || !refusal) content.push({ type: "output_text", text, annotations: [], logprobs: [] });
+    if (text || !refusal) content.push({ type: "output_text", text, annotations: [], logprobs: logprobsFromChat(isRecord(choice) ? choice.logprobs : undefined) });
     if (refusal) content.push({ type: "refusal", refusal });
     r.output.push({ type: "message", id: itemId("msg"), status: itemStatus, role: "assistant", content });
   }

@@ -20,6 +20,8 @@ import {
   finish,
   type ItemStatus,
   itemId,
+  type Logprob,
+  logprobsFromChat,
   type MessageItem,
   type OutputRefusal,
   type OutputText,
@@ -58,6 +60,12 @@ const MAX_CALLS = 128;
 
 const str = (v: unknown): string => (typeof v === "string" ? v : "");
 const q = JSON.stringify;
+
+/** Logprobs as the text delta and done events carry them (the SDK's event types: no bytes). */
+function eventLogprobs(lps: Logprob[] | undefined): string {
+  if (!lps || lps.length === 0) return "[]";
+  return q(lps.map((l) => ({ token: l.token, logprob: l.logprob, top_logprobs: l.top_logprobs.map((t) => ({ token: t.token, logprob: t.logprob })) })));
+}
 
 export class ChatToResponses {
   readonly response: ResponseObject;
@@ -124,7 +132,7 @@ export class ChatToResponses {
     const reasoning = str(d.reasoning_content) || str(d.reasoning);
     if (reasoning) this.reasoningDelta(reasoning);
     const content = str(d.content);
-    if (content) this.textDelta(content);
+    if (content) this.textDelta(content, c.logprobs == null ? undefined : logprobsFromChat(c.logprobs));
     const refusal = str(d.refusal);
     if (refusal) this.refusalDelta(refusal);
     if (Array.isArray(d.tool_calls)) {
@@ -173,7 +181,7 @@ export class ChatToResponses {
     return this.msg;
   }
 
-  private textDelta(delta: string): void {
+  private textDelta(delta: string, logprobs: Logprob[] | undefined): void {
     const m = this.openMessage();
     if (!m.text) {
       const part: OutputText = { type: "output_text", text: "", annotations: [], logprobs: [] };
@@ -182,9 +190,10 @@ export class ChatToResponses {
       this.emit("response.content_part.added", `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${m.text.at},"part":${q(part)}`);
     }
     m.text.part.text += delta;
+    if (logprobs && logprobs.length > 0) for (const lp of logprobs) m.text.part.logprobs.push(lp);
     this.emit(
       "response.output_text.delta",
-      `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${m.text.at},"delta":${q(delta)},"logprobs":[]`,
+      `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${m.text.at},"delta":${q(delta)},"logprobs":${eventLogprobs(logprobs)}`,
     );
   }
 
@@ -258,7 +267,7 @@ export class ChatToResponses {
     this.msg = undefined;
     const id = `"item_id":"${m.item.id}","output_index":${m.index}`;
     m.item.content.forEach((part, i) => {
-      if (part.type === "output_text") this.emit("response.output_text.done", `${id},"content_index":${i},"text":${q(part.text)},"logprobs":[]`);
+      if (part.type === "output_text") this.emit("response.output_text.done", `${id},"content_index":${i},"text":${q(part.text)},"logprobs":${eventLogprobs(part.logprobs)}`);
       else this.emit("response.refusal.done", `${id},"content_index":${i},"refusal":${q(part.refusal)}`);
       this.emit("response.content_part.done", `${id},"content_index":${i},"part":${q(part)}`);
     });

@@ -147,6 +147,11 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
   if (body.max_output_tokens != null) chat.max_tokens = body.max_output_tokens;
   if (body.temperature != null) chat.temperature = body.temperature;
   if (body.top_p != null) chat.top_p = body.top_p;
+  // Logprobs are asked for with include (top_logprobs alone only sizes them), as in OpenAI's API.
+  if (body.include?.includes("message.output_text.logprobs")) {
+    chat.logprobs = true;
+    chat.top_logprobs = Math.min(20, body.top_logprobs ?? 0);
+  }
   if (body.reasoning?.effort != null) chat.reasoning_effort = body.reasoning.effort;
   const user = body.user ?? body.safety_identifier;
   if (user != null) chat.user = user;

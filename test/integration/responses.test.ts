@@ -223,6 +223,52 @@ describe("request translation (what the chat upstream receives)", () => {
     await eventually(() => slow.stats.aborts === 1, 10_000);
   });
 
+  test("logprobs: asked with include, forwarded as chat logprobs, and translated into the output_text part", async () => {
+    const res = await create({ model: "svc-fast", input: "hi", include: ["message.output_text.logprobs"], top_logprobs: 2, store: false });
+    expect(res.status).toBe(200);
+    const r = rec(await res.json());
+    expect(upstreamBody().logprobs).toBe(true);
+    expect(upstreamBody().top_logprobs).toBe(2);
+    const part = rec(arr(rec(arr(r.output)[0]).content)[0]);
+    const lps = arr(part.logprobs).map(rec);
+    expect(lps).toHaveLength(5);
+    // One entry per generated token: the tokens spell the text, each with its bytes and two alternatives.
+    expect(lps.map((l) => l.token).join("")).toBe(String(part.text));
+    for (const l of lps) {
+      expect(l.bytes).toEqual(Array.from(new TextEncoder().encode(String(l.token))));
+      expect(typeof l.logprob).toBe("number");
+      expect(arr(l.top_logprobs).map((t) => Object.keys(rec(t)).sort())).toEqual([
+        ["bytes", "logprob", "token"],
+        ["bytes", "logprob", "token"],
+      ]);
+    }
+    // Not asked: nothing forwarded, and the part's logprobs stay [].
+    const plain = rec(await (await create({ model: "svc-fast", input: "hi", top_logprobs: 2, store: false })).json());
+    expect(upstreamBody().logprobs).toBeUndefined();
+    expect(rec(arr(rec(arr(plain.output)[0]).content)[0]).logprobs).toEqual([]);
+  });
+
+  test("logprobs in a stream: each text delta carries its tokens', the done event and the final response all of them", async () => {
+    const res = await create({ model: "svc-fast", input: "hi", stream: true, include: ["message.output_text.logprobs"], top_logprobs: 1, store: false });
+    const events = (await res.text())
+      .split("\n\n")
+      .filter((e) => e.trim() !== "")
+      .map((e) => rec(JSON.parse(e.split("\n").find((l) => l.startsWith("data: "))?.slice(6) ?? "null")));
+    const deltas = events.filter((e) => e.type === "response.output_text.delta");
+    expect(deltas.length).toBeGreaterThan(0);
+    const fromDeltas = deltas.flatMap((d) => arr(d.logprobs).map(rec));
+    expect(fromDeltas.map((l) => l.token).join("")).toBe(deltas.map((d) => String(d.delta)).join(""));
+    // The events' shape (the SDK's): token, logprob, top_logprobs of token and logprob; no bytes.
+    expect(Object.keys(fromDeltas[0] ?? {}).sort()).toEqual(["logprob", "token", "top_logprobs"]);
+    expect(arr(fromDeltas[0]?.top_logprobs).map((t) => Object.keys(rec(t)).sort())).toEqual([["logprob", "token"]]);
+    const done = events.find((e) => e.type === "response.output_text.done");
+    expect(arr(done?.logprobs)).toEqual(fromDeltas);
+    const final = rec(events.at(-1)?.response);
+    const part = rec(arr(rec(arr(final.output)[0]).content)[0]);
+    expect(arr(part.logprobs).map((l) => rec(l).token)).toEqual(fromDeltas.map((l) => l.token));
+    expect(rec(arr(part.logprobs)[0]).bytes).toBeDefined();
+  });
+
   test("json_object format and tool_choice strings pass; the gateway's max_tokens bound under a quota applies", async () => {
     const quoted = await seedTestOrg(gw.database, { quotaTokens: 1_000_000 });
     const res = await create({ model: "svc-fast", input: "hi", text: { format: { type: "json_object" } }, tool_choice: "none", store: false }, quoted.personalKey);
