@@ -1,4 +1,5 @@
 import type { QuotaPeriod } from "../db/schema.ts";
+import type { RelayTransform } from "../lib/relay-transform.ts";
 
 /**
  * What every layer knows about an authenticated request, with no HTTP in it:
@@ -44,4 +45,6 @@ export interface RequestMeta {
   signal: AbortSignal;
   /** The request id (x-request-id), for log lines. */
   requestId: string;
+  /** A streamed answer's events rewritten inside the relay (the Responses API); none for chat. */
+  transform?: RelayTransform;
 }

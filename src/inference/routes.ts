@@ -5,6 +5,7 @@ import { readJsonBody } from "../http/body.ts";
 import { annotate, stateOf } from "../http/context.ts";
 import { errorBody, statusOf } from "../http/errors.ts";
 import type { Logger } from "../lib/log.ts";
+import type { RelayTransform } from "../lib/relay-transform.ts";
 import type { Metrics } from "../metrics/registry.ts";
 import type { Metering } from "../limits/metering.ts";
 import { allowedAliases } from "./aliases.ts";
@@ -85,10 +86,10 @@ export function createInference(deps: InferenceDeps) {
     return reply;
   }
 
-  async function run(call: CheckedCall, request: Request): Promise<Reply> {
+  async function run(call: CheckedCall, request: Request, transform?: RelayTransform): Promise<Reply> {
     const state = stateOf(request);
     annotate(request, { alias: call.alias, streamed: call.streamed });
-    const served = await call.run({ signal: request.signal, requestId: state?.id ?? "" });
+    const served = await call.run({ signal: request.signal, requestId: state?.id ?? "", ...(transform ? { transform } : {}) });
     if (served.usage) annotate(request, { promptTokens: served.usage.promptTokens, completionTokens: served.usage.completionTokens });
     if (served.ended && state) {
       state.ended = served.ended.then((o) => {
@@ -105,7 +106,8 @@ export function createInference(deps: InferenceDeps) {
      * Chat as POST /v1/chat/completions runs it (the checked call, the
      * access-log state), for the Responses API (src/responses/chat-call.ts).
      */
-    chat: async (principal: Principal, body: unknown, request: Request): Promise<Reply> => run(await service.chat(principal, body), request),
+    chat: async (principal: Principal, body: unknown, request: Request, transform?: RelayTransform): Promise<Reply> =>
+      run(await service.chat(principal, body), request, transform),
     routes: (auth: ReturnType<typeof authPlugin>) =>
       new Elysia({ name: "inference" })
         .use(auth)

@@ -7,6 +7,7 @@ import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
 import type { ImageUrlCheck } from "./image-url.ts";
 import { type EndStream, relayStream } from "./stream.ts";
+import type { RelayTransform } from "../lib/relay-transform.ts";
 import { countUsage } from "./usage.ts";
 import { charsToTokens, completionLimit, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream/index.ts";
@@ -254,7 +255,7 @@ export function createInferenceService(deps: ServiceDeps) {
     } catch (e) {
       return settleFailure(ticket, name, start, true, e);
     }
-    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, ticket, start, signal: ctx.signal, requestId: ctx.requestId });
+    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform });
   }
 
   /**
@@ -265,7 +266,17 @@ export function createInferenceService(deps: ServiceDeps) {
    */
   function relay(
     opened: Opened,
-    r: { name: string; alias: AliasConfig; clientWantsUsage: boolean; promptEstimate: number; ticket: Ticket; start: number; signal: AbortSignal; requestId: string },
+    r: {
+      name: string;
+      alias: AliasConfig;
+      clientWantsUsage: boolean;
+      promptEstimate: number;
+      ticket: Ticket;
+      start: number;
+      signal: AbortSignal;
+      requestId: string;
+      transform: RelayTransform | undefined;
+    },
   ): Served {
     const { name, ticket, start, promptEstimate } = r;
     const target = opened.target;
@@ -277,6 +288,7 @@ export function createInferenceService(deps: ServiceDeps) {
       clientWantsUsage: r.clientWantsUsage,
       idleMs: timeoutsFor(config, r.alias).idleMs,
       signal: r.signal,
+      ...(r.transform ? { transform: r.transform } : {}),
       promptEstimate,
       onImplausibleUsage: (rejected) => implausibleUsage(name, target, rejected, r.requestId),
       open,

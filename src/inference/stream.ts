@@ -1,4 +1,5 @@
 import type { ErrorCode } from "../lib/errors.ts";
+import type { RelayTransform } from "../lib/relay-transform.ts";
 import type { Opened } from "./upstream/index.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import { isRecord } from "../lib/guards.ts";
@@ -55,6 +56,12 @@ export interface RelayOptions {
    * can end them all (one add and one delete per stream, nothing per chunk).
    */
   open?: Set<EndStream>;
+  /**
+   * Rewrites what is sent (the Responses API's events): each read's events,
+   * the gateway's own error event included, go through it on the same write,
+   * and the close waits for its finish().
+   */
+  transform?: RelayTransform;
 }
 
 /** Ends an open stream the way a mid-stream upstream failure does: an error event, then a clean close. */
@@ -295,11 +302,19 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     }
   };
 
+  const tf = opts.transform;
   /** Writes events and pushes them out now (one write per upstream read, so no event waits for the next). */
   const send = async (c: ReadableStreamDirectController, out: Uint8Array[]) => {
-    for (const event of out) {
-      const w = c.write(event);
+    if (tf) {
+      const text = tf.events(out);
+      if (text === "") return;
+      const w = c.write(text);
       if (typeof w !== "number") await w;
+    } else {
+      for (const event of out) {
+        const w = c.write(event);
+        if (typeof w !== "number") await w;
+      }
     }
     const f = c.flush();
     if (typeof f !== "number") await f;
@@ -309,6 +324,14 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   const clientGone = () => {
     up.abort("client disconnected");
     end("client_gone");
+    tf?.cancel();
+  };
+
+  /** Closes the response once the transform (if any) has finished (a stored Response is written first). */
+  const close = async (c: ReadableStreamDirectController) => {
+    const f = tf?.finish();
+    if (f) await f;
+    c.close();
   };
 
   const fail = async (c: ReadableStreamDirectController, message: string) => {
@@ -316,7 +339,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     end(message === endedBecause ? "ended" : "failed", message);
     try {
       await send(c, [errorEvent(opts, message)]);
-      c.close();
+      await close(c);
     } catch {
       // The client is already gone.
     }
@@ -332,6 +355,18 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     // Registered once relaying starts, so a response never sent holds no entry (`end` removes it).
     if (ended) return;
     opts.open?.add(endStream);
+    if (tf) {
+      const first = tf.start();
+      try {
+        if (first !== "") {
+          const w = c.write(first);
+          if (typeof w !== "number") await w;
+        }
+      } catch {
+        clientGone();
+        return;
+      }
+    }
     const out: Buffer[] = [];
     try {
       feed(up.first, out);
@@ -373,8 +408,12 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       if (ended) return;
       if (r.done) {
         if (!sawDone) return fail(c, endedBecause ?? `The model '${opts.alias}' ended the stream early.`);
-        c.close();
         end("done");
+        try {
+          await close(c);
+        } catch {
+          // The client left while the transform finished: the request is done all the same.
+        }
         return;
       }
       try {

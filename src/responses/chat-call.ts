@@ -1,6 +1,7 @@
 import type { Principal } from "../auth/types.ts";
 import type { Reply } from "../inference/service.ts";
 import { isRecord } from "../lib/guards.ts";
+import type { RelayTransform } from "../lib/relay-transform.ts";
 
 /**
  * The one place the Responses API calls the chat service, so that keys,
@@ -17,14 +18,21 @@ import { isRecord } from "../lib/guards.ts";
  * access-log writing (src/inference/routes.ts).
  */
 export interface ChatService {
-  chat(principal: Principal, body: unknown, request: Request): Promise<Reply>;
+  /** `transform`: a stream's events rewritten inside the chat relay (lib/relay-transform.ts). */
+  chat(principal: Principal, body: unknown, request: Request, transform?: RelayTransform): Promise<Reply>;
 }
 
 export type ChatAnswer = { kind: "json"; completion: Record<string, unknown> } | { kind: "stream"; body: ReadableStream<Uint8Array>; headers: Headers } | { kind: "gone"; response: Response };
 
-export async function callChat(service: ChatService, principal: Principal, chat: Record<string, unknown>, request: Request): Promise<ChatAnswer> {
+export async function callChat(
+  service: ChatService,
+  principal: Principal,
+  chat: Record<string, unknown>,
+  request: Request,
+  transform?: RelayTransform,
+): Promise<ChatAnswer> {
   if (chat.stream === true) chat.stream_options = { include_usage: true };
-  const reply = await service.chat(principal, chat, request);
+  const reply = await service.chat(principal, chat, request, transform);
   if (typeof reply === "string") {
     // The chat service's own answer: always a JSON object.
     const parsed: unknown = JSON.parse(reply);

@@ -8,6 +8,7 @@
  * `\r` line ends, `data:` with or without its space, comments ignored, and a
  * read may end anywhere, inside an event, a line end or a UTF-8 character.
  */
+import type { RelayTransform } from "../lib/relay-transform.ts";
 import { ChatToResponses } from "./stream-state.ts";
 import type { ResponseMeta, ResponseObject } from "./output.ts";
 
@@ -86,25 +87,28 @@ export class SseData {
   }
 }
 
+/** The Responses translation as the chat relay applies it (`RelayTransform`), plus what a reader of a chat stream needs. */
+export interface ResponsesTransform extends RelayTransform {
+  /** Ends the response as failed (a chat stream that broke off without its error event); "" once final. */
+  fail(message: string): string;
+  /** The final Response once produced. */
+  readonly final: ResponseObject | undefined;
+}
+
 /**
- * The gateway's own chat SSE answer -> the Responses event stream as SSE bytes
- * (`event: <type>\ndata: {json}\n\n`). Cancelling the returned stream cancels
- * `chatSse` (so the upstream call is aborted as for chat). `onFinal` is called
- * exactly once with the final Response object: completed, incomplete, failed,
- * or `cancelled` when the client went away first. When it returns a promise
- * (storing the response), the stream ends only once that settles, so a client
- * that has read to the end can use the id at once; no extra stream layer needed.
+ * The chat SSE events -> the Responses events, for the chat relay to apply
+ * on the writes it makes (inference/stream.ts): `response.created` and
+ * `response.in_progress` before the first upstream event, then each read's
+ * events translated as they come. `onFinal` is called exactly once with the
+ * final Response object (completed, incomplete, failed, or `cancelled` when
+ * the client went away first); when it returns a promise (storing the
+ * response), the relay closes the stream only once it settles, so a client
+ * that has read to the end can use the id at once.
  */
-export function responseEventStream(
-  chatSse: ReadableStream<Uint8Array>,
-  meta: ResponseMeta,
-  onFinal: (r: ResponseObject) => void | Promise<void>,
-): ReadableStream<Uint8Array> {
+export function responsesTransform(meta: ResponseMeta, onFinal: (r: ResponseObject) => void | Promise<void>): ResponsesTransform {
   const t = new ChatToResponses(meta);
   const sse = new SseData();
-  const reader = chatSse.getReader();
   let reported: Promise<void> | undefined;
-  let gone = false;
   const report = (r: ResponseObject): Promise<void> => {
     if (reported) return reported;
     try {
@@ -115,11 +119,57 @@ export function responseEventStream(
     }
     return reported;
   };
+  return {
+    get final() {
+      return t.final;
+    },
+    start: () => t.start(),
+    events(events) {
+      // After the final event the chat stream still runs to its end (it ends right after [DONE]).
+      if (t.final) return "";
+      let text = "";
+      try {
+        for (const e of events) for (const data of sse.push(e)) text += t.data(data);
+      } catch (e) {
+        text += t.fail(`The model '${meta.model}' sent an unreadable stream: ${(e as Error).message}`, null);
+      }
+      if (t.final) void report(t.final);
+      return text;
+    },
+    fail(message) {
+      if (t.final) return "";
+      const text = t.fail(message, null);
+      if (t.final) void report(t.final);
+      return text;
+    },
+    finish: () => (t.final ? report(t.final) : undefined),
+    cancel() {
+      report(t.cancel());
+    },
+  };
+}
+
+/**
+ * A chat SSE stream read in JavaScript -> the Responses event stream, with
+ * the same translation (`responsesTransform`). The gateway's own route does
+ * not use it (the transform runs inside the chat relay, one stream layer
+ * fewer); it translates a chat stream that arrives as a ReadableStream, and
+ * the translation's unit tests drive it. Cancelling the returned stream
+ * cancels `chatSse`.
+ */
+export function responseEventStream(
+  chatSse: ReadableStream<Uint8Array>,
+  meta: ResponseMeta,
+  onFinal: (r: ResponseObject) => void | Promise<void>,
+): ReadableStream<Uint8Array> {
+  const tf = responsesTransform(meta, onFinal);
+  const reader = chatSse.getReader();
+  let gone = false;
 
   const clientGone = () => {
     if (gone) return;
     gone = true;
-    report(t.cancel());
+    tf.cancel();
     reader.cancel("client disconnected").catch(() => {});
   };
 
@@ -137,18 +187,8 @@ export function responseEventStream(
     }
   };
 
-  const translate = (bytes: Uint8Array): string => {
-    let text = "";
-    try {
-      for (const data of sse.push(bytes)) text += t.data(data);
-    } catch (e) {
-      text += t.fail(`The model '${meta.model}' sent an unreadable stream: ${(e as Error).message}`, null);
-    }
-    return text;
-  };
-
   async function pull(c: ReadableStreamDirectController): Promise<void> {
-    if (!(await write(c, t.start()))) return;
+    if (!(await write(c, tf.start()))) return;
     for (;;) {
       let r: Awaited<ReturnType<typeof reader.read>>;
       try {
@@ -156,21 +196,18 @@ export function responseEventStream(
       } catch {
         if (gone) return;
         r = { done: true, value: undefined };
-        if (!t.final && !(await write(c, t.fail(`The connection to the model '${meta.model}' was lost mid-stream.`, null)))) return;
+        if (!(await write(c, tf.fail(`The connection to the model '${meta.model}' was lost mid-stream.`)))) return;
       }
       if (gone) return;
       if (r.done) {
         // The chat relay always ends with [DONE] or its error event; anything else broke off.
-        if (!t.final && !(await write(c, t.fail(`The model '${meta.model}' ended the stream early.`, null)))) return;
-        if (t.final) await report(t.final);
+        if (!(await write(c, tf.fail(`The model '${meta.model}' ended the stream early.`)))) return;
+        const f = tf.finish();
+        if (f) await f;
         if (!gone) c.close();
         return;
       }
-      // After the final event the chat stream is still read to its end (it ends right after
-      // [DONE]), so the chat side records a finished request, not a client that went away.
-      if (t.final) continue;
-      if (!(await write(c, translate(r.value)))) return;
-      if (t.final) void report(t.final);
+      if (!(await write(c, tf.events([r.value])))) return;
     }
   }
 

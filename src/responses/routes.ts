@@ -8,7 +8,7 @@ import { AppError } from "../lib/errors.ts";
 import { resolveAlias } from "../inference/aliases.ts";
 import type { Logger } from "../lib/log.ts";
 import { type ChatService, callChat } from "./chat-call.ts";
-import { responseEventStream } from "./events.ts";
+import { responsesTransform } from "./events.ts";
 import { listItems } from "./list.ts";
 import { type ResponseMeta, responseFromChat } from "./output.ts";
 import { type InputItem, parseResponsesBody } from "./request.ts";
@@ -71,10 +71,10 @@ export function createResponses(deps: ResponsesDeps) {
    * STORE_WAIT_MS: a database that hangs (a lock, a stalled connection) must
    * not hold the answer or the stream's end; the write goes on without us.
    */
-  function save(p: Principal, meta: ResponseMeta, t: Translation, response: object): Promise<void> {
+  function save(p: Principal, meta: ResponseMeta, inputItems: Translation["inputItems"], response: object): Promise<void> {
     if (!store) return Promise.resolve();
     const written = store
-      .save({ id: meta.id, principal: p, previousResponseId: meta.echo.previous_response_id, inputItems: t.inputItems, response })
+      .save({ id: meta.id, principal: p, previousResponseId: meta.echo.previous_response_id, inputItems, response })
       .catch((e: unknown) => log.error("storing a response failed", { response_id: meta.id, err: e instanceof Error ? e.message : String(e) }));
     let timer: ReturnType<typeof setTimeout> | undefined;
     const late = new Promise<void>((resolve) => {
@@ -93,9 +93,12 @@ export function createResponses(deps: ResponsesDeps) {
     const storeIt = store !== undefined && body.store !== false;
     const t = toChat(body, await replayed(p, body.previous_response_id), storeIt);
     const meta: ResponseMeta = { id: newItemId("resp"), createdAt: Math.floor(Date.now() / 1000), model: body.model, echo: t.echo };
+    // A stream is translated inside the chat relay (one stream layer, not two). What it keeps for
+    // the stream's life is the translation state and, when stored, the input items: not the chat body.
+    const transform = t.chat.stream === true ? streamTransform(p, meta, storeIt ? t.inputItems : undefined) : undefined;
     let answer: Awaited<ReturnType<typeof callChat>>;
     try {
-      answer = await callChat(deps.chat, p, t.chat, request);
+      answer = await callChat(deps.chat, p, t.chat, request, transform);
     } catch (e) {
       throw responsesError(e, t);
     }
@@ -103,14 +106,17 @@ export function createResponses(deps: ResponsesDeps) {
     if (answer.kind === "json") {
       const response = responseFromChat(answer.completion, meta);
       // Written before the answer, so the client's next request (retrieve, previous_response_id) finds it on any instance.
-      if (storeIt) await save(p, meta, t, response);
+      if (storeIt) await save(p, meta, t.inputItems, response);
       set.headers["content-type"] = JSON_TYPE;
       return JSON.stringify(response);
     }
-    // Stored: the stream ends only once the row is written (responseEventStream awaits onFinal's promise),
-    // so a client that reads to the end can use the id at once.
-    const events = responseEventStream(answer.body, meta, (final) => (storeIt ? save(p, meta, t, final) : undefined));
-    return new Response(events, { headers: answer.headers });
+    // Already the Responses events (the relay applied the transform).
+    return new Response(answer.body, { headers: answer.headers });
+  }
+
+  /** Stored: the relay closes the stream only once the row is written, so a client that reads to the end can use the id at once. */
+  function streamTransform(p: Principal, meta: ResponseMeta, inputItems: Translation["inputItems"] | undefined) {
+    return responsesTransform(meta, (final) => (inputItems ? save(p, meta, inputItems, final) : undefined));
   }
 
   function owned(p: Principal, id: string) {

@@ -1,0 +1,17 @@
+/**
+ * A rewrite of a relayed event stream, applied inside the relay itself (no
+ * second stream layer): the Responses API turns the chat relay's events into
+ * its own (src/responses/events.ts) on the same write that would have sent
+ * them. Per open stream this saves a ReadableStream, its reader and a promise
+ * per read (docs/benchmarks.md, phase r).
+ */
+export interface RelayTransform {
+  /** What to send before the first upstream event ("" for nothing). */
+  start(): string;
+  /** One read's complete SSE events, exactly as the relay would send them -> what to send instead ("" for nothing). */
+  events(events: readonly Uint8Array[]): string;
+  /** The relay is about to close the response after its last event; the close waits for the promise. */
+  finish(): Promise<void> | undefined;
+  /** The client went away. */
+  cancel(): void;
+}
