@@ -1,8 +1,8 @@
 import { sql } from "drizzle-orm";
 import type { Principal } from "../auth/types.ts";
 import type { Database } from "../db/client.ts";
+import { pgArray } from "../db/arrays.ts";
 import { isDataError } from "../db/errors.ts";
-import { responses } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
 import { isRecord } from "../lib/guards.ts";
 import { AppError } from "../lib/errors.ts";
@@ -37,7 +37,16 @@ export interface SaveInput {
 /** Rows written by one INSERT of the save queue. */
 const SAVE_BATCH = 100;
 
-type NewResponseRow = typeof responses.$inferInsert;
+interface NewResponseRow {
+  id: string;
+  orgId: string;
+  ownerUserId: string | null;
+  ownerKeyId: string | null;
+  previousResponseId: string | null;
+  inputItems: string;
+  response: string;
+  expiresAt: Date;
+}
 interface PendingSave {
   row: NewResponseRow;
   resolve(): void;
@@ -129,9 +138,26 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
     }
   }
 
+  /**
+   * One statement: each column one array parameter, unnested into rows (as
+   * the usage writer does). drizzle's insert builder cost ~10 % of the request
+   * thread at 660 stored streams a second (a cpu profile); this is a few
+   * string joins.
+   */
+  async function insertRows(rows: NewResponseRow[]): Promise<void> {
+    await database.db.execute(sql`
+      insert into responses (id, org_id, owner_user_id, owner_key_id, previous_response_id, input_items, response, expires_at)
+      select i, o, u, k, p, ii, r, timestamptz 'epoch' + e * interval '1 millisecond' from unnest(
+        ${pgArray(rows.map((x) => x.id))}::text[], ${pgArray(rows.map((x) => x.orgId))}::uuid[],
+        ${pgArray(rows.map((x) => x.ownerUserId ?? null))}::uuid[], ${pgArray(rows.map((x) => x.ownerKeyId ?? null))}::uuid[],
+        ${pgArray(rows.map((x) => x.previousResponseId ?? null))}::text[], ${pgArray(rows.map((x) => x.inputItems))}::text[],
+        ${pgArray(rows.map((x) => x.response))}::text[], ${pgArray(rows.map((x) => x.expiresAt.getTime()))}::float8[])
+        as t(i, o, u, k, p, ii, r, e)`);
+  }
+
   async function writeBatch(batch: PendingSave[]): Promise<void> {
     try {
-      await database.db.insert(responses).values(batch.map((b) => b.row));
+      await insertRows(batch.map((b) => b.row));
       for (const b of batch) b.resolve();
     } catch (e) {
       // A row the database refuses must not lose the others: those are written one by one.
@@ -142,7 +168,7 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
       }
       for (const b of batch) {
         try {
-          await database.db.insert(responses).values(b.row);
+          await insertRows([b.row]);
           b.resolve();
         } catch (one) {
           b.reject(one);
