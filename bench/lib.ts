@@ -24,3 +24,18 @@ export async function waitFor<T>(what: string, f: () => T | undefined, ms: numbe
     await Bun.sleep(50);
   }
 }
+
+/** The median of the finite values (NaN when there are none). */
+export function median(xs: number[]): number {
+  const s = xs.filter(Number.isFinite).sort((a, b) => a - b);
+  if (s.length === 0) return Number.NaN;
+  const m = Math.floor(s.length / 2);
+  return s.length % 2 === 1 ? (s[m] ?? Number.NaN) : ((s[m - 1] ?? 0) + (s[m] ?? 0)) / 2;
+}
+
+const f2 = (n: number) => (Number.isFinite(n) ? n.toFixed(2) : "n/a");
+const num = (r: Record<string, number>, k: string) => r[k] ?? Number.NaN;
+
+/** One line of a stream load's figures (phases 2 and r). */
+export const streamLine = (name: string, r: Record<string, number>) =>
+  `   ${name} ${r.streams} streams (${r.failed} failed)   TTFB p50 ${f2(num(r, "ttfbP50"))} / p99 ${f2(num(r, "ttfbP99"))} ms   gap p50 ${f2(num(r, "gapP50"))} / p99 ${f2(num(r, "gapP99"))} / max ${f2(num(r, "gapMax"))} ms   events/stream ${r.eventsMin}-${r.eventsMax}   reads/stream p50 ${r.readsP50}`;

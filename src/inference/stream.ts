@@ -139,6 +139,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   const spacedModelField = Buffer.from(modelField.toString().replace('"model":', '"model": '));
   const aliasField = Buffer.from(`"model":${JSON.stringify(opts.alias)}`);
   const swapModel = !modelField.equals(aliasField);
+  const tf = opts.transform;
   let sep: Buffer | undefined;
   /**
    * The pending partial event, as the pieces it arrived in (copied: a read's
@@ -223,7 +224,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       }
     }
     deliveredChars += deltaTextBytes(event);
-    if (!swapModel) return event;
+    // A transform re-serialises the events (the Responses API names the alias itself): no swap to make.
+    if (!swapModel || tf) return event;
     let field = modelField;
     let m = event.indexOf(field, at);
     if (m === -1) {
@@ -302,7 +304,6 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     }
   };
 
-  const tf = opts.transform;
   /** Writes events and pushes them out now (one write per upstream read, so no event waits for the next). */
   const send = async (c: ReadableStreamDirectController, out: Uint8Array[]) => {
     if (tf) {

@@ -16,6 +16,10 @@ import type { ResponseMeta, ResponseObject } from "./output.ts";
 const MAX_EVENT_BYTES = 8 * 1024 * 1024;
 const LF = 0x0a;
 const CR = 0x0d;
+const SPACE = 0x20;
+
+/** `data:` at the start (d a t a :). */
+const startsWithData = (b: Buffer): boolean => b.length > 5 && b[0] === 0x64 && b[1] === 0x61 && b[2] === 0x74 && b[3] === 0x61 && b[4] === 0x3a;
 
 const asBuffer = (u: Uint8Array): Buffer => (Buffer.isBuffer(u) ? u : Buffer.from(u.buffer, u.byteOffset, u.byteLength));
 
@@ -33,6 +37,12 @@ export class SseData {
 
   push(bytes: Uint8Array): string[] {
     let buf = asBuffer(bytes);
+    // The common case, and what the chat relay hands over: one whole event of one `data:` line
+    // ending in `\n\n`, with nothing held. Its data is decoded once, with no line splitting.
+    if (this.heldBytes === 0 && this.data.length === 0 && startsWithData(buf)) {
+      const lf = buf.indexOf(LF);
+      if (lf === buf.length - 2 && buf[lf + 1] === LF && buf.indexOf(CR) === -1) return [buf.toString("utf8", buf[5] === SPACE ? 6 : 5, lf)];
+    }
     if (this.heldBytes > 0) {
       const last = this.held[this.held.length - 1];
       // No line end in this read (and none pending as a last `\r`): the held line just grows.

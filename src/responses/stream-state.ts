@@ -67,6 +67,32 @@ function eventLogprobs(lps: Logprob[] | undefined): string {
   return q(lps.map((l) => ({ token: l.token, logprob: l.logprob, top_logprobs: l.top_logprobs.map((t) => ({ token: t.token, logprob: t.logprob })) })));
 }
 
+/** A plain text delta as vLLM (and the simulator) write one: `{…,"choices":[{"index":0,"delta":{"content":"…"},"logprobs":null,"finish_reason":null}]}`. */
+const PLAIN_HEAD = ',"choices":[{"index":0,"delta":{"content":"';
+const PLAIN_TAIL = '"},"logprobs":null,"finish_reason":null}]}';
+
+/**
+ * The text of a chunk that is a plain text delta of choice 0 and nothing else
+ * (most chunks of an answer), read without parsing the whole chunk: only its
+ * text is parsed, as one JSON string. Undefined for any other chunk (usage, an
+ * error, logprobs, a finish, tool calls, several choices, other spacing),
+ * which takes the full parse. The tail must end the chunk, so the choices are
+ * the root object's; a quote inside the text is escaped, so a text that is not
+ * one JSON string (say, two choices) fails to parse and is not taken.
+ */
+export function plainTextDelta(payload: string): string | undefined {
+  if (payload.charCodeAt(0) !== 0x7b || !payload.endsWith(PLAIN_TAIL)) return undefined;
+  const at = payload.indexOf(PLAIN_HEAD);
+  if (at === -1 || payload.lastIndexOf('"usage"', at) !== -1 || payload.lastIndexOf('"error"', at) !== -1) return undefined;
+  let text: unknown;
+  try {
+    text = JSON.parse(payload.slice(at + PLAIN_HEAD.length - 1, payload.length - PLAIN_TAIL.length + 1));
+  } catch {
+    return undefined;
+  }
+  return typeof text === "string" ? text : undefined;
+}
+
 export class ChatToResponses {
   readonly response: ResponseObject;
   /** Set once the final event has been produced. */
@@ -107,6 +133,13 @@ export class ChatToResponses {
     if (payload === "[DONE]") {
       this.complete();
       return this.take();
+    }
+    if (this.finishReason === null) {
+      const text = plainTextDelta(payload);
+      if (text !== undefined) {
+        if (text !== "") this.textDelta(text, undefined);
+        return this.take();
+      }
     }
     let v: unknown;
     try {

@@ -1,5 +1,6 @@
 import { describe, expect, test } from "bun:test";
 import { responseEventStream, SseData } from "../../src/responses/events.ts";
+import { plainTextDelta } from "../../src/responses/stream-state.ts";
 import type { ResponseObject } from "../../src/responses/output.ts";
 import { until } from "../helpers/poll.ts";
 import { chunk, DONE, ERROR, enc, meta, ROLE, source, USAGE } from "../helpers/responses.ts";
@@ -324,5 +325,110 @@ describe("SseData", () => {
     expect(s.push(enc.encode("\ndata: d\r\n\r"))).toEqual([]);
     expect(s.push(enc.encode("\n"))).toEqual(["c\nd"]);
     expect(() => s.push(new Uint8Array(9 * 1024 * 1024).fill(0x61))).toThrow("oversized");
+  });
+
+  test("a whole one-line event (the fast path) gives what the line parser gives for the same bytes", () => {
+    // The line parser's answer: the same event sent a byte at a time never takes the fast path.
+    const slow = (bytes: Uint8Array) => {
+      const s = new SseData();
+      const out: string[] = [];
+      for (let i = 0; i < bytes.length; i++) out.push(...s.push(bytes.subarray(i, i + 1)));
+      return out;
+    };
+    const cases = [
+      'data: {"choices":[{"delta":{"content":"héllo 😀"}}]}\n\n',
+      'data:{"a":1}\n\n',
+      "data: \n\n",
+      "data:\n\n",
+      "data: [DONE]\n\n",
+      "data: a\ndata: b\n\n",
+      "data: a\r\n\r\n",
+      "data: a\rb\n\n",
+      "data: a\n\ndata: b\n\n",
+      "data: a\n\n\n",
+      ": comment\n\n",
+      "event: x\ndata: y\n\n",
+      "data: partial",
+      "data: a\n",
+      "datax: a\n\n",
+    ];
+    for (const c of cases) {
+      const bytes = enc.encode(c);
+      expect({ c, got: new SseData().push(bytes) }).toEqual({ c, got: slow(bytes) });
+    }
+    // After a held partial event the next read is not mistaken for a whole one.
+    const s = new SseData();
+    expect(s.push(enc.encode("data: a"))).toEqual([]);
+    expect(s.push(enc.encode("data: b\n\n"))).toEqual(["adata: b"]);
+  });
+});
+
+describe("plainTextDelta (chunks read without a full parse)", () => {
+  const chunk = (over: Record<string, unknown> = {}, choice: Record<string, unknown> = {}) =>
+    JSON.stringify({
+      id: "chatcmpl-1",
+      object: "chat.completion.chunk",
+      created: 1,
+      model: "m",
+      ...over,
+      choices: [{ index: 0, delta: { content: "hi" }, logprobs: null, finish_reason: null, ...choice }],
+    });
+
+  /** What the full parse makes of a chunk, when it is a plain text delta of choice 0 and nothing else. */
+  const plain = (payload: string): string | undefined => {
+    let v: unknown;
+    try {
+      v = JSON.parse(payload);
+    } catch {
+      return undefined;
+    }
+    if (typeof v !== "object" || v === null || "usage" in v || "error" in v) return undefined;
+    const choices = (v as { choices?: unknown }).choices;
+    if (!Array.isArray(choices) || choices.length !== 1) return undefined;
+    const c = choices[0] as Record<string, unknown>;
+    const keys = Object.keys(c).join(",");
+    const d = c.delta as Record<string, unknown> | undefined;
+    if (keys !== "index,delta,logprobs,finish_reason" || c.index !== 0 || c.logprobs !== null || c.finish_reason !== null) return undefined;
+    if (!d || Object.keys(d).join(",") !== "content" || typeof d.content !== "string") return undefined;
+    return d.content;
+  };
+
+  test("takes exactly the plain text deltas, with the text the full parse gives", () => {
+    const texts = ["", "hi", ' "quoted" ', "back\\slash\\", "\\u0041 literal", "line\nbreak\ttab", "é😀\u2028", '"},"logprobs":null,"finish_reason":null}]}', "</script>"];
+    const payloads: string[] = [];
+    for (const t of texts) {
+      payloads.push(chunk({}, { delta: { content: t } }));
+      payloads.push(chunk({ usage: { prompt_tokens: 1 } }, { delta: { content: t } }));
+      payloads.push(chunk({ object: "error" }, { delta: { content: t } }));
+      payloads.push(chunk({}, { delta: { content: t }, finish_reason: "stop" }));
+      payloads.push(chunk({}, { delta: { content: t }, logprobs: { content: [] } }));
+      payloads.push(chunk({}, { delta: { role: "assistant", content: t } }));
+      payloads.push(chunk({}, { index: 1, delta: { content: t } }));
+      payloads.push(JSON.stringify({ id: "x", choices: [{ index: 0, delta: { content: t }, logprobs: null, finish_reason: null }, { index: 1, delta: { content: t }, logprobs: null, finish_reason: null }] }));
+      payloads.push(`${chunk({}, { delta: { content: t } })}}`);
+      payloads.push(JSON.stringify({ wrap: JSON.parse(chunk({}, { delta: { content: t } })) }));
+      payloads.push(` ${chunk({}, { delta: { content: t } })}`);
+    }
+    // Random texts, including quotes, backslashes and the tail's own characters.
+    const alphabet = 'ab"\\}]{[,:nul é😀\n';
+    for (let i = 0; i < 2_000; i++) {
+      let t = "";
+      const n = Math.floor(Math.random() * 12);
+      for (let j = 0; j < n; j++) t += [...alphabet][Math.floor(Math.random() * [...alphabet].length)];
+      payloads.push(chunk({}, { delta: { content: t } }));
+      // Raw (unescaped) text spliced in: not JSON, or not one string.
+      payloads.push(`{"id":"x","choices":[{"index":0,"delta":{"content":"${t}"},"logprobs":null,"finish_reason":null}]}`);
+    }
+    let taken = 0;
+    for (const p of payloads) {
+      const got = plainTextDelta(p);
+      if (got !== undefined) {
+        taken++;
+        expect({ p, got }).toEqual({ p, got: plain(p) as string });
+      }
+    }
+    // The fast path is taken for every plain delta written as vLLM writes them.
+    for (const t of texts) expect(plainTextDelta(chunk({}, { delta: { content: t } }))).toBe(t);
+    expect(taken).toBeGreaterThan(2_000);
   });
 });
