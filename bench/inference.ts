@@ -436,7 +436,7 @@ async function main() {
   const phases = new Set((args.phases ?? "").split(",").map((x) => x.trim()));
   if (phases.has("1")) await nonStreamed(direct, viaGw, durationMs, bare);
   else if (phases.has("o")) await openLoop(direct, viaGw, bare);
-  if (phases.has("2")) await streamed(simRoot, direct, viaGw);
+  if (phases.has("2")) await streamed(simRoot, direct, viaGw, bare);
   if (phases.has("3")) await manyStreams(simRoot, viaGw, gwProc.pid, streams, fdNote);
   if (phases.has("r")) {
     await responsesPhase({
@@ -564,7 +564,7 @@ async function pairedStreams(
 }
 
 /** Phase 2: streams of 40 tokens 20 ms apart; what the gateway adds to first byte and to the gaps (paired with direct streams, 3 rounds). */
-async function streamed(simRoot: string, direct: Endpoint, viaGw: Endpoint) {
+async function streamed(simRoot: string, direct: Endpoint, viaGw: Endpoint, bare?: Endpoint) {
   await setSim(simRoot, { ttftMs: 0, interTokenMs: 20, completionTokens: 40 });
   console.log("\n2. streamed chat, 40 tokens 20 ms apart, 64 concurrent streams through the gateway and 64 direct at the same time, 3 rounds of 8 s");
   if (args["skip-direct"]) {
@@ -587,6 +587,16 @@ async function streamed(simRoot: string, direct: Endpoint, viaGw: Endpoint) {
   console.log(
     `   added by the gateway: gap p99 ${added.map(f2).join(" / ")} ms, median ${f2(median(added))} ms (target <= 1)   TTFB p99 median ${f2(median(ttfbAdded))} ms   same events and reads per stream (nothing merged or lost): ${same ? "yes" : "NO"}`,
   );
+  if (!bare) return;
+  // The same rounds through the bare Bun proxy (--bare): what relaying a chunk costs Bun itself here.
+  const bareRounds = await pairedStreams(3, { ...direct, body: streamBody(UPSTREAM_MODEL) }, { ...bare, body: streamBody(UPSTREAM_MODEL) });
+  const bareAdded = bareRounds.map(({ ref, got }) => num(got, "gapP99") - num(ref, "gapP99"));
+  bareRounds.forEach(({ ref, got }, i) => {
+    console.log(`   bare proxy, round ${i + 1}`);
+    console.log(streamLine("direct: ", ref));
+    console.log(streamLine("bare:   ", got));
+  });
+  console.log(`   added by the bare Bun proxy: gap p99 ${bareAdded.map(f2).join(" / ")} ms, median ${f2(median(bareAdded))} ms`);
 }
 
 /** Phase 3: N slow streams held open at once through the gateway; all must complete; the gateway's peak RSS. */
