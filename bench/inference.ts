@@ -226,6 +226,8 @@ async function loadStream(s: LoadSpec) {
   const events: number[] = [];
   const reads: number[] = [];
   let failed = 0;
+  let started = 0;
+  let chunks = 0;
   const end = performance.now() + s.warmupMs + s.durationMs;
   const measureFrom = performance.now() + s.warmupMs;
   await Promise.all(
@@ -233,7 +235,9 @@ async function loadStream(s: LoadSpec) {
       if (s.staggerMs) await Bun.sleep((i * s.staggerMs) / s.concurrency);
       while (performance.now() < end) {
         const t0 = performance.now();
+        started++;
         const r = await oneStream(s).catch(() => ({ ok: false, ttfb: 0, gaps: [], events: 0, reads: 0 }));
+        chunks += r.events;
         if (!r.ok) failed++;
         if (t0 < measureFrom || !r.ok) continue;
         ttfb.push(r.ttfb);
@@ -250,6 +254,8 @@ async function loadStream(s: LoadSpec) {
   return {
     streams: ttfb.length,
     failed,
+    started,
+    chunks,
     ttfbP50: percentile(st, 50),
     ttfbP99: percentile(st, 99),
     gapP50: percentile(sg, 50),
@@ -574,6 +580,13 @@ async function pairedStreams(
   return out;
 }
 
+/** CPU per stream and per chunk over paired rounds (streams started during the warm-ups count too: a round's every stream, measured or not, is in the CPU time). */
+function cpuPerStream(cpuMsTotal: number, rounds: { got: Record<string, number> }[]): string {
+  const started = rounds.reduce((n, r) => n + num(r.got, "started"), 0);
+  const chunks = rounds.reduce((n, r) => n + num(r.got, "chunks"), 0);
+  return `CPU ${f1(cpuMsTotal)} ms for ${started} streams and ${chunks} chunks: ${f1((cpuMsTotal * 1000) / started)} µs per stream, ${f2((cpuMsTotal * 1000) / chunks)} µs per chunk if starts were free`;
+}
+
 /** Phase 2: streams of 40 tokens 20 ms apart; what the gateway adds to first byte and to the gaps (paired with direct streams, 3 rounds). */
 async function streamed(simRoot: string, direct: Endpoint, viaGw: Endpoint, bare?: Endpoint) {
   await setSim(simRoot, { ttftMs: 0, interTokenMs: 20, completionTokens: 40 });
@@ -583,7 +596,9 @@ async function streamed(simRoot: string, direct: Endpoint, viaGw: Endpoint, bare
     console.log(streamLine("gateway:", g));
     return;
   }
+  const cpu0 = cpuMs(viaGw.pid);
   const rounds = await pairedStreams(3, { ...direct, body: streamBody(UPSTREAM_MODEL) }, { ...viaGw, body: streamBody("svc-fast") });
+  const gwCpu = cpuMs(viaGw.pid) - cpu0;
   const added: number[] = [];
   const ttfbAdded: number[] = [];
   let same = true;
@@ -598,16 +613,19 @@ async function streamed(simRoot: string, direct: Endpoint, viaGw: Endpoint, bare
   console.log(
     `   added by the gateway: gap p99 ${added.map(f2).join(" / ")} ms, median ${f2(median(added))} ms (target <= 1)   TTFB p99 median ${f2(median(ttfbAdded))} ms   same events and reads per stream (nothing merged or lost): ${same ? "yes" : "NO"}`,
   );
+  console.log(`   ${cpuPerStream(gwCpu, rounds)} (the gateway process)`);
   if (!bare) return;
   // The same rounds through the bare Bun proxy (--bare): what relaying a chunk costs Bun itself here.
+  const bareCpu0 = cpuMs(bare.pid);
   const bareRounds = await pairedStreams(3, { ...direct, body: streamBody(UPSTREAM_MODEL) }, { ...bare, body: streamBody(UPSTREAM_MODEL) });
+  const bareCpu = cpuMs(bare.pid) - bareCpu0;
   const bareAdded = bareRounds.map(({ ref, got }) => num(got, "gapP99") - num(ref, "gapP99"));
   bareRounds.forEach(({ ref, got }, i) => {
     console.log(`   bare proxy, round ${i + 1}`);
     console.log(streamLine("direct: ", ref));
     console.log(streamLine("bare:   ", got));
   });
-  console.log(`   added by the bare Bun proxy: gap p99 ${bareAdded.map(f2).join(" / ")} ms, median ${f2(median(bareAdded))} ms`);
+  console.log(`   added by the bare Bun proxy: gap p99 ${bareAdded.map(f2).join(" / ")} ms, median ${f2(median(bareAdded))} ms   ${cpuPerStream(bareCpu, bareRounds)}`);
 }
 
 /** Phase 3: N slow streams held open at once through the gateway; all must complete; the gateway's peak RSS. */
