@@ -8,6 +8,7 @@
  */
 import { Counter, Histogram, Registry } from "prom-client";
 import { Attempt } from "../src/inference/upstream/attempt.ts";
+import { hexLineEnd, hexValue } from "../src/inference/upstream/http1-conn.ts";
 import type { Target } from "../src/inference/upstream/targets.ts";
 import { createLogger } from "../src/lib/log.ts";
 import { HotCounter, HotHistogram } from "../src/metrics/hot.ts";
@@ -113,5 +114,31 @@ measure("attempt bookkeeping: after (the Attempt is the signal)", () => {
   a.removeEventListener("abort", onAbort);
   a.clearTimer();
   a.unlink();
+});
+// 4. Per upstream chunk of a stream (2026-11-24): the chunk-size line, and the relay's error-event check.
+const wire = Buffer.from("e3\r\ndata: {}\r\n");
+const CRLF = Buffer.from("\r\n");
+measure("chunk-size line: before (latin1 string, split, trim, regex, parseInt)", () => {
+  const nl = wire.indexOf(CRLF, 0);
+  const hex = (wire.toString("latin1", 0, nl).split(";", 1)[0] ?? "").trim();
+  if (/^[0-9a-fA-F]{1,8}$/.test(hex)) sunk += Number.parseInt(hex, 16);
+});
+measure("chunk-size line: after (bytes)", () => {
+  const end = hexLineEnd(wire, 0);
+  if (end !== -1) sunk += hexValue(wire, 0, end);
+});
+const chunkEvent = Buffer.from('data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[]}\n\n');
+const errorPrefixes = ['{"error"', '{"object":"error"', '{"object": "error"'].map((x) => Buffer.from(x));
+const compareAt = (b: Buffer, at: number, p: Buffer) => b.length - at >= p.length && b.compare(p, 0, p.length, at, at + p.length) === 0;
+const loopAt = (b: Buffer, at: number, p: Buffer) => {
+  if (b.length - at < p.length) return false;
+  for (let i = 0; i < p.length; i++) if (b[at + i] !== p[i]) return false;
+  return true;
+};
+measure("error-event check of a chunk: before (three Buffer.compare)", () => {
+  if (chunkEvent[6] === 0x7b && errorPrefixes.some((p) => compareAt(chunkEvent, 6, p))) sunk++;
+});
+measure("error-event check of a chunk: after (first bytes, then a byte loop)", () => {
+  if (chunkEvent[6] === 0x7b && chunkEvent[7] === 0x22 && (chunkEvent[8] === 0x65 || chunkEvent[8] === 0x6f) && errorPrefixes.some((p) => loopAt(chunkEvent, 6, p))) sunk++;
 });
 if (sunk < 0) console.log(sunk);

@@ -102,8 +102,11 @@ function deltaTextBytes(event: Buffer): number {
   return n;
 }
 
+/** Byte by byte: the prefixes are a few bytes, shorter than a call into Buffer.compare costs. */
 function startsWithAt(b: Buffer, at: number, prefix: Buffer): boolean {
-  return b.length - at >= prefix.length && b.compare(prefix, 0, prefix.length, at, at + prefix.length) === 0;
+  if (b.length - at < prefix.length) return false;
+  for (let i = 0; i < prefix.length; i++) if (b[at + i] !== prefix[i]) return false;
+  return true;
 }
 
 /**
@@ -200,7 +203,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       sawDone = true;
       return event;
     }
-    if (event[at] === OPEN_BRACE && ERROR_PREFIXES.some((p) => startsWithAt(event, at, p))) {
+    // Every error prefix starts `{"e` or `{"o` (a chunk starts `{"id"`).
+    if (event[at] === OPEN_BRACE && event[at + 1] === QUOTE && (event[at + 2] === 0x65 || event[at + 2] === 0x6f) && ERROR_PREFIXES.some((p) => startsWithAt(event, at, p))) {
       upstreamError = upstreamMessage(event.toString("utf8", at, event.length - (sep?.length ?? 2))).message;
       return undefined;
     }

@@ -42,6 +42,33 @@ export const STALE_RETRY_MS = 100;
 const MAX_INTERIM = 8;
 const CRLF = Buffer.from("\r\n");
 
+/** The value of a hex digit byte, or -1. */
+function hexDigit(c: number | undefined): number {
+  if (c === undefined) return -1;
+  if (c >= 0x30 && c <= 0x39) return c - 0x30;
+  const l = c | 0x20;
+  return l >= 0x61 && l <= 0x66 ? l - 0x61 + 10 : -1;
+}
+
+/**
+ * Where a chunk size line of 1-8 hex digits starting at `at` ends (its CR,
+ * with the LF after it in `b`), or -1 for anything else (an extension,
+ * spaces, more digits, a line split across reads), which the general parser
+ * then reads.
+ */
+export function hexLineEnd(b: Buffer, at: number): number {
+  let i = at;
+  while (i < b.length && i - at <= 8 && hexDigit(b[i]) !== -1) i++;
+  const digits = i - at;
+  return digits >= 1 && digits <= 8 && b[i] === 0x0d && b[i + 1] === 0x0a ? i : -1;
+}
+
+export function hexValue(b: Buffer, from: number, to: number): number {
+  let n = 0;
+  for (let i = from; i < to; i++) n = n * 16 + hexDigit(b[i]);
+  return n;
+}
+
 enum Framing {
   None,
   Length,
@@ -267,6 +294,13 @@ export class Conn {
     }
   }
 
+  /** A chunk size line was read: its data follows, or (0) the trailers. */
+  private sized(n: number): void {
+    this.remaining = n;
+    this.chunk = n === 0 ? Chunk.Trailers : Chunk.Data;
+    this.trailerBytes = 0;
+  }
+
   /** Decodes chunked transfer coding; body slices go to the exchange as they arrive (none waits for a whole chunk). */
   private chunked(ex: Exchange, b: Buffer): void {
     let at = 0;
@@ -274,6 +308,15 @@ export class Conn {
       switch (this.chunk) {
         case Chunk.Size:
         case Chunk.Trailers: {
+          if (this.chunk === Chunk.Size && this.line === "") {
+            // The common case: the whole size line (hex digits, then CRLF) in this read, read as bytes.
+            const end = hexLineEnd(b, at);
+            if (end !== -1) {
+              this.sized(hexValue(b, at, end));
+              at = end + 2;
+              break;
+            }
+          }
           let line: string;
           if (this.line.endsWith("\r") && b[at] === 0x0a) {
             // The CR ended the previous read, its LF starts this one.
@@ -310,9 +353,7 @@ export class Conn {
             this.destroy(new UpstreamConnectionError(`invalid chunk size: ${JSON.stringify(hex.slice(0, 20))}`));
             return;
           }
-          this.remaining = Number.parseInt(hex, 16);
-          this.chunk = this.remaining === 0 ? Chunk.Trailers : Chunk.Data;
-          this.trailerBytes = 0;
+          this.sized(Number.parseInt(hex, 16));
           break;
         }
         case Chunk.Data: {
