@@ -116,47 +116,70 @@ export interface ResponsesTransform extends RelayTransform {
  * that has read to the end can use the id at once.
  */
 export function responsesTransform(meta: ResponseMeta, onFinal: (r: ResponseObject) => void | Promise<void>): ResponsesTransform {
-  const t = new ChatToResponses(meta);
-  const sse = new SseData();
-  let reported: Promise<void> | undefined;
-  const report = (r: ResponseObject): Promise<void> => {
-    if (reported) return reported;
+  return new ResponsesRelayTransform(meta, onFinal);
+}
+
+/** A class, not an object of closures: an open stream holds one object and its state, with the methods shared. */
+class ResponsesRelayTransform implements ResponsesTransform {
+  private readonly t: ChatToResponses;
+  private readonly sse = new SseData();
+  private reported: Promise<void> | undefined;
+
+  constructor(
+    private readonly meta: ResponseMeta,
+    private readonly onFinal: (r: ResponseObject) => void | Promise<void>,
+  ) {
+    this.t = new ChatToResponses(meta);
+  }
+
+  get final(): ResponseObject | undefined {
+    return this.t.final;
+  }
+
+  private report(r: ResponseObject): Promise<void> {
+    if (this.reported) return this.reported;
     try {
-      reported = Promise.resolve(onFinal(r)).catch(() => {});
+      this.reported = Promise.resolve(this.onFinal(r)).catch(() => {});
     } catch {
       // The caller's hook failed; the stream still ends cleanly.
-      reported = Promise.resolve();
+      this.reported = Promise.resolve();
     }
-    return reported;
-  };
-  return {
-    get final() {
-      return t.final;
-    },
-    start: () => t.start(),
-    events(events) {
-      // After the final event the chat stream still runs to its end (it ends right after [DONE]).
-      if (t.final) return "";
-      let text = "";
-      try {
-        for (const e of events) for (const data of sse.push(e)) text += t.data(data);
-      } catch (e) {
-        text += t.fail(`The model '${meta.model}' sent an unreadable stream: ${(e as Error).message}`, null);
-      }
-      if (t.final) void report(t.final);
-      return text;
-    },
-    fail(message) {
-      if (t.final) return "";
-      const text = t.fail(message, null);
-      if (t.final) void report(t.final);
-      return text;
-    },
-    finish: () => (t.final ? report(t.final) : undefined),
-    cancel() {
-      report(t.cancel());
-    },
-  };
+    return this.reported;
+  }
+
+  start(): string {
+    return this.t.start();
+  }
+
+  events(events: readonly Uint8Array[]): string {
+    const t = this.t;
+    // After the final event the chat stream still runs to its end (it ends right after [DONE]).
+    if (t.final) return "";
+    let text = "";
+    try {
+      for (const e of events) for (const data of this.sse.push(e)) text += t.data(data);
+    } catch (e) {
+      text += t.fail(`The model '${this.meta.model}' sent an unreadable stream: ${(e as Error).message}`, null);
+    }
+    if (t.final) void this.report(t.final);
+    return text;
+  }
+
+  fail(message: string): string {
+    const t = this.t;
+    if (t.final) return "";
+    const text = t.fail(message, null);
+    if (t.final) void this.report(t.final);
+    return text;
+  }
+
+  finish(): Promise<void> | undefined {
+    return this.t.final ? this.report(this.t.final) : undefined;
+  }
+
+  cancel(): void {
+    void this.report(this.t.cancel());
+  }
 }
 
 /**

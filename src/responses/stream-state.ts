@@ -94,7 +94,12 @@ export function plainTextDelta(payload: string): string | undefined {
 }
 
 export class ChatToResponses {
-  readonly response: ResponseObject;
+  /**
+   * The output items so far. The response frame around them (id, the echoed
+   * request fields, status) is built only when an event carries it (created,
+   * in_progress, the final one): an open stream holds its items, not a frame.
+   */
+  private readonly output: ResponseObject["output"] = [];
   /** Set once the final event has been produced. */
   final: ResponseObject | undefined;
   private seq = 0;
@@ -105,8 +110,13 @@ export class ChatToResponses {
   private finishReason: unknown = null;
   private usage: ResponseUsage | undefined;
 
-  constructor(meta: ResponseMeta) {
-    this.response = responseShell(meta, "in_progress");
+  constructor(private readonly meta: ResponseMeta) {}
+
+  /** The Response as it stands, in a new frame. */
+  private frame(status: ResponseObject["status"]): ResponseObject {
+    const r = responseShell(this.meta, status);
+    r.output = this.output;
+    return r;
   }
 
   private emit(type: string, body: string): void {
@@ -121,7 +131,7 @@ export class ChatToResponses {
 
   /** `response.created` and `response.in_progress`, sent before the upstream's first chunk is read. */
   start(): string {
-    const snapshot = q(this.response);
+    const snapshot = q(this.frame("in_progress"));
     this.emit("response.created", `"response":${snapshot}`);
     this.emit("response.in_progress", `"response":${snapshot}`);
     return this.take();
@@ -184,8 +194,8 @@ export class ChatToResponses {
   }
 
   private addItem(item: MessageItem | ReasoningItem | FunctionCallItem): number {
-    const index = this.response.output.length;
-    this.response.output.push(item);
+    const index = this.output.length;
+    this.output.push(item);
     this.emit("response.output_item.added", `"output_index":${index},"item":${q(item)}`);
     return index;
   }
@@ -328,14 +338,14 @@ export class ChatToResponses {
   private complete(): void {
     if (this.finishReason === null) this.closeAll("completed");
     const end = endOf(this.finishReason);
-    const r = finish(this.response, end.status, { incomplete: end.incomplete, usage: this.usage });
+    const r = finish(this.frame(end.status), end.status, { incomplete: end.incomplete, usage: this.usage });
     this.final = r;
     this.emit(end.status === "completed" ? "response.completed" : "response.incomplete", `"response":${q(r)}`);
   }
 
   /** Items still open when the answer stops short: reported as incomplete, without their done events. */
   private markOpenIncomplete(): void {
-    for (const item of this.response.output) if (item.status === "in_progress") item.status = "incomplete";
+    for (const item of this.output) if (item.status === "in_progress") item.status = "incomplete";
   }
 
   /**
@@ -346,7 +356,7 @@ export class ChatToResponses {
   fail(message: string, code: string | null): string {
     if (this.final) return "";
     this.markOpenIncomplete();
-    const r = finish(this.response, "failed", { usage: this.usage, error: message });
+    const r = finish(this.frame("failed"), "failed", { usage: this.usage, error: message });
     this.final = r;
     this.emit("response.failed", `"response":${q(r)}`);
     this.emit("error", `"code":${q(code ?? "server_error")},"message":${q(message)},"param":null`);
@@ -357,7 +367,7 @@ export class ChatToResponses {
   cancel(): ResponseObject {
     if (this.final) return this.final;
     this.markOpenIncomplete();
-    const r = finish(this.response, "cancelled", { usage: this.usage });
+    const r = finish(this.frame("cancelled"), "cancelled", { usage: this.usage });
     this.final = r;
     return r;
   }
