@@ -38,6 +38,8 @@
  * --profile DIR (write the gateway's CPU profile there),
  * --gateway-config JSON (merged into the gateway's config: e.g. '{"accessLog":false}' to see what a feature costs),
  * --open-seconds S (length of the 1,000 req/s open loop; default 5), --open-rate R (its rate).
+ * --stream-tokens N (phase 2's tokens per stream, default 40): with 400, a stream outlasts the
+ * 8 s round, so no stream starts or ends in the measured part and the gap is the relay's alone.
  * The gateway gets MIMALLOC_PURGE_HOLES=0, as the systemd units set it, unless the environment sets it.
  * Phase "o" runs only phase 1's open loop.
  * --bare also measures bench/bare-proxy.ts (a 20-line Bun proxy with nothing
@@ -76,6 +78,7 @@ const { values: args } = parseArgs({
     "gateway-config": { type: "string" },
     "open-seconds": { type: "string", default: "5" },
     "open-rate": { type: "string", default: "1000" },
+    "stream-tokens": { type: "string", default: "40" },
     bare: { type: "boolean", default: false },
     "responses-streams": { type: "string", default: "4000" },
   },
@@ -589,8 +592,10 @@ function cpuPerStream(cpuMsTotal: number, rounds: { got: Record<string, number> 
 
 /** Phase 2: streams of 40 tokens 20 ms apart; what the gateway adds to first byte and to the gaps (paired with direct streams, 3 rounds). */
 async function streamed(simRoot: string, direct: Endpoint, viaGw: Endpoint, bare?: Endpoint) {
-  await setSim(simRoot, { ttftMs: 0, interTokenMs: 20, completionTokens: 40 });
-  console.log("\n2. streamed chat, 40 tokens 20 ms apart, 64 concurrent streams through the gateway and 64 direct at the same time, 3 rounds of 8 s");
+  const tokens = Number(args["stream-tokens"]);
+  if (!Number.isInteger(tokens) || tokens < 1) throw new Error("--stream-tokens takes a positive integer");
+  await setSim(simRoot, { ttftMs: 0, interTokenMs: 20, completionTokens: tokens });
+  console.log(`\n2. streamed chat, ${tokens} tokens 20 ms apart, 64 concurrent streams through the gateway and 64 direct at the same time, 3 rounds of 8 s`);
   if (args["skip-direct"]) {
     const g = await loadgen({ kind: "stream", ...viaGw, body: streamBody("svc-fast"), concurrency: 64, durationMs: 8_000, warmupMs: 1_000 });
     console.log(streamLine("gateway:", g));
