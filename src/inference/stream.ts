@@ -137,11 +137,43 @@ function errorEvent(opts: RelayOptions, message: string): Uint8Array {
   return Buffer.from(`data: ${JSON.stringify(opts.errorBody("service_unavailable", message))}\n\n`);
 }
 
+interface SwapFields {
+  modelField: Buffer;
+  /** As servers using Python's default separators write it: `"model": "…"`. */
+  spacedModelField: Buffer;
+  aliasField: Buffer;
+  swapModel: boolean;
+}
+
+/**
+ * The byte patterns of the model swap, made once per target and alias (both
+ * come from the configuration, so the cache is as small as it is) rather than
+ * four buffers and a string round trip per stream.
+ */
+const swapFieldCache = new WeakMap<Opened["target"], Map<string, SwapFields>>();
+function swapFields(target: Opened["target"], alias: string): SwapFields {
+  let byAlias = swapFieldCache.get(target);
+  if (!byAlias) {
+    byAlias = new Map();
+    swapFieldCache.set(target, byAlias);
+  }
+  let f = byAlias.get(alias);
+  if (!f) {
+    const modelField = Buffer.from(target.modelField);
+    const aliasField = Buffer.from(`"model":${JSON.stringify(alias)}`);
+    f = {
+      modelField,
+      spacedModelField: Buffer.from(modelField.toString().replace('"model":', '"model": ')),
+      aliasField,
+      swapModel: !modelField.equals(aliasField),
+    };
+    byAlias.set(alias, f);
+  }
+  return f;
+}
+
 export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint8Array> {
-  const modelField = Buffer.from(up.target.modelField);
-  const spacedModelField = Buffer.from(modelField.toString().replace('"model":', '"model": '));
-  const aliasField = Buffer.from(`"model":${JSON.stringify(opts.alias)}`);
-  const swapModel = !modelField.equals(aliasField);
+  const { modelField, spacedModelField, aliasField, swapModel } = swapFields(up.target, opts.alias);
   const tf = opts.transform;
   let sep: Buffer | undefined;
   /**

@@ -219,6 +219,26 @@ describe("relayStream", () => {
   });
 });
 
+describe("relayStream model swap across streams", () => {
+  /** Relays `parts` with `target` (shared between calls, as one configured target is) under `alias`. */
+  async function relayAs(target: Target, alias: string, parts: string[]): Promise<string> {
+    const { opened } = fakeOpened(parts);
+    const s = relayStream({ ...opened, target }, { alias, clientWantsUsage: true, idleMs: 10_000, signal: new AbortController().signal, errorBody, onEnd: () => {} });
+    return new Response(s).text();
+  }
+
+  test("one target under several aliases: each stream names its own alias, both separators' spacing, and an alias equal to the model is left alone", async () => {
+    const target = { modelField: enc.encode(`"model":${JSON.stringify(UP)}`), label: "t" } as unknown as Target;
+    const spaced = chunk("x").replace(`"model":"${UP}"`, `"model": "${UP}"`);
+    for (const alias of ["svc-fast", "svc-smart", UP, "svc-fast"]) {
+      const text = await relayAs(target, alias, [chunk("x"), spaced, USAGE, DONE]);
+      expect(text.split(`"model":${JSON.stringify(alias)}`).length - 1).toBe(alias === UP ? 2 : 3);
+      if (alias !== UP) expect(text).not.toContain(UP);
+      else expect(text).toContain(`"model": "${UP}"`);
+    }
+  });
+});
+
 describe("upstreamMessage", () => {
   test("reads every upstream error shape, never returns the shape", () => {
     expect(upstreamMessage('{"object":"error","message":"legacy","type":"BadRequestError","param":null,"code":400}').message).toBe("legacy");
