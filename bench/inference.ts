@@ -434,6 +434,8 @@ async function main() {
       },
       // For phase r; chat does not notice.
       responses: { enabled: true },
+      // Any free port (read from the listening line): phase 2 reads the event-loop delay there.
+      metrics: { listen: "127.0.0.1:0" },
       ...(args["gateway-config"] ? (JSON.parse(args["gateway-config"]) as Record<string, unknown>) : {}),
     }),
   );
@@ -450,7 +452,12 @@ async function main() {
     children.push(bp);
     bare = { url: `${(JSON.parse(await firstLine(bp.stdout)) as { url: string }).url}/chat/completions`, headers: { "content-type": "application/json" }, pid: bp.pid };
   }
-  const viaGw = { url: `${gwUrl}/v1/chat/completions`, headers: { "content-type": "application/json", authorization: `Bearer ${key}` }, pid: gwProc.pid };
+  const viaGw: Endpoint = {
+    url: `${gwUrl}/v1/chat/completions`,
+    headers: { "content-type": "application/json", authorization: `Bearer ${key}` },
+    pid: gwProc.pid,
+    ...(gw.metricsUrl ? { metricsUrl: gw.metricsUrl } : {}),
+  };
   const phases = new Set((args.phases ?? "").split(",").map((x) => x.trim()));
   if (phases.has("1")) await nonStreamed(direct, viaGw, durationMs, bare);
   else if (phases.has("o")) await openLoop(direct, viaGw, bare);
@@ -479,7 +486,7 @@ async function main() {
 
 let gatewayRuns = 0;
 /** Starts `gateway serve` on the bench config (pinned to CPU 0); its log goes to a file, where its address is read from. */
-async function spawnGateway(): Promise<{ proc: ReturnType<typeof Bun.spawn>; url: string }> {
+async function spawnGateway(): Promise<{ proc: ReturnType<typeof Bun.spawn>; url: string; metricsUrl: string | undefined }> {
   const logPath = join(dir, `gateway-${gatewayRuns++}.log`);
   const profile = args.profile ? ["--cpu-prof", "--cpu-prof-interval=100", `--cpu-prof-dir=${args.profile}`] : [];
   const proc = Bun.spawn(pin(0, ["bun", ...profile, "run", "src/main.ts", "serve", "--config", join(dir, "config.json")]), {
@@ -488,21 +495,21 @@ async function spawnGateway(): Promise<{ proc: ReturnType<typeof Bun.spawn>; url
     stderr: "inherit",
   });
   children.push(proc);
-  const url = await waitFor("the gateway to listen", () => {
+  const listening = await waitFor("the gateway to listen", () => {
     let text = "";
     try {
       text = readFileSync(logPath, "utf8");
     } catch {
       return undefined;
     }
-    const m = text.match(/"msg":"listening","url":"([^"]+)"/);
-    return m?.[1];
+    const m = text.match(/"msg":"listening","url":"([^"]+)","metrics_url":(?:"([^"]+)"|null)/);
+    return m ? { url: m[1] as string, metricsUrl: m[2] } : undefined;
   }, 30_000);
-  return { proc, url };
+  return { proc, ...listening };
 }
 
 /** Where load goes; `pid` is the serving process whose CPU is measured (gateway and bare proxy). */
-type Endpoint = { url: string; headers: Record<string, string>; pid?: number };
+type Endpoint = { url: string; headers: Record<string, string>; pid?: number; metricsUrl?: string };
 
 const jsonBody = (model: string) =>
   JSON.stringify({ model, messages: [{ role: "user", content: "Summarise the plot of Hamlet in two sentences." }], max_tokens: 64 });
@@ -583,6 +590,18 @@ async function pairedStreams(
   return out;
 }
 
+/**
+ * The gateway's event-loop delay since the last scrape (prom-client's
+ * monitor, which each scrape resets): the longest stall of its request
+ * thread, which a stream's gap and a request's latency include.
+ */
+async function loopDelay(e: Endpoint): Promise<{ maxMs: number; p99Ms: number } | undefined> {
+  if (!e.metricsUrl) return undefined;
+  const text = await (await fetch(e.metricsUrl)).text();
+  const read = (name: string) => Number(text.match(new RegExp(`^gateway_nodejs_eventloop_lag_${name}_seconds (\\S+)`, "m"))?.[1]) * 1000;
+  return { maxMs: read("max"), p99Ms: read("p99") };
+}
+
 /** CPU per stream and per chunk over paired rounds (streams started during the warm-ups count too: a round's every stream, measured or not, is in the CPU time). */
 function cpuPerStream(cpuMsTotal: number, rounds: { got: Record<string, number> }[]): string {
   const started = rounds.reduce((n, r) => n + num(r.got, "started"), 0);
@@ -601,6 +620,7 @@ async function streamed(simRoot: string, direct: Endpoint, viaGw: Endpoint, bare
     console.log(streamLine("gateway:", g));
     return;
   }
+  await loopDelay(viaGw); // a scrape resets the monitor: what the next one reads is the rounds' alone
   const cpu0 = cpuMs(viaGw.pid);
   const rounds = await pairedStreams(3, { ...direct, body: streamBody(UPSTREAM_MODEL) }, { ...viaGw, body: streamBody("svc-fast") });
   const gwCpu = cpuMs(viaGw.pid) - cpu0;
@@ -619,6 +639,8 @@ async function streamed(simRoot: string, direct: Endpoint, viaGw: Endpoint, bare
     `   added by the gateway: gap p99 ${added.map(f2).join(" / ")} ms, median ${f2(median(added))} ms (target <= 1)   TTFB p99 median ${f2(median(ttfbAdded))} ms   same events and reads per stream (nothing merged or lost): ${same ? "yes" : "NO"}`,
   );
   console.log(`   ${cpuPerStream(gwCpu, rounds)} (the gateway process)`);
+  const lag = await loopDelay(viaGw);
+  if (lag) console.log(`   the gateway's event-loop delay over the rounds (its own monitor, 10 ms resolution): max ${f2(lag.maxMs)} ms, p99 ${f2(lag.p99Ms)} ms`);
   if (!bare) return;
   // The same rounds through the bare Bun proxy (--bare): what relaying a chunk costs Bun itself here.
   const bareCpu0 = cpuMs(bare.pid);
