@@ -43,7 +43,9 @@
  * The gateway gets MIMALLOC_PURGE_HOLES=0, as the systemd units set it, unless the environment sets it.
  * Phase "o" runs only phase 1's open loop.
  * --bare also measures bench/bare-proxy.ts (a 20-line Bun proxy with nothing
- * else, pinned like the gateway) in phase 1: what Bun itself costs here.
+ * else, pinned like the gateway) in phases 1 and 2: what Bun itself costs here.
+ * --bare-relay js makes that proxy read each chunk in JavaScript and write it to
+ * a direct stream, as the gateway must (what relaying in JS costs by itself).
  * With DATABASE_URL set, the gateway uses that Postgres instead of the
  * embedded database (use a throwaway database: the bench creates an
  * organisation and a key in it).
@@ -80,6 +82,7 @@ const { values: args } = parseArgs({
     "open-rate": { type: "string", default: "1000" },
     "stream-tokens": { type: "string", default: "40" },
     bare: { type: "boolean", default: false },
+    "bare-relay": { type: "string", default: "native" },
     "responses-streams": { type: "string", default: "4000" },
   },
 });
@@ -448,7 +451,7 @@ async function main() {
   const direct = { url: `${simUrl}/chat/completions`, headers: { "content-type": "application/json" } };
   let bare: Endpoint | undefined;
   if (args.bare) {
-    const bp = Bun.spawn(pin(0, ["bun", "bench/bare-proxy.ts", "--upstream", simUrl]), { env, stdout: "pipe", stderr: "inherit" });
+    const bp = Bun.spawn(pin(0, ["bun", "bench/bare-proxy.ts", "--upstream", simUrl, "--relay", args["bare-relay"] ?? "native"]), { env, stdout: "pipe", stderr: "inherit" });
     children.push(bp);
     bare = { url: `${(JSON.parse(await firstLine(bp.stdout)) as { url: string }).url}/chat/completions`, headers: { "content-type": "application/json" }, pid: bp.pid };
   }
