@@ -196,3 +196,56 @@ await measureAsync("a chunk handed to a callback", async (n) => {
   }
 });
 if (sunk < 0) console.log(sunk);
+
+// 6. The usage writer's statements (2026-11-24): once a second per flush, one
+// counter update per organisation with usage, and the batch guard. drizzle's
+// query builder (before) against the SQL templates the writer now runs
+// (after, as in src/limits/usage-writer.ts). A flush never runs often enough
+// to get warm, so the first calls are the figure that counts.
+{
+  const { sql } = await import("drizzle-orm");
+  const { drizzle } = await import("drizzle-orm/pglite");
+  const schema = await import("../src/db/schema.ts");
+  const { usageCounters, usageBatches } = schema;
+  const db = drizzle({ client: {} as never, schema });
+  const dialect = (db as unknown as { dialect: { sqlToQuery(s: unknown): { sql: string } } }).dialect;
+  const d = { orgId: "6fc9ce56-d228-400c-9f3f-b9ff7f80d27f", start: Date.UTC(2026, 10, 1), used: 100, leased: -20 };
+  const secs = 3.25;
+  const before = () => {
+    sunk += db.insert(usageBatches).values({ id: crypto.randomUUID() }).onConflictDoNothing().returning({ id: usageBatches.id }).toSQL().sql.length;
+    sunk += db
+      .insert(usageCounters)
+      .values({ orgId: d.orgId, windowStart: new Date(d.start), used: d.used, leased: 0 })
+      .onConflictDoUpdate({
+        target: [usageCounters.orgId, usageCounters.windowStart],
+        set: { used: sql`${usageCounters.used} + ${d.used}`, leased: sql`greatest(0, ${usageCounters.leased} + ${d.leased})` },
+      })
+      .returning({ used: usageCounters.used, leased: usageCounters.leased, wanted: sql<boolean>`coalesce(${usageCounters.wantedAt} > now() - make_interval(secs => ${secs}), false)` })
+      .toSQL().sql.length;
+  };
+  const after = () => {
+    sunk += dialect.sqlToQuery(sql`insert into usage_batches (id) values (${crypto.randomUUID()}) on conflict do nothing returning id`).sql.length;
+    sunk += dialect.sqlToQuery(sql`
+        insert into usage_counters (org_id, window_start, used, leased)
+        values (${d.orgId}, timestamptz 'epoch' + ${d.start}::float8 * interval '1 millisecond', ${d.used}, 0)
+        on conflict (org_id, window_start) do update
+          set used = usage_counters.used + excluded.used, leased = greatest(0, usage_counters.leased + ${d.leased})
+        returning used, leased, coalesce(wanted_at > now() - make_interval(secs => ${secs}), false) as wanted`).sql.length;
+  };
+  for (const [name, f] of [
+    ["before (query builder)", before],
+    ["after (SQL templates)", after],
+  ] as const) {
+    const first: number[] = [];
+    for (let i = 0; i < 10; i++) {
+      const t0 = performance.now();
+      f();
+      first.push((performance.now() - t0) * 1000);
+    }
+    for (let i = 0; i < 5_000; i++) f();
+    const t0 = performance.now();
+    for (let i = 0; i < 5_000; i++) f();
+    const warm = ((performance.now() - t0) * 1000) / 5_000;
+    console.log(`usage flush statements (batch guard + one counter), ${name.padEnd(24)} first 10 calls ${first.map((x) => x.toFixed(0)).join(" ")} µs; warm ${warm.toFixed(1)} µs`);
+  }
+}

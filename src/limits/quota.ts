@@ -1,6 +1,7 @@
-import { and, eq, inArray, sql } from "drizzle-orm";
+import { and, inArray, sql } from "drizzle-orm";
 import type { Principal } from "../auth/types.ts";
 import type { Database } from "../db/client.ts";
+import { epochMs, rowsOf } from "../db/raw.ts";
 import { usageCounters } from "../db/schema.ts";
 import { AppError } from "../lib/errors.ts";
 import type { Logger } from "../lib/log.ts";
@@ -201,29 +202,30 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
 
   /** Take up to one lease from the shared row: one short transaction. */
   async function lease(s: OrgState): Promise<void> {
-    const ws = new Date(s.start);
     // What the requests waiting now lack: a lease smaller than that would refuse them while tokens remain.
     const need = Math.max(0, s.demand - available(s));
     const wanted = leaseSize(s);
     const got = await database.db.transaction(async (tx) => {
-      await tx.insert(usageCounters).values({ orgId: s.orgId, windowStart: ws }).onConflictDoNothing();
-      const [row] = await tx
-        .select({ used: usageCounters.used, leased: usageCounters.leased })
-        .from(usageCounters)
-        .where(and(eq(usageCounters.orgId, s.orgId), eq(usageCounters.windowStart, ws)))
-        .for("update");
+      // Templates, not the query builder: leases are too rare for it to get warm (src/db/raw.ts).
+      const ws = epochMs(s.start);
+      await tx.execute(sql`insert into usage_counters (org_id, window_start) values (${s.orgId}, ${ws}) on conflict do nothing`);
+      const [row] = rowsOf<{ used: unknown; leased: unknown }>(
+        await tx.execute(sql`select used, leased from usage_counters where org_id = ${s.orgId} and window_start = ${ws} for update`),
+      );
       if (!row) throw new Error("usage counter row missing after insert");
-      const free = s.quota - row.used - row.leased;
+      // bigint columns arrive as numbers (PGlite) or strings (postgres.js).
+      const used = Number(row.used);
+      const leased = Number(row.leased);
+      const free = s.quota - used - leased;
       // A share of what remains, so instances split a small quota (or the end of a large one); at least what is needed now.
       const take = Math.max(0, Math.min(free, Math.max(need, Math.min(wanted, Math.ceil(free * LEASE_SHARE)))));
-      const others = row.leased - s.granted - s.returning;
+      const others = leased - s.granted - s.returning;
       // Short while other instances hold lease: ask them for their unused part (they look at every flush).
       const asking = take < need && others > 0;
       if (take > 0 || asking) {
-        await tx
-          .update(usageCounters)
-          .set({ leased: sql`${usageCounters.leased} + ${take}`, ...(asking ? { wantedAt: sql`now()` } : {}) })
-          .where(and(eq(usageCounters.orgId, s.orgId), eq(usageCounters.windowStart, ws)));
+        await tx.execute(
+          sql`update usage_counters set leased = leased + ${take}${asking ? sql`, wanted_at = now()` : sql``} where org_id = ${s.orgId} and window_start = ${ws}`,
+        );
       }
       return { take, left: free - take, others };
     });

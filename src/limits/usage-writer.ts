@@ -1,7 +1,8 @@
 import { eq, sql } from "drizzle-orm";
 import type { Database } from "../db/client.ts";
 import { pgArray } from "../db/arrays.ts";
-import { usageBatches, usageCounters, usageDeadLetters } from "../db/schema.ts";
+import { epochMs, rowsOf } from "../db/raw.ts";
+import { usageBatches, usageDeadLetters } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
 import { aggregate, columnsAt, eventRecord, type UsageColumns, UsageLog } from "./usage-log.ts";
 import { isDataError } from "../db/errors.ts";
@@ -110,27 +111,29 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     return { id: crypto.randomUUID(), deltas, events: aggregate(taken), more: events.length > 0 };
   }
 
-  /** Adds one delta to the shared counter and tells the source what the counter has left. */
+  /**
+   * Adds one delta to the shared counter and tells the source what the counter has left.
+   *
+   * A template, not drizzle's query builder (src/db/raw.ts): one statement
+   * per organisation with usage in every flush.
+   */
   async function applyDelta(tx: Tx, d: CounterDelta): Promise<void> {
-    const [row] = await tx
-      .insert(usageCounters)
-      .values({ orgId: d.orgId, windowStart: new Date(d.start), used: d.used, leased: 0 })
-      .onConflictDoUpdate({
-        target: [usageCounters.orgId, usageCounters.windowStart],
-        set: { used: sql`${usageCounters.used} + ${d.used}`, leased: sql`greatest(0, ${usageCounters.leased} + ${d.leased})` },
-      })
-      .returning({
-        used: usageCounters.used,
-        leased: usageCounters.leased,
-        wanted: sql<boolean>`coalesce(${usageCounters.wantedAt} > now() - make_interval(secs => ${opts.wantedWithinMs / 1000}), false)`,
-      });
-    if (row) source.observed(d, row);
+    const [row] = rowsOf<{ used: unknown; leased: unknown; wanted: unknown }>(
+      await tx.execute(sql`
+        insert into usage_counters (org_id, window_start, used, leased)
+        values (${d.orgId}, ${epochMs(d.start)}, ${d.used}, 0)
+        on conflict (org_id, window_start) do update
+          set used = usage_counters.used + excluded.used, leased = greatest(0, usage_counters.leased + ${d.leased})
+        returning used, leased, coalesce(wanted_at > now() - make_interval(secs => ${opts.wantedWithinMs / 1000}), false) as wanted`),
+    );
+    // bigint columns arrive as numbers (PGlite) or strings (postgres.js).
+    if (row) source.observed(d, { used: Number(row.used), leased: Number(row.leased), wanted: row.wanted === true });
   }
 
   /** Runs `write` in a transaction unless `id` was applied before (an earlier attempt committed although we never heard back). */
   async function once(id: string, write: (tx: Tx) => Promise<void>): Promise<void> {
     await database.db.transaction(async (tx) => {
-      const fresh = await tx.insert(usageBatches).values({ id }).onConflictDoNothing().returning({ id: usageBatches.id });
+      const fresh = rowsOf(await tx.execute(sql`insert into usage_batches (id) values (${id}) on conflict do nothing returning id`));
       if (fresh.length > 0) await write(tx);
     });
   }

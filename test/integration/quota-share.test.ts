@@ -110,33 +110,44 @@ describe("two instances split a small quota", () => {
     });
   }
 
-  test("an idle instance's unused lease is handed over: the busy one is not refused while it holds tokens", async () => {
-    const quota = 1_000;
-    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
-    const [busy, idle] = gws as [Gateway, Gateway];
-    const one = (gw: Gateway) =>
-      fetch(`${gw.url}/v1/chat/completions`, {
-        method: "POST",
-        headers: { authorization: `Bearer ${org.serviceKey}`, "content-type": "application/json" },
-        body: JSON.stringify({ model: "svc-fast", max_tokens: MAX_TOKENS, messages: [{ role: "user", content: PROMPT }] }),
-      });
-    // One request on the idle instance: it leases more than that request needs, then sits on the rest.
-    const first = await one(idle);
-    expect(first.status).toBe(200);
-    let received = ((await first.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
-    for (;;) {
-      const res = await one(busy);
-      if (res.status !== 200) {
-        expect(`${res.status} ${(await errorOf(res)).code}`).toBe("429 budget_exceeded");
-        break;
+  // Written first: the idle instance has no usage left to write, so it learns of the busy one's need only from
+  // usage_counters.wanted_at (a lease that came up short stamps it; the holder looks at every flush).
+  for (const writtenFirst of [false, true]) {
+    test(`an idle instance's unused lease is handed over: the busy one is not refused while it holds tokens${writtenFirst ? " (its usage written before, so through wanted_at)" : ""}`, async () => {
+      const quota = 1_000;
+      const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
+      const [busy, idle] = gws as [Gateway, Gateway];
+      const one = (gw: Gateway) =>
+        fetch(`${gw.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: { authorization: `Bearer ${org.serviceKey}`, "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-fast", max_tokens: MAX_TOKENS, messages: [{ role: "user", content: PROMPT }] }),
+        });
+      // One request on the idle instance: it leases more than that request needs, then sits on the rest.
+      const first = await one(idle);
+      expect(first.status).toBe(200);
+      let received = ((await first.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+      if (writtenFirst) {
+        await idle.quota.flush();
+        const [row] = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, org.orgId));
+        // The idle instance still holds unused lease, and the counter shows it.
+        expect(row?.used).toBe(received);
+        expect(row?.leased).toBeGreaterThan(0);
       }
-      received += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
-    }
-    for (let k = 0; k < 2; k++) for (const gw of gws) await gw.quota.flush();
-    const rows = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, org.orgId));
-    const used = rows.reduce((a, r) => a + r.used, 0);
-    console.log(`quota-share idle holder: quota=${quota} used=${used}`);
-    expect(used).toBe(received);
-    expect(used).toBeGreaterThan(quota - RESERVATION);
-  });
+      for (;;) {
+        const res = await one(busy);
+        if (res.status !== 200) {
+          expect(`${res.status} ${(await errorOf(res)).code}`).toBe("429 budget_exceeded");
+          break;
+        }
+        received += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+      }
+      for (let k = 0; k < 2; k++) for (const gw of gws) await gw.quota.flush();
+      const rows = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, org.orgId));
+      const used = rows.reduce((a, r) => a + r.used, 0);
+      console.log(`quota-share idle holder: quota=${quota} used=${used}`);
+      expect(used).toBe(received);
+      expect(used).toBeGreaterThan(quota - RESERVATION);
+    });
+  }
 });
