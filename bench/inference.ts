@@ -491,7 +491,7 @@ let gatewayRuns = 0;
 /** Starts `gateway serve` on the bench config (pinned to CPU 0); its log goes to a file, where its address is read from. */
 async function spawnGateway(): Promise<{ proc: ReturnType<typeof Bun.spawn>; url: string; metricsUrl: string | undefined }> {
   const logPath = join(dir, `gateway-${gatewayRuns++}.log`);
-  const profile = args.profile ? ["--cpu-prof", "--cpu-prof-interval=100", `--cpu-prof-dir=${args.profile}`] : [];
+  const profile = args.profile ? ["--cpu-prof", "--cpu-prof-md", "--cpu-prof-interval=100", `--cpu-prof-dir=${args.profile}`] : [];
   const proc = Bun.spawn(pin(0, ["bun", ...profile, "run", "src/main.ts", "serve", "--config", join(dir, "config.json")]), {
     env,
     stdout: Bun.file(logPath),
