@@ -178,7 +178,10 @@ async function measureAsync(name: string, f: (n: number) => Promise<void>): Prom
 await measureAsync("a chunk handed to an awaiting reader (a promise per read)", async (n) => {
   const q = new HandOver();
   const consumer = (async () => {
-    for (let i = 0; i < n; i++) sunk += (await q.read()).value;
+    for (let i = 0; i < n; i++) {
+      const { value } = await q.read();
+      sunk += value;
+    }
   })();
   for (let i = 0; i < n; i++) {
     q.push(i);

@@ -68,7 +68,11 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres connections cut and refused under 
         });
         slowest = Math.max(slowest, Date.now() - t0);
         statuses.set(res.status, (statuses.get(res.status) ?? 0) + 1);
-        if (res.status === 200) received += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+        if (res.status === 200) {
+          // Read first, then add: `received += await …` reads `received` before the await and loses what other clients added meanwhile.
+          const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+          received += usage.total_tokens;
+        }
         else await res.arrayBuffer();
       }
     };

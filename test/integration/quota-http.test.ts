@@ -180,7 +180,9 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus quota.
     for (let i = 0; i < 8; i++) {
       const res = await chat(i % 2 === 0 ? gwA : gwB, org.serviceKey, { max_tokens: 200 });
       expect(res.status).toBe(200);
-      received += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+      // Read first, then add: `received += await …` reads `received` before the await and loses what other clients added meanwhile.
+      const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+      received += usage.total_tokens;
     }
     expect(received).toBe(8 * (PROMPT_TOKENS + 200));
     // 264 tokens remain, fewer than the default reservation: the completion is bounded by what this instance can still get.
@@ -213,7 +215,9 @@ describe("two instances, one quota, completions far larger than the quota", () =
           // Half the clients set max_tokens (refused when it does not fit), half do not (lowered).
           const res = await chat(gw, org.serviceKey, i % 4 < 2 ? { max_tokens: 60 } : {});
           if (res.status === 200) {
-            received += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+            // Read first, then add: `received += await …` reads `received` before the await and loses what other clients added meanwhile.
+            const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+            received += usage.total_tokens;
             continue;
           }
           const err = await errorOf(res);

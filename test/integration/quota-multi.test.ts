@@ -147,7 +147,11 @@ describe.skipIf(!TEST_DATABASE_URL)("quota across two instances (Postgres)", () 
           headers: { authorization: `Bearer ${key.key}`, "content-type": "application/json" },
           body: JSON.stringify({ model: "svc-fast", max_tokens: 20, messages: [{ role: "user", content: "hello" }] }),
         });
-        if (res.status === 200) received += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+        if (res.status === 200) {
+          // Read first, then add: `received += await …` reads `received` before the await and loses what other clients added meanwhile.
+          const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+          received += usage.total_tokens;
+        }
         else {
           failed++;
           statuses.add(`${res.status} ${(await res.text()).slice(0, 120)}`);

@@ -64,7 +64,9 @@ describe("two instances split a small quota", () => {
             body: JSON.stringify({ model: "svc-fast", max_tokens: MAX_TOKENS, messages: [{ role: "user", content: PROMPT }] }),
           });
           if (res.status === 200) {
-            received += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+            // Read first, then add: `received += await …` reads `received` before the await and loses what other clients added meanwhile.
+            const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+            received += usage.total_tokens;
             served[which] = (served[which] ?? 0) + 1;
             continue;
           }
@@ -140,7 +142,9 @@ describe("two instances split a small quota", () => {
           expect(`${res.status} ${(await errorOf(res)).code}`).toBe("429 budget_exceeded");
           break;
         }
-        received += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+        // Read first, then add: `received += await …` reads `received` before the await and loses what other clients added meanwhile.
+        const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+        received += usage.total_tokens;
       }
       for (let k = 0; k < 2; k++) for (const gw of gws) await gw.quota.flush();
       const rows = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, org.orgId));
