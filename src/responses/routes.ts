@@ -12,7 +12,7 @@ import { responsesTransform } from "./events.ts";
 import { listItems } from "./list.ts";
 import { type ResponseMeta, responseFromChat } from "./output.ts";
 import { type InputItem, parseResponsesBody } from "./request.ts";
-import { createResponseStore, type ResponseStore } from "./store.ts";
+import { createResponseStore, type ResponseStore, writeSpacingFor } from "./store.ts";
 import { type Translation, newItemId, responsesError, toChat } from "./translate.ts";
 
 /**
@@ -41,7 +41,12 @@ function notFound(id: string): AppError {
 export function createResponses(deps: ResponsesDeps) {
   const { config, log } = deps;
   const store: ResponseStore | undefined = config.responses.store
-    ? createResponseStore(deps.database, { retentionDays: config.responses.retentionDays, log, maxReplayBytes: config.bodyLimitBytes })
+    ? createResponseStore(deps.database, {
+        retentionDays: config.responses.retentionDays,
+        log,
+        maxReplayBytes: config.bodyLimitBytes,
+        writeSpacingMs: writeSpacingFor(deps.database.kind),
+      })
     : undefined;
 
   /** Read under the server's idle timeout, then lifted: an answer may take minutes (as in inference/routes.ts). */

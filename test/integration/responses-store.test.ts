@@ -3,7 +3,7 @@ import { sql } from "drizzle-orm";
 import { createKey, createUser, rotateKey } from "../../src/admin/service.ts";
 import type { Principal } from "../../src/auth/types.ts";
 import { createLogger } from "../../src/lib/log.ts";
-import { createResponseStore } from "../../src/responses/store.ts";
+import { createResponseStore, writeSpacingFor } from "../../src/responses/store.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
@@ -377,6 +377,39 @@ describe("the save queue", () => {
     const results = await Promise.allSettled(list.map((id) => store.save(saveInput(id))));
     expect(results.map((r) => r.status)).toEqual(list.map((id) => (id === taken ? "rejected" : "fulfilled")));
     expect(await count(list)).toBe(9);
+  });
+
+  test("with write spacing, saves arriving one by one share statements; the first after a quiet spell is written at once", async () => {
+    const spacingMs = 600;
+    const store = createResponseStore(gw.database, { retentionDays: 30, log: createLogger("silent"), maxReplayBytes: 1 << 20, writeSpacingMs: spacingMs });
+    const list = ids(12);
+    const before = gw.database.transactions?.();
+    const t0 = performance.now();
+    const settled: number[] = [];
+    const saves: Promise<void>[] = [];
+    // One save every 25 ms for 300 ms: without spacing each is its own statement (its own turn of the loop).
+    for (const id of list) {
+      saves.push(store.save(saveInput(id)).then(() => void settled.push(performance.now() - t0)));
+      await Bun.sleep(25);
+    }
+    await Promise.all(saves);
+    const after = gw.database.transactions?.();
+    expect(await count(list)).toBe(12);
+    // The first went out at once, the rest waited for the next slot: two statements (three on a slow machine).
+    if (before !== undefined && after !== undefined) expect(after - before).toBeLessThanOrEqual(3);
+    const sorted = [...settled].sort((a, b) => a - b);
+    expect(sorted[0]).toBeLessThan(spacingMs / 2);
+    expect(sorted[sorted.length - 1]).toBeGreaterThanOrEqual(spacingMs - 50);
+    // Quiet again for longer than the spacing: the next save does not wait for it.
+    await Bun.sleep(spacingMs + 50);
+    const t1 = performance.now();
+    await store.save(saveInput(ids(1)[0] ?? ""));
+    expect(performance.now() - t1).toBeLessThan(spacingMs / 2);
+  });
+
+  test("the embedded database spaces its writes; a Postgres server does not", () => {
+    expect(writeSpacingFor("pglite")).toBeGreaterThan(0);
+    expect(writeSpacingFor("postgres")).toBe(0);
   });
 
   test("stop writes what is still queued", async () => {
