@@ -476,6 +476,7 @@ async function main() {
       paired: pairedStreams,
       setSim,
       rssKb,
+      cpuMs,
       // A fresh gateway for each memory figure: one that already held streams reuses the memory it freed.
       async freshGateway() {
         gw.proc.kill("SIGTERM");

@@ -36,6 +36,8 @@ export interface ResponsesPhaseContext {
   setSim(root: string, patch: Record<string, number>): Promise<void>;
   rssKb(pid: number, field: "VmRSS" | "VmHWM"): number;
   freshGateway(): Promise<{ url: string; pid: number }>;
+  /** CPU time a process has used, in ms. */
+  cpuMs(pid: number): number;
 }
 
 const UPSTREAM_MODEL = "sim/bench-model";
@@ -64,11 +66,17 @@ export async function responsesPhase(ctx: ResponsesPhaseContext): Promise<void> 
   const direct = { ...ctx.direct, body: chatBody(UPSTREAM_MODEL) };
   const added: Record<Kind, number[]> = { chat: [], "responses (store: false)": [], "responses (stored)": [] };
   const events: Partial<Record<Kind, string>> = {};
+  // The gateway process's CPU per stream started, by kind (the rounds' own: the direct streams run in the simulator).
+  const cpu: Record<Kind, number> = { chat: 0, "responses (store: false)": 0, "responses (stored)": 0 };
+  const started: Record<Kind, number> = { chat: 0, "responses (store: false)": 0, "responses (stored)": 0 };
   // Rounds interleave the kinds, so a slow minute of the machine falls on all of them.
   for (let round = 1; round <= ROUNDS; round++) {
     for (const kind of ["chat", "responses (store: false)", "responses (stored)"] as const) {
+      const cpu0 = ctx.cpuMs(gw.pid);
       const [pair] = await ctx.paired(1, direct, via(gw.url, ctx.key, kind));
       if (!pair) continue;
+      cpu[kind] += ctx.cpuMs(gw.pid) - cpu0;
+      started[kind] += num(pair.got, "started");
       const { ref, got } = pair;
       console.log(`   round ${round}, ${kind}:`);
       console.log(streamLine("direct: ", ref));
@@ -79,7 +87,7 @@ export async function responsesPhase(ctx: ResponsesPhaseContext): Promise<void> 
   }
   for (const kind of ["chat", "responses (store: false)", "responses (stored)"] as const) {
     console.log(
-      `   ${kind.padEnd(24)} inter-event gap p99 added over the upstream's chunks: ${added[kind].map(f2).join(" / ")} ms, median ${f2(median(added[kind]))} ms${kind === "chat" ? "" : " (target <= 1)"}   events per stream ${events[kind] ?? "?"}`,
+      `   ${kind.padEnd(24)} inter-event gap p99 added over the upstream's chunks: ${added[kind].map(f2).join(" / ")} ms, median ${f2(median(added[kind]))} ms${kind === "chat" ? "" : " (target <= 1)"}   events per stream ${events[kind] ?? "?"}   CPU ${f1((cpu[kind] * 1000) / started[kind])} µs per stream`,
     );
   }
 
