@@ -33,7 +33,7 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
-import { firstLine, waitFor } from "./lib.ts";
+import { firstLine, median, waitFor } from "./lib.ts";
 
 const { values: args } = parseArgs({
   args: Bun.argv.slice(2),
@@ -276,10 +276,6 @@ async function main() {
   if (args.profile) console.log(`\nprofile of the gateway: ${args.profile} (written when it exits)`);
   else if (!sat.direct || !sat.bare) {
     // --only without direct and bare: CPU per request of each target, and the pair's ratio per round.
-    const median = (xs: number[]) => {
-      const s = [...xs].sort((a, b) => a - b);
-      return s.length % 2 ? (s[(s.length - 1) / 2] as number) : ((s[s.length / 2 - 1] as number) + (s[s.length / 2] as number)) / 2;
-    };
     for (const [name, rs] of Object.entries(sat)) {
       const cpu = rs.map((r) => r.cpuUsPerRequest);
       console.log(`${name.padEnd(8)} CPU per request median ${f1(median(cpu))} µs (${cpu.map(f1).join(", ")}); req/s ${range(rs.map((r) => r.rps), f0)}`);
@@ -309,7 +305,17 @@ async function main() {
       console.log(
         `| ${name === "base" ? `base (${args.compare})` : "gateway"} | ${range(g.map((r) => r.rps), f0)} | ${range(per(g, d, (x, y) => x.rps / y.rps), f2)}× | ${range(g.map((r) => r.cpuUsPerRequest), f1)} µs | **${range(per(g, b, (x, y) => x.cpuUsPerRequest / y.cpuUsPerRequest), f2)}×** | ${range(per(g1, d1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms | ${range(g.map((r) => r.txPerRequest), f3)} |`,
       );
-      console.log(`   ${name}: p99 at c1 minus the bare proxy's ${range(per(g1, b1, (x, y) => x.p99Ms - y.p99Ms), f2)} ms`);
+      const cpuRatio = per(g, b, (x, y) => x.cpuUsPerRequest / y.cpuUsPerRequest);
+      const vsDirect = per(g, d, (x, y) => x.rps / y.rps);
+      const c1OverBare = per(g1, b1, (x, y) => x.p99Ms - y.p99Ms);
+      console.log(`   ${name}: p99 at c1 minus the bare proxy's ${range(c1OverBare, f2)} ms`);
+      // The targets judged on the median round, with how many rounds met each.
+      const met = (xs: number[], ok: (x: number) => boolean) => `${xs.filter(ok).length} of ${xs.length} rounds`;
+      console.log(
+        `   ${name}, medians over the rounds: CPU ${f2(median(cpuRatio))}x the bare proxy's (<= 2.0 in ${met(cpuRatio, (x) => x <= 2)}); ` +
+          `${f2(median(vsDirect))}x direct (>= 0.25 in ${met(vsDirect, (x) => x >= 0.25)}); ` +
+          `c1 p99 ${f2(median(c1OverBare))} ms over the bare proxy's (<= 0.5 in ${met(c1OverBare, (x) => x <= 0.5)})`,
+      );
     }
     if (sat.base && sat.gateway) {
       console.log(`   gateway/base CPU per request, per round: ${per(sat.gateway, sat.base, (x, y) => x.cpuUsPerRequest / y.cpuUsPerRequest).map(f3).join(", ")}`);
