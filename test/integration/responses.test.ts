@@ -269,6 +269,54 @@ describe("request translation (what the chat upstream receives)", () => {
     expect(rec(arr(part.logprobs)[0]).bytes).toBeDefined();
   });
 
+  test("the Response echoes the request fields the SDK's Response type declares, as sent (JSON, response.created and the final event)", async () => {
+    const sent = {
+      model: "svc-fast",
+      input: "hi",
+      store: false,
+      max_tool_calls: 3,
+      top_logprobs: 2,
+      safety_identifier: "sid-1",
+      prompt_cache_key: "cache-k",
+      prompt_cache_retention: "24h",
+      service_tier: "flex",
+      text: { verbosity: "low" },
+      reasoning: { effort: "low", summary: "concise" },
+    };
+    const expected = {
+      max_tool_calls: 3,
+      top_logprobs: 2,
+      safety_identifier: "sid-1",
+      prompt_cache_key: "cache-k",
+      prompt_cache_retention: "24h",
+      // The tier that served it (OpenAI's meaning of the echoed field): the gateway has one.
+      service_tier: "default",
+      text: { format: { type: "text" }, verbosity: "low" },
+      reasoning: { effort: "low", summary: "concise" },
+    };
+    const json = rec(await (await create(sent)).json());
+    expect(json).toMatchObject(expected);
+    const events = (await (await create({ ...sent, stream: true })).text())
+      .split("\n\n")
+      .filter((e) => e.trim() !== "")
+      .map((e) => rec(JSON.parse(e.split("\n").find((l) => l.startsWith("data: "))?.slice(6) ?? "null")));
+    for (const type of ["response.created", "response.in_progress", "response.completed"]) {
+      expect(rec(events.find((e) => e.type === type)?.response)).toMatchObject(expected);
+    }
+    // Not sent: null (the SDK declares them nullable), except the tier, which is the one that served it.
+    const plain = rec(await (await create({ model: "svc-fast", input: "hi", store: false })).json());
+    expect(plain).toMatchObject({
+      max_tool_calls: null,
+      top_logprobs: null,
+      safety_identifier: null,
+      prompt_cache_key: null,
+      prompt_cache_retention: null,
+      service_tier: "default",
+      text: { format: { type: "text" }, verbosity: null },
+      reasoning: { effort: null, summary: null },
+    });
+  });
+
   test("json_object format and tool_choice strings pass; the gateway's max_tokens bound under a quota applies", async () => {
     const quoted = await seedTestOrg(gw.database, { quotaTokens: 1_000_000 });
     const res = await create({ model: "svc-fast", input: "hi", text: { format: { type: "json_object" } }, tool_choice: "none", store: false }, quoted.personalKey);
