@@ -269,6 +269,36 @@ describe("request translation (what the chat upstream receives)", () => {
     expect(rec(arr(part.logprobs)[0]).bytes).toBeDefined();
   });
 
+  test("prompt_cache_breakpoint on input parts (the SDK's types declare it; the Agents SDK sends it) is accepted and not forwarded", async () => {
+    const breakpoint = { mode: "explicit", ttl: "30m" };
+    const res = await create({
+      model: "svc-fast",
+      store: false,
+      input: [
+        {
+          role: "user",
+          content: [
+            { type: "input_text", text: "Look:", prompt_cache_breakpoint: breakpoint },
+            { type: "input_image", image_url: "data:image/png;base64,iVBORw0KGgo=", detail: "auto", prompt_cache_breakpoint: { mode: "explicit" } },
+          ],
+        },
+        { type: "function_call", call_id: "call_1", name: "lookup", arguments: "{}" },
+        { type: "function_call_output", call_id: "call_1", output: [{ type: "input_text", text: "found", prompt_cache_breakpoint: null }] },
+      ],
+    });
+    expect(res.status).toBe(200);
+    await res.text();
+    const messages = arr(upstreamBody().messages).map(rec);
+    expect(messages[0]?.content).toEqual([
+      { type: "text", text: "Look:" },
+      { type: "image_url", image_url: { url: "data:image/png;base64,iVBORw0KGgo=", detail: "auto" } },
+    ]);
+    expect(messages[2]).toEqual({ role: "tool", tool_call_id: "call_1", content: [{ type: "text", text: "found" }] });
+    // Still strict inside: an unknown field of the breakpoint is refused by name.
+    const bad = await create({ model: "svc-fast", input: [{ role: "user", content: [{ type: "input_text", text: "x", prompt_cache_breakpoint: { mode: "explicit", evil: 1 } }] }] });
+    await expectError(bad, 400, "invalid_request_error", "input[0].content[0].prompt_cache_breakpoint.evil");
+  });
+
   test("the Response echoes the request fields the SDK's Response type declares, as sent (JSON, response.created and the final event)", async () => {
     const sent = {
       model: "svc-fast",
