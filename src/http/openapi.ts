@@ -108,10 +108,14 @@ const ResponseObject = T.Object(
     id: T.String({ pattern: "^resp_" }),
     object: T.Literal("response"),
     created_at: T.Integer({ description: "Unix time in seconds" }),
-    status: T.Union([T.Literal("completed"), T.Literal("incomplete"), T.Literal("failed"), T.Literal("in_progress")]),
+    status: T.Union([T.Literal("completed"), T.Literal("incomplete"), T.Literal("failed"), T.Literal("in_progress"), T.Literal("cancelled")], {
+      description: "cancelled: a stream whose client went away (stored as it stood)",
+    }),
     model: T.String({ description: "the alias used" }),
     output: T.Array(T.Object({ type: T.String({ description: "message, function_call or reasoning" }) }, Open)),
-    usage: T.Union([T.Object({ input_tokens: T.Integer(), output_tokens: T.Integer(), total_tokens: T.Integer() }, Open), T.Null()]),
+    usage: T.Optional(
+      T.Object({ input_tokens: T.Integer(), output_tokens: T.Integer(), total_tokens: T.Integer() }, { ...Open, description: "absent until the upstream reported it" }),
+    ),
   },
   { ...Open, description: "OpenAI's Response object; the request fields it echoes (instructions, tools, text, metadata, …) as OpenAI's type declares them" },
 );

@@ -5,6 +5,7 @@ import { createKey } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
 import { CHAT_MODEL, TEST_PLANS, arr, chatAlias, eventually, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -33,7 +34,10 @@ beforeAll(async () => {
   off = await startTestGateway(common);
   org = await seedTestOrg(gw.database);
 });
-afterEach(() => sim.reset());
+afterEach(() => {
+  sim.reset();
+  slow.reset();
+});
 afterAll(async () => {
   await gw.stop();
   await off.stop();
@@ -507,6 +511,21 @@ describe("the OpenAPI document", () => {
     conforms("ResponseItemList", await (await fetch(`${gw.url}/v1/responses/${String(r.id)}/input_items`, { headers: { authorization: `Bearer ${org.personalKey}` } })).json());
     conforms("ResponseDeleted", await (await fetch(`${gw.url}/v1/responses/${String(r.id)}`, { method: "DELETE", headers: { authorization: `Bearer ${org.personalKey}` } })).json());
     conforms("Error", await (await create({ ...body, evil: 1 })).json());
+    // A stream the client left is stored as cancelled (a status of OpenAI's Response type too) and reads back so.
+    const ac = new AbortController();
+    const left = await create({ model: "svc-slow", input: "hi", stream: true }, org.personalKey, { signal: ac.signal });
+    const reader = left.body?.getReader();
+    const first = reader ? new TextDecoder().decode((await reader.read()).value) : "";
+    const leftId = /"id":"(resp_[A-Za-z0-9_-]+)"/.exec(first)?.[1];
+    ac.abort();
+    let stored: Response | undefined;
+    await until(async () => {
+      stored = await fetch(`${gw.url}/v1/responses/${String(leftId)}`, { headers: { authorization: `Bearer ${org.personalKey}` } });
+      return stored.status === 200;
+    }, "the cancelled response stored");
+    const cancelled = await stored?.json();
+    expect(rec(cancelled).status).toBe("cancelled");
+    conforms("Response", cancelled);
     const ops = rec(doc.paths);
     for (const [path, method, status] of [
       ["/v1/responses", "post", "400"],
