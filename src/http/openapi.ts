@@ -414,8 +414,16 @@ function responsesPaths(secured: { security: { bearer: never[] }[] }) {
         operationId: "getResponse",
         summary: "A stored response (its owner only)",
         ...secured,
-        parameters: [id],
-        responses: { "200": admitted("The stored Response", jsonContent("Response")), ...withNotFound(errors(401, 403, 404, 429, 500, 503)) },
+        parameters: [
+          id,
+          {
+            name: "stream",
+            in: "query",
+            schema: { type: "boolean" },
+            description: "true is 400: OpenAI streams only background responses, which this gateway does not run",
+          },
+        ],
+        responses: { "200": admitted("The stored Response", jsonContent("Response")), ...withNotFound(errors(400, 401, 403, 404, 429, 500, 503)) },
       },
       delete: {
         operationId: "deleteResponse",

@@ -94,6 +94,21 @@ describe("retrieve, delete, input items", () => {
     await notFound(await get(`/v1/responses/resp_${"x".repeat(500)}`));
   });
 
+  test("retrieve with stream=true (the SDK's retrieve({stream: true}), OpenAI's for background responses) is 400 on stream, not a JSON body the SDK reads as an empty stream", async () => {
+    const r = await made({ input: "hello" });
+    const id = String(r.id);
+    const streamed = await get(`/v1/responses/${id}?stream=true&starting_after=3`);
+    const err = await errorOf(streamed);
+    expect({ status: streamed.status, code: err.code, param: err.param }).toEqual({ status: 400, code: "invalid_request_error", param: "stream" });
+    expect(err.message).toContain("background");
+    // stream=false, and the other query parameters the SDK sends (include), read it as before.
+    const plain = await get(`/v1/responses/${id}?stream=false&include[]=message.output_text.logprobs`);
+    expect(plain.status).toBe(200);
+    expect(rec(await plain.json())).toEqual(r);
+    // Someone else's or unknown: 404 first, as for any read.
+    await notFound(await get("/v1/responses/resp_doesnotexist?stream=true"));
+  });
+
   test("input items: ids assigned, OpenAI's list shape, order, limit, after, before", async () => {
     const input = [
       { role: "user", content: "one" },
