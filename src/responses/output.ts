@@ -282,7 +282,8 @@ export function finish(
 ): ResponseObject {
   r.status = status;
   r.output_text = outputText(r.output);
-  if (status === "completed" || status === "incomplete") r.completed_at = Math.floor(Date.now() / 1000);
+  // The SDK's type: "only present when the status is completed" (null for incomplete, failed, cancelled).
+  if (status === "completed") r.completed_at = Math.floor(Date.now() / 1000);
   r.incomplete_details = fields.incomplete ?? null;
   if (fields.error !== undefined) r.error = { code: "server_error", message: fields.error };
   if (fields.usage) r.usage = fields.usage;

@@ -243,7 +243,7 @@ describe("responseEventStream: the event sequence", () => {
     expect(events.at(-2)).toMatchObject({ type: "response.output_item.done", item: { status: "incomplete" } });
     const last = events.at(-1);
     expect(last?.type).toBe("response.incomplete");
-    expect(last?.response).toMatchObject({ status: "incomplete", incomplete_details: { reason: "max_output_tokens" }, usage: { output_tokens: 4 } });
+    expect(last?.response).toMatchObject({ status: "incomplete", incomplete_details: { reason: "max_output_tokens" }, usage: { output_tokens: 4 }, completed_at: null });
     expect(finals[0]?.status).toBe("incomplete");
   });
 

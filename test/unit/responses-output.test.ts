@@ -104,6 +104,8 @@ describe("responseFromChat", () => {
     expect(r.incomplete_details).toEqual({ reason: "max_output_tokens" });
     expect(r.max_output_tokens).toBe(3);
     expect(r.output[0]?.status).toBe("incomplete");
+    // The SDK's Response type: completed_at is "only present when the status is completed".
+    expect(r.completed_at).toBeNull();
   });
 
   test("finish_reason content_filter -> incomplete (content_filter)", () => {
