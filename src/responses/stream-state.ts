@@ -11,8 +11,9 @@
  * the same kind opens a new item); function calls stay open until the choice
  * finishes, because chat may interleave argument deltas of several calls by
  * index. An answer with neither text nor a tool call ends with an empty
- * message, as the JSON answer does. The final event (`response.completed` / `response.incomplete`) waits
- * for `[DONE]`, since the usage chunk comes after the finish_reason chunk.
+ * message, as the JSON answer does. The final event (`response.completed` /
+ * `response.incomplete`) waits for `[DONE]`, since the usage chunk comes after
+ * the finish_reason chunk.
  */
 import { isRecord } from "../lib/guards.ts";
 import {
