@@ -108,10 +108,14 @@ const ResponseObject = T.Object(
     id: T.String({ pattern: "^resp_" }),
     object: T.Literal("response"),
     created_at: T.Integer({ description: "Unix time in seconds" }),
-    status: T.Union([T.Literal("completed"), T.Literal("incomplete"), T.Literal("failed"), T.Literal("in_progress")]),
+    status: T.Union([T.Literal("completed"), T.Literal("incomplete"), T.Literal("failed"), T.Literal("in_progress"), T.Literal("cancelled")], {
+      description: "cancelled: a stream whose client went away (stored as it stood)",
+    }),
     model: T.String({ description: "the alias used" }),
     output: T.Array(T.Object({ type: T.String({ description: "message, function_call or reasoning" }) }, Open)),
-    usage: T.Union([T.Object({ input_tokens: T.Integer(), output_tokens: T.Integer(), total_tokens: T.Integer() }, Open), T.Null()]),
+    usage: T.Optional(
+      T.Object({ input_tokens: T.Integer(), output_tokens: T.Integer(), total_tokens: T.Integer() }, { ...Open, description: "absent until the upstream reported it" }),
+    ),
   },
   { ...Open, description: "OpenAI's Response object; the request fields it echoes (instructions, tools, text, metadata, …) as OpenAI's type declares them" },
 );
@@ -410,8 +414,16 @@ function responsesPaths(secured: { security: { bearer: never[] }[] }) {
         operationId: "getResponse",
         summary: "A stored response (its owner only)",
         ...secured,
-        parameters: [id],
-        responses: { "200": admitted("The stored Response", jsonContent("Response")), ...withNotFound(errors(401, 403, 404, 429, 500, 503)) },
+        parameters: [
+          id,
+          {
+            name: "stream",
+            in: "query",
+            schema: { type: "boolean" },
+            description: "true is 400: OpenAI streams only background responses, which this gateway does not run",
+          },
+        ],
+        responses: { "200": admitted("The stored Response", jsonContent("Response")), ...withNotFound(errors(400, 401, 403, 404, 429, 500, 503)) },
       },
       delete: {
         operationId: "deleteResponse",

@@ -1,4 +1,5 @@
 import { AppError } from "../lib/errors.ts";
+import { isRecord } from "../lib/guards.ts";
 import type { StoredItem } from "./translate.ts";
 
 /**
@@ -6,6 +7,7 @@ import type { StoredItem } from "./translate.ts";
  * (`data`, `first_id`, `last_id`, `has_more`). `order` is desc (newest first)
  * by default; `after`/`before` are item ids of the list in that order;
  * `limit` 1..100, default 20 (with `before`: the page just before it). `include` is accepted and has no effect.
+ * Items are listed in the SDK's item shapes (`listed`).
  */
 
 export interface ItemList {
@@ -14,6 +16,32 @@ export interface ItemList {
   first_id: string | null;
   last_id: string | null;
   has_more: boolean;
+}
+
+/** An assistant message's part as the SDK's ResponseOutputMessage has it: output_text (with annotations) or refusal. */
+function assistantPart(p: unknown): unknown {
+  if (!isRecord(p) || (p.type !== "output_text" && p.type !== "input_text")) return p;
+  if (p.type === "output_text" && Array.isArray(p.annotations)) return p;
+  return { ...p, type: "output_text", annotations: Array.isArray(p.annotations) ? p.annotations : [] };
+}
+
+/** A user, system or developer part as the SDK's ResponseInputImage has it: an image always with its detail. */
+const inputPart = (p: unknown): unknown => (isRecord(p) && p.type === "input_image" && p.detail == null ? { ...p, detail: "auto" } : p);
+
+/**
+ * A stored input item in the shape of the SDK's item types, filling what the
+ * request could leave out (the gateway accepts more than those types require):
+ * an image's `detail` (auto, its default), a reasoning item's `summary`, an
+ * assistant text part's `annotations` (and its `input_text` parts as
+ * `output_text`). Done when listed, so the stored items (replayed upstream by
+ * previous_response_id) stay as sent, and rows written earlier list the same.
+ */
+export function listed(item: StoredItem): StoredItem {
+  if (item.type === "reasoning") return Array.isArray(item.summary) ? item : { ...item, summary: [] };
+  if (item.type !== "message" || !Array.isArray(item.content)) return item;
+  const part = item.role === "assistant" ? assistantPart : inputPart;
+  const content = item.content.map(part);
+  return content.every((p, k) => p === (item.content as unknown[])[k]) ? item : { ...item, content };
 }
 
 function bad(param: string, message: string): AppError {
@@ -47,5 +75,5 @@ export function listItems(all: readonly StoredItem[], query: Record<string, stri
     data = items.slice(0, limit);
     hasMore = items.length > limit;
   }
-  return { object: "list", data, first_id: data[0]?.id ?? null, last_id: data[data.length - 1]?.id ?? null, has_more: hasMore };
+  return { object: "list", data: data.map(listed), first_id: data[0]?.id ?? null, last_id: data[data.length - 1]?.id ?? null, has_more: hasMore };
 }

@@ -12,14 +12,25 @@
  */
 import { isRecord } from "../lib/guards.ts";
 
-/** Request fields a Response object echoes (OpenAI's Response type declares them); built by 16a. */
+/**
+ * Request fields a Response object echoes (OpenAI's Response type declares
+ * them), as the client sent them, including those the gateway accepts and
+ * ignores (a client reading its settings back finds what it asked for). A
+ * value outside the SDK's enum is still forwarded where it is forwarded, but
+ * echoed as null.
+ */
 export interface ResponseEcho {
   instructions: string | null;
   max_output_tokens: number | null;
+  max_tool_calls: number | null;
   metadata: Record<string, string>;
   parallel_tool_calls: boolean;
   previous_response_id: string | null;
+  prompt_cache_key: string | null;
+  prompt_cache_retention: "in_memory" | "24h" | null;
+  safety_identifier: string | null;
   temperature: number | null;
+  top_logprobs: number | null;
   top_p: number | null;
   tool_choice: "auto" | "none" | "required" | { type: "function"; name: string };
   tools: Array<{ type: "function"; name: string; description: string | null; parameters: Record<string, unknown> | null; strict: boolean | null }>;
@@ -28,8 +39,9 @@ export interface ResponseEcho {
       | { type: "text" }
       | { type: "json_object" }
       | { type: "json_schema"; name: string; schema: Record<string, unknown>; strict: boolean | null; description?: string };
+    verbosity: "low" | "medium" | "high" | null;
   };
-  reasoning: { effort: string | null; summary: null };
+  reasoning: { effort: string | null; summary: ReasoningSummary | null };
   store: boolean;
   truncation: "disabled" | "auto";
   user: string | null;
@@ -136,6 +148,8 @@ export interface ResponseUsage {
   total_tokens: number;
 }
 
+export type ReasoningSummary = "auto" | "concise" | "detailed";
+
 /** The efforts the SDK's `ReasoningEffort` names; any other value the client sent is forwarded but echoed as null. */
 const EFFORTS = ["none", "minimal", "low", "medium", "high", "xhigh", "max"] as const;
 type Effort = (typeof EFFORTS)[number];
@@ -155,19 +169,25 @@ export type ResponseObject = {
   incomplete_details: { reason: "max_output_tokens" | "content_filter" } | null;
   instructions: string | null;
   max_output_tokens: number | null;
-  max_tool_calls: null;
+  max_tool_calls: number | null;
   model: string;
   output: OutputItem[];
   /** The text of the output's `output_text` parts, joined. */
   output_text: string;
   parallel_tool_calls: boolean;
   previous_response_id: string | null;
-  reasoning: { effort: Effort | null; summary: null };
+  prompt_cache_key: string | null;
+  prompt_cache_retention: ResponseEcho["prompt_cache_retention"];
+  reasoning: { effort: Effort | null; summary: ReasoningSummary | null };
+  safety_identifier: string | null;
+  /** The tier that served the request (OpenAI's meaning): the gateway has one. */
+  service_tier: "default";
   store: boolean;
   temperature: number | null;
   text: ResponseEcho["text"];
   tool_choice: ResponseEcho["tool_choice"];
   tools: ResponseEcho["tools"];
+  top_logprobs: number | null;
   top_p: number | null;
   truncation: "disabled" | "auto";
   usage?: ResponseUsage;
@@ -194,18 +214,23 @@ export function responseShell(meta: ResponseMeta, status: ResponseStatus): Respo
     incomplete_details: null,
     instructions: e.instructions,
     max_output_tokens: e.max_output_tokens,
-    max_tool_calls: null,
+    max_tool_calls: e.max_tool_calls,
     model: meta.model,
     output: [],
     output_text: "",
     parallel_tool_calls: e.parallel_tool_calls,
     previous_response_id: e.previous_response_id,
-    reasoning: { effort: isEffort(e.reasoning.effort) ? e.reasoning.effort : null, summary: null },
+    prompt_cache_key: e.prompt_cache_key,
+    prompt_cache_retention: e.prompt_cache_retention,
+    reasoning: { effort: isEffort(e.reasoning.effort) ? e.reasoning.effort : null, summary: e.reasoning.summary },
+    safety_identifier: e.safety_identifier,
+    service_tier: "default",
     store: e.store,
     temperature: e.temperature,
     text: e.text,
     tool_choice: e.tool_choice,
     tools: e.tools,
+    top_logprobs: e.top_logprobs,
     top_p: e.top_p,
     truncation: e.truncation,
     metadata: e.metadata,
@@ -257,7 +282,8 @@ export function finish(
 ): ResponseObject {
   r.status = status;
   r.output_text = outputText(r.output);
-  if (status === "completed" || status === "incomplete") r.completed_at = Math.floor(Date.now() / 1000);
+  // The SDK's type: "only present when the status is completed" (null for incomplete, failed, cancelled).
+  if (status === "completed") r.completed_at = Math.floor(Date.now() / 1000);
   r.incomplete_details = fields.incomplete ?? null;
   if (fields.error !== undefined) r.error = { code: "server_error", message: fields.error };
   if (fields.usage) r.usage = fields.usage;

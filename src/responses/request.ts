@@ -25,7 +25,9 @@ const Json = T.Record(T.String(), T.Unknown());
 // Content parts
 // ---------------------------------------------------------------------------
 
-const InputText = T.Object({ type: T.Literal("input_text"), text: T.String() }, Strict);
+/** OpenAI's prompt-caching hint on a part: accepted and ignored, like the other prompt_cache_* fields (chat upstreams cache on their own). */
+const CacheBreakpoint = T.Optional(Nullable(T.Object({ mode: T.Literal("explicit"), ttl: T.Optional(Nullable(T.String())) }, Strict)));
+const InputText = T.Object({ type: T.Literal("input_text"), text: T.String(), prompt_cache_breakpoint: CacheBreakpoint }, Strict);
 const InputImage = T.Object(
   {
     type: T.Literal("input_image"),
@@ -33,6 +35,7 @@ const InputImage = T.Object(
     image_url: T.Optional(Nullable(T.String({ pattern: "^(https?://|data:image/)" }))),
     file_id: T.Optional(Nullable(T.String())),
     detail: T.Optional(T.Union([T.Literal("auto"), T.Literal("low"), T.Literal("high"), T.Literal("original")])),
+    prompt_cache_breakpoint: CacheBreakpoint,
   },
   Strict,
 );

@@ -148,8 +148,17 @@ export function createResponses(deps: ResponsesDeps) {
         })
         .get(
           "/v1/responses/:id",
-          async ({ principal, params, set }) => {
+          async ({ principal, params, query, set }) => {
             const r = await owned(principal, params.id);
+            // The SDK's retrieve({stream: true}) expects events; OpenAI streams only background
+            // responses, which this gateway does not run. JSON here would read as an empty stream.
+            if (query.stream !== undefined && query.stream !== "false") {
+              throw new AppError(
+                "invalid_request_error",
+                "Streaming a stored response is only for background responses, which this gateway does not run; retrieve it without stream.",
+                "stream",
+              );
+            }
             set.headers["content-type"] = JSON_TYPE;
             return JSON.stringify(r.response);
           },

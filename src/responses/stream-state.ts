@@ -10,8 +10,10 @@
  * message item ends when an item of another kind begins (a later delta of
  * the same kind opens a new item); function calls stay open until the choice
  * finishes, because chat may interleave argument deltas of several calls by
- * index. The final event (`response.completed` / `response.incomplete`) waits
- * for `[DONE]`, since the usage chunk comes after the finish_reason chunk.
+ * index. An answer with neither text nor a tool call ends with an empty
+ * message, as the JSON answer does. The final event (`response.completed` /
+ * `response.incomplete`) waits for `[DONE]`, since the usage chunk comes after
+ * the finish_reason chunk.
  */
 import { isRecord } from "../lib/guards.ts";
 import {
@@ -224,19 +226,24 @@ export class ChatToResponses {
     return this.msg;
   }
 
-  private textDelta(delta: string, logprobs: Logprob[] | undefined): void {
-    const m = this.openMessage();
+  private textPart(m: OpenMessage): { part: OutputText; at: number } {
     if (!m.text) {
       const part: OutputText = { type: "output_text", text: "", annotations: [], logprobs: [] };
       m.text = { part, at: m.item.content.length };
       m.item.content.push(part);
       this.emit("response.content_part.added", `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${m.text.at},"part":${q(part)}`);
     }
-    m.text.part.text += delta;
-    if (logprobs && logprobs.length > 0) for (const lp of logprobs) m.text.part.logprobs.push(lp);
+    return m.text;
+  }
+
+  private textDelta(delta: string, logprobs: Logprob[] | undefined): void {
+    const m = this.openMessage();
+    const text = this.textPart(m);
+    text.part.text += delta;
+    if (logprobs && logprobs.length > 0) for (const lp of logprobs) text.part.logprobs.push(lp);
     this.emit(
       "response.output_text.delta",
-      `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${m.text.at},"delta":${q(delta)},"logprobs":${eventLogprobs(logprobs)}`,
+      `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${text.at},"delta":${q(delta)},"logprobs":${eventLogprobs(logprobs)}`,
     );
   }
 
@@ -320,6 +327,10 @@ export class ChatToResponses {
 
   private closeAll(status: ItemStatus): void {
     this.closeReasoning(status);
+    // An answer with no text and no tool call (empty, or reasoning only) still ends with a message
+    // with empty text, as the JSON answer does (output.ts): the Agents SDK takes that as the final
+    // output, where an answer with no message would make it ask the model again.
+    if (this.calls.size === 0 && !this.msg && !this.output.some((i) => i.type === "message")) this.textPart(this.openMessage());
     this.closeMessage(status);
     // A call whose name never came is still reported, rather than losing its arguments.
     for (const call of this.calls.values()) if (!call.item) this.openCall(call);

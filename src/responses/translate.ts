@@ -66,6 +66,15 @@ export function storedItem(item: InputItem): StoredItem {
   return { ...item, id, type, status: item.status ?? "completed" } as StoredItem;
 }
 
+const CACHE_RETENTIONS = ["in_memory", "24h"] as const;
+const VERBOSITIES = ["low", "medium", "high"] as const;
+const SUMMARIES = ["auto", "concise", "detailed"] as const;
+
+/** `v` when it is one of the values the SDK's Response type declares for the field, else null (it is echoed, not forwarded). */
+function oneOf<V extends string>(v: string | null | undefined, values: readonly V[]): V | null {
+  return values.find((x) => x === v) ?? null;
+}
+
 function echoTools(tools: FunctionTool[] | undefined): ResponseEcho["tools"] {
   return (tools ?? []).map((t) => ({ type: "function", name: t.name, description: t.description ?? null, parameters: t.parameters ?? null, strict: t.strict ?? null }));
 }
@@ -159,10 +168,15 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
   const echo: ResponseEcho = {
     instructions: body.instructions ?? null,
     max_output_tokens: body.max_output_tokens ?? null,
+    max_tool_calls: body.max_tool_calls ?? null,
     metadata: body.metadata ?? {},
     parallel_tool_calls: body.parallel_tool_calls ?? true,
     previous_response_id: body.previous_response_id ?? null,
+    prompt_cache_key: body.prompt_cache_key ?? null,
+    prompt_cache_retention: oneOf(body.prompt_cache_retention, CACHE_RETENTIONS),
+    safety_identifier: body.safety_identifier ?? null,
     temperature: body.temperature ?? null,
+    top_logprobs: body.top_logprobs ?? null,
     top_p: body.top_p ?? null,
     tool_choice: choice ?? "auto",
     tools: echoTools(body.tools),
@@ -177,8 +191,9 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
               ...(format.description !== undefined ? { description: format.description } : {}),
             }
           : (format ?? { type: "text" }),
+      verbosity: oneOf(body.text?.verbosity, VERBOSITIES),
     },
-    reasoning: { effort: body.reasoning?.effort ?? null, summary: null },
+    reasoning: { effort: body.reasoning?.effort ?? null, summary: oneOf(body.reasoning?.summary ?? body.reasoning?.generate_summary, SUMMARIES) },
     store,
     truncation: body.truncation ?? "disabled",
     user: body.user ?? null,

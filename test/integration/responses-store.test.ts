@@ -94,6 +94,51 @@ describe("retrieve, delete, input items", () => {
     await notFound(await get(`/v1/responses/resp_${"x".repeat(500)}`));
   });
 
+  test("retrieve with stream=true (the SDK's retrieve({stream: true}), OpenAI's for background responses) is 400 on stream, not a JSON body the SDK reads as an empty stream", async () => {
+    const r = await made({ input: "hello" });
+    const id = String(r.id);
+    const streamed = await get(`/v1/responses/${id}?stream=true&starting_after=3`);
+    const err = await errorOf(streamed);
+    expect({ status: streamed.status, code: err.code, param: err.param }).toEqual({ status: 400, code: "invalid_request_error", param: "stream" });
+    expect(err.message).toContain("background");
+    // stream=false, and the other query parameters the SDK sends (include), read it as before.
+    const plain = await get(`/v1/responses/${id}?stream=false&include[]=message.output_text.logprobs`);
+    expect(plain.status).toBe(200);
+    expect(rec(await plain.json())).toEqual(r);
+    // Someone else's or unknown: 404 first, as for any read.
+    await notFound(await get("/v1/responses/resp_doesnotexist?stream=true"));
+  });
+
+  test("input items are listed in the SDK's item shapes, whatever optional fields the request left out", async () => {
+    const image = "data:image/png;base64,iVBORw0KGgo=";
+    const input = [
+      { role: "user", content: [{ type: "input_image", image_url: image }] },
+      { type: "reasoning", id: "rs_1" },
+      { role: "assistant", content: [{ type: "output_text", text: "two" }, { type: "input_text", text: " three" }] },
+      { role: "user", content: "four" },
+    ];
+    const r = await made({ input });
+    const res = await get(`/v1/responses/${String(r.id)}/input_items?order=asc`);
+    const items = arr(rec(await res.json()).data).map(rec);
+    // ResponseInputImage.detail, ResponseReasoningItem.summary and ResponseOutputText.annotations are required by the SDK's types;
+    // an assistant message lists as ResponseOutputMessage, whose parts are output_text or refusal.
+    expect(items[0]).toMatchObject({ role: "user", content: [{ type: "input_image", image_url: image, detail: "auto" }] });
+    expect(items[1]).toEqual({ type: "reasoning", id: "rs_1", summary: [], status: "completed" });
+    expect(items[2]).toMatchObject({
+      role: "assistant",
+      content: [
+        { type: "output_text", text: "two", annotations: [] },
+        { type: "output_text", text: " three", annotations: [] },
+      ],
+    });
+    expect(items[3]).toMatchObject({ role: "user", content: [{ type: "input_text", text: "four" }] });
+    // What went upstream is unchanged: the image without a detail, the assistant's text joined.
+    expect(upstreamMessages().slice(0, 2)).toEqual([
+      { role: "user", content: [{ type: "image_url", image_url: { url: image } }] },
+      { role: "assistant", content: "two three" },
+    ]);
+  });
+
   test("input items: ids assigned, OpenAI's list shape, order, limit, after, before", async () => {
     const input = [
       { role: "user", content: "one" },

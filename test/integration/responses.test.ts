@@ -5,6 +5,7 @@ import { createKey } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
 import { CHAT_MODEL, TEST_PLANS, arr, chatAlias, eventually, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -33,7 +34,10 @@ beforeAll(async () => {
   off = await startTestGateway(common);
   org = await seedTestOrg(gw.database);
 });
-afterEach(() => sim.reset());
+afterEach(() => {
+  sim.reset();
+  slow.reset();
+});
 afterAll(async () => {
   await gw.stop();
   await off.stop();
@@ -269,6 +273,84 @@ describe("request translation (what the chat upstream receives)", () => {
     expect(rec(arr(part.logprobs)[0]).bytes).toBeDefined();
   });
 
+  test("prompt_cache_breakpoint on input parts (the SDK's types declare it; the Agents SDK sends it) is accepted and not forwarded", async () => {
+    const breakpoint = { mode: "explicit", ttl: "30m" };
+    const res = await create({
+      model: "svc-fast",
+      store: false,
+      input: [
+        {
+          role: "user",
+          content: [
+            { type: "input_text", text: "Look:", prompt_cache_breakpoint: breakpoint },
+            { type: "input_image", image_url: "data:image/png;base64,iVBORw0KGgo=", detail: "auto", prompt_cache_breakpoint: { mode: "explicit" } },
+          ],
+        },
+        { type: "function_call", call_id: "call_1", name: "lookup", arguments: "{}" },
+        { type: "function_call_output", call_id: "call_1", output: [{ type: "input_text", text: "found", prompt_cache_breakpoint: null }] },
+      ],
+    });
+    expect(res.status).toBe(200);
+    await res.text();
+    const messages = arr(upstreamBody().messages).map(rec);
+    expect(messages[0]?.content).toEqual([
+      { type: "text", text: "Look:" },
+      { type: "image_url", image_url: { url: "data:image/png;base64,iVBORw0KGgo=", detail: "auto" } },
+    ]);
+    expect(messages[2]).toEqual({ role: "tool", tool_call_id: "call_1", content: [{ type: "text", text: "found" }] });
+    // Still strict inside: an unknown field of the breakpoint is refused by name.
+    const bad = await create({ model: "svc-fast", input: [{ role: "user", content: [{ type: "input_text", text: "x", prompt_cache_breakpoint: { mode: "explicit", evil: 1 } }] }] });
+    await expectError(bad, 400, "invalid_request_error", "input[0].content[0].prompt_cache_breakpoint.evil");
+  });
+
+  test("the Response echoes the request fields the SDK's Response type declares, as sent (JSON, response.created and the final event)", async () => {
+    const sent = {
+      model: "svc-fast",
+      input: "hi",
+      store: false,
+      max_tool_calls: 3,
+      top_logprobs: 2,
+      safety_identifier: "sid-1",
+      prompt_cache_key: "cache-k",
+      prompt_cache_retention: "24h",
+      service_tier: "flex",
+      text: { verbosity: "low" },
+      reasoning: { effort: "low", summary: "concise" },
+    };
+    const expected = {
+      max_tool_calls: 3,
+      top_logprobs: 2,
+      safety_identifier: "sid-1",
+      prompt_cache_key: "cache-k",
+      prompt_cache_retention: "24h",
+      // The tier that served it (OpenAI's meaning of the echoed field): the gateway has one.
+      service_tier: "default",
+      text: { format: { type: "text" }, verbosity: "low" },
+      reasoning: { effort: "low", summary: "concise" },
+    };
+    const json = rec(await (await create(sent)).json());
+    expect(json).toMatchObject(expected);
+    const events = (await (await create({ ...sent, stream: true })).text())
+      .split("\n\n")
+      .filter((e) => e.trim() !== "")
+      .map((e) => rec(JSON.parse(e.split("\n").find((l) => l.startsWith("data: "))?.slice(6) ?? "null")));
+    for (const type of ["response.created", "response.in_progress", "response.completed"]) {
+      expect(rec(events.find((e) => e.type === type)?.response)).toMatchObject(expected);
+    }
+    // Not sent: null (the SDK declares them nullable), except the tier, which is the one that served it.
+    const plain = rec(await (await create({ model: "svc-fast", input: "hi", store: false })).json());
+    expect(plain).toMatchObject({
+      max_tool_calls: null,
+      top_logprobs: null,
+      safety_identifier: null,
+      prompt_cache_key: null,
+      prompt_cache_retention: null,
+      service_tier: "default",
+      text: { format: { type: "text" }, verbosity: null },
+      reasoning: { effort: null, summary: null },
+    });
+  });
+
   test("json_object format and tool_choice strings pass; the gateway's max_tokens bound under a quota applies", async () => {
     const quoted = await seedTestOrg(gw.database, { quotaTokens: 1_000_000 });
     const res = await create({ model: "svc-fast", input: "hi", text: { format: { type: "json_object" } }, tool_choice: "none", store: false }, quoted.personalKey);
@@ -429,6 +511,21 @@ describe("the OpenAPI document", () => {
     conforms("ResponseItemList", await (await fetch(`${gw.url}/v1/responses/${String(r.id)}/input_items`, { headers: { authorization: `Bearer ${org.personalKey}` } })).json());
     conforms("ResponseDeleted", await (await fetch(`${gw.url}/v1/responses/${String(r.id)}`, { method: "DELETE", headers: { authorization: `Bearer ${org.personalKey}` } })).json());
     conforms("Error", await (await create({ ...body, evil: 1 })).json());
+    // A stream the client left is stored as cancelled (a status of OpenAI's Response type too) and reads back so.
+    const ac = new AbortController();
+    const left = await create({ model: "svc-slow", input: "hi", stream: true }, org.personalKey, { signal: ac.signal });
+    const reader = left.body?.getReader();
+    const first = reader ? new TextDecoder().decode((await reader.read()).value) : "";
+    const leftId = /"id":"(resp_[A-Za-z0-9_-]+)"/.exec(first)?.[1];
+    ac.abort();
+    let stored: Response | undefined;
+    await until(async () => {
+      stored = await fetch(`${gw.url}/v1/responses/${String(leftId)}`, { headers: { authorization: `Bearer ${org.personalKey}` } });
+      return stored.status === 200;
+    }, "the cancelled response stored");
+    const cancelled = await stored?.json();
+    expect(rec(cancelled).status).toBe("cancelled");
+    conforms("Response", cancelled);
     const ops = rec(doc.paths);
     for (const [path, method, status] of [
       ["/v1/responses", "post", "400"],

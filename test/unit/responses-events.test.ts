@@ -1,7 +1,7 @@
 import { describe, expect, test } from "bun:test";
 import { responseEventStream, SseData } from "../../src/responses/events.ts";
 import { plainTextDelta } from "../../src/responses/stream-state.ts";
-import type { ResponseObject } from "../../src/responses/output.ts";
+import { type ResponseObject, responseFromChat } from "../../src/responses/output.ts";
 import { until } from "../helpers/poll.ts";
 import { chunk, DONE, ERROR, enc, meta, ROLE, source, USAGE } from "../helpers/responses.ts";
 
@@ -110,10 +110,38 @@ describe("responseEventStream: the event sequence", () => {
     expect(whole.events.filter((e) => e.type === "response.output_text.delta").map((e) => e.delta)).toEqual(text);
   });
 
-  test("empty deltas (role chunk, empty content, {}) open nothing", async () => {
+  test("empty deltas (role chunk, empty content, {}) open nothing; the answer ends with one empty message, as the JSON answer has", async () => {
     const { events, finals } = await translate([ROLE, chunk({}), chunk({ content: "" }), chunk({ content: null }), chunk({}, "stop"), DONE]);
-    expect(events.map((e) => e.type)).toEqual(["response.created", "response.in_progress", "response.completed"]);
-    expect(finals[0]?.output).toEqual([]);
+    expect(events.map((e) => e.type)).toEqual([
+      "response.created",
+      "response.in_progress",
+      "response.output_item.added",
+      "response.content_part.added",
+      "response.output_text.done",
+      "response.content_part.done",
+      "response.output_item.done",
+      "response.completed",
+    ]);
+    expect(finals[0]?.output).toEqual([{ type: "message", id: expect.stringMatching(/^msg_/), status: "completed", role: "assistant", content: [{ type: "output_text", text: "", annotations: [], logprobs: [] }] }]);
+  });
+
+  test("the same chat answer streamed and not streamed gives the same output (empty, reasoning only, cut short, text, tool calls)", async () => {
+    const answers: [name: string, message: Record<string, unknown>, deltas: Record<string, unknown>[], finish: string][] = [
+      ["empty", { content: null }, [], "stop"],
+      ["reasoning only", { content: null, reasoning_content: "all thought" }, [{ reasoning_content: "all thought" }], "stop"],
+      ["reasoning cut short", { content: "", reasoning_content: "thinking…" }, [{ reasoning_content: "thinking…" }], "length"],
+      ["text", { content: "hi" }, [{ content: "hi" }], "stop"],
+      ["a tool call", { content: null, tool_calls: [{ id: "c1", type: "function", function: { name: "f", arguments: "{}" } }] }, [{ tool_calls: [{ index: 0, id: "c1", type: "function", function: { name: "f", arguments: "{}" } }] }], "tool_calls"],
+    ];
+    for (const [name, message, deltas, finish] of answers) {
+      const streamed = (await translate([ROLE, ...deltas.map((d) => chunk(d)), chunk({}, finish), USAGE, DONE])).finals[0];
+      const json = responseFromChat(
+        { choices: [{ index: 0, message: { role: "assistant", ...message }, finish_reason: finish }], usage: { prompt_tokens: 12, completion_tokens: 4, total_tokens: 16 } },
+        meta(),
+      );
+      const shape = (r: ResponseObject | undefined) => JSON.parse(JSON.stringify({ status: r?.status, output: r?.output, output_text: r?.output_text }).replace(/"(msg|fc|rs)_[0-9a-f]+"/g, '"$1_x"'));
+      expect({ name, ...shape(streamed) }).toEqual({ name, ...shape(json) });
+    }
   });
 
   test("two tool calls interleaved by index: each delta goes to its own function_call item", async () => {
@@ -215,7 +243,7 @@ describe("responseEventStream: the event sequence", () => {
     expect(events.at(-2)).toMatchObject({ type: "response.output_item.done", item: { status: "incomplete" } });
     const last = events.at(-1);
     expect(last?.type).toBe("response.incomplete");
-    expect(last?.response).toMatchObject({ status: "incomplete", incomplete_details: { reason: "max_output_tokens" }, usage: { output_tokens: 4 } });
+    expect(last?.response).toMatchObject({ status: "incomplete", incomplete_details: { reason: "max_output_tokens" }, usage: { output_tokens: 4 }, completed_at: null });
     expect(finals[0]?.status).toBe("incomplete");
   });
 

@@ -48,12 +48,17 @@ describe("responseFromChat", () => {
       output_text: "Hello there",
       parallel_tool_calls: true,
       previous_response_id: null,
+      prompt_cache_key: null,
+      prompt_cache_retention: null,
       reasoning: { effort: null, summary: null },
+      safety_identifier: null,
+      service_tier: "default",
       store: true,
       temperature: 0.2,
-      text: { format: { type: "text" } },
+      text: { format: { type: "text" }, verbosity: null },
       tool_choice: "auto",
       tools: [],
+      top_logprobs: null,
       top_p: null,
       truncation: "disabled",
       usage: {
@@ -99,6 +104,8 @@ describe("responseFromChat", () => {
     expect(r.incomplete_details).toEqual({ reason: "max_output_tokens" });
     expect(r.max_output_tokens).toBe(3);
     expect(r.output[0]?.status).toBe("incomplete");
+    // The SDK's Response type: completed_at is "only present when the status is completed".
+    expect(r.completed_at).toBeNull();
   });
 
   test("finish_reason content_filter -> incomplete (content_filter)", () => {
@@ -165,7 +172,7 @@ describe("responseFromChat", () => {
 
   test("echoed request fields: tools, tool_choice, text format, user, effort (unknown effort echoed as null)", () => {
     const tools: ResponseEcho["tools"] = [{ type: "function", name: "f", description: null, parameters: { type: "object" }, strict: true }];
-    const text: ResponseEcho["text"] = { format: { type: "json_schema", name: "out", schema: { type: "object" }, strict: true } };
+    const text: ResponseEcho["text"] = { format: { type: "json_schema", name: "out", schema: { type: "object" }, strict: true }, verbosity: "high" };
     const r = responseFromChat(
       chat({ content: "{}" }, "stop"),
       meta({ tools, tool_choice: { type: "function", name: "f" }, text, user: "u-1", reasoning: { effort: "high", summary: null }, store: false, previous_response_id: "resp_prev", instructions: "be brief" }),

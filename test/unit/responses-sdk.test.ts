@@ -106,6 +106,19 @@ describe("the openai SDK accepts the event stream", () => {
     expect(final.output.map((i) => (i.type === "function_call" ? i.arguments : i.type))).toEqual(["message", "{}", "{}"]);
   });
 
+  test("a reasoning-only answer: the SDK accepts the closing empty message's events; finalResponse ends with it", async () => {
+    script = [ROLE, chunk({ reasoning_content: "all thought" }), chunk({}, "stop"), USAGE, DONE];
+    const stream = client.responses.stream({ model: "chat-small", input: "x" });
+    const seen: ResponseStreamEvent[] = [];
+    stream.on("event", (e) => seen.push(e));
+    const final = await stream.finalResponse();
+    const last = seen.at(-1);
+    if (last?.type !== "response.completed") throw new Error(`last event ${last?.type}`);
+    expect(unparsed(final)).toEqual(plain(last.response));
+    expect(final.output.map((i) => i.type)).toEqual(["reasoning", "message"]);
+    expect(final.output_text).toBe("");
+  });
+
   test("a mid-stream failure: the SDK raises an APIError with the gateway's message, after response.failed", async () => {
     script = [ROLE, chunk({ content: "partial" }), ERROR];
     const stream = client.responses.stream({ model: "chat-small", input: "x" });
