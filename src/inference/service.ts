@@ -9,7 +9,7 @@ import type { ImageUrlCheck } from "./image-url.ts";
 import { type EndStream, relayStream } from "./stream.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
 import { countUsage } from "./usage.ts";
-import { charsToTokens, completionLimit, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
+import { charsToTokens, choiceCount, completionLimit, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream/index.ts";
 import { isRecord } from "../lib/guards.ts";
 
@@ -209,17 +209,21 @@ export function createInferenceService(deps: ServiceDeps) {
     const streamed = body.stream === true;
     const promptEstimate = estimatePromptTokens(body);
     const limit = completionLimit(body);
+    // max_tokens bounds each choice: with `n` the upstream may generate n
+    // times it (the prompt is counted once), so every choice is reserved.
+    const choices = choiceCount(body);
     // The default bound leaves the prompt its room in the context window: vLLM
     // refuses a request whose prompt plus max_tokens exceeds it.
     const room = alias.contextWindow === undefined ? Number.POSITIVE_INFINITY : alias.contextWindow - promptEstimate;
-    const reservation = promptEstimate + (limit ?? Math.max(1, Math.min(config.quota.defaultMaxTokens, room)));
+    const reservation = promptEstimate + choices * (limit ?? Math.max(1, Math.min(config.quota.defaultMaxTokens, room)));
     // A caller who set a bound gets it or a refusal. Without one the request
-    // can run with less: down to one completion token. Either way, under a
-    // quota no request goes upstream unbounded: max_tokens becomes what the
-    // quota granted beyond the prompt, so the answer stays within its
-    // reservation and the quota cannot be overshot by a completion.
-    const ticket = await metering.admit(principal, reservation, limit === undefined ? promptEstimate + 1 : undefined);
-    if (limit === undefined && principal.quotaTokens !== null) body.max_tokens = ticket.reserved - promptEstimate;
+    // can run with less: down to one completion token per choice. Either way,
+    // under a quota no request goes upstream unbounded: max_tokens becomes
+    // each choice's share of what the quota granted beyond the prompt, so the
+    // answer stays within its reservation and the quota cannot be overshot by
+    // a completion.
+    const ticket = await metering.admit(principal, reservation, limit === undefined ? promptEstimate + choices : undefined);
+    if (limit === undefined && principal.quotaTokens !== null) body.max_tokens = Math.floor((ticket.reserved - promptEstimate) / choices);
 
     // The client's stream_options are kept; include_usage is forced on so every stream can be metered.
     const clientWantsUsage = body.stream_options?.include_usage === true;

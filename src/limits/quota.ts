@@ -43,10 +43,9 @@ import { type CounterDelta, type CounterSource, createUsageWriter } from "./usag
  * the quota can be exceeded only by what requests consume beyond their
  * reservation — at most the sum over requests in flight at exhaustion of
  * (actual − reserved). A chat request's reservation is its prompt estimate plus
- * max_tokens (as sent upstream, lowered when needed), so the excess is the
- * prompt estimate's error; without max_tokens a request admitted with the full
- * default reserve may run past it. (README "Quota" states this bound;
- * test/integration/quota*.test.ts checks it.)
+ * max_tokens (as sent upstream, lowered when needed) for each of its `n`
+ * choices, so the excess is the prompt estimate's error. (docs/decisions.md
+ * "Quota" states this bound; test/integration/quota*.test.ts checks it.)
  *
  * A crashed instance strands at most one lease (leaseSize) per organisation,
  * plus what requests reserved and did not use since its last write, until the

@@ -202,6 +202,64 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus quota.
   });
 });
 
+describe("n choices: each may run to the completion bound, so the reservation counts every one", () => {
+  test("with max_tokens: the reservation is the prompt plus n × max_tokens; one choice's worth of quota refuses", async () => {
+    const n = 8;
+    const maxTokens = 100;
+    for (const stream of [false, true]) {
+      // Room for one choice of 100 tokens, not eight: the upstream would generate 800.
+      const short = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + maxTokens, quotaWindow: "day" });
+      const before = sim.stats.requests;
+      const refused = await chat(gwA, short.serviceKey, { n, max_tokens: maxTokens, stream });
+      expect(refused.status).toBe(429);
+      expect((await errorOf(refused)).code).toBe("budget_exceeded");
+      expect(sim.stats.requests).toBe(before);
+
+      const exact = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + n * maxTokens, quotaWindow: "day" });
+      const res = await chat(gwA, exact.serviceKey, { n, max_tokens: maxTokens, stream });
+      expect(res.status).toBe(200);
+      await res.arrayBuffer();
+      expect(forwardedMaxTokens()).toBe(maxTokens);
+      await flushAll();
+      expect((await used(short.orgId)).used).toBe(0);
+      expect((await used(exact.orgId)).used).toBe(PROMPT_TOKENS + n * maxTokens);
+    }
+  });
+
+  test("without max_tokens: the bound the gateway sets is shared by the n choices, so usage stays within the quota", async () => {
+    const n = 8;
+    for (const stream of [false, true]) {
+      // Plenty of quota: each choice gets the default bound, and all of them are reserved.
+      const roomy = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 2 * (PROMPT_TOKENS + n * DEFAULT_RESERVE), quotaWindow: "day" });
+      const r1 = await chat(gwA, roomy.serviceKey, { n, stream });
+      expect(r1.status).toBe(200);
+      await r1.arrayBuffer();
+      expect(forwardedMaxTokens()).toBe(DEFAULT_RESERVE);
+
+      // 800 completion tokens remain: 100 for each of the eight choices.
+      const quota = PROMPT_TOKENS + 800;
+      const tight = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
+      const r2 = await chat(gwA, tight.serviceKey, { n, stream });
+      expect(r2.status).toBe(200);
+      await r2.arrayBuffer();
+      expect(forwardedMaxTokens()).toBe(100);
+
+      // Seven completion tokens remain: not one for each choice.
+      const tiny = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + n - 1, quotaWindow: "day" });
+      const before = sim.stats.requests;
+      const r3 = await chat(gwA, tiny.serviceKey, { n, stream });
+      expect(r3.status).toBe(429);
+      expect((await errorOf(r3)).code).toBe("budget_exceeded");
+      expect(sim.stats.requests).toBe(before);
+
+      await flushAll();
+      expect((await used(roomy.orgId)).used).toBe(PROMPT_TOKENS + n * DEFAULT_RESERVE);
+      expect((await used(tight.orgId)).used).toBe(quota);
+      expect((await used(tiny.orgId)).used).toBe(0);
+    }
+  });
+});
+
 describe("two instances, one quota, completions far larger than the quota", () => {
   test("concurrent clients on both instances never take usage past the quota", async () => {
     // The simulator would answer 200,000 tokens to a request without max_tokens: only the gateway's bound keeps it within the quota.
