@@ -30,7 +30,12 @@ import { type Counted, countUsage } from "./usage.ts";
 export interface StreamEnd {
   /** `ended`: cut by the gateway itself (shutdown), not by the upstream or the client. */
   outcome: "done" | "failed" | "ended" | "client_gone";
-  /** The upstream's usage, when it reported one. */
+  /**
+   * The upstream's last usage report, when it sent one, plus the text
+   * delivered after that report (~4 characters a token): a server that
+   * reports usage early (on the first chunk, or on every chunk) and is then
+   * cut off has not counted what followed.
+   */
   usage: { promptTokens: number; completionTokens: number } | undefined;
   /** Bytes of delta text delivered to the client. */
   deliveredChars: number;
@@ -188,6 +193,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   let sawDone = false;
   let usage: StreamEnd["usage"];
   let deliveredChars = 0;
+  /** deliveredChars when the last usage report arrived (that event's own text included): what followed is not in it. */
+  let charsAtUsage = 0;
   let ended = false;
   let upstreamError: string | undefined;
 
@@ -222,7 +229,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     opts.open?.delete(endStream);
     // Only the upstream's own failures count against its breaker.
     up.finish(outcome === "done" ? true : outcome === "failed" ? false : null);
-    opts.onEnd({ outcome, usage, deliveredChars, ...(reason ? { reason } : {}) });
+    const reported = usage && { promptTokens: usage.promptTokens, completionTokens: usage.completionTokens + charsToTokens(deliveredChars - charsAtUsage) };
+    opts.onEnd({ outcome, usage: reported, deliveredChars, ...(reason ? { reason } : {}) });
   };
 
   /** Handles one complete event (terminator included); returns the bytes for the client, or undefined to drop it. */
@@ -240,6 +248,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       upstreamError = upstreamMessage(event.toString("utf8", at, event.length - (sep?.length ?? 2))).message;
       return undefined;
     }
+    let reported = false;
     const u = event.indexOf(USAGE, at);
     if (u !== -1) {
       let v = u + USAGE.length;
@@ -249,8 +258,12 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
         const parsed = usageOf(event.toString("utf8", at, event.length - (sep?.length ?? 2)), estimate);
         if (parsed) {
           usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
+          reported = true;
           if (parsed.counted.rejected) opts.onImplausibleUsage?.(parsed.counted.rejected);
-          if (!opts.clientWantsUsage && parsed.onlyUsage) return undefined;
+          if (!opts.clientWantsUsage && parsed.onlyUsage) {
+            charsAtUsage = deliveredChars;
+            return undefined;
+          }
           if (parsed.counted.rejected) {
             // Rare: the event is rebuilt around the checked figures (and still gets the model swap below).
             event = Buffer.from(`data: ${parsed.rewritten}${(sep ?? LF2).toString()}`);
@@ -260,6 +273,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       }
     }
     deliveredChars += deltaTextBytes(event);
+    if (reported) charsAtUsage = deliveredChars;
     // A transform re-serialises the events (the Responses API names the alias itself): no swap to make.
     if (!swapModel || tf) return event;
     let field = modelField;
