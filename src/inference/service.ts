@@ -120,6 +120,8 @@ function embeddingAnswerLimit(body: EmbeddingsBody, aliasDimensions: number | un
   return Math.max(configured, inputs * (body.dimensions ?? aliasDimensions ?? 4096) * 24 + 64 * 1024);
 }
 
+const stringLength = (v: unknown): number => (typeof v === "string" ? v.length : 0);
+
 /** Spec 2.3 with `model` = the alias; tool calls, finish reasons, reasoning text and requested logprobs pass through. */
 function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unknown>; completionChars: number } | undefined {
   if (!isRecord(raw) || !Array.isArray(raw.choices)) return undefined;
@@ -137,6 +139,8 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     for (const k of ["reasoning_content", "reasoning", "refusal"] as const) {
       if (typeof m[k] === "string") message[k] = m[k];
     }
+    // Generated text too, for the estimate when the upstream reports no usage; the reasoning once under either name.
+    completionChars += Math.max(stringLength(m.reasoning_content), stringLength(m.reasoning)) + stringLength(m.refusal);
     const shaped: Record<string, unknown> = { index: int(choice.index) ?? i, message };
     if (choice.logprobs !== undefined && choice.logprobs !== null) shaped.logprobs = choice.logprobs;
     shaped.finish_reason = typeof choice.finish_reason === "string" ? choice.finish_reason : "stop";

@@ -15,7 +15,7 @@ import { type Counted, countUsage } from "./usage.ts";
  *  - look for a usage object, the one event we parse, to meter the request; the
  *    usage-only chunk (`"choices":[]`) is dropped when the client did not ask
  *    for usage (the gateway always asks the upstream for it);
- *  - measure delta text (`"content":"…"`, tool-call `"arguments":"…"`, reasoning),
+ *  - measure delta text (`"content":"…"`, tool-call `"arguments":"…"`, refusal, reasoning),
  *    so a stream that ends without usage is still counted (~4 chars a token);
  *  - turn an upstream error event into our wire shape.
  *
@@ -77,7 +77,9 @@ const CRLF2 = Buffer.from("\r\n\r\n");
 const DATA = Buffer.from("data:");
 const DONE = Buffer.from("[DONE]");
 const USAGE = Buffer.from('"usage":');
-const TEXT_FIELDS = ['"content":"', '"arguments":"', '"reasoning_content":"', '"reasoning":"'].map((s) => Buffer.from(s));
+const TEXT_FIELDS = ['"content":"', '"arguments":"', '"refusal":"'].map((s) => Buffer.from(s));
+/** vLLM's reasoning text, under its older name, its newer one, or both (the same text): counted once. */
+const REASONING_FIELDS = ['"reasoning_content":"', '"reasoning":"'].map((s) => Buffer.from(s));
 const ERROR_PREFIXES = ['{"error"', '{"object":"error"', '{"object": "error"'].map((s) => Buffer.from(s));
 /** One event larger than this without a terminator is not SSE we understand. */
 const MAX_EVENT_BYTES = 8 * 1024 * 1024;
@@ -98,13 +100,24 @@ function jsonStringBytes(b: Buffer, start: number): number {
   return b.length - start;
 }
 
-function deltaTextBytes(event: Buffer): number {
+/** Bytes of every string value of `field` in the event: each choice's (`n`), each parallel tool call's. */
+function fieldBytes(event: Buffer, field: Buffer): number {
   let n = 0;
-  for (const f of TEXT_FIELDS) {
-    const at = event.indexOf(f);
-    if (at !== -1) n += jsonStringBytes(event, at + f.length);
+  let at = event.indexOf(field);
+  while (at !== -1) {
+    const len = jsonStringBytes(event, at + field.length);
+    n += len;
+    at = event.indexOf(field, at + field.length + len);
   }
   return n;
+}
+
+function deltaTextBytes(event: Buffer): number {
+  let n = 0;
+  for (const f of TEXT_FIELDS) n += fieldBytes(event, f);
+  let reasoning = 0;
+  for (const f of REASONING_FIELDS) reasoning = Math.max(reasoning, fieldBytes(event, f));
+  return n + reasoning;
 }
 
 /** Byte by byte: the prefixes are a few bytes, shorter than a call into Buffer.compare costs. */

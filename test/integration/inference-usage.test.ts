@@ -201,6 +201,51 @@ describe("usage the upstream leaves out, or reports before the end", () => {
       expect(row?.completionTokens).toBe(101);
     }
   });
+
+  test("streamed without usage: every delta's text counts (reasoning, refusal, each choice and each tool call of an event)", async () => {
+    const promptEstimate = await estimateOf(true);
+    const o = await seedTestOrg(gw.database);
+    scripted = {
+      events: [
+        // The reasoning under both its names (vLLM's older and newer), the same text: counted once.
+        chunkOf([deltaOf({ role: "assistant", reasoning_content: "r".repeat(40), reasoning: "r".repeat(40) })]),
+        chunkOf([deltaOf({ refusal: "f".repeat(40) })]),
+        // Two choices (n = 2) in one event.
+        chunkOf([deltaOf({ content: "a".repeat(40) }), deltaOf({ content: "b".repeat(40) }, 1)]),
+        // Two parallel tool calls' arguments in one event.
+        chunkOf([deltaOf({ tool_calls: [{ index: 0, function: { arguments: "c".repeat(40) } }, { index: 1, function: { arguments: "d".repeat(40) } }] })]),
+      ],
+      done: true,
+    };
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
+    expect(res.status).toBe(200);
+    await res.text();
+    const [row] = await rows(o.orgId);
+    expect(row?.status).toBe(200);
+    expect(row?.promptTokens).toBe(promptEstimate);
+    // 6 × 40 characters delivered ≈ 60 tokens.
+    expect(row?.completionTokens).toBe(60);
+  });
+
+  test("non-streamed without usage: reasoning and refusal text count as completion, for the client and the record", async () => {
+    const promptEstimate = await estimateOf(false);
+    const cases: [Record<string, unknown>, number][] = [
+      // 8 characters of answer and 400 of reasoning ≈ 102 tokens.
+      [{ role: "assistant", content: "abcdefgh", reasoning_content: "r".repeat(400) }, 102],
+      // Under both names, the same text: counted once.
+      [{ role: "assistant", content: "abcdefgh", reasoning_content: "r".repeat(400), reasoning: "r".repeat(400) }, 102],
+      [{ role: "assistant", content: null, refusal: "f".repeat(40) }, 10],
+    ];
+    for (const [message, completion] of cases) {
+      const o = await seedTestOrg(gw.database);
+      scripted = { completion: { choices: [{ index: 0, message, finish_reason: "stop" }] } };
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+      expect(res.status).toBe(200);
+      expect(rec(await res.json()).usage).toEqual({ prompt_tokens: promptEstimate, completion_tokens: completion, total_tokens: promptEstimate + completion });
+      const [row] = await rows(o.orgId);
+      expect(row?.completionTokens).toBe(completion);
+    }
+  });
 });
 
 describe("usage rows", () => {
