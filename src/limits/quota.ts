@@ -324,7 +324,12 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         s.reservedSinceLease += take;
         return take;
       }
-      if (s.exhausted) {
+      if (s.exhausted && s.sharedFree >= least - avail) {
+        // "Exhausted" came from a lease that fell short of a larger request;
+        // the counter had this much left at our last look (a write may have
+        // given our lease back since): lease again rather than refuse.
+        s.exhausted = false;
+      } else if (s.exhausted) {
         if (s.othersHold < least - avail) return "spent";
         waitUntil ??= now() + shareWaitMs;
         if (now() >= waitUntil) return "spent";

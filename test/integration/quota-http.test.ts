@@ -260,6 +260,28 @@ describe("n choices: each may run to the completion bound, so the reservation co
   });
 });
 
+describe("a reservation larger than what remains", () => {
+  test("is refused, and what remains still serves the organisation's next requests (no false budget_exceeded)", async () => {
+    const quota = 10_000;
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
+    const big = await chat(gwA, org.serviceKey, { max_tokens: 50_000 });
+    expect(big.status).toBe(429);
+    expect((await errorOf(big)).code).toBe("budget_exceeded");
+    // 10,000 tokens remain: each of these fits, also after a write has given this instance's lease back.
+    let received = 0;
+    for (let i = 0; i < 3; i++) {
+      const res = await chat(gwA, org.serviceKey, { max_tokens: 10 });
+      expect(`request ${i}: ${res.status}`).toBe(`request ${i}: 200`);
+      // Read first, then add (see docs/testing.md).
+      const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+      received += usage.total_tokens;
+      await flushAll();
+    }
+    expect(received).toBe(3 * (PROMPT_TOKENS + 10));
+    expect((await used(org.orgId)).used).toBe(received);
+  });
+});
+
 describe("two instances, one quota, completions far larger than the quota", () => {
   test("concurrent clients on both instances never take usage past the quota", async () => {
     // The simulator would answer 200,000 tokens to a request without max_tokens: only the gateway's bound keeps it within the quota.
