@@ -279,6 +279,9 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     if (p.quotaTokens === null) return new TicketImpl(p, want, undefined, t);
     const least = Math.min(want, Math.max(1, Math.ceil(minimum ?? want)));
     const s = stateFor(p, t);
+    // More than the whole quota can never be granted: refused before any lease, so that no such
+    // figure (up to Infinity: n × an unbounded max_tokens) reaches the lease arithmetic.
+    if (!(least <= s.quota) || !Number.isFinite(want)) throw exceeded(s, t, least);
     // An exhausted period is re-checked every few seconds: other instances may return leases, or the quota may grow.
     if (s.exhausted && t - s.checkedAt > 5_000) s.exhausted = false;
     // Demand of the requests waiting sizes the next lease, so a burst of

@@ -1,11 +1,12 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { eq, sql } from "drizzle-orm";
+import type { AliasConfig } from "../../src/config/schema.ts";
 import type { Database } from "../../src/db/client.ts";
 import { usageCounters } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
-import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+import { TEST_PLANS, chatAlias, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 /** A plan whose request rate never binds: these tests are about the quota. */
 const UNLIMITED_RATE = { plan: "Test", plans: Object.keys(TEST_PLANS) };
@@ -35,8 +36,14 @@ let gwA: Gateway;
 let gwB: Gateway;
 let db: Database;
 
+/** An alias that declares no context window, so max_tokens has no upper bound there. */
+function openAlias(simUrl: string): AliasConfig {
+  const { contextWindow: _, ...alias } = chatAlias([{ baseUrl: simUrl }]);
+  return alias;
+}
+
 const overrides = (simUrl: string) => ({
-  aliases: testAliases(simUrl),
+  aliases: { ...testAliases(simUrl), "svc-open": openAlias(simUrl) },
   plans: TEST_PLANS,
   upstream: upstreamSettings({ attempts: 1 }),
   quota: { leaseTokens: 20_000, flushMs: 100, maxBuffered: 100_000 },
@@ -278,6 +285,40 @@ describe("a reservation larger than what remains", () => {
       await flushAll();
     }
     expect(received).toBe(3 * (PROMPT_TOKENS + 10));
+    expect((await used(org.orgId)).used).toBe(received);
+  });
+});
+
+describe("a reservation larger than the whole quota", () => {
+  test("n above 128 (OpenAI's maximum) is a 400 naming n, before anything is reserved or sent", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10_000, quotaWindow: "day" });
+    const before = sim.stats.requests;
+    for (const n of [129, 1e306]) {
+      const res = await chat(gwA, org.serviceKey, { n });
+      expect(res.status).toBe(400);
+      const err = await errorOf(res);
+      expect(`${err.code} ${err.param}`).toBe("invalid_request_error n");
+    }
+    expect(sim.stats.requests).toBe(before);
+  });
+
+  test("is refused however large (even past what a number holds), and the organisation's next requests are unharmed", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10_000, quotaWindow: "day" });
+    // On an alias without a context window max_tokens has no upper bound: 128 choices of 1.5e306 tokens is past Number.MAX_VALUE.
+    for (const extra of [{ max_tokens: 1e300 }, { n: 128, max_tokens: 1.5e306 }]) {
+      const res = await chat(gwA, org.serviceKey, { model: "svc-open", ...extra });
+      expect(res.status).toBe(429);
+      expect((await errorOf(res)).code).toBe("budget_exceeded");
+    }
+    let received = 0;
+    for (let i = 0; i < 3; i++) {
+      const res = await chat(gwA, org.serviceKey, { max_tokens: 10 });
+      expect(`request ${i}: ${res.status}`).toBe(`request ${i}: 200`);
+      // Read first, then add (see docs/testing.md).
+      const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+      received += usage.total_tokens;
+      await flushAll();
+    }
     expect((await used(org.orgId)).used).toBe(received);
   });
 });
