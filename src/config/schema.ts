@@ -112,7 +112,7 @@ export const ConfigSchema = T.Object(
         defaultMaxTokens: T.Integer({
           minimum: 1,
           default: 4_096,
-          description: "For an organisation with a quota, the completion bound of a request that sets none (reserved, and sent upstream as max_tokens)",
+          description: "For an organisation with a quota, the completion bound of each choice of a request that sets none (reserved, and sent upstream as max_tokens)",
         }),
         flushMs: T.Integer({ minimum: 10, default: 1_000 }),
         maxBuffered: T.Integer({ minimum: 1, default: 1_000_000 }),

@@ -219,7 +219,8 @@ const ChatBody = T.Object(
     response_format: T.Optional(ResponseFormat),
     // Standard parameters, forwarded unchanged.
     top_p: T.Optional(Nullable(T.Number())),
-    n: T.Optional(Nullable(PositiveInt)),
+    // OpenAI's maximum: each choice is reserved against the quota, so n must stay a small multiplier.
+    n: T.Optional(Nullable(T.Integer({ minimum: 1, maximum: 128 }))),
     stop: T.Optional(Nullable(T.Union([T.String(), T.Array(T.String())]))),
     presence_penalty: T.Optional(Nullable(T.Number())),
     frequency_penalty: T.Optional(Nullable(T.Number())),

@@ -9,7 +9,7 @@ import type { ImageUrlCheck } from "./image-url.ts";
 import { type EndStream, relayStream } from "./stream.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
 import { countUsage } from "./usage.ts";
-import { charsToTokens, completionLimit, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
+import { charsToTokens, choiceCount, completionLimit, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream/index.ts";
 import { isRecord } from "../lib/guards.ts";
 
@@ -120,6 +120,8 @@ function embeddingAnswerLimit(body: EmbeddingsBody, aliasDimensions: number | un
   return Math.max(configured, inputs * (body.dimensions ?? aliasDimensions ?? 4096) * 24 + 64 * 1024);
 }
 
+const stringLength = (v: unknown): number => (typeof v === "string" ? v.length : 0);
+
 /** Spec 2.3 with `model` = the alias; tool calls, finish reasons, reasoning text and requested logprobs pass through. */
 function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unknown>; completionChars: number } | undefined {
   if (!isRecord(raw) || !Array.isArray(raw.choices)) return undefined;
@@ -137,6 +139,8 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     for (const k of ["reasoning_content", "reasoning", "refusal"] as const) {
       if (typeof m[k] === "string") message[k] = m[k];
     }
+    // Generated text too, for the estimate when the upstream reports no usage; the reasoning once under either name.
+    completionChars += Math.max(stringLength(m.reasoning_content), stringLength(m.reasoning)) + stringLength(m.refusal);
     const shaped: Record<string, unknown> = { index: int(choice.index) ?? i, message };
     if (choice.logprobs !== undefined && choice.logprobs !== null) shaped.logprobs = choice.logprobs;
     shaped.finish_reason = typeof choice.finish_reason === "string" ? choice.finish_reason : "stop";
@@ -209,17 +213,21 @@ export function createInferenceService(deps: ServiceDeps) {
     const streamed = body.stream === true;
     const promptEstimate = estimatePromptTokens(body);
     const limit = completionLimit(body);
+    // max_tokens bounds each choice: with `n` the upstream may generate n
+    // times it (the prompt is counted once), so every choice is reserved.
+    const choices = choiceCount(body);
     // The default bound leaves the prompt its room in the context window: vLLM
     // refuses a request whose prompt plus max_tokens exceeds it.
     const room = alias.contextWindow === undefined ? Number.POSITIVE_INFINITY : alias.contextWindow - promptEstimate;
-    const reservation = promptEstimate + (limit ?? Math.max(1, Math.min(config.quota.defaultMaxTokens, room)));
+    const reservation = promptEstimate + choices * (limit ?? Math.max(1, Math.min(config.quota.defaultMaxTokens, room)));
     // A caller who set a bound gets it or a refusal. Without one the request
-    // can run with less: down to one completion token. Either way, under a
-    // quota no request goes upstream unbounded: max_tokens becomes what the
-    // quota granted beyond the prompt, so the answer stays within its
-    // reservation and the quota cannot be overshot by a completion.
-    const ticket = await metering.admit(principal, reservation, limit === undefined ? promptEstimate + 1 : undefined);
-    if (limit === undefined && principal.quotaTokens !== null) body.max_tokens = ticket.reserved - promptEstimate;
+    // can run with less: down to one completion token per choice. Either way,
+    // under a quota no request goes upstream unbounded: max_tokens becomes
+    // each choice's share of what the quota granted beyond the prompt, so the
+    // answer stays within its reservation and the quota cannot be overshot by
+    // a completion.
+    const ticket = await metering.admit(principal, reservation, limit === undefined ? promptEstimate + choices : undefined);
+    if (limit === undefined && principal.quotaTokens !== null) body.max_tokens = Math.floor((ticket.reserved - promptEstimate) / choices);
 
     // The client's stream_options are kept; include_usage is forced on so every stream can be metered.
     const clientWantsUsage = body.stream_options?.include_usage === true;

@@ -15,7 +15,7 @@ import { type Counted, countUsage } from "./usage.ts";
  *  - look for a usage object, the one event we parse, to meter the request; the
  *    usage-only chunk (`"choices":[]`) is dropped when the client did not ask
  *    for usage (the gateway always asks the upstream for it);
- *  - measure delta text (`"content":"…"`, tool-call `"arguments":"…"`, reasoning),
+ *  - measure delta text (`"content":"…"`, tool-call `"arguments":"…"`, refusal, reasoning),
  *    so a stream that ends without usage is still counted (~4 chars a token);
  *  - turn an upstream error event into our wire shape.
  *
@@ -30,7 +30,12 @@ import { type Counted, countUsage } from "./usage.ts";
 export interface StreamEnd {
   /** `ended`: cut by the gateway itself (shutdown), not by the upstream or the client. */
   outcome: "done" | "failed" | "ended" | "client_gone";
-  /** The upstream's usage, when it reported one. */
+  /**
+   * The upstream's last usage report, when it sent one, plus the text
+   * delivered after that report (~4 characters a token): a server that
+   * reports usage early (on the first chunk, or on every chunk) and is then
+   * cut off has not counted what followed.
+   */
   usage: { promptTokens: number; completionTokens: number } | undefined;
   /** Bytes of delta text delivered to the client. */
   deliveredChars: number;
@@ -72,7 +77,9 @@ const CRLF2 = Buffer.from("\r\n\r\n");
 const DATA = Buffer.from("data:");
 const DONE = Buffer.from("[DONE]");
 const USAGE = Buffer.from('"usage":');
-const TEXT_FIELDS = ['"content":"', '"arguments":"', '"reasoning_content":"', '"reasoning":"'].map((s) => Buffer.from(s));
+const TEXT_FIELDS = ['"content":"', '"arguments":"', '"refusal":"'].map((s) => Buffer.from(s));
+/** vLLM's reasoning text, under its older name, its newer one, or both (the same text): counted once. */
+const REASONING_FIELDS = ['"reasoning_content":"', '"reasoning":"'].map((s) => Buffer.from(s));
 const ERROR_PREFIXES = ['{"error"', '{"object":"error"', '{"object": "error"'].map((s) => Buffer.from(s));
 /** One event larger than this without a terminator is not SSE we understand. */
 const MAX_EVENT_BYTES = 8 * 1024 * 1024;
@@ -93,13 +100,24 @@ function jsonStringBytes(b: Buffer, start: number): number {
   return b.length - start;
 }
 
-function deltaTextBytes(event: Buffer): number {
+/** Bytes of every string value of `field` in the event: each choice's (`n`), each parallel tool call's. */
+function fieldBytes(event: Buffer, field: Buffer): number {
   let n = 0;
-  for (const f of TEXT_FIELDS) {
-    const at = event.indexOf(f);
-    if (at !== -1) n += jsonStringBytes(event, at + f.length);
+  let at = event.indexOf(field);
+  while (at !== -1) {
+    const len = jsonStringBytes(event, at + field.length);
+    n += len;
+    at = event.indexOf(field, at + field.length + len);
   }
   return n;
+}
+
+function deltaTextBytes(event: Buffer): number {
+  let n = 0;
+  for (const f of TEXT_FIELDS) n += fieldBytes(event, f);
+  let reasoning = 0;
+  for (const f of REASONING_FIELDS) reasoning = Math.max(reasoning, fieldBytes(event, f));
+  return n + reasoning;
 }
 
 /** Byte by byte: the prefixes are a few bytes, shorter than a call into Buffer.compare costs. */
@@ -188,6 +206,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   let sawDone = false;
   let usage: StreamEnd["usage"];
   let deliveredChars = 0;
+  /** deliveredChars when the last usage report arrived (that event's own text included): what followed is not in it. */
+  let charsAtUsage = 0;
   let ended = false;
   let upstreamError: string | undefined;
 
@@ -222,7 +242,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     opts.open?.delete(endStream);
     // Only the upstream's own failures count against its breaker.
     up.finish(outcome === "done" ? true : outcome === "failed" ? false : null);
-    opts.onEnd({ outcome, usage, deliveredChars, ...(reason ? { reason } : {}) });
+    const reported = usage && { promptTokens: usage.promptTokens, completionTokens: usage.completionTokens + charsToTokens(deliveredChars - charsAtUsage) };
+    opts.onEnd({ outcome, usage: reported, deliveredChars, ...(reason ? { reason } : {}) });
   };
 
   /** Handles one complete event (terminator included); returns the bytes for the client, or undefined to drop it. */
@@ -240,6 +261,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       upstreamError = upstreamMessage(event.toString("utf8", at, event.length - (sep?.length ?? 2))).message;
       return undefined;
     }
+    let reported = false;
     const u = event.indexOf(USAGE, at);
     if (u !== -1) {
       let v = u + USAGE.length;
@@ -249,8 +271,12 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
         const parsed = usageOf(event.toString("utf8", at, event.length - (sep?.length ?? 2)), estimate);
         if (parsed) {
           usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
+          reported = true;
           if (parsed.counted.rejected) opts.onImplausibleUsage?.(parsed.counted.rejected);
-          if (!opts.clientWantsUsage && parsed.onlyUsage) return undefined;
+          if (!opts.clientWantsUsage && parsed.onlyUsage) {
+            charsAtUsage = deliveredChars;
+            return undefined;
+          }
           if (parsed.counted.rejected) {
             // Rare: the event is rebuilt around the checked figures (and still gets the model swap below).
             event = Buffer.from(`data: ${parsed.rewritten}${(sep ?? LF2).toString()}`);
@@ -260,6 +286,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       }
     }
     deliveredChars += deltaTextBytes(event);
+    if (reported) charsAtUsage = deliveredChars;
     // A transform re-serialises the events (the Responses API names the alias itself): no swap to make.
     if (!swapModel || tf) return event;
     let field = modelField;

@@ -47,6 +47,11 @@ export function completionLimit(body: ChatBody): number | undefined {
   return body.max_completion_tokens ?? body.max_tokens ?? undefined;
 }
 
+/** How many choices the upstream generates (`n`, 1 when unset); max_tokens bounds each of them. */
+export function choiceCount(body: ChatBody): number {
+  return body.n ?? 1;
+}
+
 export function estimateEmbeddingTokens(body: EmbeddingsBody): number {
   const input = body.input;
   if (typeof input === "string") return Math.max(1, charsToTokens(input.length));

@@ -43,10 +43,9 @@ import { type CounterDelta, type CounterSource, createUsageWriter } from "./usag
  * the quota can be exceeded only by what requests consume beyond their
  * reservation — at most the sum over requests in flight at exhaustion of
  * (actual − reserved). A chat request's reservation is its prompt estimate plus
- * max_tokens (as sent upstream, lowered when needed), so the excess is the
- * prompt estimate's error; without max_tokens a request admitted with the full
- * default reserve may run past it. (README "Quota" states this bound;
- * test/integration/quota*.test.ts checks it.)
+ * max_tokens (as sent upstream, lowered when needed) for each of its `n`
+ * choices, so the excess is the prompt estimate's error. (docs/decisions.md
+ * "Quota" states this bound; test/integration/quota*.test.ts checks it.)
  *
  * A crashed instance strands at most one lease (leaseSize) per organisation,
  * plus what requests reserved and did not use since its last write, until the
@@ -280,6 +279,9 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     if (p.quotaTokens === null) return new TicketImpl(p, want, undefined, t);
     const least = Math.min(want, Math.max(1, Math.ceil(minimum ?? want)));
     const s = stateFor(p, t);
+    // More than the whole quota can never be granted: refused before any lease, so that no such
+    // figure (up to Infinity: n × an unbounded max_tokens) reaches the lease arithmetic.
+    if (!(least <= s.quota) || !Number.isFinite(want)) throw exceeded(s, t, least);
     // An exhausted period is re-checked every few seconds: other instances may return leases, or the quota may grow.
     if (s.exhausted && t - s.checkedAt > 5_000) s.exhausted = false;
     // Demand of the requests waiting sizes the next lease, so a burst of
@@ -325,7 +327,12 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         s.reservedSinceLease += take;
         return take;
       }
-      if (s.exhausted) {
+      if (s.exhausted && s.sharedFree >= least - avail) {
+        // "Exhausted" came from a lease that fell short of a larger request;
+        // the counter had this much left at our last look (a write may have
+        // given our lease back since): lease again rather than refuse.
+        s.exhausted = false;
+      } else if (s.exhausted) {
         if (s.othersHold < least - avail) return "spent";
         waitUntil ??= now() + shareWaitMs;
         if (now() >= waitUntil) return "spent";

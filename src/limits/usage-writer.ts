@@ -280,6 +280,25 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     }
   }
 
+  /**
+   * Shutdown gave up on a database that would not take the last writes: the
+   * process is about to exit with usage only it knows. One error line with
+   * each organisation's tokens per quota period is then their only copy, so
+   * an operator can still bill them (the per-request records are counted).
+   */
+  function reportUnwritten(): void {
+    const used = new Map<string, { org_id: string; window_start: string; used: number }>();
+    for (const d of [...(batch?.deltas ?? []), ...source.cut(true)]) {
+      if (d.used <= 0) continue;
+      const k = `${d.orgId}|${d.start}`;
+      const c = used.get(k) ?? { org_id: d.orgId, window_start: new Date(d.start).toISOString(), used: 0 };
+      c.used += d.used;
+      used.set(k, c);
+    }
+    const requests = (batch?.events.requests.reduce((a, b) => a + b, 0) ?? 0) + events.length;
+    log.error("usage not written at shutdown: the database did not take it; this line is its only copy", { counters: [...used.values()], requests });
+  }
+
   /** The flush a caller who asks now will have its own records written by (queued behind a running one). */
   let queued: Promise<void> | undefined;
 
@@ -330,6 +349,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
           await Bun.sleep(200 * (attempt + 1));
         }
       }
+      if (batch || bufferedTokens() > 0 || events.length > 0) reportUnwritten();
     },
     stats() {
       return {

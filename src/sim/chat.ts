@@ -6,13 +6,22 @@ import type { Job, SimState } from "./job.ts";
 import { type ChatPlan, planChat } from "./plan.ts";
 import { DONE_BYTES, finishTail, MALFORMED_BYTES, ROLE_TAIL } from "./sse.ts";
 import type { Fault, SimConfig } from "./types.ts";
-import { DROP_FLUSH_MS, enc, errorResponse, finishJson, GONE, newId, resetStream, SSE_HEADERS, usageOf } from "./wire.ts";
+import { DROP_FLUSH_MS, enc, errorResponse, finishJson, GONE, newId, nonNegInt, resetStream, SSE_HEADERS, usageOf } from "./wire.ts";
 
-function streamChat(job: Job, cfg: SimConfig, plan: ChatPlan, fault: Fault | null, includeUsage: boolean): Response {
+/**
+ * vLLM's `n`: that many choices, each generated as the plan says (up to
+ * max_tokens each), so the completion count is n times one choice's.
+ */
+function choiceCount(body: Record<string, unknown>): number {
+  return Math.max(1, nonNegInt(body.n) ?? 1);
+}
+
+function streamChat(job: Job, cfg: SimConfig, plan: ChatPlan, fault: Fault | null, includeUsage: boolean, choices: number): Response {
   const id = newId("chatcmpl-");
   const created = Math.floor(Date.now() / 1000);
   const head = `{"id":"${id}","object":"chat.completion.chunk","created":${created},"model":${JSON.stringify(plan.model)}`;
-  const prefix = enc.encode(`data: ${head},"choices":[{"index":0,"delta":`);
+  // One prefix per choice: vLLM sends each choice's tokens in chunks of their own, by index.
+  const prefixes = Array.from({ length: choices }, (_, k) => enc.encode(`data: ${head},"choices":[{"index":${k},"delta":`));
   const tails = plan.tails;
   const n = tails.length;
   const dropAfter = fault?.kind === "drop-mid-stream" ? fault.afterChunks : -1;
@@ -32,13 +41,15 @@ function streamChat(job: Job, cfg: SimConfig, plan: ChatPlan, fault: Fault | nul
     }, DROP_FLUSH_MS);
   };
 
-  /** Enqueues one chunk; returns false if the drop fault fired. */
+  /** Enqueues one chunk per choice; returns false if the drop fault fired. */
   const push = (tail: Uint8Array): boolean => {
     if (ctrl === undefined) return false;
-    const buf = new Uint8Array(prefix.length + tail.length);
-    buf.set(prefix, 0);
-    buf.set(tail, prefix.length);
-    ctrl.enqueue(buf);
+    for (const prefix of prefixes) {
+      const buf = new Uint8Array(prefix.length + tail.length);
+      buf.set(prefix, 0);
+      buf.set(tail, prefix.length);
+      ctrl.enqueue(buf);
+    }
     if (++sent === dropAfter) {
       drop();
       return false;
@@ -50,7 +61,7 @@ function streamChat(job: Job, cfg: SimConfig, plan: ChatPlan, fault: Fault | nul
     if (ctrl === undefined) return;
     if (!push(finishTail(plan.finishReason))) return;
     if (includeUsage) {
-      ctrl.enqueue(enc.encode(`data: ${head},"choices":[],"usage":${JSON.stringify(usageOf(plan))}}\n\n`));
+      ctrl.enqueue(enc.encode(`data: ${head},"choices":[],"usage":${JSON.stringify(usageOf(plan, choices))}}\n\n`));
     }
     ctrl.enqueue(DONE_BYTES);
     job.finish();
@@ -123,10 +134,11 @@ export async function chat(state: SimState, req: Request): Promise<Response> {
   }
   const stream = body.stream === true;
   const plan = planChat(state.cfg, body, messages, stream);
+  const choices = choiceCount(body);
 
   if (stream) {
     const so = body.stream_options;
-    return streamChat(job, state.cfg, plan, f, isRecord(so) && so.include_usage === true);
+    return streamChat(job, state.cfg, plan, f, isRecord(so) && so.include_usage === true, choices);
   }
 
   // Non-streamed latency approximates a full generation: TTFT + decode time.
@@ -150,8 +162,14 @@ export async function chat(state: SimState, req: Request): Promise<Response> {
     object: "chat.completion",
     created: Math.floor(Date.now() / 1000),
     model: plan.model,
-    choices: [{ index: 0, message: shown, logprobs: plan.logprobs ? { content: plan.logprobs } : null, finish_reason: plan.finishReason, stop_reason: null }],
-    usage: usageOf(plan),
+    choices: Array.from({ length: choices }, (_, index) => ({
+      index,
+      message: shown,
+      logprobs: plan.logprobs ? { content: plan.logprobs } : null,
+      finish_reason: plan.finishReason,
+      stop_reason: null,
+    })),
+    usage: usageOf(plan, choices),
     prompt_logprobs: null,
   });
 }

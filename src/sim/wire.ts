@@ -44,11 +44,13 @@ export function errorResponse(cfg: SimConfig, status: number, message: string): 
 
 export type Usage = { prompt_tokens: number; completion_tokens: number; total_tokens: number };
 
-export function usageOf(plan: { promptTokens: number; completionTokens: number }): Usage {
+/** The prompt is counted once however many choices (`n`) were generated from it, as vLLM and OpenAI count it. */
+export function usageOf(plan: { promptTokens: number; completionTokens: number }, choices = 1): Usage {
+  const completion = plan.completionTokens * choices;
   return {
     prompt_tokens: plan.promptTokens,
-    completion_tokens: plan.completionTokens,
-    total_tokens: plan.promptTokens + plan.completionTokens,
+    completion_tokens: completion,
+    total_tokens: plan.promptTokens + completion,
   };
 }
 

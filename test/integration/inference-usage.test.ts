@@ -1,4 +1,4 @@
-import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { eq } from "drizzle-orm";
 import { usageReport } from "../../src/admin/usage.ts";
 import { usageEvents } from "../../src/db/schema.ts";
@@ -18,11 +18,19 @@ setDefaultTimeout(30_000);
 
 /** What the hostile upstream puts in `usage`, set per test. */
 let usage: Record<string, unknown> = {};
+/** A whole chat answer of the test's own (the events of a stream, or a JSON completion), instead of the usual one. */
+let scripted: { events: unknown[]; done: boolean } | { completion: Record<string, unknown> } | undefined;
 const upstream = Bun.serve({
   hostname: "127.0.0.1",
   port: 0,
   async fetch(req) {
     const body = (await req.json()) as { stream?: boolean };
+    if (scripted && "completion" in scripted) return Response.json({ id: "c1", created: 1, model: CHAT_MODEL, object: "chat.completion", ...scripted.completion });
+    if (scripted && "events" in scripted) {
+      // Without [DONE] the stream just ends: cut off, as a dying upstream's would be.
+      const text = scripted.events.map((e) => `data: ${JSON.stringify(e)}\n\n`).join("") + (scripted.done ? "data: [DONE]\n\n" : "");
+      return new Response(text, { headers: { "content-type": "text/event-stream" } });
+    }
     if (new URL(req.url).pathname.endsWith("/embeddings")) {
       return Response.json({ object: "list", model: EMBED_MODEL, data: [{ object: "embedding", index: 0, embedding: [0.5, 0.5] }], usage });
     }
@@ -160,6 +168,83 @@ describe("usage figures an upstream makes up are clamped", () => {
       expect(rec(JSON.parse(String(data.at(-2)))).usage).toEqual(u);
     }
     expect(warnings()).toEqual([]);
+  });
+});
+
+/** A streamed chunk of the upstream's, with the given choices (and usage, when given). */
+const chunkOf = (choices: unknown[], extra: Record<string, unknown> = {}) => ({ id: "c1", object: "chat.completion.chunk", created: 1, model: CHAT_MODEL, choices, ...extra });
+const deltaOf = (delta: Record<string, unknown>, index = 0) => ({ index, delta, finish_reason: null });
+
+describe("usage the upstream leaves out, or reports before the end", () => {
+  afterEach(() => {
+    scripted = undefined;
+  });
+
+  test("streamed: usage reported mid-stream, then more text: what came after the report is charged too, cut off or not", async () => {
+    for (const done of [false, true]) {
+      const o = await seedTestOrg(gw.database);
+      // As servers reporting usage on every chunk (or only the first) do: 1 token so far, then 400 characters more with no report.
+      scripted = {
+        events: [
+          chunkOf([deltaOf({ role: "assistant", content: "abcd" })], { usage: { prompt_tokens: 9, completion_tokens: 1, total_tokens: 10 } }),
+          ...Array.from({ length: 10 }, () => chunkOf([deltaOf({ content: "x".repeat(40) })])),
+        ],
+        done,
+      };
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
+      expect(res.status).toBe(200);
+      await res.text();
+      const [row] = await rows(o.orgId);
+      expect(row?.status).toBe(done ? 200 : 503);
+      expect(row?.promptTokens).toBe(9);
+      // The reported token, plus 400 characters ≈ 100 tokens delivered after the report.
+      expect(row?.completionTokens).toBe(101);
+    }
+  });
+
+  test("streamed without usage: every delta's text counts (reasoning, refusal, each choice and each tool call of an event)", async () => {
+    const promptEstimate = await estimateOf(true);
+    const o = await seedTestOrg(gw.database);
+    scripted = {
+      events: [
+        // The reasoning under both its names (vLLM's older and newer), the same text: counted once.
+        chunkOf([deltaOf({ role: "assistant", reasoning_content: "r".repeat(40), reasoning: "r".repeat(40) })]),
+        chunkOf([deltaOf({ refusal: "f".repeat(40) })]),
+        // Two choices (n = 2) in one event.
+        chunkOf([deltaOf({ content: "a".repeat(40) }), deltaOf({ content: "b".repeat(40) }, 1)]),
+        // Two parallel tool calls' arguments in one event.
+        chunkOf([deltaOf({ tool_calls: [{ index: 0, function: { arguments: "c".repeat(40) } }, { index: 1, function: { arguments: "d".repeat(40) } }] })]),
+      ],
+      done: true,
+    };
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
+    expect(res.status).toBe(200);
+    await res.text();
+    const [row] = await rows(o.orgId);
+    expect(row?.status).toBe(200);
+    expect(row?.promptTokens).toBe(promptEstimate);
+    // 6 × 40 characters delivered ≈ 60 tokens.
+    expect(row?.completionTokens).toBe(60);
+  });
+
+  test("non-streamed without usage: reasoning and refusal text count as completion, for the client and the record", async () => {
+    const promptEstimate = await estimateOf(false);
+    const cases: [Record<string, unknown>, number][] = [
+      // 8 characters of answer and 400 of reasoning ≈ 102 tokens.
+      [{ role: "assistant", content: "abcdefgh", reasoning_content: "r".repeat(400) }, 102],
+      // Under both names, the same text: counted once.
+      [{ role: "assistant", content: "abcdefgh", reasoning_content: "r".repeat(400), reasoning: "r".repeat(400) }, 102],
+      [{ role: "assistant", content: null, refusal: "f".repeat(40) }, 10],
+    ];
+    for (const [message, completion] of cases) {
+      const o = await seedTestOrg(gw.database);
+      scripted = { completion: { choices: [{ index: 0, message, finish_reason: "stop" }] } };
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+      expect(res.status).toBe(200);
+      expect(rec(await res.json()).usage).toEqual({ prompt_tokens: promptEstimate, completion_tokens: completion, total_tokens: promptEstimate + completion });
+      const [row] = await rows(o.orgId);
+      expect(row?.completionTokens).toBe(completion);
+    }
   });
 });
 

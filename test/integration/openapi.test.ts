@@ -233,7 +233,8 @@ describe("real answers conform to the OpenAPI document", () => {
     if (!seen) throw new Error("no budget_exceeded after 5 requests on a 1-token quota");
     expect(seen.headers.get("x-should-retry")).toBe("false");
     expect(((await conforms(CHAT, seen)) as { error: { code: string } }).error.code).toBe("budget_exceeded");
-    const embed = await call(EMBED, broke.serviceKey, embedBody());
+    // More than the 1-token quota holds (an input of ~10 tokens): refused too.
+    const embed = await call(EMBED, broke.serviceKey, { model: "svc-embed", input: "a".repeat(40) });
     expect(embed.status).toBe(429);
     await conforms(EMBED, embed);
   });

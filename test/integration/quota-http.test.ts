@@ -1,11 +1,12 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { eq, sql } from "drizzle-orm";
+import type { AliasConfig } from "../../src/config/schema.ts";
 import type { Database } from "../../src/db/client.ts";
 import { usageCounters } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
-import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+import { TEST_PLANS, chatAlias, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 /** A plan whose request rate never binds: these tests are about the quota. */
 const UNLIMITED_RATE = { plan: "Test", plans: Object.keys(TEST_PLANS) };
@@ -35,8 +36,14 @@ let gwA: Gateway;
 let gwB: Gateway;
 let db: Database;
 
+/** An alias that declares no context window, so max_tokens has no upper bound there. */
+function openAlias(simUrl: string): AliasConfig {
+  const { contextWindow: _, ...alias } = chatAlias([{ baseUrl: simUrl }]);
+  return alias;
+}
+
 const overrides = (simUrl: string) => ({
-  aliases: testAliases(simUrl),
+  aliases: { ...testAliases(simUrl), "svc-open": openAlias(simUrl) },
   plans: TEST_PLANS,
   upstream: upstreamSettings({ attempts: 1 }),
   quota: { leaseTokens: 20_000, flushMs: 100, maxBuffered: 100_000 },
@@ -199,6 +206,120 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus quota.
     const u = await used(org.orgId);
     expect(u.used).toBe(received);
     expect(u.used).toBeLessThanOrEqual(quota);
+  });
+});
+
+describe("n choices: each may run to the completion bound, so the reservation counts every one", () => {
+  test("with max_tokens: the reservation is the prompt plus n × max_tokens; one choice's worth of quota refuses", async () => {
+    const n = 8;
+    const maxTokens = 100;
+    for (const stream of [false, true]) {
+      // Room for one choice of 100 tokens, not eight: the upstream would generate 800.
+      const short = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + maxTokens, quotaWindow: "day" });
+      const before = sim.stats.requests;
+      const refused = await chat(gwA, short.serviceKey, { n, max_tokens: maxTokens, stream });
+      expect(refused.status).toBe(429);
+      expect((await errorOf(refused)).code).toBe("budget_exceeded");
+      expect(sim.stats.requests).toBe(before);
+
+      const exact = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + n * maxTokens, quotaWindow: "day" });
+      const res = await chat(gwA, exact.serviceKey, { n, max_tokens: maxTokens, stream });
+      expect(res.status).toBe(200);
+      await res.arrayBuffer();
+      expect(forwardedMaxTokens()).toBe(maxTokens);
+      await flushAll();
+      expect((await used(short.orgId)).used).toBe(0);
+      expect((await used(exact.orgId)).used).toBe(PROMPT_TOKENS + n * maxTokens);
+    }
+  });
+
+  test("without max_tokens: the bound the gateway sets is shared by the n choices, so usage stays within the quota", async () => {
+    const n = 8;
+    for (const stream of [false, true]) {
+      // Plenty of quota: each choice gets the default bound, and all of them are reserved.
+      const roomy = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 2 * (PROMPT_TOKENS + n * DEFAULT_RESERVE), quotaWindow: "day" });
+      const r1 = await chat(gwA, roomy.serviceKey, { n, stream });
+      expect(r1.status).toBe(200);
+      await r1.arrayBuffer();
+      expect(forwardedMaxTokens()).toBe(DEFAULT_RESERVE);
+
+      // 800 completion tokens remain: 100 for each of the eight choices.
+      const quota = PROMPT_TOKENS + 800;
+      const tight = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
+      const r2 = await chat(gwA, tight.serviceKey, { n, stream });
+      expect(r2.status).toBe(200);
+      await r2.arrayBuffer();
+      expect(forwardedMaxTokens()).toBe(100);
+
+      // Seven completion tokens remain: not one for each choice.
+      const tiny = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + n - 1, quotaWindow: "day" });
+      const before = sim.stats.requests;
+      const r3 = await chat(gwA, tiny.serviceKey, { n, stream });
+      expect(r3.status).toBe(429);
+      expect((await errorOf(r3)).code).toBe("budget_exceeded");
+      expect(sim.stats.requests).toBe(before);
+
+      await flushAll();
+      expect((await used(roomy.orgId)).used).toBe(PROMPT_TOKENS + n * DEFAULT_RESERVE);
+      expect((await used(tight.orgId)).used).toBe(quota);
+      expect((await used(tiny.orgId)).used).toBe(0);
+    }
+  });
+});
+
+describe("a reservation larger than what remains", () => {
+  test("is refused, and what remains still serves the organisation's next requests (no false budget_exceeded)", async () => {
+    const quota = 10_000;
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
+    const big = await chat(gwA, org.serviceKey, { max_tokens: 50_000 });
+    expect(big.status).toBe(429);
+    expect((await errorOf(big)).code).toBe("budget_exceeded");
+    // 10,000 tokens remain: each of these fits, also after a write has given this instance's lease back.
+    let received = 0;
+    for (let i = 0; i < 3; i++) {
+      const res = await chat(gwA, org.serviceKey, { max_tokens: 10 });
+      expect(`request ${i}: ${res.status}`).toBe(`request ${i}: 200`);
+      // Read first, then add (see docs/testing.md).
+      const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+      received += usage.total_tokens;
+      await flushAll();
+    }
+    expect(received).toBe(3 * (PROMPT_TOKENS + 10));
+    expect((await used(org.orgId)).used).toBe(received);
+  });
+});
+
+describe("a reservation larger than the whole quota", () => {
+  test("n above 128 (OpenAI's maximum) is a 400 naming n, before anything is reserved or sent", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10_000, quotaWindow: "day" });
+    const before = sim.stats.requests;
+    for (const n of [129, 1e306]) {
+      const res = await chat(gwA, org.serviceKey, { n });
+      expect(res.status).toBe(400);
+      const err = await errorOf(res);
+      expect(`${err.code} ${err.param}`).toBe("invalid_request_error n");
+    }
+    expect(sim.stats.requests).toBe(before);
+  });
+
+  test("is refused however large (even past what a number holds), and the organisation's next requests are unharmed", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10_000, quotaWindow: "day" });
+    // On an alias without a context window max_tokens has no upper bound: 128 choices of 1.5e306 tokens is past Number.MAX_VALUE.
+    for (const extra of [{ max_tokens: 1e300 }, { n: 128, max_tokens: 1.5e306 }]) {
+      const res = await chat(gwA, org.serviceKey, { model: "svc-open", ...extra });
+      expect(res.status).toBe(429);
+      expect((await errorOf(res)).code).toBe("budget_exceeded");
+    }
+    let received = 0;
+    for (let i = 0; i < 3; i++) {
+      const res = await chat(gwA, org.serviceKey, { max_tokens: 10 });
+      expect(`request ${i}: ${res.status}`).toBe(`request ${i}: 200`);
+      // Read first, then add (see docs/testing.md).
+      const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+      received += usage.total_tokens;
+      await flushAll();
+    }
+    expect((await used(org.orgId)).used).toBe(received);
   });
 });
 

@@ -389,6 +389,30 @@ describe("quota leases", () => {
   });
 });
 
+describe("a graceful stop that cannot write", () => {
+  test("names every organisation's unwritten tokens in one error line, the only copy of them", async () => {
+    const db = await sharedDatabase();
+    const metered = await org(10_000);
+    const unmetered = await org(null);
+    let broken = false;
+    // Fault injection at the driver boundary: the database stops taking writes.
+    const flaky = aroundTransactions(db, (run) => (broken ? Promise.reject(new Error("connection refused")) : run()));
+    const lines: Record<string, unknown>[] = [];
+    const q = createQuota(flaky, createLogger("error", (l) => lines.push(JSON.parse(l) as Record<string, unknown>)), { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    const a = await q.admit(metered, 100);
+    const b = await q.admit(unmetered, 100);
+    broken = true;
+    q.settle(a, { promptTokens: 30, completionTokens: 40 }, outcome);
+    q.settle(b, { promptTokens: 5, completionTokens: 6 }, outcome);
+    await q.stop();
+    const lost = lines.filter((l) => l.level === "error" && String(l.msg).includes("not written"));
+    expect(lost).toHaveLength(1);
+    const counters = (lost[0]?.counters ?? []) as { org_id: string; used: number }[];
+    expect(counters.map((c) => [c.org_id, c.used]).sort()).toEqual([[metered.orgId, 70], [unmetered.orgId, 11]].sort());
+    expect(lost[0]?.requests).toBe(2);
+  });
+});
+
 /**
  * The database with every transaction run through `around`: fault injection at
  * the driver boundary (a gate, a lost answer), the rest of the code unchanged.

@@ -125,6 +125,27 @@ describe("simulator (instant)", () => {
     expect(b.choices[0]?.finish_reason).toBe("length");
   });
 
+  test("n: that many choices, each up to max_tokens; the completion count is their sum, the prompt counted once", async () => {
+    const one = await client.chat.completions.create({ model: "m", messages: [{ role: "user", content: "hi" }], max_tokens: 3 });
+    const a = await client.chat.completions.create({ model: "m", messages: [{ role: "user", content: "hi" }], max_tokens: 3, n: 3 });
+    expect(a.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([0, 1, 2].map((i) => [i, "token0 token1 token2 ", "length"]));
+    expect(a.usage?.completion_tokens).toBe(9);
+    expect(a.usage?.prompt_tokens).toBe(one.usage?.prompt_tokens ?? -1);
+
+    const res = await post(sim, "/chat/completions", { model: "m", messages: userMsg("hi"), n: 2, stream: true, stream_options: { include_usage: true } });
+    const chunks = sseData(await res.text()).filter((d) => d !== "[DONE]").map((d) => rec(JSON.parse(d)));
+    const text = ["", ""];
+    for (const c of chunks) {
+      for (const ch of arr(c.choices)) {
+        const choice = rec(ch);
+        const i = Number(choice.index);
+        text[i] += String(rec(choice.delta).content ?? "");
+      }
+    }
+    expect(text).toEqual(["token0 token1 token2 token3 token4 token5 token6 token7 ", "token0 token1 token2 token3 token4 token5 token6 token7 "]);
+    expect(rec(chunks.at(-1)?.usage).completion_tokens).toBe(16);
+  });
+
   test("prompt token estimate is deterministic and grows with the prompt", async () => {
     const short = await client.chat.completions.create({ model: "m", messages: [{ role: "user", content: "hi" }] });
     const again = await client.chat.completions.create({ model: "m", messages: [{ role: "user", content: "hi" }] });
