@@ -95,12 +95,10 @@ export interface StoreOptions {
 }
 
 /**
- * The embedded database spends ~0.5 ms of CPU on every statement, on the
- * gateway's own core (one INSERT per stored response at 80 streams a second
- * more than doubled the process's CPU per stream and widened the gaps of
- * every open stream, docs/benchmarks.md phase r): there, writes start at
- * most every 50 ms, each taking every row queued meanwhile, so a save under
- * load waits up to 50 ms longer and an idle one not at all. A Postgres
+ * The embedded database pays a large fixed cost per statement, in this
+ * process (docs/benchmarks.md, phase r run 18), so there writes start at most
+ * every 50 ms, each taking every row queued meanwhile: a save under load
+ * waits up to 50 ms longer, one after a quiet spell not at all. A Postgres
  * server pays its statements on its own cores: no spacing.
  */
 export function writeSpacingFor(kind: Database["kind"]): number {
@@ -116,7 +114,7 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
   /**
    * Rows waiting to be written, and the flush writing them. Responses that end
    * together (a burst of streams) are written in multi-row INSERTs of up to
-   * SAVE_BATCH rows, one flush at a time, instead of one statement each: a
+   * SAVE_BATCH rows, one flush at a time (spaced by writeSpacingMs), instead of one statement each: a
    * queue of thousands of single inserts held every waiting answer's memory
    * until its own turn (docs/benchmarks.md, phase r). Each save still settles
    * when its own row is committed, so a client that has its answer can use the
