@@ -228,6 +228,9 @@ export function createInferenceService(deps: ServiceDeps) {
     // a completion.
     const ticket = await metering.admit(principal, reservation, limit === undefined ? promptEstimate + choices : undefined);
     if (limit === undefined && principal.quotaTokens !== null) body.max_tokens = Math.floor((ticket.reserved - promptEstimate) / choices);
+    // The reserved bound is max_completion_tokens when set (as vLLM and OpenAI take it); a server
+    // that knows only max_tokens, or takes it first, gets the same bound there.
+    else if (principal.quotaTokens !== null && body.max_completion_tokens != null) body.max_tokens = body.max_completion_tokens;
 
     // The client's stream_options are kept; include_usage is forced on so every stream can be metered.
     const clientWantsUsage = body.stream_options?.include_usage === true;

@@ -105,6 +105,26 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus quota.
     expect((await used(org.orgId)).used).toBe(0);
   });
 
+  test("max_completion_tokens is the bound: under a quota the upstream gets it as max_tokens too", async () => {
+    // vLLM takes max_completion_tokens over max_tokens; a server that knows only max_tokens (or takes it first)
+    // would run to the client's max_tokens, or unbounded, past the reservation.
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "day" });
+    for (const extra of [{ max_completion_tokens: 40, max_tokens: 5_000 }, { max_completion_tokens: 40 }]) {
+      const res = await chat(gwA, org.serviceKey, extra);
+      expect(res.status).toBe(200);
+      await res.arrayBuffer();
+      const sent = sim.stats.lastBody as Record<string, unknown>;
+      expect({ max_tokens: sent.max_tokens, max_completion_tokens: sent.max_completion_tokens }).toEqual({ max_tokens: 40, max_completion_tokens: 40 });
+    }
+    // Without a quota there is nothing to protect: sent as asked.
+    const free = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: null });
+    const res = await chat(gwA, free.serviceKey, { max_completion_tokens: 40, max_tokens: 5_000 });
+    expect(res.status).toBe(200);
+    await res.arrayBuffer();
+    const sent = sim.stats.lastBody as Record<string, unknown>;
+    expect({ max_tokens: sent.max_tokens, max_completion_tokens: sent.max_completion_tokens }).toEqual({ max_tokens: 5_000, max_completion_tokens: 40 });
+  });
+
   test("a quota of exactly estimate + max_tokens admits; one token less refuses", async () => {
     const maxTokens = 300;
     const exact = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + maxTokens, quotaWindow: "day" });
