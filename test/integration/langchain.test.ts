@@ -216,6 +216,27 @@ describe("LangChain ChatOpenAI (chat completions)", () => {
     const raw = await chat().withStructuredOutput(schema, { includeRaw: true }).invoke("Name a city");
     expect(raw.parsed).toEqual({ city: "Paris", population: 1.5 });
     expect(rec(raw.raw.response_metadata).finish_reason).toBe("stop");
+
+    // jsonMode: response_format json_object (the simulator answers {"answer": …} to it).
+    const json = await chat().withStructuredOutput(z.object({ answer: z.string() }), { method: "jsonMode" }).invoke("Answer in JSON");
+    expect(json).toEqual({ answer: "token0 token1 token2 token3 token4 token5" });
+    expect(lastUpstream().response_format).toEqual({ type: "json_object" });
+  });
+
+  test("image input: an OpenAI image_url part, and LangChain's base64 data block, reach the upstream as image_url", async () => {
+    const url = "data:image/png;base64,iVBORw0KGgo=";
+    for (const image of [
+      { type: "image_url", image_url: { url } },
+      { type: "image", source_type: "base64", data: "iVBORw0KGgo=", mime_type: "image/png" },
+    ]) {
+      const r = await chat().invoke([new HumanMessage({ content: [{ type: "text", text: "What is this?" }, image] })]);
+      expect(r.content).toBe(TEXT);
+      const parts = arr(rec(arr(lastUpstream().messages)[0]).content).map(rec);
+      expect(parts).toEqual([
+        { type: "text", text: "What is this?" },
+        { type: "image_url", image_url: { url } },
+      ]);
+    }
   });
 });
 
