@@ -143,15 +143,26 @@ for (const [api, model] of apis) {
       expect(rec(lastUpstream().stream_options).include_usage).toBe(true);
     });
 
-    test("a conversation: the previous turn's response.messages sent back with the next question", async () => {
+    test("a conversation: each turn's response.messages sent back with the next question, streamed or not", async () => {
       const messages: ModelMessage[] = [{ role: "user", content: "Say hi" }];
-      const first = await generateText({ model: model("svc-fast"), messages });
+      const first = await generateText({ model: model("svc-fast"), messages, maxOutputTokens: 2 });
+      expect(first.text).toBe("token0 token1 ");
       messages.push(...first.response.messages, { role: "user", content: "Once more" });
-      const second = await generateText({ model: model("svc-fast"), messages });
-      expect(second.text).toBe(TEXT);
+      const second = streamText({ model: model("svc-fast"), messages, maxOutputTokens: 4 });
+      expect(await second.text).toBe("token0 token1 token2 token3 ");
+      messages.push(...(await second.response).messages, { role: "user", content: "And again" });
+      const third = await generateText({ model: model("svc-fast"), messages });
+      expect(third.text).toBe(TEXT);
+      // The Responses API translation sends user text as parts: compare the text.
+      const text = (c: unknown) => (typeof c === "string" ? c : arr(c).map((p) => rec(p).text).join(""));
       const sent = arr(lastUpstream().messages).map(rec);
-      expect(sent.map((m) => m.role)).toEqual(["user", "assistant", "user"]);
-      expect(sent[1]?.content).toBe(TEXT);
+      expect(sent.map((m) => [m.role, text(m.content)])).toEqual([
+        ["user", "Say hi"],
+        ["assistant", "token0 token1 "],
+        ["user", "Once more"],
+        ["assistant", "token0 token1 token2 token3 "],
+        ["user", "And again"],
+      ]);
     });
 
     test("tool calling: a zod tool the model asks for, executed, its result sent back, then the answer", async () => {
