@@ -13,6 +13,7 @@ import m0005 from "../../drizzle/0005_keys_expire_search_fields.sql" with { type
 import m0006 from "../../drizzle/0006_usage_dead_letters_lease_wanted.sql" with { type: "text" };
 import m0007 from "../../drizzle/0007_responses.sql" with { type: "text" };
 import m0008 from "../../drizzle/0008_usage_events_requests.sql" with { type: "text" };
+import m0009 from "../../drizzle/0009_responses_output_item_ids.sql" with { type: "text" };
 
 const SQL: Record<string, string> = {
   "0000_extensions": m0000,
@@ -24,6 +25,7 @@ const SQL: Record<string, string> = {
   "0006_usage_dead_letters_lease_wanted": m0006,
   "0007_responses": m0007,
   "0008_usage_events_requests": m0008,
+  "0009_responses_output_item_ids": m0009,
 };
 
 export interface Migration {

@@ -210,8 +210,13 @@ export const responses = pgTable(
     inputItems: text("input_items").notNull(),
     /** The whole Response object as answered. */
     response: text("response").notNull(),
+    /**
+     * The ids of the Response's output items, which later requests may name in
+     * an `item_reference` (migration 0009; rows written before it hold none).
+     */
+    outputItemIds: text("output_item_ids").array().notNull().default(sql`'{}'::text[]`),
     createdAt: createdAt(),
     expiresAt: ts("expires_at").notNull(),
   },
-  (t) => [index("responses_expires_idx").on(t.expiresAt)],
+  (t) => [index("responses_expires_idx").on(t.expiresAt), index("responses_output_item_ids_idx").using("gin", t.outputItemIds)],
 );

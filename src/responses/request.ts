@@ -123,7 +123,19 @@ const ReasoningItem = T.Object(
   Strict,
 );
 
+/**
+ * An item of a stored response named by its id (OpenAI's ItemReference; `type`
+ * may be left out). The Vercel AI SDK sends earlier turns' output this way
+ * when it stores responses (its default). Resolved before translation
+ * (routes.ts): nothing downstream sees a reference.
+ */
+const ItemReference = T.Object(
+  { type: T.Optional(Nullable(T.Literal("item_reference"))), id: T.String({ minLength: 1, maxLength: 128, pattern: "^[A-Za-z0-9_-]+$" }) },
+  Strict,
+);
+
 const ITEM_CHECKS: Record<string, TypeCheck<TSchema>> = {
+  item_reference: TypeCompiler.Compile(ItemReference),
   message: TypeCompiler.Compile(MessageItem),
   function_call: TypeCompiler.Compile(FunctionCallItem),
   function_call_output: TypeCompiler.Compile(FunctionCallOutputItem),
@@ -135,6 +147,9 @@ export type FunctionCallItem = Static<typeof FunctionCallItem>;
 export type FunctionCallOutputItem = Static<typeof FunctionCallOutputItem>;
 export type ReasoningItem = Static<typeof ReasoningItem>;
 export type InputItem = (MessageItem & { type?: "message" }) | FunctionCallItem | FunctionCallOutputItem | ReasoningItem;
+export type ItemReference = Static<typeof ItemReference>;
+/** An item of a request's input: an item, or a reference to a stored one. */
+export type RequestItem = InputItem | ItemReference;
 
 // ---------------------------------------------------------------------------
 // Tools, tool choice, text format
@@ -224,7 +239,7 @@ const Body = T.Object(
 );
 
 export type ResponsesBody = Omit<Static<typeof Body>, "input" | "tools" | "tool_choice"> & {
-  input?: string | InputItem[];
+  input?: string | RequestItem[];
   tools?: FunctionTool[];
   tool_choice?: Static<typeof ToolChoice>;
 };
@@ -259,14 +274,24 @@ function checkParts(role: string, content: unknown[], j: number): void {
   }
 }
 
+/** The item's type, with OpenAI's defaults: a typeless item with a role is a message, one without is a reference. */
+function itemType(item: Record<string, unknown>): unknown {
+  if (item.type !== undefined && item.type !== null) return item.type;
+  return "role" in item ? "message" : "item_reference";
+}
+
+export function isItemReference(item: RequestItem): item is ItemReference {
+  return itemType(item) === "item_reference";
+}
+
 function checkItem(item: Record<string, unknown>, j: number): void {
   const at = `input[${j}]`;
-  const type = item.type === undefined && "role" in item ? "message" : item.type;
+  const type = itemType(item);
   const check = typeof type === "string" ? ITEM_CHECKS[type] : undefined;
   if (!check) {
     throw invalid(
       `${at}.type`,
-      `Invalid value for '${at}.type': ${JSON.stringify(type ?? null)} is not supported here; input items are message, function_call, function_call_output or reasoning.`,
+      `Invalid value for '${at}.type': ${JSON.stringify(type)} is not supported here; input items are message, function_call, function_call_output, reasoning or item_reference.`,
     );
   }
   const err = firstError(check, item, `/input/${j}`);
@@ -280,7 +305,8 @@ function checkItem(item: Record<string, unknown>, j: number): void {
  * version, or damaged, must not break the request that replays it.
  */
 export function isReplayable(item: unknown): item is InputItem {
-  if (!isRecord(item)) return false;
+  // A stored item is an item, never a reference to one.
+  if (!isRecord(item) || itemType(item) === "item_reference") return false;
   try {
     checkItem(item, 0);
     return true;

@@ -11,7 +11,7 @@ import { type ChatService, callChat } from "./chat-call.ts";
 import { responsesTransform } from "./events.ts";
 import { listItems } from "./list.ts";
 import { type ResponseMeta, responseFromChat } from "./output.ts";
-import { type InputItem, parseResponsesBody } from "./request.ts";
+import { type InputItem, isItemReference, parseResponsesBody, type ResponsesBody } from "./request.ts";
 import { createResponseStore, type ResponseStore, writeSpacingFor } from "./store.ts";
 import { type Translation, newItemId, responsesError, toChat } from "./translate.ts";
 
@@ -72,6 +72,50 @@ export function createResponses(deps: ResponsesDeps) {
   }
 
   /**
+   * The request's input with each item_reference replaced by the stored output
+   * item it names: the caller's own, from an unexpired stored response (as
+   * previous_response_id). The first reference (in input order) that cannot
+   * be resolved is the error: 404 when no such item is this caller's, 400
+   * when the responses holding the items referenced exceed bodyLimitBytes.
+   */
+  async function resolveReferences(p: Principal, input: ResponsesBody["input"]): Promise<ResponsesBody["input"]> {
+    if (!Array.isArray(input)) return input;
+    const ids = new Set<string>();
+    let first = -1;
+    for (const [j, item] of input.entries()) {
+      if (!isItemReference(item)) continue;
+      ids.add(item.id);
+      if (first < 0) first = j;
+    }
+    if (ids.size === 0) return input;
+    if (!store) {
+      throw new AppError(
+        "invalid_request_error",
+        "item_reference cannot be used: this gateway does not store responses (responses.store is false). Send the items themselves.",
+        `input[${first}]`,
+      );
+    }
+    const { found, tooLarge } = await store.items(p, [...ids]);
+    return input.map((item, j) => {
+      if (!isItemReference(item)) return item;
+      const hit = found.get(item.id);
+      if (hit) return hit;
+      if (tooLarge.has(item.id)) {
+        throw new AppError(
+          "invalid_request_error",
+          `The stored responses holding the items referenced exceed ${config.bodyLimitBytes} bytes in all (the request body limit); '${item.id}' is beyond it. Send such items inline, or use previous_response_id.`,
+          `input[${j}]`,
+        );
+      }
+      throw new AppError(
+        "not_found",
+        `Item with id '${item.id}' not found. Only output items of this key's stored responses can be referenced, not those of responses created with store: false, deleted or expired.`,
+        `input[${j}]`,
+      );
+    });
+  }
+
+  /**
    * Resolves once the row is written or has failed (logged), or after
    * STORE_WAIT_MS: a database that hangs (a lock, a stalled connection) must
    * not hold the answer or the stream's end; the write goes on without us.
@@ -96,7 +140,8 @@ export function createResponses(deps: ResponsesDeps) {
     // The model first, as chat checks it first: an unknown alias is 404 model_not_found whatever else the request says.
     resolveAlias(config, body.model, p, "chat");
     const storeIt = store !== undefined && body.store !== false;
-    const t = toChat(body, await replayed(p, body.previous_response_id), storeIt);
+    const replay = await replayed(p, body.previous_response_id);
+    const t = toChat({ ...body, input: await resolveReferences(p, body.input) }, replay, storeIt);
     const meta: ResponseMeta = { id: newItemId("resp"), createdAt: Math.floor(Date.now() / 1000), model: body.model, echo: t.echo };
     // A stream is translated inside the chat relay (one stream layer, not two). What it keeps for
     // the stream's life is the translation state and, when stored, the input items: not the chat body.

@@ -45,6 +45,8 @@ interface NewResponseRow {
   previousResponseId: string | null;
   inputItems: string;
   response: string;
+  /** The output items' ids, comma-separated (each is [A-Za-z0-9_-]+). */
+  outputItemIds: string;
   expiresAt: Date;
 }
 interface PendingSave {
@@ -58,6 +60,23 @@ const MAX_CHAIN = 1_000;
 /** Rows deleted per statement by the sweep, so it never holds many locks or a long transaction. */
 const SWEEP_BATCH = 500;
 const SWEEP_EVERY_MS = 10 * 60_000;
+
+const ITEM_ID = /^[A-Za-z0-9_-]{1,128}$/;
+
+/** The ids of a Response's output items: what an item_reference may name. */
+function outputItemIds(response: object): string[] {
+  const output = isRecord(response) ? response.output : undefined;
+  if (!Array.isArray(output)) return [];
+  const ids: string[] = [];
+  for (const item of output) if (isRecord(item) && typeof item.id === "string" && ITEM_ID.test(item.id)) ids.push(item.id);
+  return ids;
+}
+
+/** What `items` found for the ids asked: each id's item, and the ids whose response lies beyond the byte bound. */
+export interface ReferencedItems {
+  found: Map<string, InputItem>;
+  tooLarge: Set<string>;
+}
 
 function owner(p: Principal) {
   return p.kind === "personal" ? sql`owner_user_id = ${p.userId} and owner_key_id is null` : sql`owner_key_id = ${p.keyRoot} and owner_user_id is null`;
@@ -133,6 +152,7 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
       previousResponseId: r.previousResponseId,
       inputItems: JSON.stringify(r.inputItems),
       response: JSON.stringify(r.response),
+      outputItemIds: outputItemIds(r.response).join(","),
       expiresAt: new Date(Date.now() + opts.retentionDays * 86_400_000),
     };
     return new Promise<void>((resolve, reject) => {
@@ -172,13 +192,14 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
    */
   async function insertRows(rows: NewResponseRow[]): Promise<void> {
     await database.db.execute(sql`
-      insert into responses (id, org_id, owner_user_id, owner_key_id, previous_response_id, input_items, response, expires_at)
-      select i, o, u, k, p, ii, r, timestamptz 'epoch' + e * interval '1 millisecond' from unnest(
+      insert into responses (id, org_id, owner_user_id, owner_key_id, previous_response_id, input_items, response, output_item_ids, expires_at)
+      select i, o, u, k, p, ii, r, string_to_array(oi, ','), timestamptz 'epoch' + e * interval '1 millisecond' from unnest(
         ${pgArray(rows.map((x) => x.id))}::text[], ${pgArray(rows.map((x) => x.orgId))}::uuid[],
         ${pgArray(rows.map((x) => x.ownerUserId ?? null))}::uuid[], ${pgArray(rows.map((x) => x.ownerKeyId ?? null))}::uuid[],
         ${pgArray(rows.map((x) => x.previousResponseId ?? null))}::text[], ${pgArray(rows.map((x) => x.inputItems))}::text[],
-        ${pgArray(rows.map((x) => x.response))}::text[], ${pgArray(rows.map((x) => x.expiresAt.getTime()))}::float8[])
-        as t(i, o, u, k, p, ii, r, e)`);
+        ${pgArray(rows.map((x) => x.response))}::text[], ${pgArray(rows.map((x) => x.outputItemIds))}::text[],
+        ${pgArray(rows.map((x) => x.expiresAt.getTime()))}::float8[])
+        as t(i, o, u, k, p, ii, r, oi, e)`);
   }
 
   async function writeBatch(batch: PendingSave[]): Promise<void> {
@@ -280,6 +301,45 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
     return items;
   }
 
+  /**
+   * The output items named by `ids` (in the order the request names them),
+   * among this caller's stored, unexpired responses. The responses holding
+   * them are read in that order up to `maxReplayBytes` in all, counted in the
+   * database (as for a replay); the ids of those beyond are in `tooLarge`. An
+   * id not found, or whose stored item is no longer a valid input item, is in
+   * neither.
+   */
+  async function items(p: Principal, ids: readonly string[]): Promise<ReferencedItems> {
+    const wanted = pgArray(ids);
+    const rows = await read<{ response: string | null; output_item_ids: string }>(
+      "item_reference",
+      sql`
+      select case when total <= ${opts.maxReplayBytes} then response end as response, array_to_string(output_item_ids, ',') as output_item_ids from (
+        select response, output_item_ids, sum(octet_length(response)::bigint) over (order by pos, id) as total from (
+          select id, response, output_item_ids,
+            (select min(u.n) from unnest(${wanted}::text[]) with ordinality as u(v, n) where u.v = any(output_item_ids)) as pos
+          from responses
+          where org_id = ${p.orgId} and ${owner(p)} and expires_at > now() and output_item_ids && ${wanted}::text[]
+        ) hits
+      ) counted`,
+    );
+    const found = new Map<string, InputItem>();
+    const tooLarge = new Set<string>();
+    const asked = new Set(ids);
+    for (const row of rows) {
+      if (row.response === null) {
+        for (const id of row.output_item_ids.split(",")) if (asked.has(id)) tooLarge.add(id);
+        continue;
+      }
+      const response = parse(row.response);
+      if (!isRecord(response) || !Array.isArray(response.output)) continue;
+      for (const item of response.output) {
+        if (isRecord(item) && typeof item.id === "string" && asked.has(item.id) && isReplayable(item)) found.set(item.id, item);
+      }
+    }
+    return { found, tooLarge };
+  }
+
   /** Deletes expired rows in batches until none are left; returns how many went. */
   function sweep(): Promise<number> {
     sweeping ??= (async () => {
@@ -309,6 +369,7 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
     get,
     remove,
     conversation,
+    items,
     sweep,
     start() {
       void sweep();

@@ -1,6 +1,6 @@
 import { AppError } from "../lib/errors.ts";
 import type { ResponseEcho } from "./output.ts";
-import type { ContentPart, FunctionTool, InputItem, MessageItem, ResponsesBody } from "./request.ts";
+import { type ContentPart, type FunctionTool, type InputItem, isItemReference, type MessageItem, type RequestItem, type ResponsesBody } from "./request.ts";
 
 /**
  * A Responses request → the chat completions body the upstream gets (the
@@ -49,6 +49,12 @@ function chatParts(content: string | ContentPart[]): string | Record<string, unk
     if (p.type === "refusal") return { type: "text", text: p.refusal };
     return { type: "text", text: p.text };
   });
+}
+
+/** References are replaced by the items they name before translation (routes.ts, `resolveReferences`). */
+function resolvedItem(item: RequestItem): InputItem {
+  if (isItemReference(item)) throw new Error(`item_reference '${item.id}' reached the translation unresolved`);
+  return item;
 }
 
 /** The item in its stored form: string content becomes parts, ids are assigned. */
@@ -120,7 +126,7 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
   };
 
   for (const item of replay) add(item, "previous_response_id");
-  const input: InputItem[] = typeof body.input === "string" ? [{ role: "user", content: body.input }] : (body.input ?? []);
+  const input: InputItem[] = typeof body.input === "string" ? [{ role: "user", content: body.input }] : (body.input ?? []).map(resolvedItem);
   for (const [j, item] of input.entries()) add(item, `input[${j}]`);
   if (messages.length === 0) throw new AppError("invalid_request_error", "The request has no messages: send input (or instructions).", "input");
 

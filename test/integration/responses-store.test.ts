@@ -282,6 +282,109 @@ describe("previous_response_id", () => {
   });
 });
 
+describe("item_reference", () => {
+  // Seen failing before: every item_reference was 400 on input[j].type ("item_reference is not supported
+  // here"), so the Vercel AI SDK's default provider (store: true) could not hold a conversation.
+  const outputItem = (r: Record<string, unknown>, type: string) => rec(arr(r.output).find((o) => rec(o).type === type));
+  const ANSWER = "token0 token1 token2 token3 ";
+
+  test("an earlier answer's output items, referenced by id (with or without type), go upstream in their place", async () => {
+    await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Thinking." }) });
+    const first = await made({ input: "Say hi" });
+    const msg = outputItem(first, "message");
+    const reasoning = outputItem(first, "reasoning");
+    expect(String(msg.id)).toMatch(/^msg_/);
+    const second = await made({
+      input: [{ role: "user", content: "Say hi" }, { type: "item_reference", id: reasoning.id }, { id: msg.id }, { role: "user", content: "Again" }],
+    });
+    expect(second.status).toBe("completed");
+    // The reasoning item is dropped as any reasoning input is; the message becomes the assistant's turn.
+    expect(upstreamMessages()).toEqual([
+      { role: "user", content: "Say hi" },
+      { role: "assistant", content: ANSWER },
+      { role: "user", content: "Again" },
+    ]);
+    // The new response's input items hold the items referenced, not the references.
+    const items = arr(rec(await (await get(`/v1/responses/${String(second.id)}/input_items?order=asc`)).json()).data).map(rec);
+    expect(items.map((i) => [i.type, i.id])).toEqual([
+      ["message", items[0]?.id],
+      ["reasoning", reasoning.id],
+      ["message", msg.id],
+      ["message", items[3]?.id],
+    ]);
+    expect(items[2]?.content).toEqual(msg.content);
+  });
+
+  test("a streamed answer's function call, referenced, replays as the assistant's tool call", async () => {
+    const tools = [{ type: "function", name: "get_weather", parameters: { type: "object", properties: { location: { type: "string" } } } }];
+    const id = await madeStreamed({ input: "What is the weather in Paris?", tools });
+    const first = rec(await (await get(`/v1/responses/${id}`)).json());
+    const call = outputItem(first, "function_call");
+    await made({
+      tools,
+      input: [{ role: "user", content: "What is the weather in Paris?" }, { type: "item_reference", id: call.id }, { type: "function_call_output", call_id: call.call_id, output: "sunny" }],
+    });
+    const messages = upstreamMessages().map(rec);
+    expect(messages.map((m) => m.role)).toEqual(["user", "assistant", "tool"]);
+    expect(arr(messages[1]?.tool_calls)).toEqual([{ id: call.call_id, type: "function", function: { name: "get_weather", arguments: call.arguments } }]);
+  });
+
+  test("unknown, deleted, store:false and foreign items are 404 with param input[j]; nothing goes upstream", async () => {
+    const kept = await made({ input: "x" });
+    const gone = await made({ input: "x" });
+    await get(`/v1/responses/${String(gone.id)}`, org.personalKey, "DELETE");
+    const unstored = await made({ input: "x", store: false });
+    const other = await seedTestOrg(gw.database);
+    const foreign = await made({ input: "x" }, other.personalKey);
+    const service = await made({ input: "x" }, org.serviceKey);
+    sim.reset();
+    for (const r of [gone, unstored, foreign, service]) {
+      const res = await create({ model: "svc-fast", input: [{ role: "user", content: "x" }, { type: "item_reference", id: outputItem(r, "message").id }] });
+      await notFound(res, "input[1]");
+    }
+    const res = await create({ model: "svc-fast", input: [{ type: "item_reference", id: outputItem(kept, "message").id }, { type: "item_reference", id: "msg_unknown" }] });
+    const err = await errorOf(res);
+    expect({ status: res.status, code: err.code, param: err.param }).toEqual({ status: 404, code: "not_found", param: "input[1]" });
+    expect(err.message).toContain("'msg_unknown'");
+    expect(sim.stats.requests).toBe(0);
+  });
+
+  test("a reference is resolved with previous_response_id and is charged like inline input", async () => {
+    const first = await made({ input: "My name is Ada." });
+    const second = await made({ previous_response_id: first.id, input: [{ type: "item_reference", id: outputItem(first, "message").id }, { role: "user", content: "And?" }] });
+    expect(upstreamMessages().map((m) => rec(m).role)).toEqual(["user", "assistant", "assistant", "user"]);
+    expect(rec(second.usage).input_tokens).toBeGreaterThan(rec(first.usage).input_tokens as number);
+  });
+
+  test("the items referenced are read up to bodyLimitBytes of stored responses; beyond, 400 on the first one left", async () => {
+    const small = await startTestGateway({
+      aliases: testAliases(sim.url),
+      plans: TEST_PLANS,
+      upstream: upstreamSettings({ attempts: 2 }),
+      responses: { enabled: true },
+      bodyLimitBytes: 6000,
+    });
+    try {
+      const ids: unknown[] = [];
+      for (let i = 0; i < 3; i++) {
+        // Each stored Response is ~2.6 KB (it echoes its instructions): two fit in 6,000 bytes, three do not.
+        const res = await post(small, "/v1/responses", org.personalKey, { model: "svc-fast", instructions: "i".repeat(1500), input: "x" });
+        ids.push(outputItem(rec(await res.json()), "message").id);
+      }
+      sim.reset();
+      const two = await post(small, "/v1/responses", org.personalKey, { model: "svc-fast", input: ids.slice(0, 2).map((id) => ({ type: "item_reference", id })) });
+      expect(two.status).toBe(200);
+      const three = await post(small, "/v1/responses", org.personalKey, { model: "svc-fast", input: ids.map((id) => ({ type: "item_reference", id })) });
+      const err = await errorOf(three);
+      expect({ status: three.status, code: err.code, param: err.param }).toEqual({ status: 400, code: "invalid_request_error", param: "input[2]" });
+      expect(err.message).toContain("6000 bytes");
+      expect(sim.stats.requests).toBe(1);
+    } finally {
+      await small.stop();
+    }
+  });
+});
+
 describe("ownership", () => {
   test("a personal key's responses: any personal key of that user; not another user's, not the org's service key", async () => {
     const r = await made({ input: "mine" });
@@ -348,6 +451,7 @@ describe("damaged rows and database failures", () => {
         await get(`/v1/responses/${id}/input_items`),
         await get(`/v1/responses/${id}`, org.personalKey, "DELETE"),
         await create({ model: "svc-fast", input: "x", previous_response_id: id }),
+        await create({ model: "svc-fast", input: [{ type: "item_reference", id: "msg_1" }] }),
       ]) {
         const err = await errorOf(res);
         expect({ status: res.status, code: err.code }).toEqual({ status: 503, code: "service_unavailable" });
@@ -361,7 +465,7 @@ describe("damaged rows and database failures", () => {
 });
 
 describe("responses.store: false", () => {
-  test("nothing is stored; previous_response_id is 400 saying so; retrieve is 404", async () => {
+  test("nothing is stored; previous_response_id and item_reference are 400 saying so; retrieve is 404", async () => {
     const res = await create({ model: "svc-fast", input: "x" }, org.personalKey, noStore);
     expect(res.status).toBe(200);
     const r = rec(await res.json());
@@ -373,6 +477,10 @@ describe("responses.store: false", () => {
     const err = await errorOf(prev);
     expect(err.param).toBe("previous_response_id");
     expect(err.message).toContain("responses.store");
+    const ref = await create({ model: "svc-fast", input: [{ type: "item_reference", id: "msg_abc" }] }, org.personalKey, noStore);
+    const refErr = await errorOf(ref);
+    expect({ status: ref.status, param: refErr.param }).toEqual({ status: 400, param: "input[0]" });
+    expect(refErr.message).toContain("responses.store");
     await notFound(await get(`/v1/responses/${String(r.id)}`, org.personalKey, "GET", noStore));
   });
 });

@@ -1,6 +1,6 @@
 import { describe, expect, test } from "bun:test";
 import { AppError } from "../../src/lib/errors.ts";
-import { parseResponsesBody } from "../../src/responses/request.ts";
+import { isReplayable, parseResponsesBody } from "../../src/responses/request.ts";
 import { responsesError, responsesParam, toChat } from "../../src/responses/translate.ts";
 
 /** The mapping of chat field paths back to the Responses request's (what error `param`s say). */
@@ -59,5 +59,38 @@ describe("toChat", () => {
 
   test("only reasoning items: no messages is a 400 on input", () => {
     expect(() => toChat(parseResponsesBody({ model: "m", input: [{ type: "reasoning", summary: [] }] }), [], false)).toThrow(AppError);
+  });
+});
+
+/** item_reference: OpenAI's ItemReference, `type` optional; resolved by the route before translation. */
+describe("item_reference in the request", () => {
+  const paramOf = (input: unknown[]): string | null => {
+    try {
+      parseResponsesBody({ model: "m", input });
+      return "accepted";
+    } catch (e) {
+      if (e instanceof AppError) return e.param;
+      throw e;
+    }
+  };
+
+  test("accepted with or without type; its id is checked; nothing else may ride along", () => {
+    expect(paramOf([{ type: "item_reference", id: "msg_1" }])).toBe("accepted");
+    expect(paramOf([{ id: "msg_1" }, { type: null, id: "rs_2" }])).toBe("accepted");
+    expect(paramOf([{ type: "item_reference" }])).toBe("input[0].id");
+    expect(paramOf([{ role: "user", content: "x" }, { id: "msg 1" }])).toBe("input[1].id");
+    expect(paramOf([{ type: "item_reference", id: "msg_1", text: "x" }])).toBe("input[0].text");
+    expect(paramOf([{}])).toBe("input[0].id");
+    expect(paramOf([{ type: "web_search_call", id: "ws_1" }])).toBe("input[0].type");
+  });
+
+  test("isReplayable: a stored item may not be a reference", () => {
+    expect(isReplayable({ type: "item_reference", id: "msg_1" })).toBe(false);
+    expect(isReplayable({ id: "msg_1" })).toBe(false);
+    expect(isReplayable({ type: "message", id: "msg_1", role: "assistant", content: [{ type: "output_text", text: "hi", annotations: [] }] })).toBe(true);
+  });
+
+  test("a reference that reaches the translation unresolved is a programming error, never sent on", () => {
+    expect(() => toChat(parseResponsesBody({ model: "m", input: [{ id: "msg_1" }] }), [], false)).toThrow("unresolved");
   });
 });

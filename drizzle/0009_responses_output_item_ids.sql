@@ -1,0 +1,2 @@
+ALTER TABLE "responses" ADD COLUMN "output_item_ids" text[] DEFAULT '{}'::text[] NOT NULL;--> statement-breakpoint
+CREATE INDEX "responses_output_item_ids_idx" ON "responses" USING gin ("output_item_ids");
