@@ -33,21 +33,12 @@ export interface Opened {
 export async function readWhole(res: UpstreamResponse, a: Attempt, call: Call<string>): Promise<string> {
   a.clearTimer();
   const { maxBytes } = call;
-  const { idleMs } = call.timeouts;
   const declared = res.header("content-length");
   if (declared !== undefined && Number(declared) > maxBytes) {
     res.body.cancel().catch(() => {});
     throw new AnswerTooLarge(maxBytes);
   }
-  // Idle timer without one per read: a read stamps when it ended, the timer re-arms for the remainder.
-  let lastRead = performance.now();
-  let idle: ReturnType<typeof setTimeout> | undefined;
-  const checkIdle = () => {
-    const quiet = performance.now() - lastRead;
-    if (quiet >= idleMs) a.abort(new AttemptFailed(`response body stalled for ${idleMs} ms`));
-    else idle = setTimeout(checkIdle, idleMs - quiet);
-  };
-  idle = setTimeout(checkIdle, idleMs);
+  a.watchBody(call.timeouts.idleMs);
   try {
     const parts: Uint8Array[] = [];
     let n = 0;
@@ -60,12 +51,12 @@ export async function readWhole(res: UpstreamResponse, a: Attempt, call: Call<st
         throw new AnswerTooLarge(maxBytes);
       }
       parts.push(r.value);
-      lastRead = performance.now();
+      a.touch();
     }
     const only = parts.length === 1 ? parts[0] : undefined;
     return (only ? Buffer.from(only.buffer, only.byteOffset, only.byteLength) : Buffer.concat(parts, n)).toString("utf8");
   } finally {
-    clearTimeout(idle);
+    a.clearTimer();
   }
 }
 

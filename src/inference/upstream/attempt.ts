@@ -68,17 +68,20 @@ export class Attempt implements AbortLike {
   /** The exchange's abort listener; an attempt has one exchange at a time. */
   private listener: (() => void) | undefined;
   private timer: ReturnType<typeof setTimeout> | undefined;
-  private readonly onClientAbort = (): void => {
-    this.abort(new ClientGone());
-  };
 
   constructor(
     readonly target: Target,
     private readonly client: AbortSignal,
-    firstByteMs: number,
+    readonly firstByteMs: number,
   ) {
-    client.addEventListener("abort", this.onClientAbort, { once: true });
-    this.timer = setTimeout(() => this.abort(new AttemptFailed(`no response within ${firstByteMs} ms`)), firstByteMs);
+    // The attempt is its own listener (handleEvent) and the timer's argument: no closures per attempt.
+    client.addEventListener("abort", this, ONCE);
+    this.timer = setTimeout(firstByteTimeout, firstByteMs, this);
+  }
+
+  /** The client's signal aborted: the client went away. */
+  handleEvent(): void {
+    this.abort(new ClientGone());
   }
 
   addEventListener(_type: "abort", listener: () => void): void {
@@ -99,14 +102,55 @@ export class Attempt implements AbortLike {
     l?.();
   }
 
-  /** Stops the first-byte timer: the answer (or its first stream bytes) arrived, or the attempt is over. */
+  /** Stops the attempt's timer (first byte, or body idle): the answer arrived, or the attempt is over. */
   clearTimer(): void {
     if (this.timer !== undefined) clearTimeout(this.timer);
     this.timer = undefined;
   }
 
+  /** When the body last made progress (performance.now()), while watchBody's timer runs. */
+  lastRead = 0;
+  /** The body silence allowed, while watchBody's timer runs. */
+  idleMs = 0;
+
+  /**
+   * The first byte came: from here the body may take as long as it needs
+   * while it is never silent for `idleMs` (read() calls `touch`). One timer
+   * that re-arms for the remainder when it fires early, not one per read.
+   */
+  watchBody(idleMs: number): void {
+    this.clearTimer();
+    this.idleMs = idleMs;
+    this.lastRead = performance.now();
+    this.timer = setTimeout(bodyIdleCheck, idleMs, this);
+  }
+
+  /** The body made progress. */
+  touch(): void {
+    this.lastRead = performance.now();
+  }
+
+  /** watchBody's timer fired: abort if the body has been silent long enough, else wait for the rest. */
+  checkBodyIdle(): void {
+    const quiet = performance.now() - this.lastRead;
+    if (quiet >= this.idleMs) {
+      this.timer = undefined;
+      this.abort(new AttemptFailed(`response body stalled for ${this.idleMs} ms`));
+    } else this.timer = setTimeout(bodyIdleCheck, this.idleMs - quiet, this);
+  }
+
   /** Stops listening to the client's signal: when the attempt ends, or the stream it opened does. */
   unlink(): void {
-    this.client.removeEventListener("abort", this.onClientAbort);
+    this.client.removeEventListener("abort", this);
   }
+}
+
+const ONCE = { once: true } as const;
+
+function bodyIdleCheck(a: Attempt): void {
+  a.checkBodyIdle();
+}
+
+function firstByteTimeout(a: Attempt): void {
+  a.abort(new AttemptFailed(`no response within ${a.firstByteMs} ms`));
 }
