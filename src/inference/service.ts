@@ -226,7 +226,8 @@ export function createInferenceService(deps: ServiceDeps) {
     // each choice's share of what the quota granted beyond the prompt, so the
     // answer stays within its reservation and the quota cannot be overshot by
     // a completion.
-    const ticket = await metering.admit(principal, reservation, limit === undefined ? promptEstimate + choices : undefined);
+    const least = limit === undefined ? promptEstimate + choices : undefined;
+    const ticket = metering.admitNow(principal, reservation, least) ?? (await metering.admit(principal, reservation, least));
     if (limit === undefined && principal.quotaTokens !== null) body.max_tokens = Math.floor((ticket.reserved - promptEstimate) / choices);
     // The reserved bound is max_completion_tokens when set (as vLLM and OpenAI take it); a server
     // that knows only max_tokens, or takes it first, gets the same bound there.
@@ -336,7 +337,7 @@ export function createInferenceService(deps: ServiceDeps) {
   async function runEmbeddings(principal: Principal, body: EmbeddingsBody, alias: AliasConfig, ctx: RequestMeta, start: number): Promise<Served> {
     const name = body.model;
     const estimate = estimateEmbeddingTokens(body);
-    const ticket = await metering.admit(principal, estimate);
+    const ticket = metering.admitNow(principal, estimate) ?? (await metering.admit(principal, estimate));
     const payloadFor = (t: Target) => {
       body.model = t.cfg.model;
       return JSON.stringify(body);

@@ -39,6 +39,12 @@ export interface Metering {
    * `minimum`: `ticket.reserved` says how much.
    */
   admit(principal: Principal, estimate: number, minimum?: number): Promise<Ticket>;
+  /**
+   * `admit` when it can decide at once (no quota, or the local lease covers
+   * the estimate: the steady state), without a promise; undefined when it
+   * would wait for a lease. Throws as `admit` rejects.
+   */
+  admitNow(principal: Principal, estimate: number, minimum?: number): Ticket | undefined;
   /** Settle a ticket with what the request really used; idempotent (later calls are ignored). */
   settle(ticket: Ticket, usage: UsageReport, outcome: RequestOutcome): void;
 }

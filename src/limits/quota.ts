@@ -7,7 +7,7 @@ import { AppError } from "../lib/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import { type Metering, type RequestOutcome, type Ticket, type UsageReport, clampTokens } from "./metering.ts";
 import { budgetExceeded, recordBudgetExceeded } from "./budget.ts";
-import { type QuotaPeriod, periodStart } from "./period.ts";
+import { type QuotaPeriod, periodEnd, periodStart } from "./period.ts";
 import { type CounterDelta, type CounterSource, createUsageWriter } from "./usage-writer.ts";
 
 /**
@@ -61,6 +61,8 @@ interface OrgState {
   orgId: string;
   period: QuotaPeriod;
   start: number;
+  /** When the period ends (the next one's start). */
+  end: number;
   quota: number;
   granted: number;
   pending: number;
@@ -130,6 +132,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   const unmetered = new Map<string, Unmetered>();
 
   const key = (orgId: string, start: number) => `${orgId}|${start}`;
+  /** Each organisation's state for its current period, for the request path: no key string or date math per request. */
+  const currentState = new Map<string, OrgState>();
   /** How long a starved request waits for other instances' unused lease: they look for requests at every flush. */
   const shareWaitMs = Math.min(3 * opts.flushMs + 250, MAX_SHARE_WAIT_MS);
 
@@ -160,6 +164,19 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   }
 
   function stateFor(p: Principal, t: number): OrgState {
+    let s = currentState.get(p.orgId);
+    if (!s || t >= s.end || t < s.start || s.period !== p.quotaPeriod) s = periodState(p, t);
+    // A quota change reaches us through the key cache (org:<id> invalidation).
+    if (p.quotaTokens !== null && p.quotaTokens !== s.quota) {
+      s.quota = p.quotaTokens;
+      s.exhausted = false;
+    }
+    s.lastUsed = t;
+    return s;
+  }
+
+  /** The state of the period containing `t`, made when new; it becomes the organisation's current one. */
+  function periodState(p: Principal, t: number): OrgState {
     const period = p.quotaPeriod;
     const start = periodStart(period, t);
     const k = key(p.orgId, start);
@@ -169,6 +186,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         orgId: p.orgId,
         period,
         start,
+        end: periodEnd(period, t),
         quota: p.quotaTokens ?? 0,
         granted: 0,
         pending: 0,
@@ -188,12 +206,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       };
       states.set(k, s);
     }
-    // A quota change reaches us through the key cache (org:<id> invalidation).
-    if (p.quotaTokens !== null && p.quotaTokens !== s.quota) {
-      s.quota = p.quotaTokens;
-      s.exhausted = false;
-    }
-    s.lastUsed = t;
+    currentState.set(p.orgId, s);
     return s;
   }
 
@@ -273,7 +286,13 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     return budgetExceeded(spent, t, want);
   }
 
-  async function admit(p: Principal, estimate: number, minimum?: number): Promise<Ticket> {
+  /**
+   * Admission decided at once, the steady state: a Ticket for an
+   * organisation without a quota or when the local lease covers the whole
+   * estimate; throws when more than the whole quota is asked; undefined when
+   * it must wait for a lease (then `admit`). No promise, no await.
+   */
+  function admitNow(p: Principal, estimate: number, minimum?: number): Ticket | undefined {
     const t = now();
     const want = Math.max(1, Math.ceil(estimate));
     if (p.quotaTokens === null) return new TicketImpl(p, want, undefined, t);
@@ -284,6 +303,20 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     if (!(least <= s.quota) || !Number.isFinite(want)) throw exceeded(s, t, least);
     // An exhausted period is re-checked every few seconds: other instances may return leases, or the quota may grow.
     if (s.exhausted && t - s.checkedAt > 5_000) s.exhausted = false;
+    if (available(s) < want) return undefined;
+    s.inflight += want;
+    s.reservedSinceLease += want;
+    refillAhead(s);
+    return new TicketImpl(p, want, s, t);
+  }
+
+  async function admit(p: Principal, estimate: number, minimum?: number): Promise<Ticket> {
+    const ready = admitNow(p, estimate, minimum);
+    if (ready) return ready;
+    const t = now();
+    const want = Math.max(1, Math.ceil(estimate));
+    const least = Math.min(want, Math.max(1, Math.ceil(minimum ?? want)));
+    const s = stateFor(p, t);
     // Demand of the requests waiting sizes the next lease, so a burst of
     // thousands of requests is served by a few refills, not thousands.
     s.demand += want;
@@ -301,9 +334,13 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         s.leaseError ? "The usage quota store is temporarily unreachable; retry with backoff." : "The usage quota is being refilled under heavy load; retry shortly.",
       );
     }
-    // Refill ahead of need so the next requests do not wait (not once the shared counter is known to be empty).
-    if (!s.exhausted && s.sharedFree > 0 && available(s) < Math.min(opts.leaseTokens, s.lastTake) / 2) void refill(s);
+    refillAhead(s);
     return new TicketImpl(p, got, s, t);
+  }
+
+  /** Refill ahead of need so the next requests do not wait (not once the shared counter is known to be empty). */
+  function refillAhead(s: OrgState): void {
+    if (!s.exhausted && s.sharedFree > 0 && available(s) < Math.min(opts.leaseTokens, s.lastTake) / 2) void refill(s);
   }
 
   /**
@@ -398,7 +435,10 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         s.granted -= give;
         s.returning += convert + give;
         if (u > 0 || convert + give > 0) deltas.push({ orgId: s.orgId, start: s.start, used: u, leased: -(convert + give) });
-        if (ended && s.inflight === 0) states.delete(k);
+        if (ended && s.inflight === 0) {
+          states.delete(k);
+          if (currentState.get(s.orgId) === s) currentState.delete(s.orgId);
+        }
       }
       for (const [k, u] of unmetered) {
         if (u.pending > 0) deltas.push({ orgId: u.orgId, start: u.start, used: u.pending, leased: 0 });
@@ -432,6 +472,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   });
 
   return {
+    admitNow,
     admit,
     settle,
     start: writer.start,

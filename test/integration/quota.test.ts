@@ -306,17 +306,26 @@ describe("quota leases", () => {
     const p = await org(10_000);
     let gate: Promise<void> | undefined;
     let open = () => {};
+    let atGate = () => {};
     // The first write waits at a gate, so the second flush() is called while it is under way.
     const gated = aroundTransactions(db, async (run) => {
-      if (gate) await gate;
+      if (gate) {
+        atGate();
+        await gate;
+      }
       return run();
     });
     const q = createQuota(gated, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
     q.settle(await q.admit(p, 10), { promptTokens: 1, completionTokens: 1 }, outcome);
+    const reached = new Promise<void>((r) => {
+      atGate = r;
+    });
     gate = new Promise<void>((r) => {
       open = r;
     });
     const first = q.flush();
+    // The first flush has taken its batch (it is writing it): what settles now is not in it.
+    await reached;
     q.settle(await q.admit(p, 10), { promptTokens: 2, completionTokens: 2 }, outcome);
     const second = q.flush();
     gate = undefined;
