@@ -4,7 +4,7 @@ import { rateLimitHeaders } from "../limits/window.ts";
 import { bearerToken, createKeyMatcher } from "./keys.ts";
 import type { SecurityAuditor } from "./security.ts";
 import type { Caller, Principal } from "./types.ts";
-import { AuthStoreUnavailable, type KeyVerifier, LookupThrottled } from "./verify.ts";
+import { AuthStoreUnavailable, type KeyVerifier, LookupThrottled, type Verdict } from "./verify.ts";
 
 /**
  * The order of checks, the same on every endpoint (README "Decisions"):
@@ -46,11 +46,27 @@ export function createGuard(deps: GuardDeps) {
   const isWellFormed = createKeyMatcher(deps.keyTag);
   const now = deps.now ?? Date.now;
 
-  async function guard(authorization: string | null, req: Requirement, meta: Caller): Promise<Guarded> {
+  /** The key in the header, well-formed, or 401. */
+  function tokenOf(authorization: string | null): string {
     const token = bearerToken(authorization);
     if (!token) throw new AppError("unauthorized", "Missing API key: send the header Authorization: Bearer <key>.");
     if (!isWellFormed(token)) throw new AppError("unauthorized", "Invalid API key.");
-    let verdict: Awaited<ReturnType<KeyVerifier["verify"]>>;
+    return token;
+  }
+
+  /**
+   * The checks when the key cache already has the key's verdict, the steady
+   * state: no promise, no await. Throws as `guard` rejects; undefined when
+   * the key must be looked up (then `guard`).
+   */
+  function cached(authorization: string | null, req: Requirement, meta: Caller): Guarded | undefined {
+    const verdict = deps.verifier.cached(tokenOf(authorization));
+    return verdict ? decide(verdict, req, meta) : undefined;
+  }
+
+  async function guard(authorization: string | null, req: Requirement, meta: Caller): Promise<Guarded> {
+    const token = tokenOf(authorization);
+    let verdict: Verdict;
     try {
       verdict = await deps.verifier.verify(token, meta);
     } catch (e) {
@@ -69,6 +85,11 @@ export function createGuard(deps: GuardDeps) {
       }
       throw e;
     }
+    return decide(verdict, req, meta);
+  }
+
+  /** Everything after the key's verdict, in the order above. */
+  function decide(verdict: Verdict, req: Requirement, meta: Caller): Guarded {
     if (verdict.status === "unknown") throw new AppError("unauthorized", "Invalid API key.");
     if (verdict.status === "revoked") {
       deps.security.keyRejected(verdict.principal, "security.revoked_key_used", meta);
@@ -115,7 +136,7 @@ export function createGuard(deps: GuardDeps) {
     }
   }
 
-  return Object.assign(guard, { peek });
+  return Object.assign(guard, { peek, cached });
 }
 
 export type Guard = ReturnType<typeof createGuard>;

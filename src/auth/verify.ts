@@ -87,6 +87,8 @@ export interface VerifierOptions {
 export interface KeyVerifier {
   /** Throws AuthStoreUnavailable (database down, key not cached) or LookupThrottled. */
   verify(key: string, client?: KeyClient): Promise<Verdict>;
+  /** The verdict when the cache holds one (a fresh entry, or a fresh negative one), without a promise; else undefined. */
+  cached(key: string): Verdict | undefined;
   /** Apply an invalidation message (`key:<id>`, `org:<id>`, `user:<id>`, `new`, `*`). */
   invalidate(message: string): void;
   /** Record a use; written to `last_used_at` in batches. */
@@ -96,6 +98,8 @@ export interface KeyVerifier {
   stop(): Promise<void>;
   stats(): { entries: number; negative: number; hits: number; misses: number; lookups: number; throttled: number };
 }
+
+const UNKNOWN: Verdict = { status: "unknown" };
 
 export function judge(p: Principal, now: number): Verdict {
   if (p.revokedAt && p.revokedAt.getTime() <= now) return { status: "revoked", principal: p };
@@ -276,20 +280,32 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
     };
   }
 
+  /** What the cache says of a key's hash at `t`, counted as a hit; undefined when it must be looked up. */
+  function fromCache(hash: string, t: number): Verdict | undefined {
+    const entry = cache.get(hash);
+    if (entry && t - entry.fetchedAt < opts.ttlMs) {
+      hits++;
+      return judge(entry.principal, t);
+    }
+    const neg = negative.get(hash);
+    if (neg !== undefined && neg > t) {
+      hits++;
+      return UNKNOWN;
+    }
+    return undefined;
+  }
+
   return {
+    cached(key) {
+      return fromCache(hashKey(key), now());
+    },
+
     async verify(key, client) {
       const hash = hashKey(key);
       const t = now();
+      const known = fromCache(hash, t);
+      if (known) return known;
       const entry = cache.get(hash);
-      if (entry && t - entry.fetchedAt < opts.ttlMs) {
-        hits++;
-        return judge(entry.principal, t);
-      }
-      const neg = negative.get(hash);
-      if (neg !== undefined && neg > t) {
-        hits++;
-        return { status: "unknown" };
-      }
       // A key seen before (entry kept past its TTL) or a lookup already out costs no new lookup of an unknown key.
       const refund = entry || inflight.has(hash) ? undefined : charge(client, t);
       misses++;
@@ -301,7 +317,7 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
         if (entry && t - entry.fetchedAt < opts.ttlMs * 10) return judge(entry.principal, t);
         throw new AuthStoreUnavailable((e as Error).message);
       }
-      return principal ? judge(principal, t) : { status: "unknown" };
+      return principal ? judge(principal, t) : UNKNOWN;
     },
 
     invalidate(message) {

@@ -1,6 +1,6 @@
 import { Elysia } from "elysia";
-import type { Guard, Requirement } from "../auth/guard.ts";
-import type { Caller } from "../auth/types.ts";
+import type { Guard, Guarded, Requirement } from "../auth/guard.ts";
+import type { Caller, Principal } from "../auth/types.ts";
 import { annotate } from "./context.ts";
 
 /**
@@ -26,14 +26,25 @@ class RequestCaller implements Caller {
   }
 }
 
+/** What a request that passed the guard carries on: its rate-limit headers, its access-log fields, its principal. */
+type Admitted = { principal: Principal };
+
+function admitted(g: Guarded, request: Request, set: { headers: Record<string, string | number> }): Admitted {
+  Object.assign(set.headers, g.headers);
+  annotate(request, { orgId: g.principal.orgId, keyId: g.principal.keyId });
+  return { principal: g.principal };
+}
+
 export function authPlugin(guard: Guard) {
   return new Elysia({ name: "auth", seed: guard }).macro({
     auth: (requirement: Requirement) => ({
-      async resolve({ request, set, server }) {
-        const g = await guard(request.headers.get("authorization"), requirement, new RequestCaller(request, server));
-        Object.assign(set.headers, g.headers);
-        annotate(request, { orgId: g.principal.orgId, keyId: g.principal.keyId });
-        return { principal: g.principal };
+      // Not async: a key the cache holds (the steady state) is checked without a promise.
+      resolve({ request, set, server }): Admitted | Promise<Admitted> {
+        const authorization = request.headers.get("authorization");
+        const caller = new RequestCaller(request, server);
+        const g = guard.cached(authorization, requirement, caller);
+        if (g) return admitted(g, request, set);
+        return guard(authorization, requirement, caller).then((looked) => admitted(looked, request, set));
       },
     }),
   });
