@@ -310,12 +310,13 @@ const embeddingsCheck = TypeCompiler.Compile(EmbeddingsBody);
 const CHAT_KEYS = new Set(Object.keys(ChatBody.properties));
 const EMBEDDINGS_KEYS = new Set(Object.keys(EmbeddingsBody.properties));
 
-const messageChecks: Record<string, TypeCheck<TSchema>> = {
-  system: TypeCompiler.Compile(SystemMessage),
-  user: TypeCompiler.Compile(UserMessage),
-  assistant: TypeCompiler.Compile(AssistantMessage),
-  tool: TypeCompiler.Compile(ToolMessage),
-};
+/** By role. A Map, not an object: a role named like an Object.prototype member ("toString") must find nothing. */
+const messageChecks = new Map<string, TypeCheck<TSchema>>([
+  ["system", TypeCompiler.Compile(SystemMessage)],
+  ["user", TypeCompiler.Compile(UserMessage)],
+  ["assistant", TypeCompiler.Compile(AssistantMessage)],
+  ["tool", TypeCompiler.Compile(ToolMessage)],
+]);
 
 const partChecks = {
   text: TypeCompiler.Compile(TextPart),
@@ -429,7 +430,7 @@ function rejectUnknown(body: Record<string, unknown>, known: ReadonlySet<string>
 }
 
 function checkMessage(m: { role: string }, i: number): void {
-  const check = messageChecks[m.role];
+  const check = messageChecks.get(m.role);
   if (!check) throw invalid(`messages[${i}].role`, `Invalid value for 'messages[${i}].role': expected one of system, user, assistant, tool.`);
   const err = firstError(check, m, `/messages/${i}`);
   if (err) throw err;

@@ -134,13 +134,14 @@ const ItemReference = T.Object(
   Strict,
 );
 
-const ITEM_CHECKS: Record<string, TypeCheck<TSchema>> = {
-  item_reference: TypeCompiler.Compile(ItemReference),
-  message: TypeCompiler.Compile(MessageItem),
-  function_call: TypeCompiler.Compile(FunctionCallItem),
-  function_call_output: TypeCompiler.Compile(FunctionCallOutputItem),
-  reasoning: TypeCompiler.Compile(ReasoningItem),
-};
+/** By item type. A Map, not an object: a type named like an Object.prototype member ("constructor") must find nothing. */
+const ITEM_CHECKS = new Map<string, TypeCheck<TSchema>>([
+  ["item_reference", TypeCompiler.Compile(ItemReference)],
+  ["message", TypeCompiler.Compile(MessageItem)],
+  ["function_call", TypeCompiler.Compile(FunctionCallItem)],
+  ["function_call_output", TypeCompiler.Compile(FunctionCallOutputItem)],
+  ["reasoning", TypeCompiler.Compile(ReasoningItem)],
+]);
 
 export type MessageItem = Omit<Static<typeof MessageItem>, "content"> & { content: string | ContentPart[] };
 export type FunctionCallItem = Static<typeof FunctionCallItem>;
@@ -287,7 +288,7 @@ export function isItemReference(item: RequestItem): item is ItemReference {
 function checkItem(item: Record<string, unknown>, j: number): void {
   const at = `input[${j}]`;
   const type = itemType(item);
-  const check = typeof type === "string" ? ITEM_CHECKS[type] : undefined;
+  const check = typeof type === "string" ? ITEM_CHECKS.get(type) : undefined;
   if (!check) {
     throw invalid(
       `${at}.type`,
