@@ -72,3 +72,85 @@ describe("tag values that are Object.prototype's names", () => {
     expect(sim.stats.requests).toBe(0);
   });
 });
+
+/**
+ * `depth` arrays nested in one another, as JSON text: `[[…]]`. At 50,000
+ * levels JSON.parse still reads it (it does not recurse), but JSON.stringify
+ * runs out of stack long before: the gateway must refuse it while reading
+ * the body, not fail when it serialises the request for the upstream (or,
+ * on the Responses API, for the store, after the answer was generated).
+ */
+const nested = (depth: number) => `${"[".repeat(depth)}${"]".repeat(depth)}`;
+const DEEP = nested(50_000);
+const MSG = `"messages":[{"role":"user","content":"hi"}]`;
+
+describe("free-form JSON nested past any serialiser's stack", () => {
+  const chatCases: [string, string, string][] = [
+    ["tool parameters", `{"model":"svc-fast",${MSG},"tools":[{"type":"function","function":{"name":"f","parameters":{"a":${DEEP}}}}]}`, "tools[0].function.parameters.a"],
+    [
+      "tool parameters, streamed",
+      `{"model":"svc-fast",${MSG},"stream":true,"tools":[{"type":"function","function":{"name":"f","parameters":{"a":${DEEP}}}}]}`,
+      "tools[0].function.parameters.a",
+    ],
+    [
+      "response_format's JSON schema",
+      `{"model":"svc-fast",${MSG},"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"a":${DEEP}}}}}`,
+      "response_format.json_schema.schema.a",
+    ],
+    ["legacy functions' parameters", `{"model":"svc-fast",${MSG},"functions":[{"name":"f","parameters":{"a":${DEEP}}}]}`, "functions[0].parameters.a"],
+  ];
+  for (const [name, body, param] of chatCases) {
+    test(`chat: ${name} → 400 ${param}`, async () => {
+      const message = await expect400(await send("/v1/chat/completions", body), param);
+      expect(message).toContain("128 levels");
+      expect(sim.stats.requests).toBe(0);
+    });
+  }
+
+  const fc = `{"type":"function_call","call_id":"c1","name":"f","arguments":"{}"`;
+  const responsesCases: [string, string, string][] = [
+    ["tool parameters", `{"model":"svc-fast","input":"hi","tools":[{"type":"function","name":"f","parameters":{"a":${DEEP}}}]}`, "tools[0].parameters.a"],
+    ["text.format's JSON schema", `{"model":"svc-fast","input":"hi","text":{"format":{"type":"json_schema","name":"x","schema":{"a":${DEEP}}}}}`, "text.format.schema.a"],
+    ["prompt_cache_options", `{"model":"svc-fast","input":"hi","prompt_cache_options":{"a":${DEEP}}}`, "prompt_cache_options.a"],
+    ["context_management", `{"model":"svc-fast","input":"hi","context_management":${DEEP}}`, "context_management"],
+    ["a function call's caller", `{"model":"svc-fast","input":[${fc},"caller":${DEEP}},{"type":"function_call_output","call_id":"c1","output":"ok"}]}`, "input[0].caller"],
+    ["a function call output's caller", `{"model":"svc-fast","input":[${fc}},{"type":"function_call_output","call_id":"c1","output":"ok","caller":${DEEP}}]}`, "input[1].caller"],
+    ["a reasoning item's summary", `{"model":"svc-fast","input":[{"type":"reasoning","summary":[${DEEP}]},{"role":"user","content":"hi"}]}`, "input[0].summary[0]"],
+    ["a reasoning item's content", `{"model":"svc-fast","input":[{"type":"reasoning","content":[${DEEP}]},{"role":"user","content":"hi"}]}`, "input[0].content[0]"],
+    [
+      "an output_text part's annotations",
+      `{"model":"svc-fast","input":[{"role":"assistant","content":[{"type":"output_text","text":"x","annotations":[${DEEP}]}]},{"role":"user","content":"hi"}]}`,
+      "input[0].content[0].annotations[0]",
+    ],
+    [
+      "an output_text part's logprobs, streamed",
+      `{"model":"svc-fast","stream":true,"input":[{"role":"assistant","content":[{"type":"output_text","text":"x","logprobs":[${DEEP}]}]},{"role":"user","content":"hi"}]}`,
+      "input[0].content[0].logprobs[0]",
+    ],
+  ];
+  for (const [name, body, param] of responsesCases) {
+    test(`Responses: ${name} → 400 ${param}`, async () => {
+      const message = await expect400(await send("/v1/responses", body), param);
+      expect(message).toContain("128 levels");
+      expect(sim.stats.requests).toBe(0);
+    });
+  }
+
+  test("the limit is 128 levels inside each such field's value: that deep reaches the upstream unchanged, one level more is refused", async () => {
+    const objects = (depth: number): unknown => (depth === 0 ? "leaf" : { a: objects(depth - 1) });
+    const tools = (a: unknown) => [{ type: "function", function: { name: "f", parameters: { a } } }];
+    const ok = await send("/v1/chat/completions", { model: "svc-fast", messages: [{ role: "user", content: "hi" }], tools: tools(objects(128)) });
+    expect(ok.status).toBe(200);
+    await ok.arrayBuffer();
+    expect((sim.stats.lastBody as { tools: unknown }).tools).toEqual(tools(objects(128)));
+    await expect400(await send("/v1/chat/completions", { model: "svc-fast", messages: [{ role: "user", content: "hi" }], tools: tools(objects(129)) }), "tools[0].function.parameters.a");
+
+    const format = (a: unknown) => ({ format: { type: "json_schema", name: "x", schema: { a } } });
+    const stored = await send("/v1/responses", { model: "svc-fast", input: "hi", text: format(objects(128)) });
+    expect(stored.status).toBe(200);
+    await stored.arrayBuffer();
+    await expect400(await send("/v1/responses", { model: "svc-fast", input: "hi", text: format(objects(129)) }), "text.format.schema.a");
+    await expect400(await send("/v1/responses", { model: "svc-fast", input: "hi", context_management: objects(129) }), "context_management");
+    expect(sim.stats.requests).toBe(2);
+  });
+});
