@@ -2,6 +2,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, te
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { type SeededOrg, startTestGateway } from "../helpers/harness.ts";
+import { rawRequest } from "../helpers/raw-http.ts";
 import { TEST_PLANS, post, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -152,5 +153,37 @@ describe("free-form JSON nested past any serialiser's stack", () => {
     await expect400(await send("/v1/responses", { model: "svc-fast", input: "hi", text: format(objects(129)) }), "text.format.schema.a");
     await expect400(await send("/v1/responses", { model: "svc-fast", input: "hi", context_management: objects(129) }), "context_management");
     expect(sim.stats.requests).toBe(2);
+  });
+});
+
+describe("an Authorization header that is there but is not one Bearer key", () => {
+  /** Raw HTTP: fetch would merge two Authorization headers itself, and refuses some values. */
+  async function me(authorization: string[]): Promise<{ status: number; code: string; message: string }> {
+    const host = new URL(gw.url).host;
+    const head = ["GET /v1/me HTTP/1.1", `Host: ${host}`, "Connection: close", ...authorization.map((a) => `Authorization: ${a}`)].join("\r\n");
+    const a = await rawRequest({ url: gw.url, head, maxMs: 10_000 });
+    const err = (JSON.parse(a.body) as { error: { code: string; message: string } }).error;
+    return { status: a.status, code: err.code, message: err.message };
+  }
+
+  test("is refused as malformed (401 unauthorized), not reported as a missing key", async () => {
+    const cases = [
+      [`Bearer ${org.serviceKey}`, `Bearer ${org.serviceKey}`], // sent twice: the server sees "Bearer k, Bearer k"
+      [`Bearer ${org.serviceKey}`, `Bearer ${org.personalKey}`],
+      [`Basic ${btoa(`:${org.serviceKey}`)}`],
+      [org.serviceKey],
+      ["Bearer"],
+      [`Bearer ${org.serviceKey} extra`],
+      [`Token ${org.serviceKey}`],
+    ];
+    for (const authorization of cases) {
+      const got = await me(authorization);
+      expect({ authorization, status: got.status, code: got.code }).toEqual({ authorization, status: 401, code: "unauthorized" });
+      expect(got.message).toBe("Malformed Authorization header: send exactly one, as Authorization: Bearer <key>.");
+    }
+  });
+
+  test("no header at all is still a missing key", async () => {
+    expect(await me([])).toEqual({ status: 401, code: "unauthorized", message: "Missing API key: send the header Authorization: Bearer <key>." });
   });
 });
