@@ -1,4 +1,5 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { brotliCompressSync } from "node:zlib";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { type SeededOrg, startTestGateway } from "../helpers/harness.ts";
@@ -34,7 +35,7 @@ afterAll(async () => {
 /** Sends a body as written (a string is sent verbatim, so it may hold what JSON.stringify would never write). */
 const send = (path: string, body: unknown) => post(gw, path, org.serviceKey, body);
 
-async function expect400(res: Response, param: string): Promise<string> {
+async function expect400(res: Response, param: string | null): Promise<string> {
   const text = await res.text();
   expect({ status: res.status, text }).toMatchObject({ status: 400 });
   const err = (JSON.parse(text) as { error: { message: string; type: string; param: string | null; code: string } }).error;
@@ -185,5 +186,45 @@ describe("an Authorization header that is there but is not one Bearer key", () =
 
   test("no header at all is still a missing key", async () => {
     expect(await me([])).toEqual({ status: 401, code: "unauthorized", message: "Missing API key: send the header Authorization: Bearer <key>." });
+  });
+});
+
+describe("a body that is not UTF-8 JSON because of how it was sent", () => {
+  const body = JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] });
+  const sendRaw = (bytes: Uint8Array, headers: Record<string, string>) =>
+    fetch(`${gw.url}/v1/chat/completions`, { method: "POST", headers: { authorization: `Bearer ${org.serviceKey}`, ...headers }, body: bytes });
+
+  test("a compressed body (Content-Encoding gzip, deflate, br) gets a 400 that says the encoding is not accepted", async () => {
+    for (const [encoding, bytes] of [
+      ["gzip", Bun.gzipSync(Buffer.from(body))],
+      ["deflate", Bun.deflateSync(Buffer.from(body))],
+      ["br", new Uint8Array(brotliCompressSync(Buffer.from(body)))],
+    ] as const) {
+      const res = await sendRaw(bytes, { "content-type": "application/json", "content-encoding": encoding });
+      const message = await expect400(res, null);
+      expect(message).toContain(`Content-Encoding ${encoding}, which is not accepted`);
+    }
+    expect(sim.stats.requests).toBe(0);
+  });
+
+  test("a UTF-16 body declared as such gets a 400 that says JSON bodies are UTF-8", async () => {
+    const utf16 = new Uint8Array(Buffer.from(body, "utf16le"));
+    const message = await expect400(await sendRaw(utf16, { "content-type": "application/json; charset=utf-16le" }), null);
+    expect(message).toContain("charset=utf-16le");
+    expect(message).toContain("must be UTF-8");
+    expect(sim.stats.requests).toBe(0);
+  });
+
+  test("a plain body is read whatever those headers say (the bytes decide; these held already)", async () => {
+    const variants: Record<string, string>[] = [
+      { "content-encoding": "identity" },
+      { "content-type": "application/json; charset=utf-8" },
+      { "content-type": "application/json; charset=latin1" },
+    ];
+    for (const headers of variants) {
+      const res = await sendRaw(Buffer.from(body), { "content-type": "application/json", ...headers });
+      expect(res.status).toBe(200);
+      await res.arrayBuffer();
+    }
   });
 });
