@@ -228,3 +228,38 @@ describe("a body that is not UTF-8 JSON because of how it was sent", () => {
     }
   });
 });
+
+describe("requests Bun's HTTP parser refuses before the gateway sees them", () => {
+  const host = () => new URL(gw.url).host;
+  const post = (framing: string, body: string) =>
+    `POST /v1/chat/completions HTTP/1.1\r\nHost: ${host()}\r\nAuthorization: Bearer ${org.serviceKey}\r\nContent-Type: application/json\r\n${framing}\r\n${body}`;
+  const get = (header: string) => `GET /v1/me HTTP/1.1\r\nHost: ${host()}\r\nAuthorization: Bearer ${org.serviceKey}\r\n${header}`;
+
+  test("malformed framing and header values: a bare 400 and a closed connection (no JSON body: the app never runs)", async () => {
+    const cases: [string, string][] = [
+      ["a chunk size that is not hex", post("Transfer-Encoding: chunked\r\n", "zz\r\n{}\r\n0\r\n\r\n")],
+      ["a chunk size beyond 64 bits", post("Transfer-Encoding: chunked\r\n", "ffffffffffffffffffff\r\n{}\r\n0\r\n\r\n")],
+      ["Transfer-Encoding other than chunked", post("Transfer-Encoding: gzip, chunked\r\n", "2\r\n{}\r\n0\r\n\r\n")],
+      ["Transfer-Encoding and Content-Length together", post("Transfer-Encoding: chunked\r\nContent-Length: 2\r\n", "2\r\n{}\r\n0\r\n\r\n")],
+      ["two Content-Lengths", post("Content-Length: 2\r\nContent-Length: 3\r\n", "{}")],
+      ["a signed Content-Length", post("Content-Length: +2\r\n", "{}")],
+      ["a negative Content-Length", post("Content-Length: -1\r\n", "{}")],
+      ["a control character in a header value", get("X-Request-Id: abc\u0001def\r\n")],
+    ];
+    for (const [name, request] of cases) {
+      // The whole request goes out as the head (it ends with its own blank line or body).
+      const a = await rawRequest({ url: gw.url, head: request.replace(/\r\n$/, ""), maxMs: 10_000 });
+      expect({ name, status: a.status, closed: a.closed, body: a.body }).toEqual({ name, status: 400, closed: true, body: "" });
+    }
+    expect(sim.stats.requests).toBe(0);
+  });
+
+  test("a request head over Bun's 16 KiB (a 20 KB key or URL): a bare 431; the server goes on serving", async () => {
+    for (const request of [get(`X-Big: ${"a".repeat(20_000)}\r\n`), `GET /v1/responses/${"a".repeat(20_000)} HTTP/1.1\r\nHost: ${host()}\r\n`]) {
+      const a = await rawRequest({ url: gw.url, head: request.replace(/\r\n$/, ""), maxMs: 10_000 });
+      expect({ status: a.status, closed: a.closed }).toEqual({ status: 431, closed: true });
+    }
+    const res = await fetch(`${gw.url}/v1/me`, { headers: { authorization: `Bearer ${org.serviceKey}` } });
+    expect(res.status).toBe(200);
+  });
+});
