@@ -49,7 +49,15 @@ export function createGuard(deps: GuardDeps) {
   /** The key in the header, well-formed, or 401. */
   function tokenOf(authorization: string | null): string {
     const token = bearerToken(authorization);
-    if (!token) throw new AppError("unauthorized", "Missing API key: send the header Authorization: Bearer <key>.");
+    if (!token) {
+      // Present but not one Bearer key: another scheme, a bare key, or the header sent twice (joined as "Bearer a, Bearer b").
+      throw new AppError(
+        "unauthorized",
+        authorization
+          ? "Malformed Authorization header: send exactly one, as Authorization: Bearer <key>."
+          : "Missing API key: send the header Authorization: Bearer <key>.",
+      );
+    }
     if (!isWellFormed(token)) throw new AppError("unauthorized", "Invalid API key.");
     return token;
   }

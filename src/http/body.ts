@@ -44,13 +44,27 @@ export async function readJsonBody(request: Request, limit: number, code: ErrorC
   try {
     text = decoder.decode(bytes);
   } catch {
-    throw new AppError(code, "Request body is not valid UTF-8.");
+    throw new AppError(code, `Request body is not valid UTF-8.${sentAs(request.headers)}`);
   }
   try {
     return JSON.parse(text);
   } catch (e) {
-    throw new AppError(code, `Request body is not valid JSON: ${(e as Error).message}`);
+    throw new AppError(code, `Request body is not valid JSON: ${(e as Error).message}${sentAs(request.headers)}`);
   }
+}
+
+/**
+ * Why a body that is not UTF-8 JSON may be so, from its headers: compressed
+ * (the body is read as sent; no Content-Encoding is decoded), or in another
+ * charset (JSON is UTF-8, RFC 8259). Only a body that failed is asked: the
+ * bytes decide, so a plain body is read whatever those headers say.
+ */
+function sentAs(headers: Headers): string {
+  const encoding = headers.get("content-encoding")?.trim().toLowerCase();
+  if (encoding && encoding !== "identity") return ` It was sent with Content-Encoding ${encoding}, which is not accepted: send the JSON uncompressed.`;
+  const charset = /;\s*charset\s*=\s*"?([^";\s]+)/i.exec(headers.get("content-type") ?? "")?.[1];
+  if (charset && !/^utf-?8$/i.test(charset)) return ` The Content-Type names charset=${charset}: JSON bodies must be UTF-8.`;
+  return "";
 }
 
 /**

@@ -4,6 +4,7 @@ import { type ValueError, ValueErrorType } from "@sinclair/typebox/errors";
 import { Value } from "@sinclair/typebox/value";
 import { AppError } from "../lib/errors.ts";
 import { isRecord } from "../lib/guards.ts";
+import { JSON_DEPTH_LIMIT, JsonValue } from "../lib/json-value.ts";
 
 /**
  * Request bodies of spec 4.1 and 4.2, compiled once.
@@ -26,7 +27,8 @@ import { isRecord } from "../lib/guards.ts";
  */
 
 const Nullable = <S extends TSchema>(s: S) => T.Union([s, T.Null()]);
-const Loose = T.Unknown();
+/** Free-form JSON (client-supplied JSON Schemas): any value, nested at most JSON_DEPTH_LIMIT levels (lib/json-value.ts). */
+const Loose = JsonValue;
 const Strict = { additionalProperties: false } as const;
 
 // ---------------------------------------------------------------------------
@@ -310,12 +312,13 @@ const embeddingsCheck = TypeCompiler.Compile(EmbeddingsBody);
 const CHAT_KEYS = new Set(Object.keys(ChatBody.properties));
 const EMBEDDINGS_KEYS = new Set(Object.keys(EmbeddingsBody.properties));
 
-const messageChecks: Record<string, TypeCheck<TSchema>> = {
-  system: TypeCompiler.Compile(SystemMessage),
-  user: TypeCompiler.Compile(UserMessage),
-  assistant: TypeCompiler.Compile(AssistantMessage),
-  tool: TypeCompiler.Compile(ToolMessage),
-};
+/** By role. A Map, not an object: a role named like an Object.prototype member ("toString") must find nothing. */
+const messageChecks = new Map<string, TypeCheck<TSchema>>([
+  ["system", TypeCompiler.Compile(SystemMessage)],
+  ["user", TypeCompiler.Compile(UserMessage)],
+  ["assistant", TypeCompiler.Compile(AssistantMessage)],
+  ["tool", TypeCompiler.Compile(ToolMessage)],
+]);
 
 const partChecks = {
   text: TypeCompiler.Compile(TextPart),
@@ -354,6 +357,9 @@ function describe(e: ValueError, param: string): AppError {
       return invalid(param, `Missing required parameter: '${param}'.`);
     case ValueErrorType.Union:
       return invalid(param, `Invalid value for '${param}': not one of the accepted types or values.`);
+    case ValueErrorType.Kind:
+      // JsonValue (lib/json-value.ts) is the only custom kind: free-form JSON nested too deep.
+      return invalid(param, `Invalid value for '${param}': arrays and objects nested more than ${JSON_DEPTH_LIMIT} levels deep.`);
     default:
       return invalid(param, `Invalid value for '${param}': ${e.message.charAt(0).toLowerCase()}${e.message.slice(1)}.`);
   }
@@ -429,7 +435,7 @@ function rejectUnknown(body: Record<string, unknown>, known: ReadonlySet<string>
 }
 
 function checkMessage(m: { role: string }, i: number): void {
-  const check = messageChecks[m.role];
+  const check = messageChecks.get(m.role);
   if (!check) throw invalid(`messages[${i}].role`, `Invalid value for 'messages[${i}].role': expected one of system, user, assistant, tool.`);
   const err = firstError(check, m, `/messages/${i}`);
   if (err) throw err;

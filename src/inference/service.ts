@@ -190,6 +190,17 @@ export function createInferenceService(deps: ServiceDeps) {
     return new AppError("service_unavailable", `The model '${name}' sent an unreadable answer; retry with backoff.`);
   }
 
+  /**
+   * An error thrown while reading a 2xx answer (`target` set: the upstream
+   * answered): JSON.parse reads nesting of any depth, but serialising such an
+   * answer again (JSON.stringify recurses) overflows the stack, a RangeError.
+   * That answer is unreadable like any other; anything else is passed on.
+   * Runs only on the error path.
+   */
+  function unreadable(e: unknown, name: string, target: Target | undefined): unknown {
+    return target && e instanceof RangeError ? badUpstreamAnswer(name, target) : e;
+  }
+
   /** An upstream reported token counts no model produces: its figures were replaced by our estimate. */
   function implausibleUsage(name: string, target: Target, rejected: Record<string, string | undefined>, requestId: string): void {
     log.warn("upstream sent implausible usage; counted the gateway's estimate instead", { alias: name, target: target.label, ...rejected, request_id: requestId });
@@ -254,10 +265,12 @@ export function createInferenceService(deps: ServiceDeps) {
         if (counted.rejected) implausibleUsage(name, res.target, counted.rejected, ctx.requestId);
         const { promptTokens, completionTokens } = counted;
         shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens };
+        // Serialised before settling: an answer that cannot be is a failure, settled once as one.
+        const reply = JSON.stringify(shaped.out);
         metering.settle(ticket, { promptTokens, completionTokens }, outcome(name, target, 200, start, false));
-        return { reply: JSON.stringify(shaped.out), usage: { promptTokens, completionTokens } };
+        return { reply, usage: { promptTokens, completionTokens } };
       } catch (e) {
-        return settleFailure(ticket, name, start, false, e);
+        return settleFailure(ticket, name, start, false, unreadable(e, name, target));
       }
     }
 
@@ -342,8 +355,10 @@ export function createInferenceService(deps: ServiceDeps) {
       body.model = t.cfg.model;
       return JSON.stringify(body);
     };
+    let target: Target | undefined;
     try {
       const res = await upstream.complete(name, alias, "/embeddings", payloadFor, ctx, embeddingAnswerLimit(body, alias.dimensions, config.upstream.maxResponseBytes));
+      target = res.target;
       const parsed = parseJson(res.body);
       if (!isRecord(parsed) || !Array.isArray(parsed.data)) throw badUpstreamAnswer(name, res.target);
       const data = parsed.data.map((d: unknown, i: number) => {
@@ -353,12 +368,12 @@ export function createInferenceService(deps: ServiceDeps) {
       const counted = countUsage(isRecord(parsed.usage) ? parsed.usage : undefined, { promptTokens: estimate, completionTokens: 0 });
       if (counted.rejected) implausibleUsage(name, res.target, { prompt_tokens: counted.rejected.prompt_tokens }, ctx.requestId);
       const promptTokens = counted.promptTokens;
-      metering.settle(ticket, { promptTokens, completionTokens: 0 }, outcome(name, res.target, 200, start, false));
-      // Spec 2.4; the embedding stays as the upstream wrote it (floats, or base64 when asked).
+      // Spec 2.4; the embedding stays as the upstream wrote it (floats, or base64 when asked). Serialised before settling, as chat's.
       const reply = JSON.stringify({ object: "list", data, model: name, usage: { prompt_tokens: promptTokens, total_tokens: promptTokens } });
+      metering.settle(ticket, { promptTokens, completionTokens: 0 }, outcome(name, res.target, 200, start, false));
       return { reply, usage: { promptTokens, completionTokens: 0 } };
     } catch (e) {
-      return settleFailure(ticket, name, start, false, e);
+      return settleFailure(ticket, name, start, false, unreadable(e, name, target));
     }
   }
 

@@ -3,6 +3,7 @@ import { TypeCompiler, type TypeCheck } from "@sinclair/typebox/compiler";
 import { AppError } from "../lib/errors.ts";
 import { firstError } from "../inference/model.ts";
 import { isRecord } from "../lib/guards.ts";
+import { JsonValue } from "../lib/json-value.ts";
 
 /**
  * The body of POST /v1/responses, compiled once. Like chat (spec 7), a field
@@ -19,7 +20,8 @@ import { isRecord } from "../lib/guards.ts";
 
 const Nullable = <S extends TSchema>(s: S) => T.Union([s, T.Null()]);
 const Strict = { additionalProperties: false } as const;
-const Json = T.Record(T.String(), T.Unknown());
+/** Free-form JSON: nested at most JSON_DEPTH_LIMIT levels (lib/json-value.ts), as every T.Unknown-like field here. */
+const Json = T.Record(T.String(), JsonValue);
 
 // ---------------------------------------------------------------------------
 // Content parts
@@ -41,7 +43,7 @@ const InputImage = T.Object(
 );
 /** What an assistant message echoed back from a previous output carries. */
 const OutputText = T.Object(
-  { type: T.Literal("output_text"), text: T.String(), annotations: T.Optional(T.Array(T.Unknown())), logprobs: T.Optional(Nullable(T.Array(T.Unknown()))) },
+  { type: T.Literal("output_text"), text: T.String(), annotations: T.Optional(T.Array(JsonValue)), logprobs: T.Optional(Nullable(T.Array(JsonValue))) },
   Strict,
 );
 const Refusal = T.Object({ type: T.Literal("refusal"), refusal: T.String() }, Strict);
@@ -95,7 +97,7 @@ const FunctionCallItem = T.Object(
     status: Status,
     namespace: T.Optional(Nullable(T.String())),
     // The Agents SDK's programmatic tool calling echoes who made the call; nothing to forward.
-    caller: T.Optional(Nullable(T.Unknown())),
+    caller: T.Optional(JsonValue),
   },
   Strict,
 );
@@ -106,7 +108,7 @@ const FunctionCallOutputItem = T.Object(
     output: T.Union([T.String(), T.Array(InputText)]),
     id: T.Optional(Nullable(T.String())),
     status: Status,
-    caller: T.Optional(Nullable(T.Unknown())),
+    caller: T.Optional(JsonValue),
   },
   Strict,
 );
@@ -115,8 +117,8 @@ const ReasoningItem = T.Object(
   {
     type: T.Literal("reasoning"),
     id: T.Optional(Nullable(T.String())),
-    summary: T.Optional(T.Array(T.Unknown())),
-    content: T.Optional(Nullable(T.Array(T.Unknown()))),
+    summary: T.Optional(T.Array(JsonValue)),
+    content: T.Optional(Nullable(T.Array(JsonValue))),
     encrypted_content: T.Optional(Nullable(T.String())),
     status: Status,
   },
@@ -134,13 +136,14 @@ const ItemReference = T.Object(
   Strict,
 );
 
-const ITEM_CHECKS: Record<string, TypeCheck<TSchema>> = {
-  item_reference: TypeCompiler.Compile(ItemReference),
-  message: TypeCompiler.Compile(MessageItem),
-  function_call: TypeCompiler.Compile(FunctionCallItem),
-  function_call_output: TypeCompiler.Compile(FunctionCallOutputItem),
-  reasoning: TypeCompiler.Compile(ReasoningItem),
-};
+/** By item type. A Map, not an object: a type named like an Object.prototype member ("constructor") must find nothing. */
+const ITEM_CHECKS = new Map<string, TypeCheck<TSchema>>([
+  ["item_reference", TypeCompiler.Compile(ItemReference)],
+  ["message", TypeCompiler.Compile(MessageItem)],
+  ["function_call", TypeCompiler.Compile(FunctionCallItem)],
+  ["function_call_output", TypeCompiler.Compile(FunctionCallOutputItem)],
+  ["reasoning", TypeCompiler.Compile(ReasoningItem)],
+]);
 
 export type MessageItem = Omit<Static<typeof MessageItem>, "content"> & { content: string | ContentPart[] };
 export type FunctionCallItem = Static<typeof FunctionCallItem>;
@@ -230,7 +233,7 @@ const Body = T.Object(
     prompt_cache_key: T.Optional(Nullable(T.String())),
     prompt_cache_retention: T.Optional(Nullable(T.String())),
     prompt_cache_options: T.Optional(Nullable(Json)),
-    context_management: T.Optional(Nullable(T.Unknown())),
+    context_management: T.Optional(JsonValue),
     // Features this gateway does not have: accepted only when empty.
     prompt: T.Optional(T.Null()),
     conversation: T.Optional(T.Null()),
@@ -287,7 +290,7 @@ export function isItemReference(item: RequestItem): item is ItemReference {
 function checkItem(item: Record<string, unknown>, j: number): void {
   const at = `input[${j}]`;
   const type = itemType(item);
-  const check = typeof type === "string" ? ITEM_CHECKS[type] : undefined;
+  const check = typeof type === "string" ? ITEM_CHECKS.get(type) : undefined;
   if (!check) {
     throw invalid(
       `${at}.type`,

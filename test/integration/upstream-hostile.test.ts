@@ -38,7 +38,7 @@ async function setup(
   respond: (conn: HostileConn, request: string) => void,
   over: Partial<Config["upstream"]> = {},
   timeouts: Partial<Config["upstream"]["timeouts"]> = {},
-): Promise<{ up: HostileUpstream; chat: (extra?: Record<string, unknown>) => Promise<Response>; embed: (input: string[]) => Promise<Response> }> {
+): Promise<{ up: HostileUpstream; gw: Gateway; chat: (extra?: Record<string, unknown>) => Promise<Response>; embed: (input: string[]) => Promise<Response> }> {
   const up = hostileUpstream(respond);
   upstreams.push(up);
   const gw = await startTestGateway({
@@ -51,6 +51,7 @@ async function setup(
   const key = org.personalKey;
   return {
     up,
+    gw,
     chat: (extra = {}) =>
       post(gw, "/v1/chat/completions", key, { model: "svc-fast", messages: userMessages(), ...extra }, { signal: AbortSignal.timeout(30_000) }),
     embed: (input) => post(gw, "/v1/embeddings", key, { model: "svc-embed", input }, { signal: AbortSignal.timeout(30_000) }),
@@ -306,5 +307,39 @@ describe("SSE stream without event separators", () => {
     expect(up.conns[0]?.written ?? 0).toBeLessThan(8 * MB + SLACK);
     // Linear work: 8 MiB held in pieces is quick even on a busy machine (re-copying it on each read is not).
     expect(performance.now() - t0).toBeLessThan(15_000);
+  });
+});
+
+describe("answers nested past JSON.stringify's stack", () => {
+  // JSON.parse reads 50,000 nested arrays; serialising them again overflows the stack.
+  const DEEP = `${"[".repeat(50_000)}${"]".repeat(50_000)}`;
+  const answer = (c: HostileConn, body: string) => c.write(`HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
+  const choice = (message: string, extra = "") =>
+    `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"${CHAT_MODEL}","choices":[{"index":0,"message":${message},"finish_reason":"stop"${extra}}],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}`;
+
+  for (const [name, body] of [
+    ["tool calls", choice(`{"role":"assistant","content":null,"tool_calls":[${DEEP}]}`)],
+    ["logprobs", choice(`{"role":"assistant","content":"hi"}`, `,"logprobs":{"content":[{"token":"hi","logprob":-1,"top_logprobs":${DEEP}}]}`)],
+  ]) {
+    test(`a chat answer with such ${name} is the usual 503 for an unreadable answer, not a 500, and is not charged`, async () => {
+      const { gw, chat } = await setup((c) => answer(c, body ?? ""));
+      const res = await chat({ logprobs: true });
+      const err = await errorOf(res);
+      expect({ status: res.status, code: err.code }).toEqual({ status: 503, code: "service_unavailable" });
+      expect(err.message).toContain("unreadable answer");
+      // Settled once, as the failure the client saw: none of the answer's 5 completion tokens counted.
+      const metrics = await (await fetch(`${gw.metricsUrl}`)).text();
+      expect(Number(/^gateway_tokens_total\{alias="svc-fast",direction="completion"\} (\d+)$/m.exec(metrics)?.[1] ?? 0)).toBe(0);
+    });
+  }
+
+  test("an embedding answer with such a vector: the same", async () => {
+    const { gw, embed } = await setup((c) => answer(c, `{"object":"list","data":[{"object":"embedding","index":0,"embedding":${DEEP}}],"model":"m","usage":{"prompt_tokens":7,"total_tokens":7}}`));
+    const res = await embed(["x"]);
+    const err = await errorOf(res);
+    expect({ status: res.status, code: err.code }).toEqual({ status: 503, code: "service_unavailable" });
+    expect(err.message).toContain("unreadable answer");
+    const metrics = await (await fetch(`${gw.metricsUrl}`)).text();
+    expect(Number(/^gateway_tokens_total\{alias="svc-embed",direction="prompt"\} (\d+)$/m.exec(metrics)?.[1] ?? 0)).toBe(0);
   });
 });
