@@ -142,9 +142,27 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
   let queue: PendingSave[] = [];
   let flushing: Promise<void> | undefined;
 
+  /**
+   * Queues a response; settles when its row is committed or refused. Never
+   * throws: a row that cannot even be built (its JSON) is a rejection, which
+   * the caller's catch logs like any failed write.
+   */
   function save(r: SaveInput): Promise<void> {
+    let row: NewResponseRow;
+    try {
+      row = rowOf(r);
+    } catch (e) {
+      return Promise.reject(e);
+    }
+    return new Promise<void>((resolve, reject) => {
+      queue.push({ row, resolve, reject });
+      flushing ??= flush();
+    });
+  }
+
+  function rowOf(r: SaveInput): NewResponseRow {
     const p = r.principal;
-    const row: NewResponseRow = {
+    return {
       id: r.id,
       orgId: p.orgId,
       ownerUserId: p.kind === "personal" ? p.userId : null,
@@ -155,10 +173,6 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
       outputItemIds: outputItemIds(r.response).join(","),
       expiresAt: new Date(Date.now() + opts.retentionDays * 86_400_000),
     };
-    return new Promise<void>((resolve, reject) => {
-      queue.push({ row, resolve, reject });
-      flushing ??= flush();
-    });
   }
 
   /** When the last write started (performance.now()). */

@@ -569,6 +569,19 @@ describe("the save queue", () => {
     expect(writeSpacingFor("postgres")).toBe(0);
   });
 
+  test("a response that cannot be written as JSON is a rejected save, never a throw past the caller's catch", async () => {
+    const store = storeOf();
+    const cyclic: Record<string, unknown> = { id: "x", object: "response", output: [] };
+    cyclic.self = cyclic;
+    const [id] = ids(1);
+    let saved: Promise<void> | undefined;
+    expect(() => {
+      saved = store.save({ ...saveInput(id ?? ""), response: cyclic });
+    }).not.toThrow();
+    expect(await saved?.then(() => "written", (e: unknown) => (e instanceof Error ? "rejected" : "odd"))).toBe("rejected");
+    expect(await count([id ?? ""])).toBe(0);
+  });
+
   test("stop writes what is still queued", async () => {
     const store = storeOf();
     const list = ids(30);
