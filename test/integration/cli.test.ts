@@ -484,6 +484,20 @@ describe("keys", () => {
   });
 });
 
+describe("hostile arguments: a message on stderr, exit 2, nothing written", () => {
+  test("a flag given twice is refused, not silently the last one", async () => {
+    const before = await counts();
+    expectUsage(await cli("orgs", "create", "--name", "A", "--name", "B"), "--name given more than once");
+    expectUsage(await cli("orgs", "create", "--name=A", "--name", "B", "--json"), "--name given more than once");
+    expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "service", "--kind", "personal", "--scopes", "inference"), "--kind given more than once");
+    expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--models", "svc-fast", "--models=svc-smart"), "--models given more than once");
+    expectUsage(await cli("orgs", "create", "--name", "A", "--json", "--json"), "--json given more than once");
+    expectUsage(await cli("orgs", "create", "--name", "A", "--academy-only", "--academy-only"), "--academy-only given more than once");
+    expectUsage(await bare("config", "check", "--config", join(work, "a.json"), "--config", join(work, "b.json")), "--config given more than once");
+    expect(await counts()).toEqual(before);
+  });
+});
+
 describe("audit import", () => {
   const line = (extra: Record<string, unknown> = {}) =>
     JSON.stringify({
