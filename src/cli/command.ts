@@ -137,6 +137,11 @@ function parse<F extends Flags>(flags: F, positionals: readonly PositionalSpec[]
     const v = parsed.values[name];
     if (f.required && (v === undefined || v === "")) throw new UsageError(`missing --${name}`);
   }
+  // An empty value is not the flag's absence: `--models "$MODELS"` with an empty
+  // variable would otherwise mint a key for every model.
+  for (const [name, v] of Object.entries(parsed.values)) {
+    if (v === "") throw new UsageError(`--${name} needs a value`);
+  }
   positionals.forEach((p, i) => {
     if (!parsed.positionals[i]) throw new UsageError(`missing ${p.missing}`);
   });

@@ -496,6 +496,53 @@ describe("hostile arguments: a message on stderr, exit 2, nothing written", () =
     expectUsage(await bare("config", "check", "--config", join(work, "a.json"), "--config", join(work, "b.json")), "--config given more than once");
     expect(await counts()).toEqual(before);
   });
+
+  test("an empty value is refused, not taken as the flag's absence", async () => {
+    const before = await counts();
+    const key = ["keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference"];
+    // --models "" would otherwise mint a key for every model: a script's empty variable must not widen a key.
+    expectUsage(await cli(...key, "--models", ""), "--models needs a value");
+    expectUsage(await cli(...key, "--expires-in", ""), "--expires-in needs a value");
+    expectUsage(await cli(...key, "--expires-at="), "--expires-at needs a value");
+    expectUsage(await cli(...key, "--name", ""), "--name needs a value");
+    expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "personal", "--user", "", "--scopes", "inference"), "--user needs a value");
+    expectUsage(await cli("orgs", "create", "--name", "X", "--quota-window", ""), "--quota-window needs a value");
+    expectUsage(await cli("orgs", "create", "--name", "X", "--quota-tokens", ""), "--quota-tokens needs a value");
+    expectUsage(await cli("orgs", "set", "--id", orgId, "--plan", ""), "--plan needs a value");
+    expectUsage(await cli("keys", "rotate", personalKey.id, "--grace", ""), "--grace needs a value");
+    expectUsage(await cli("usage", "report", "--org", orgId, "--since", ""), "--since needs a value");
+    // Caught before any file is read or any data directory opened (an empty --data-dir is not ./data).
+    expectUsage(await bare("config", "check", "--config", ""), "--config needs a value");
+    expectUsage(await bare("config", "check", "--data-dir", ""), "--data-dir needs a value");
+    expectUsage(await bare("serve", "--port", ""), "--port needs a value");
+    expectUsage(await bare("serve", "--host", ""), "--host needs a value");
+    expectUsage(await bare("simulate-upstream", "--tokens", ""), "--tokens needs a value");
+    expect(await counts()).toEqual(before);
+  });
+
+  test("odd numbers, durations and ids", async () => {
+    const before = await counts();
+    for (const n of ["1e21", "0x10", "1.5", " 5", "５", "+5", "9".repeat(16), "Infinity", "NaN"]) {
+      expectUsage(await cli("orgs", "create", "--name", "X", "--quota-tokens", n), `--quota-tokens must be a whole number, got ${JSON.stringify(n)}`);
+    }
+    // A value starting with a dash reads as a flag: parseArgs says so, still exit 2.
+    expectUsage(await cli("orgs", "create", "--name", "X", "--quota-tokens", "-1"), "--quota-tokens");
+    expectUsage(await cli("orgs", "create", "--name", "X", "--quota-tokens=-1"), '--quota-tokens must be a whole number, got "-1"');
+    const key = ["keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference"];
+    for (const d of ["0s", "0d", "1w", "1.5d", "9999999d", "d", "-1d", "1 d"]) {
+      expectUsage(await cli(...key, `--expires-in=${d}`), "--expires-in takes a duration");
+    }
+    for (const t of ["10000-01-01", "2030-02-30", "2030-01-01T25:00:00Z", "2030-01-01T00:00:00", "1e12", "now"]) {
+      expectUsage(await cli(...key, "--expires-at", t), "--expires-at is not an ISO 8601 time");
+    }
+    for (const id of [`{${orgId}}`, `${orgId}0`, orgId.replaceAll("-", ""), "zzzzzzzz-zzzz-zzzz-zzzz-zzzzzzzzzzzz", `${orgId}\n`]) {
+      expectUsage(await cli("keys", "list", "--org", id), "--org must be a UUID");
+    }
+    expectUsage(await cli("keys", "revoke", "not-a-uuid"), "key id must be a UUID");
+    expectUsage(await cli("serve", "--port", "1e3"), "--port must be a whole number");
+    expectUsage(await cli("serve", "--port", "65536"), "/port");
+    expect(await counts()).toEqual(before);
+  });
 });
 
 describe("audit import", () => {
