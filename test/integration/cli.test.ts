@@ -543,6 +543,26 @@ describe("hostile arguments: a message on stderr, exit 2, nothing written", () =
     expectUsage(await cli("serve", "--port", "65536"), "/port");
     expect(await counts()).toEqual(before);
   });
+
+  test("names and e-mail addresses: bounded, one line, no control characters", async () => {
+    const before = await counts();
+    expectUsage(await cli("orgs", "create", "--name", "x".repeat(201)), "--name is longer than 200 characters");
+    expectUsage(await cli("orgs", "create", "--name", "x".repeat(100_000)), "--name is longer than 200 characters");
+    expectUsage(await cli("orgs", "create", "--name", "two\nlines"), "--name must not contain control characters");
+    expectUsage(await cli("orgs", "create", "--name", "bell\u0007"), "--name must not contain control characters");
+    expectUsage(await cli("users", "create", "--org", orgId, "--name", "y".repeat(201), "--email", "y@acme.example"), "--name is longer than 200 characters");
+    expectUsage(await cli("users", "create", "--org", orgId, "--name", "Tab\tName", "--email", "t@acme.example"), "--name must not contain control characters");
+    // Past 254 characters an address is not one (RFC 5321); a long random one used to fail in the database's unique index (exit 1).
+    const long = `${Array.from({ length: 400 }, (_, i) => String.fromCharCode(97 + ((i * 7919) % 26))).join("")}@acme.example`;
+    expectUsage(await cli("users", "create", "--org", orgId, "--name", "Long", "--email", long), "--email is longer than 254 characters");
+    expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--name", "k".repeat(201)), "--name is longer than 200 characters");
+    expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--name", "a\rb"), "--name must not contain control characters");
+    expect(await counts()).toEqual(before);
+    // At the limits, accepted.
+    expect((await cli("orgs", "create", "--name", "n".repeat(200), "--json")).code).toBe(0);
+    const email = `${"e".repeat(254 - "@acme.example".length)}@acme.example`;
+    expect((await cli("users", "create", "--org", orgId, "--name", "Édith Ünïcode 名前", "--email", email, "--json")).code).toBe(0);
+  });
 });
 
 describe("audit import", () => {
