@@ -716,6 +716,43 @@ describe("as a process (bun run src/main.ts)", () => {
     expect(r.stderr.trim().split("\n")).toHaveLength(1);
   });
 
+  test("a database error: one line with the database's reason and exit 1; its query and stack only with LOG_LEVEL=debug", async () => {
+    // A schema broken under the gateway (a table dropped by hand): the query fails at run time, on either database.
+    const pg = process.env.TEST_DATABASE_URL ? await createScratchDatabase(process.env.TEST_DATABASE_URL, "gw_cli_err") : undefined;
+    const dir = join(work, "broken");
+    const env = cleanEnv(pg ? { DATABASE_URL: pg.url } : {});
+    const args = ["usage", "report", "--org", MISSING_UUID, ...(pg ? [] : ["--data-dir", dir])];
+    try {
+      expect((await runGateway(["migrate", ...args.slice(4)], { env })).code).toBe(0);
+      const db = await openDatabase(pg ? { databaseUrl: pg.url, dataDir: "memory://", poolMax: 1 } : { dataDir: dir });
+      try {
+        await db.rows(sql`drop table usage_events`);
+      } finally {
+        await db.close();
+      }
+      const r = await runGateway(args, { env });
+      expect(r.code).toBe(1);
+      expect(r.stdout).toBe("");
+      expect(r.stderr).toMatch(/^error: .*relation "usage_events" does not exist\n$/);
+      const debug = await runGateway(args, { env: { ...env, LOG_LEVEL: "debug" } });
+      expect(debug.code).toBe(1);
+      expect(debug.stderr).toStartWith("error: ");
+      expect(debug.stderr).toContain('relation "usage_events" does not exist');
+      expect(debug.stderr).toContain("usage_events");
+      expect(debug.stderr).toMatch(/\n\s+at /);
+    } finally {
+      await pg?.drop();
+    }
+  });
+
+  test("LOG_LEVEL=debug: the stack of a runtime failure", async () => {
+    const env = cleanEnv({ DATABASE_URL: "postgres://postgres@127.0.0.1:1/none", LOG_LEVEL: "debug" });
+    const r = await runGateway(["keys", "list", "--org", MISSING_UUID], { env });
+    expect(r.code).toBe(1);
+    expect(r.stderr).toStartWith("error: ");
+    expect(r.stderr).toMatch(/\n\s+at /);
+  });
+
   test("simulate-upstream serves until SIGTERM, then exits 0", async () => {
     const sim = startGatewayProcess(["simulate-upstream", "--port", "0", "--ttft-ms", "1"]);
     try {
