@@ -161,6 +161,42 @@ describe("environment variables of the responses API and the shared port", () =>
   });
 });
 
+describe("durations in milliseconds", () => {
+  // A timer longer than 2^31 - 1 ms fires after 1 ms in Bun (and Node): drainMs 3e9 would end the drain at once.
+  const MS_PATHS = [
+    "drainMs",
+    "keyCache/ttlMs",
+    "keyCache/negativeTtlMs",
+    "rateLimit/windowMs",
+    "quota/flushMs",
+    "upstream/backoffMs",
+    "upstream/breakerCooldownMs",
+    "upstream/timeouts/connectMs",
+    "upstream/timeouts/firstByteMs",
+    "upstream/timeouts/idleMs",
+    "upstream/imageUrls/resolveTimeoutMs",
+    "aliases/x/timeouts/idleMs",
+  ];
+  const withValue = (path: string, v: number): Record<string, unknown> => {
+    const keys = path.split("/");
+    let value: unknown = v;
+    for (const k of keys.slice(1).reverse()) value = { [k]: value };
+    const top = keys[0] ?? "";
+    if (top !== "aliases") return { [top]: value };
+    return { aliases: { x: { kind: "chat", targets: [{ baseUrl: "http://h/v1", model: "m" }], ...(value as { x: object }).x } } };
+  };
+
+  test("stop at 2^31 - 1 (~24.8 days); beyond, a problem naming the option", async () => {
+    for (const path of MS_PATHS) {
+      expect({ path, problems: await problems({ env: {}, file: file(withValue(path, 2 ** 31 - 1)) }) }).toEqual({ path, problems: [] });
+      for (const v of [2 ** 31, 1e300]) {
+        const p = await problems({ env: {}, file: file(withValue(path, v)) });
+        expect({ path, v, named: p.some((x) => x.startsWith(`/${path}:`)) }).toEqual({ path, v, named: true });
+      }
+    }
+  });
+});
+
 describe("plans", () => {
   test("a file's plans are merged with the built-in ones", async () => {
     const c = await loadConfig({ env: {}, file: file({ plans: { Enterprise: { requestsPerMinute: 1_200 } } }) });
