@@ -84,6 +84,25 @@ describe("GET /metrics", () => {
     expect(after).not.toContain("PROPFIND");
   });
 
+  test("gateway_upstream_breaker_open is current on the scrape that reads it, the first one included", async () => {
+    // The default aliases point at a closed port; one failure opens a target's breaker.
+    const dead = await startTestGateway({ upstream: { breakerFailures: 1, attempts: 1, backoffMs: 0 } });
+    try {
+      const scrape = async () => (await fetch(metricsUrl(dead))).text();
+      expect(await scrape()).toMatch(/^gateway_upstream_breaker_open\{target="[^"]+"\} 0$/m);
+      const res = await fetch(`${dead.url}/v1/chat/completions`, {
+        method: "POST",
+        headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+        body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] }),
+      });
+      expect(res.status).toBe(503);
+      await res.text();
+      expect(await scrape()).toMatch(/^gateway_upstream_breaker_open\{target="[^"]+"\} 1$/m);
+    } finally {
+      await dead.stop();
+    }
+  });
+
   test("by default only on a loopback listener of its own; the public port answers 404", async () => {
     // The default address, with port 0 instead of 9464 (tests never take the real port).
     const defaults = (await loadConfig({ env: {} })).metrics;
