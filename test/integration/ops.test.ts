@@ -1,9 +1,11 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { join } from "node:path";
 import SwaggerParser from "@apidevtools/swagger-parser";
 import { loadConfig, upstreamAliases } from "../../src/config/load.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, errorOf, rejectionOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { ROOT } from "../helpers/process.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -101,6 +103,39 @@ describe("GET /metrics", () => {
     } finally {
       await dead.stop();
     }
+  });
+
+  test("every series docs/operations.md lists is exported, with the labels it names", async () => {
+    const doc = await Bun.file(join(ROOT, "docs/operations.md")).text();
+    const listed = [...doc.matchAll(/^\| (`gateway_[^|]+)\|/gm)].flatMap((m) => [...(m[1] ?? "").matchAll(/`(gateway_[a-z_*]+)(?:\{([a-z_,]+)\})?`/g)]);
+    expect(listed.length).toBeGreaterThanOrEqual(15);
+    // Traffic for the labelled series, and the readiness check that sets gateway_database_up.
+    const chat = await fetch(`${gw.url}/v1/chat/completions`, {
+      method: "POST",
+      headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+      body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] }),
+    });
+    expect(chat.status).toBe(200);
+    await chat.text();
+    expect((await fetch(`${gw.url}/readyz`)).status).toBe(200);
+    const text = await (await fetch(metricsUrl(gw))).text();
+    const types = new Map([...text.matchAll(/^# TYPE (\S+) (\S+)$/gm)].map((m) => [m[1] ?? "", m[2] ?? ""]));
+    for (const [, name = "", labels] of listed) {
+      const re = new RegExp(`^${name.replaceAll("*", "[a-z_]+")}$`);
+      const found = [...types.keys()].filter((n) => re.test(n));
+      expect({ name, found: found.length > 0 }).toEqual({ name, found: true });
+      if (labels === undefined) continue;
+      // Each sample of the series carries exactly the documented labels (a histogram's buckets add `le`).
+      const samples = text.split("\n").filter((l) => l.startsWith(`${name}{`) || l.startsWith(`${name}_count{`));
+      expect({ name, samples: samples.length > 0 }).toEqual({ name, samples: true });
+      for (const l of samples) {
+        const keys = [...(l.match(/\{(.*)\}/)?.[1] ?? "").matchAll(/([a-z_]+)="/g)].map((m) => m[1]);
+        expect({ name, keys: keys.sort() }).toEqual({ name, keys: labels.split(",").sort() });
+      }
+    }
+    expect(sample(text, "gateway_database_up")).toBe(1);
+    // Counted on the embedded database only; on Postgres, pg_stat_database does.
+    if (gw.database.kind !== "pglite") expect(sample(text, "gateway_database_transactions_total")).toBe(0);
   });
 
   test("by default only on a loopback listener of its own; the public port answers 404", async () => {
