@@ -108,7 +108,7 @@ export function createMetrics() {
     }),
     dbTransactions: new Counter({
       name: "gateway_database_transactions_total",
-      help: "Transactions started on the embedded database (statements outside a transaction and BEGINs); absent on Postgres, whose pg_stat_database counts them",
+      help: "Transactions started on the embedded database (statements outside a transaction and BEGINs); 0 on Postgres, whose pg_stat_database counts them",
       registers,
     }),
     dbUp: new Gauge({ name: "gateway_database_up", help: "1 when the last readiness check reached the database", registers }),
