@@ -1,10 +1,11 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { join } from "node:path";
 import SwaggerParser from "@apidevtools/swagger-parser";
+import { sql } from "drizzle-orm";
 import { loadConfig, upstreamAliases } from "../../src/config/load.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { bearer, errorOf, rejectionOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { bearer, errorOf, freshDatabase, rejectionOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { ROOT } from "../helpers/process.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -197,6 +198,33 @@ describe("GET /metrics", () => {
       expect(String(err)).toContain(`metrics.listen 127.0.0.1:${taken.port}`);
     } finally {
       taken.stop(true);
+    }
+  });
+});
+
+describe("health", () => {
+  test("/healthz answers while alive; /readyz is 503 while a migration is missing, 200 once applied", async () => {
+    // On Postgres this is the suite's database: the row taken away is put back whatever happens.
+    const database = await freshDatabase();
+    const g = await startTestGateway({}, database);
+    let removed: string | undefined;
+    try {
+      expect(await (await fetch(`${g.url}/healthz`)).json()).toEqual({ status: "ok" });
+      expect(await (await fetch(`${g.url}/readyz`)).json()).toEqual({ status: "ready" });
+      // As if this binary were newer than the database: its last migration not yet applied.
+      const [last] = await database.rows<{ tag: string }>(sql`delete from gateway_migrations where tag = (select max(tag) from gateway_migrations) returning tag`);
+      removed = last?.tag;
+      const pending = await fetch(`${g.url}/readyz`);
+      expect(pending.status).toBe(503);
+      expect((await errorOf(pending)).code).toBe("service_unavailable");
+      expect((await fetch(`${g.url}/healthz`)).status).toBe(200);
+      await database.rows(sql`insert into gateway_migrations (tag) values (${removed ?? ""})`);
+      removed = undefined;
+      expect((await fetch(`${g.url}/readyz`)).status).toBe(200);
+    } finally {
+      if (removed !== undefined) await database.rows(sql`insert into gateway_migrations (tag) values (${removed})`);
+      await g.stop();
+      await database.close();
     }
   });
 });
