@@ -1,11 +1,12 @@
 import { afterAll, beforeAll, describe, expect, test, setDefaultTimeout } from "bun:test";
-import { writeFileSync } from "node:fs";
+import { readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { sql } from "drizzle-orm";
 import { COMMANDS } from "../../src/cli/commands/index.ts";
 import { type Database, openDatabase } from "../../src/db/client.ts";
 import { MIGRATIONS } from "../../src/db/migrations.ts";
 import {
+  ROOT,
   cleanEnv,
   createScratchDatabase,
   exitWithin,
@@ -751,6 +752,39 @@ describe("as a process (bun run src/main.ts)", () => {
     expect(r.code).toBe(1);
     expect(r.stderr).toStartWith("error: ");
     expect(r.stderr).toMatch(/\n\s+at /);
+  });
+
+  test("the systemd units' commands are ones the CLI accepts (deploy/)", async () => {
+    for (const name of ["gateway.service", "gateway@.service"]) {
+      const text = readFileSync(join(ROOT, "deploy", name), "utf8");
+      const dir = join(work, `unit-${name}`);
+      // The command line after the binary's path, with the state directory replaced by a scratch one.
+      const args = (key: string) =>
+        (text.split("\n").find((l) => l.startsWith(`${key}=`)) ?? "")
+          .slice(key.length + 1)
+          .split(" ")
+          .slice(1)
+          .map((a) => (a.startsWith("/var/lib/") ? dir : a));
+      const migrated = await runGateway(args("ExecStartPre"), { env: cleanEnv() });
+      expect({ name, code: migrated.code, stderr: migrated.stderr }).toEqual({ name, code: 0, stderr: "" });
+      // serve parses its arguments and reads the configuration, then wants an upstream (set in the unit's env file).
+      const served = await runGateway(args("ExecStart"), { env: cleanEnv() });
+      expect({ name, code: served.code }).toEqual({ name, code: 2 });
+      expect(served.stderr).toContain("no upstream configured");
+    }
+  });
+
+  test("a port already taken: exit 1, one error line naming it", async () => {
+    const taken = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: () => new Response() });
+    try {
+      const r = await runGateway(["serve", "--port", String(taken.port), "--data-dir", join(work, "taken")], {
+        env: cleanEnv({ UPSTREAM_BASE_URL: "http://127.0.0.1:9/v1", LOG_LEVEL: "error", MIMALLOC_PURGE_HOLES: "0" }),
+      });
+      expect(r.code).toBe(1);
+      expect(r.stderr).toBe(`error: Failed to start server. Is port ${taken.port} in use?\n`);
+    } finally {
+      taken.stop(true);
+    }
   });
 
   test("simulate-upstream serves until SIGTERM, then exits 0", async () => {
