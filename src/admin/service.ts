@@ -48,8 +48,23 @@ function requirePlan(plan: string, plans: readonly string[]) {
   if (!plans.includes(plan)) throw new FieldError("plan", () => `unknown plan ${JSON.stringify(plan)}; configured plans: ${plans.join(", ")}`);
 }
 
+/** Longest name of an organisation, person or key; past it a name is a mistake, not a label. */
+const MAX_NAME = 200;
+/** RFC 5321's limit for an address in a path. */
+const MAX_EMAIL = 254;
+// C0 controls and DEL: a newline would split one field into two lines of the audit search text and of the CLI's output.
+// biome-ignore lint/suspicious/noControlCharactersInRegex: matching them is the point.
+const CONTROL = /[\u0000-\u001f\u007f]/;
+
+/** A display text: one line of at most `max` characters (JavaScript's count: UTF-16 code units). */
+function requireText(field: string, value: string, max: number) {
+  if (value.length > max) throw new FieldError(field, (n) => `${n(field)} is longer than ${max} characters (got ${value.length})`);
+  if (CONTROL.test(value)) throw new FieldError(field, (n) => `${n(field)} must not contain control characters`);
+}
+
 function requireName(name: string) {
   if (!name.trim()) throw new FieldError("name", (n) => `${n("name")} must not be empty`);
+  requireText("name", name, MAX_NAME);
 }
 
 export interface OrgView {
@@ -157,6 +172,7 @@ export async function createUser(
 ): Promise<UserView> {
   requireUuid("orgId", input.orgId);
   requireName(input.name);
+  requireText("email", input.email, MAX_EMAIL);
   if (!/^[^\s@]+@[^\s@]+$/.test(input.email)) throw new FieldError("email", (n) => `${n("email")} is not an e-mail address: ${JSON.stringify(input.email)}`);
   return database.db.transaction(async (tx) => {
     const [org] = await tx.select({ id: organizations.id }).from(organizations).where(eq(organizations.id, input.orgId));
@@ -291,6 +307,7 @@ export function validateKeyInput(input: CreateKeyInput): { kind: "personal" | "s
   for (const m of input.models ?? []) {
     if (!input.knownModels.includes(m)) throw new FieldError("models", () => `unknown model alias ${JSON.stringify(m)}; known: ${input.knownModels.join(", ")}`);
   }
+  if (input.name) requireText("name", input.name, MAX_NAME);
   if (input.expiresAt && Number.isNaN(input.expiresAt.getTime())) throw new FieldError("expiresAt", (n) => `${n("expiresAt")} is not a valid ISO 8601 time`);
   if (input.expiresAt && input.expiresInMs !== undefined) throw new FieldError("expiresAt", (n) => `give ${n("expiresAt")} or ${n("expiresInMs")}, not both`);
   return { kind: input.kind, scopes: [...new Set(input.scopes)] as Scope[] };

@@ -117,11 +117,18 @@ export function defineCommand<const F extends Flags>(spec: CommandSpec<F>): Comm
 function parse<F extends Flags>(flags: F, positionals: readonly PositionalSpec[], args: string[]): Parsed<F> {
   const options: Record<string, { type: "string" | "boolean" }> = {};
   for (const [name, f] of Object.entries({ ...COMMON_FLAGS, ...flags })) options[name] = { type: f.type };
-  let parsed: ReturnType<typeof parseArgs<{ args: string[]; options: typeof options; allowPositionals: true; strict: true }>>;
+  let parsed: ReturnType<typeof parseArgs<{ args: string[]; options: typeof options; allowPositionals: true; strict: true; tokens: true }>>;
   try {
-    parsed = parseArgs({ args, options, allowPositionals: true, strict: true });
+    parsed = parseArgs({ args, options, allowPositionals: true, strict: true, tokens: true });
   } catch (e) {
     throw new UsageError(e instanceof Error ? e.message : String(e));
+  }
+  // parseArgs keeps the last of a repeated flag; a script that says two things means neither.
+  const seen = new Set<string>();
+  for (const t of parsed.tokens) {
+    if (t.kind !== "option") continue;
+    if (seen.has(t.name)) throw new UsageError(`--${t.name} given more than once`);
+    seen.add(t.name);
   }
   if (parsed.positionals.length > positionals.length) {
     throw new UsageError(`unexpected argument ${JSON.stringify(parsed.positionals[positionals.length])}`);
@@ -129,6 +136,11 @@ function parse<F extends Flags>(flags: F, positionals: readonly PositionalSpec[]
   for (const [name, f] of Object.entries(flags)) {
     const v = parsed.values[name];
     if (f.required && (v === undefined || v === "")) throw new UsageError(`missing --${name}`);
+  }
+  // An empty value is not the flag's absence: `--models "$MODELS"` with an empty
+  // variable would otherwise mint a key for every model.
+  for (const [name, v] of Object.entries(parsed.values)) {
+    if (v === "") throw new UsageError(`--${name} needs a value`);
   }
   positionals.forEach((p, i) => {
     if (!parsed.positionals[i]) throw new UsageError(`missing ${p.missing}`);

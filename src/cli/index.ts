@@ -1,3 +1,4 @@
+import { DrizzleQueryError } from "drizzle-orm";
 import { FORWARDABLE, ForwardToServer, forward } from "./admin-socket.ts";
 import { type Command, type Context, type Out, UsageError } from "./command.ts";
 import { COMMANDS } from "./commands/index.ts";
@@ -96,9 +97,24 @@ export async function runCli(argv: string[], out: Out = defaultOut): Promise<num
       return 1;
     }
     // Anything else (database unreachable, port in use, a bug): one clear line for
-    // the operator and exit 1; the stack only when asked for.
-    const detail = e instanceof Error ? (process.env.LOG_LEVEL === "debug" ? (e.stack ?? e.message) : e.message) : String(e);
-    out.stderr(`error: ${detail}\n`);
+    // the operator and exit 1; the stack (and a failed query) only when asked for.
+    out.stderr(`error: ${process.env.LOG_LEVEL === "debug" ? debugDetail(e) : reason(e)}\n`);
     return 1;
   }
+}
+
+/**
+ * A runtime failure in one line. drizzle wraps a database error as "Failed
+ * query: <sql> params: <values>" over several lines, with the database's own
+ * reason only in `cause`: the reason is what the operator needs.
+ */
+function reason(e: unknown): string {
+  const inner = e instanceof DrizzleQueryError && e.cause instanceof Error ? e.cause : e;
+  return (inner instanceof Error ? inner.message : String(inner)).replace(/\s*\n\s*/g, " ");
+}
+
+function debugDetail(e: unknown): string {
+  if (!(e instanceof Error)) return String(e);
+  const own = e.stack ?? e.message;
+  return e instanceof DrizzleQueryError && e.cause instanceof Error ? `${e.cause.message}\n${own}\ncaused by: ${e.cause.stack ?? e.cause.message}` : own;
 }

@@ -49,6 +49,16 @@ function envInt(env: LoadInput["env"], name: string, problems: string[]): number
   return Number(raw);
 }
 
+/** A switch: unset or empty is undefined; anything but the usual words for on and off is a problem, never a silent false. */
+function envBool(env: LoadInput["env"], name: string, problems: string[]): boolean | undefined {
+  const raw = env[name];
+  if (raw === undefined || raw === "") return undefined;
+  if (/^(1|true|yes|on)$/i.test(raw)) return true;
+  if (/^(0|false|no|off)$/i.test(raw)) return false;
+  problems.push(`env ${name}: expected 1, true, yes, on or 0, false, no, off, got ${JSON.stringify(raw)}`);
+  return undefined;
+}
+
 /**
  * Parse the configuration once at boot: file, then env, then flags. Every
  * problem is collected so an operator fixes them all in one go.
@@ -68,13 +78,16 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
   set("databaseUrl", env.DATABASE_URL);
   set("logLevel", env.LOG_LEVEL);
   set("cursorSecret", env.GATEWAY_CURSOR_SECRET);
-  if (env.GATEWAY_REUSE_PORT !== undefined && env.GATEWAY_REUSE_PORT !== "") raw.reusePort = /^(1|true|yes)$/i.test(env.GATEWAY_REUSE_PORT);
+  const reusePort = envBool(env, "GATEWAY_REUSE_PORT", problems);
+  if (reusePort !== undefined) raw.reusePort = reusePort;
   if (env.METRICS_LISTEN) raw.metrics = { ...(isRecord(raw.metrics) ? raw.metrics : {}), listen: env.METRICS_LISTEN };
   const instances = envInt(env, "GATEWAY_RATE_LIMIT_INSTANCES", problems);
   if (instances !== undefined) raw.rateLimit = { ...(isRecord(raw.rateLimit) ? raw.rateLimit : {}), instances };
   const responses: Json = {};
-  if (env.GATEWAY_RESPONSES !== undefined && env.GATEWAY_RESPONSES !== "") responses.enabled = /^(1|true|yes)$/i.test(env.GATEWAY_RESPONSES);
-  if (env.GATEWAY_RESPONSES_STORE !== undefined && env.GATEWAY_RESPONSES_STORE !== "") responses.store = /^(1|true|yes)$/i.test(env.GATEWAY_RESPONSES_STORE);
+  const enabled = envBool(env, "GATEWAY_RESPONSES", problems);
+  if (enabled !== undefined) responses.enabled = enabled;
+  const store = envBool(env, "GATEWAY_RESPONSES_STORE", problems);
+  if (store !== undefined) responses.store = store;
   const retentionDays = envInt(env, "GATEWAY_RESPONSES_RETENTION_DAYS", problems);
   if (retentionDays !== undefined) responses.retentionDays = retentionDays;
   if (Object.keys(responses).length > 0) raw.responses = { ...(isRecord(raw.responses) ? raw.responses : {}), ...responses };

@@ -6,6 +6,16 @@ import { type Static, Type as T } from "@sinclair/typebox";
  * every option (README "Configuration" mirrors it).
  */
 
+/**
+ * A duration in milliseconds. Timers take at most 2^31 - 1 ms (~24.8 days):
+ * a longer one fires after 1 ms (Bun, like Node), so drainMs 3e9 would end the
+ * drain at once. Longer values are refused instead.
+ */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+function Ms(options: { minimum: number; default: number; description?: string }) {
+  return T.Integer({ ...options, maximum: MAX_TIMER_MS });
+}
+
 const Target = T.Object(
   {
     baseUrl: T.String({ description: "Upstream OpenAI-compatible base URL, e.g. http://10.0.0.5:8000/v1" }),
@@ -18,9 +28,9 @@ const Target = T.Object(
 
 const Timeouts = T.Object(
   {
-    connectMs: T.Integer({ minimum: 1, default: 5_000 }),
-    firstByteMs: T.Integer({ minimum: 1, default: 60_000, description: "Time to the upstream's response headers" }),
-    idleMs: T.Integer({ minimum: 1, default: 60_000, description: "Longest silence inside a stream" }),
+    connectMs: Ms({ minimum: 1, default: 5_000 }),
+    firstByteMs: Ms({ minimum: 1, default: 60_000, description: "Time to the upstream's response headers" }),
+    idleMs: Ms({ minimum: 1, default: 60_000, description: "Longest silence inside a stream" }),
   },
   { additionalProperties: false, default: {} },
 );
@@ -59,7 +69,7 @@ export const ConfigSchema = T.Object(
     }),
     accessLog: T.Boolean({ default: true }),
     bodyLimitBytes: T.Integer({ minimum: 1024, default: 16 * 1024 * 1024 }),
-    drainMs: T.Integer({ minimum: 0, default: 30_000, description: "How long in-flight requests may finish after SIGTERM" }),
+    drainMs: Ms({ minimum: 0, default: 30_000, description: "How long in-flight requests may finish after SIGTERM" }),
     idleTimeoutS: T.Integer({
       minimum: 1,
       maximum: 255,
@@ -70,9 +80,9 @@ export const ConfigSchema = T.Object(
     cursorSecret: T.Optional(T.String({ minLength: 32 })),
     keyCache: T.Object(
       {
-        ttlMs: T.Integer({ minimum: 0, default: 60_000 }),
+        ttlMs: Ms({ minimum: 0, default: 60_000 }),
         max: T.Integer({ minimum: 1, default: 100_000 }),
-        negativeTtlMs: T.Integer({ minimum: 0, default: 5_000 }),
+        negativeTtlMs: Ms({ minimum: 0, default: 5_000 }),
         negativeMax: T.Integer({ minimum: 1, default: 10_000 }),
         unknownPerPrefixPerMin: T.Integer({
           minimum: 1,
@@ -102,7 +112,7 @@ export const ConfigSchema = T.Object(
       {
         instances: T.Integer({ minimum: 1, default: 1, description: "Gateway instances sharing the load; limits are divided by it" }),
         maxOrgs: T.Integer({ minimum: 1, default: 100_000 }),
-        windowMs: T.Integer({ minimum: 1_000, default: 60_000, description: "Rolling window; the spec's limits are per minute" }),
+        windowMs: Ms({ minimum: 1_000, default: 60_000, description: "Rolling window; the spec's limits are per minute" }),
       },
       { additionalProperties: false, default: {} },
     ),
@@ -114,7 +124,7 @@ export const ConfigSchema = T.Object(
           default: 4_096,
           description: "For an organisation with a quota, the completion bound of each choice of a request that sets none (reserved, and sent upstream as max_tokens)",
         }),
-        flushMs: T.Integer({ minimum: 10, default: 1_000 }),
+        flushMs: Ms({ minimum: 10, default: 1_000 }),
         maxBuffered: T.Integer({ minimum: 1, default: 1_000_000 }),
       },
       { additionalProperties: false, default: {} },
@@ -122,9 +132,9 @@ export const ConfigSchema = T.Object(
     upstream: T.Object(
       {
         attempts: T.Integer({ minimum: 1, maximum: 10, default: 3 }),
-        backoffMs: T.Integer({ minimum: 0, default: 50 }),
+        backoffMs: Ms({ minimum: 0, default: 50 }),
         breakerFailures: T.Integer({ minimum: 1, default: 5 }),
-        breakerCooldownMs: T.Integer({ minimum: 1, default: 30_000 }),
+        breakerCooldownMs: Ms({ minimum: 1, default: 30_000 }),
         maxResponseBytes: T.Integer({
           minimum: 1024,
           default: 8 * 1024 * 1024,
@@ -137,7 +147,7 @@ export const ConfigSchema = T.Object(
             {
               allowPrivate: T.Boolean({ default: false, description: "Let image URLs name loopback, private, link-local and metadata hosts" }),
               allow: T.Array(T.String(), { default: [], description: "Host names, addresses or CIDRs image URLs may name although internal" }),
-              resolveTimeoutMs: T.Integer({ minimum: 1, default: 2_000, description: "Deadline for resolving a request's image hosts" }),
+              resolveTimeoutMs: Ms({ minimum: 1, default: 2_000, description: "Deadline for resolving a request's image hosts" }),
             },
             { additionalProperties: false, default: {} },
           ),

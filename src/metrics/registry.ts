@@ -80,20 +80,22 @@ export function createMetrics() {
       labelNames: ["alias", "target", "outcome"] as const,
       registers,
     }),
+    usageBuffered: new Gauge({
+      name: "gateway_usage_buffered_events",
+      help: "Usage records waiting to be written",
+      registers,
+      // Registered before every metric the hooks set (all below), so a scrape
+      // reads the values of its own moment, the first scrape included:
+      // prom-client reads the metrics in the order they were registered.
+      collect() {
+        for (const fn of scrapeHooks) fn();
+      },
+    }),
     breakerOpen: new Gauge({
       name: "gateway_upstream_breaker_open",
       help: "1 while a target's circuit breaker is open",
       labelNames: ["target"] as const,
       registers,
-    }),
-    usageBuffered: new Gauge({
-      name: "gateway_usage_buffered_events",
-      help: "Usage records waiting to be written",
-      registers,
-      // Registered before the metrics it feeds, so one scrape reads fresh values.
-      collect() {
-        for (const fn of scrapeHooks) fn();
-      },
     }),
     rateLimitOrgs: new Gauge({ name: "gateway_rate_limit_orgs", help: "Organisations the rate limiter holds a window for", registers }),
     usagePendingTokens: new Gauge({ name: "gateway_usage_pending_tokens", help: "Settled tokens not yet written to the database", registers }),
@@ -106,7 +108,7 @@ export function createMetrics() {
     }),
     dbTransactions: new Counter({
       name: "gateway_database_transactions_total",
-      help: "Transactions started on the embedded database (statements outside a transaction and BEGINs); absent on Postgres, whose pg_stat_database counts them",
+      help: "Transactions started on the embedded database (statements outside a transaction and BEGINs); 0 on Postgres, whose pg_stat_database counts them",
       registers,
     }),
     dbUp: new Gauge({ name: "gateway_database_up", help: "1 when the last readiness check reached the database", registers }),

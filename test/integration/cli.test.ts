@@ -1,11 +1,12 @@
 import { afterAll, beforeAll, describe, expect, test, setDefaultTimeout } from "bun:test";
-import { writeFileSync } from "node:fs";
+import { readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { sql } from "drizzle-orm";
 import { COMMANDS } from "../../src/cli/commands/index.ts";
 import { type Database, openDatabase } from "../../src/db/client.ts";
 import { MIGRATIONS } from "../../src/db/migrations.ts";
 import {
+  ROOT,
   cleanEnv,
   createScratchDatabase,
   exitWithin,
@@ -484,6 +485,87 @@ describe("keys", () => {
   });
 });
 
+describe("hostile arguments: a message on stderr, exit 2, nothing written", () => {
+  test("a flag given twice is refused, not silently the last one", async () => {
+    const before = await counts();
+    expectUsage(await cli("orgs", "create", "--name", "A", "--name", "B"), "--name given more than once");
+    expectUsage(await cli("orgs", "create", "--name=A", "--name", "B", "--json"), "--name given more than once");
+    expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "service", "--kind", "personal", "--scopes", "inference"), "--kind given more than once");
+    expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--models", "svc-fast", "--models=svc-smart"), "--models given more than once");
+    expectUsage(await cli("orgs", "create", "--name", "A", "--json", "--json"), "--json given more than once");
+    expectUsage(await cli("orgs", "create", "--name", "A", "--academy-only", "--academy-only"), "--academy-only given more than once");
+    expectUsage(await bare("config", "check", "--config", join(work, "a.json"), "--config", join(work, "b.json")), "--config given more than once");
+    expect(await counts()).toEqual(before);
+  });
+
+  test("an empty value is refused, not taken as the flag's absence", async () => {
+    const before = await counts();
+    const key = ["keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference"];
+    // --models "" would otherwise mint a key for every model: a script's empty variable must not widen a key.
+    expectUsage(await cli(...key, "--models", ""), "--models needs a value");
+    expectUsage(await cli(...key, "--expires-in", ""), "--expires-in needs a value");
+    expectUsage(await cli(...key, "--expires-at="), "--expires-at needs a value");
+    expectUsage(await cli(...key, "--name", ""), "--name needs a value");
+    expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "personal", "--user", "", "--scopes", "inference"), "--user needs a value");
+    expectUsage(await cli("orgs", "create", "--name", "X", "--quota-window", ""), "--quota-window needs a value");
+    expectUsage(await cli("orgs", "create", "--name", "X", "--quota-tokens", ""), "--quota-tokens needs a value");
+    expectUsage(await cli("orgs", "set", "--id", orgId, "--plan", ""), "--plan needs a value");
+    expectUsage(await cli("keys", "rotate", personalKey.id, "--grace", ""), "--grace needs a value");
+    expectUsage(await cli("usage", "report", "--org", orgId, "--since", ""), "--since needs a value");
+    // Caught before any file is read or any data directory opened (an empty --data-dir is not ./data).
+    expectUsage(await bare("config", "check", "--config", ""), "--config needs a value");
+    expectUsage(await bare("config", "check", "--data-dir", ""), "--data-dir needs a value");
+    expectUsage(await bare("serve", "--port", ""), "--port needs a value");
+    expectUsage(await bare("serve", "--host", ""), "--host needs a value");
+    expectUsage(await bare("simulate-upstream", "--tokens", ""), "--tokens needs a value");
+    expect(await counts()).toEqual(before);
+  });
+
+  test("odd numbers, durations and ids", async () => {
+    const before = await counts();
+    for (const n of ["1e21", "0x10", "1.5", " 5", "５", "+5", "9".repeat(16), "Infinity", "NaN"]) {
+      expectUsage(await cli("orgs", "create", "--name", "X", "--quota-tokens", n), `--quota-tokens must be a whole number, got ${JSON.stringify(n)}`);
+    }
+    // A value starting with a dash reads as a flag: parseArgs says so, still exit 2.
+    expectUsage(await cli("orgs", "create", "--name", "X", "--quota-tokens", "-1"), "--quota-tokens");
+    expectUsage(await cli("orgs", "create", "--name", "X", "--quota-tokens=-1"), '--quota-tokens must be a whole number, got "-1"');
+    const key = ["keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference"];
+    for (const d of ["0s", "0d", "1w", "1.5d", "9999999d", "d", "-1d", "1 d"]) {
+      expectUsage(await cli(...key, `--expires-in=${d}`), "--expires-in takes a duration");
+    }
+    for (const t of ["10000-01-01", "2030-02-30", "2030-01-01T25:00:00Z", "2030-01-01T00:00:00", "1e12", "now"]) {
+      expectUsage(await cli(...key, "--expires-at", t), "--expires-at is not an ISO 8601 time");
+    }
+    for (const id of [`{${orgId}}`, `${orgId}0`, orgId.replaceAll("-", ""), "zzzzzzzz-zzzz-zzzz-zzzz-zzzzzzzzzzzz", `${orgId}\n`]) {
+      expectUsage(await cli("keys", "list", "--org", id), "--org must be a UUID");
+    }
+    expectUsage(await cli("keys", "revoke", "not-a-uuid"), "key id must be a UUID");
+    expectUsage(await cli("serve", "--port", "1e3"), "--port must be a whole number");
+    expectUsage(await cli("serve", "--port", "65536"), "/port");
+    expect(await counts()).toEqual(before);
+  });
+
+  test("names and e-mail addresses: bounded, one line, no control characters", async () => {
+    const before = await counts();
+    expectUsage(await cli("orgs", "create", "--name", "x".repeat(201)), "--name is longer than 200 characters");
+    expectUsage(await cli("orgs", "create", "--name", "x".repeat(100_000)), "--name is longer than 200 characters");
+    expectUsage(await cli("orgs", "create", "--name", "two\nlines"), "--name must not contain control characters");
+    expectUsage(await cli("orgs", "create", "--name", "bell\u0007"), "--name must not contain control characters");
+    expectUsage(await cli("users", "create", "--org", orgId, "--name", "y".repeat(201), "--email", "y@acme.example"), "--name is longer than 200 characters");
+    expectUsage(await cli("users", "create", "--org", orgId, "--name", "Tab\tName", "--email", "t@acme.example"), "--name must not contain control characters");
+    // Past 254 characters an address is not one (RFC 5321); a long random one used to fail in the database's unique index (exit 1).
+    const long = `${Array.from({ length: 400 }, (_, i) => String.fromCharCode(97 + ((i * 7919) % 26))).join("")}@acme.example`;
+    expectUsage(await cli("users", "create", "--org", orgId, "--name", "Long", "--email", long), "--email is longer than 254 characters");
+    expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--name", "k".repeat(201)), "--name is longer than 200 characters");
+    expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--name", "a\rb"), "--name must not contain control characters");
+    expect(await counts()).toEqual(before);
+    // At the limits, accepted.
+    expect((await cli("orgs", "create", "--name", "n".repeat(200), "--json")).code).toBe(0);
+    const email = `${"e".repeat(254 - "@acme.example".length)}@acme.example`;
+    expect((await cli("users", "create", "--org", orgId, "--name", "Édith Ünïcode 名前", "--email", email, "--json")).code).toBe(0);
+  });
+});
+
 describe("audit import", () => {
   const line = (extra: Record<string, unknown> = {}) =>
     JSON.stringify({
@@ -633,6 +715,76 @@ describe("as a process (bun run src/main.ts)", () => {
     expect(r.stdout).toBe("");
     expect(r.stderr).toStartWith("error: ");
     expect(r.stderr.trim().split("\n")).toHaveLength(1);
+  });
+
+  test("a database error: one line with the database's reason and exit 1; its query and stack only with LOG_LEVEL=debug", async () => {
+    // A schema broken under the gateway (a table dropped by hand): the query fails at run time, on either database.
+    const pg = process.env.TEST_DATABASE_URL ? await createScratchDatabase(process.env.TEST_DATABASE_URL, "gw_cli_err") : undefined;
+    const dir = join(work, "broken");
+    const env = cleanEnv(pg ? { DATABASE_URL: pg.url } : {});
+    const args = ["usage", "report", "--org", MISSING_UUID, ...(pg ? [] : ["--data-dir", dir])];
+    try {
+      expect((await runGateway(["migrate", ...args.slice(4)], { env })).code).toBe(0);
+      const db = await openDatabase(pg ? { databaseUrl: pg.url, dataDir: "memory://", poolMax: 1 } : { dataDir: dir });
+      try {
+        await db.rows(sql`drop table usage_events`);
+      } finally {
+        await db.close();
+      }
+      const r = await runGateway(args, { env });
+      expect(r.code).toBe(1);
+      expect(r.stdout).toBe("");
+      expect(r.stderr).toMatch(/^error: .*relation "usage_events" does not exist\n$/);
+      const debug = await runGateway(args, { env: { ...env, LOG_LEVEL: "debug" } });
+      expect(debug.code).toBe(1);
+      expect(debug.stderr).toStartWith("error: ");
+      expect(debug.stderr).toContain('relation "usage_events" does not exist');
+      expect(debug.stderr).toContain("usage_events");
+      expect(debug.stderr).toMatch(/\n\s+at /);
+    } finally {
+      await pg?.drop();
+    }
+  });
+
+  test("LOG_LEVEL=debug: the stack of a runtime failure", async () => {
+    const env = cleanEnv({ DATABASE_URL: "postgres://postgres@127.0.0.1:1/none", LOG_LEVEL: "debug" });
+    const r = await runGateway(["keys", "list", "--org", MISSING_UUID], { env });
+    expect(r.code).toBe(1);
+    expect(r.stderr).toStartWith("error: ");
+    expect(r.stderr).toMatch(/\n\s+at /);
+  });
+
+  test("the systemd units' commands are ones the CLI accepts (deploy/)", async () => {
+    for (const name of ["gateway.service", "gateway@.service"]) {
+      const text = readFileSync(join(ROOT, "deploy", name), "utf8");
+      const dir = join(work, `unit-${name}`);
+      // The command line after the binary's path, with the state directory replaced by a scratch one.
+      const args = (key: string) =>
+        (text.split("\n").find((l) => l.startsWith(`${key}=`)) ?? "")
+          .slice(key.length + 1)
+          .split(" ")
+          .slice(1)
+          .map((a) => (a.startsWith("/var/lib/") ? dir : a));
+      const migrated = await runGateway(args("ExecStartPre"), { env: cleanEnv() });
+      expect({ name, code: migrated.code, stderr: migrated.stderr }).toEqual({ name, code: 0, stderr: "" });
+      // serve parses its arguments and reads the configuration, then wants an upstream (set in the unit's env file).
+      const served = await runGateway(args("ExecStart"), { env: cleanEnv() });
+      expect({ name, code: served.code }).toEqual({ name, code: 2 });
+      expect(served.stderr).toContain("no upstream configured");
+    }
+  });
+
+  test("a port already taken: exit 1, one error line naming it", async () => {
+    const taken = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: () => new Response() });
+    try {
+      const r = await runGateway(["serve", "--port", String(taken.port), "--data-dir", join(work, "taken")], {
+        env: cleanEnv({ UPSTREAM_BASE_URL: "http://127.0.0.1:9/v1", LOG_LEVEL: "error", MIMALLOC_PURGE_HOLES: "0" }),
+      });
+      expect(r.code).toBe(1);
+      expect(r.stderr).toBe(`error: Failed to start server. Is port ${taken.port} in use?\n`);
+    } finally {
+      taken.stop(true);
+    }
   });
 
   test("simulate-upstream serves until SIGTERM, then exits 0", async () => {

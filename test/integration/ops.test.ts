@@ -1,9 +1,12 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { join } from "node:path";
 import SwaggerParser from "@apidevtools/swagger-parser";
+import { sql } from "drizzle-orm";
 import { loadConfig, upstreamAliases } from "../../src/config/load.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { bearer, errorOf, rejectionOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { bearer, errorOf, freshDatabase, rejectionOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { ROOT } from "../helpers/process.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -84,6 +87,58 @@ describe("GET /metrics", () => {
     expect(after).not.toContain("PROPFIND");
   });
 
+  test("gateway_upstream_breaker_open is current on the scrape that reads it, the first one included", async () => {
+    // The default aliases point at a closed port; one failure opens a target's breaker.
+    const dead = await startTestGateway({ upstream: { breakerFailures: 1, attempts: 1, backoffMs: 0 } });
+    try {
+      const scrape = async () => (await fetch(metricsUrl(dead))).text();
+      expect(await scrape()).toMatch(/^gateway_upstream_breaker_open\{target="[^"]+"\} 0$/m);
+      const res = await fetch(`${dead.url}/v1/chat/completions`, {
+        method: "POST",
+        headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+        body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] }),
+      });
+      expect(res.status).toBe(503);
+      await res.text();
+      expect(await scrape()).toMatch(/^gateway_upstream_breaker_open\{target="[^"]+"\} 1$/m);
+    } finally {
+      await dead.stop();
+    }
+  });
+
+  test("every series docs/operations.md lists is exported, with the labels it names", async () => {
+    const doc = await Bun.file(join(ROOT, "docs/operations.md")).text();
+    const listed = [...doc.matchAll(/^\| (`gateway_[^|]+)\|/gm)].flatMap((m) => [...(m[1] ?? "").matchAll(/`(gateway_[a-z_*]+)(?:\{([a-z_,]+)\})?`/g)]);
+    expect(listed.length).toBeGreaterThanOrEqual(15);
+    // Traffic for the labelled series, and the readiness check that sets gateway_database_up.
+    const chat = await fetch(`${gw.url}/v1/chat/completions`, {
+      method: "POST",
+      headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+      body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] }),
+    });
+    expect(chat.status).toBe(200);
+    await chat.text();
+    expect((await fetch(`${gw.url}/readyz`)).status).toBe(200);
+    const text = await (await fetch(metricsUrl(gw))).text();
+    const types = new Map([...text.matchAll(/^# TYPE (\S+) (\S+)$/gm)].map((m) => [m[1] ?? "", m[2] ?? ""]));
+    for (const [, name = "", labels] of listed) {
+      const re = new RegExp(`^${name.replaceAll("*", "[a-z_]+")}$`);
+      const found = [...types.keys()].filter((n) => re.test(n));
+      expect({ name, found: found.length > 0 }).toEqual({ name, found: true });
+      if (labels === undefined) continue;
+      // Each sample of the series carries exactly the documented labels (a histogram's buckets add `le`).
+      const samples = text.split("\n").filter((l) => l.startsWith(`${name}{`) || l.startsWith(`${name}_count{`));
+      expect({ name, samples: samples.length > 0 }).toEqual({ name, samples: true });
+      for (const l of samples) {
+        const keys = [...(l.match(/\{(.*)\}/)?.[1] ?? "").matchAll(/([a-z_]+)="/g)].map((m) => m[1]);
+        expect({ name, keys: keys.sort() }).toEqual({ name, keys: labels.split(",").sort() });
+      }
+    }
+    expect(sample(text, "gateway_database_up")).toBe(1);
+    // Counted on the embedded database only; on Postgres, pg_stat_database does.
+    if (gw.database.kind !== "pglite") expect(sample(text, "gateway_database_transactions_total")).toBe(0);
+  });
+
   test("by default only on a loopback listener of its own; the public port answers 404", async () => {
     // The default address, with port 0 instead of 9464 (tests never take the real port).
     const defaults = (await loadConfig({ env: {} })).metrics;
@@ -143,6 +198,33 @@ describe("GET /metrics", () => {
       expect(String(err)).toContain(`metrics.listen 127.0.0.1:${taken.port}`);
     } finally {
       taken.stop(true);
+    }
+  });
+});
+
+describe("health", () => {
+  test("/healthz answers while alive; /readyz is 503 while a migration is missing, 200 once applied", async () => {
+    // On Postgres this is the suite's database: the row taken away is put back whatever happens.
+    const database = await freshDatabase();
+    const g = await startTestGateway({}, database);
+    let removed: string | undefined;
+    try {
+      expect(await (await fetch(`${g.url}/healthz`)).json()).toEqual({ status: "ok" });
+      expect(await (await fetch(`${g.url}/readyz`)).json()).toEqual({ status: "ready" });
+      // As if this binary were newer than the database: its last migration not yet applied.
+      const [last] = await database.rows<{ tag: string }>(sql`delete from gateway_migrations where tag = (select max(tag) from gateway_migrations) returning tag`);
+      removed = last?.tag;
+      const pending = await fetch(`${g.url}/readyz`);
+      expect(pending.status).toBe(503);
+      expect((await errorOf(pending)).code).toBe("service_unavailable");
+      expect((await fetch(`${g.url}/healthz`)).status).toBe(200);
+      await database.rows(sql`insert into gateway_migrations (tag) values (${removed ?? ""})`);
+      removed = undefined;
+      expect((await fetch(`${g.url}/readyz`)).status).toBe(200);
+    } finally {
+      if (removed !== undefined) await database.rows(sql`insert into gateway_migrations (tag) values (${removed})`);
+      await g.stop();
+      await database.close();
     }
   });
 });

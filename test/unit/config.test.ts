@@ -129,6 +129,74 @@ describe("precedence: file < env < flags", () => {
   });
 });
 
+describe("environment variables of the responses API and the shared port", () => {
+  test("GATEWAY_RESPONSES, GATEWAY_RESPONSES_STORE, GATEWAY_RESPONSES_RETENTION_DAYS set responses.*, over the file", async () => {
+    expect((await loadConfig({ env: {} })).responses).toEqual({ enabled: false, store: true, retentionDays: 30 });
+    const f = file({ responses: { enabled: false, store: true, retentionDays: 7 } });
+    const c = await loadConfig({ env: { GATEWAY_RESPONSES: "1", GATEWAY_RESPONSES_STORE: "false", GATEWAY_RESPONSES_RETENTION_DAYS: "90" }, file: f });
+    expect(c.responses).toEqual({ enabled: true, store: false, retentionDays: 90 });
+    // Unset or empty: the file's values stand.
+    expect((await loadConfig({ env: { GATEWAY_RESPONSES: "", GATEWAY_RESPONSES_RETENTION_DAYS: "" }, file: f })).responses).toEqual({ enabled: false, store: true, retentionDays: 7 });
+    expect(await problems({ env: { GATEWAY_RESPONSES_RETENTION_DAYS: "0" } })).toEqual(["/responses/retentionDays: Expected integer to be greater or equal to 1 (got 0)"]);
+    expect(await problems({ env: { GATEWAY_RESPONSES_RETENTION_DAYS: "30d" } })).toEqual([`env GATEWAY_RESPONSES_RETENTION_DAYS: expected a whole number, got "30d"`]);
+  });
+
+  test("switches read 1/true/yes/on and 0/false/no/off in any case; any other value is a problem, not false", async () => {
+    const on = file({ responses: { enabled: true, store: true } });
+    for (const v of ["1", "true", "TRUE", "yes", "On"]) {
+      expect((await loadConfig({ env: { GATEWAY_RESPONSES: v, GATEWAY_RESPONSES_STORE: v } })).responses).toMatchObject({ enabled: true, store: true });
+    }
+    for (const v of ["0", "false", "No", "OFF"]) {
+      expect((await loadConfig({ env: { GATEWAY_RESPONSES: v, GATEWAY_RESPONSES_STORE: v }, file: on })).responses).toMatchObject({ enabled: false, store: false });
+      expect((await loadConfig({ env: { GATEWAY_REUSE_PORT: v } })).reusePort).toBe(false);
+    }
+    for (const [name, v] of [
+      ["GATEWAY_REUSE_PORT", "enable"],
+      ["GATEWAY_RESPONSES", "y"],
+      ["GATEWAY_RESPONSES_STORE", "2"],
+      ["GATEWAY_RESPONSES", " true"],
+    ] as const) {
+      expect(await problems({ env: { [name]: v }, file: on })).toEqual([`env ${name}: expected 1, true, yes, on or 0, false, no, off, got ${JSON.stringify(v)}`]);
+    }
+  });
+});
+
+describe("durations in milliseconds", () => {
+  // A timer longer than 2^31 - 1 ms fires after 1 ms in Bun (and Node): drainMs 3e9 would end the drain at once.
+  const MS_PATHS = [
+    "drainMs",
+    "keyCache/ttlMs",
+    "keyCache/negativeTtlMs",
+    "rateLimit/windowMs",
+    "quota/flushMs",
+    "upstream/backoffMs",
+    "upstream/breakerCooldownMs",
+    "upstream/timeouts/connectMs",
+    "upstream/timeouts/firstByteMs",
+    "upstream/timeouts/idleMs",
+    "upstream/imageUrls/resolveTimeoutMs",
+    "aliases/x/timeouts/idleMs",
+  ];
+  const withValue = (path: string, v: number): Record<string, unknown> => {
+    const keys = path.split("/");
+    let value: unknown = v;
+    for (const k of keys.slice(1).reverse()) value = { [k]: value };
+    const top = keys[0] ?? "";
+    if (top !== "aliases") return { [top]: value };
+    return { aliases: { x: { kind: "chat", targets: [{ baseUrl: "http://h/v1", model: "m" }], ...(value as { x: object }).x } } };
+  };
+
+  test("stop at 2^31 - 1 (~24.8 days); beyond, a problem naming the option", async () => {
+    for (const path of MS_PATHS) {
+      expect({ path, problems: await problems({ env: {}, file: file(withValue(path, 2 ** 31 - 1)) }) }).toEqual({ path, problems: [] });
+      for (const v of [2 ** 31, 1e300]) {
+        const p = await problems({ env: {}, file: file(withValue(path, v)) });
+        expect({ path, v, named: p.some((x) => x.startsWith(`/${path}:`)) }).toEqual({ path, v, named: true });
+      }
+    }
+  });
+});
+
 describe("plans", () => {
   test("a file's plans are merged with the built-in ones", async () => {
     const c = await loadConfig({ env: {}, file: file({ plans: { Enterprise: { requestsPerMinute: 1_200 } } }) });

@@ -26,6 +26,12 @@ function environmentOf(text: string, instance: string): Record<string, string> {
   return env;
 }
 
+/** The value of `Key=` in a unit (the last one, as systemd reads a setting given twice), with %i replaced. */
+function setting(text: string, key: string, instance = "9465"): string | undefined {
+  const lines = text.split("\n").filter((l) => l.startsWith(`${key}=`));
+  return lines.at(-1)?.slice(key.length + 1).replaceAll("%i", instance);
+}
+
 const analyze = Bun.which("systemd-analyze");
 
 describe("deploy/ systemd units", () => {
@@ -39,6 +45,26 @@ describe("deploy/ systemd units", () => {
       const p = Bun.spawnSync([analyze ?? "systemd-analyze", "verify", "--man=no", unit], { cwd: dir, stderr: "pipe", stdout: "pipe" });
       const out = `${p.stdout.toString()}${p.stderr.toString()}`;
       expect({ unit, code: p.exitCode, out }).toEqual({ unit, code: 0, out: "" });
+    }
+  });
+
+  test("what docs/operations.md says of them: migrate first on the same directory, no restart loop on exit 2, room to drain", async () => {
+    const drainMs = (await loadConfig({ env: {} })).drainMs;
+    for (const name of UNITS) {
+      const text = unitText(name);
+      const dir = `/var/lib/${setting(text, "StateDirectory")}`;
+      expect({ name, pre: setting(text, "ExecStartPre"), start: setting(text, "ExecStart"), cwd: setting(text, "WorkingDirectory") }).toEqual({
+        name,
+        pre: `/usr/local/bin/gateway migrate --data-dir ${dir}`,
+        start: `/usr/local/bin/gateway serve --data-dir ${dir}`,
+        cwd: dir,
+      });
+      expect({ name, mode: setting(text, "StateDirectoryMode"), umask: setting(text, "UMask") }).toEqual({ name, mode: "0700", umask: "0077" });
+      // Exit 2 is a configuration or argument error: restarting cannot fix it.
+      expect({ name, restart: setting(text, "Restart"), prevent: setting(text, "RestartPreventExitStatus") }).toEqual({ name, restart: "on-failure", prevent: "2" });
+      expect({ name, mdwe: setting(text, "MemoryDenyWriteExecute"), signal: setting(text, "KillSignal") }).toEqual({ name, mdwe: "no", signal: "SIGTERM" });
+      const stop = /^(\d+)s$/.exec(setting(text, "TimeoutStopSec") ?? "");
+      expect(Number(stop?.[1]) * 1000).toBeGreaterThan(drainMs + 5_000);
     }
   });
 
