@@ -111,6 +111,16 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
     raw.aliases = upstreamAliases(env.UPSTREAM_BASE_URL, env.UPSTREAM_API_KEY ? "UPSTREAM_API_KEY" : undefined);
   }
 
+  // A name every object already has ('__proto__', 'constructor', 'toString', …) would be dropped or
+  // shadowed by lookups; names come from the file, so each is checked before anything reads them.
+  for (const group of ["plans", "aliases"] as const) {
+    const named = raw[group];
+    if (!isRecord(named)) continue;
+    for (const name of Object.keys(named)) {
+      if (name in Object.prototype) problems.push(`/${group}/${name}: not a usable name (it is a built-in member of every object)`);
+    }
+  }
+
   const config = Value.Default(ConfigSchema, raw) as Config;
   // TypeBox's Default does not descend into Record values whose schema has no
   // `default` of its own, so each alias (and its targets' weight) is defaulted
@@ -130,7 +140,7 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
     // The embedded database belongs to one process, so instances sharing a port
     // would each have their own keys and quota: only a shared Postgres makes sense.
     if (config.reusePort && !config.databaseUrl) problems.push("/reusePort: several instances on one port need a shared Postgres (databaseUrl)");
-    if (!(config.defaultPlan in config.plans)) problems.push(`/defaultPlan: plan ${JSON.stringify(config.defaultPlan)} is not in /plans`);
+    if (!Object.hasOwn(config.plans, config.defaultPlan)) problems.push(`/defaultPlan: plan ${JSON.stringify(config.defaultPlan)} is not in /plans`);
     problems.push(...allowListProblems(config.upstream.imageUrls?.allow ?? []));
     const { defaultLifetime, maxLifetime } = config.keys;
     if (maxLifetime !== undefined && (parseDuration(defaultLifetime) ?? 0) > (parseDuration(maxLifetime) ?? 0)) {

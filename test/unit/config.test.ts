@@ -209,6 +209,15 @@ describe("plans", () => {
     expect(c.plans.Ultra).toEqual({ requestsPerMinute: 300 });
   });
 
+  test("plan and alias names that are built-in object members are refused, and defaultPlan must be a plan of its own", async () => {
+    // An inherited member ('toString' in any object) once passed as a plan; '__proto__' was dropped silently.
+    expect(await problems({ env: {}, file: file({ defaultPlan: "toString" }) })).toEqual([`/defaultPlan: plan "toString" is not in /plans`]);
+    const raw = '{"plans": {"__proto__": {"requestsPerMinute": 5}}, "aliases": {"constructor": {"kind": "chat", "targets": [{"baseUrl": "http://127.0.0.1:9/v1", "model": "m"}]}}}';
+    const found = await problems({ env: {}, file: file(raw) });
+    expect(found).toContain(`/plans/__proto__: not a usable name (it is a built-in member of every object)`);
+    expect(found).toContain(`/aliases/constructor: not a usable name (it is a built-in member of every object)`);
+  });
+
   test("defaultPlan must name a configured plan", async () => {
     expect(await problems({ env: {}, file: file({ defaultPlan: "Gold" }) })).toEqual([`/defaultPlan: plan "Gold" is not in /plans`]);
     const c = await loadConfig({ env: {}, file: file({ defaultPlan: "Gold", plans: { Gold: { requestsPerMinute: 5 } } }) });
