@@ -27,6 +27,12 @@
  * (the gateway runs under `bun --cpu-prof --cpu-prof-md --cpu-prof-interval=200`, profile written on exit;
  * only the gateway is loaded then, the c1 runs too),
  * --compare DIR (also measure a gateway from another checkout, e.g. `git archive COMMIT | tar -x -C DIR` with node_modules linked: paired before/after figures),
+ * --gc (gateway and bare proxy run with JSC's GC log, `BUN_JSC_logGC=1`; each c1
+ * run also prints the request thread's young collections: how many, the
+ * bytes allowed per cycle, hence bytes allocated per request, and their
+ * pauses. At c1 wrk's coordinated-omission correction turns each pause of P
+ * ms into about P / cycle extra samples, so this predicts the p99:
+ * docs/benchmarks.md, "What wrk's p99 at concurrency 1 measures"),
  * --keep (keep the temporary directory).
  */
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
@@ -48,6 +54,7 @@ const { values: args } = parseArgs({
     wrk: { type: "boolean", default: false },
     compare: { type: "string" },
     only: { type: "string" },
+    gc: { type: "boolean", default: false },
   },
   strict: false,
 });
@@ -85,6 +92,8 @@ interface Target {
   script: string;
   pid?: number;
   metricsUrl?: string;
+  /** JSC's GC log of the serving process (--gc). */
+  gcLog?: string;
 }
 
 interface WrkResult {
@@ -96,6 +105,58 @@ interface WrkResult {
   p99Ms: number;
   cpuUsPerRequest: number;
   txPerRequest: number;
+  gc?: GcWindow;
+}
+
+/** The request thread's young collections during one wrk run, from JSC's GC log. */
+interface GcWindow {
+  young: number;
+  full: number;
+  pausesMs: number[];
+  /** Median "bytes allowed" of the collection requests: the young generation's budget. */
+  allowedBytes: number;
+}
+
+/**
+ * The lines JSC writes with BUN_JSC_logGC=1 between two offsets of the log:
+ * `[GC<heap>: starting …]`, `Requesting GC because bytes allocated this
+ * cycle: N exceed bytes allowed: M …` and `[GC<heap>: START … => EdenCollection
+ * … p=1.2ms …`. A process has a heap per thread (the embedded database's
+ * worker has its own): the one with the most collections is the request
+ * thread's under load.
+ */
+function gcWindow(text: string): GcWindow {
+  const heaps = new Map<string, GcWindow & { allowed: number[] }>();
+  let current = "";
+  const heap = (id: string) => {
+    const h = heaps.get(id) ?? { young: 0, full: 0, pausesMs: [], allowedBytes: Number.NaN, allowed: [] };
+    heaps.set(id, h);
+    return h;
+  };
+  for (const line of text.split("\n")) {
+    const start = /^\[GC<(0x[0-9a-f]+)>: (starting|START)/.exec(line);
+    if (start?.[1]) current = start[1];
+    const allowed = /bytes allowed: (\d+)/.exec(line);
+    if (allowed && current) heap(current).allowed.push(Number(allowed[1]));
+    const done = /^\[GC<(0x[0-9a-f]+)>: START .*=> (EdenCollection|FullCollection).* p=([\d.]+)ms/.exec(line);
+    if (done?.[1]) {
+      const h = heap(done[1]);
+      if (done[2] === "EdenCollection") h.young++;
+      else h.full++;
+      h.pausesMs.push(Number(done[3]));
+    }
+  }
+  const busiest = [...heaps.values()].sort((a, b) => b.young + b.full - (a.young + a.full))[0];
+  if (!busiest) return { young: 0, full: 0, pausesMs: [], allowedBytes: Number.NaN };
+  return { young: busiest.young, full: busiest.full, pausesMs: busiest.pausesMs, allowedBytes: median(busiest.allowed) };
+}
+
+function logSize(path: string): number {
+  try {
+    return Bun.file(path).size;
+  } catch {
+    return 0;
+  }
 }
 
 /** The request and a `done` hook that prints wrk's own figures as JSON (latencies in µs). */
@@ -124,12 +185,14 @@ async function dbTransactions(t: Target): Promise<number> {
 async function wrk(t: Target, connections: number, seconds: number): Promise<WrkResult> {
   const cpu0 = t.pid ? cpuUs(t.pid) : Number.NaN;
   const tx0 = await dbTransactions(t);
+  const gcFrom = t.gcLog ? logSize(t.gcLog) : 0;
   const cmd = pin(1, ["wrk", "-t1", `-c${connections}`, `-d${seconds}s`, "--timeout", "10s", "-s", t.script, t.url]);
   const p = Bun.spawn(cmd, { stdout: "pipe", stderr: "inherit" });
   const out = await new Response(p.stdout).text();
   await p.exited;
   const cpu1 = t.pid ? cpuUs(t.pid) : Number.NaN;
   const tx1 = await dbTransactions(t);
+  const gc = t.gcLog ? gcWindow(readFileSync(t.gcLog).subarray(gcFrom).toString("utf8")) : undefined;
   const line = out.split("\n").find((l) => l.startsWith("RESULT "));
   if (!line) throw new Error(`wrk gave no result for ${t.name}: ${out}`);
   const r = JSON.parse(line.slice(7)) as { requests: number; us: number; status_errors: number; socket_errors: number; p50: number; p99: number };
@@ -142,6 +205,7 @@ async function wrk(t: Target, connections: number, seconds: number): Promise<Wrk
     p99Ms: r.p99 / 1000,
     cpuUsPerRequest: (cpu1 - cpu0) / r.requests,
     txPerRequest: (tx1 - tx0) / r.requests,
+    ...(gc ? { gc } : {}),
   };
 }
 
@@ -154,6 +218,27 @@ function range(xs: number[], fmt: (n: number) => string): string {
   const lo = Math.min(...xs);
   const hi = Math.max(...xs);
   return xs.length < 2 || fmt(lo) === fmt(hi) ? fmt(lo) : `${fmt(lo)}–${fmt(hi)}`;
+}
+
+/**
+ * What the collections of one c1 run come to: requests per young collection,
+ * bytes allocated per request (the young budget over those requests), the
+ * pauses, and the samples wrk's correction adds for them (a pause of P ms on
+ * a cycle of C ms adds about P / C) as a share of all samples: over 1 % and
+ * the p99 is a pause.
+ */
+function gcLine(r: WrkResult, gc: GcWindow): string {
+  const n = gc.young + gc.full;
+  const cycleMs = (r.seconds * 1000) / r.requests;
+  const added = gc.pausesMs.reduce((s, p) => s + Math.floor(p / cycleMs), 0);
+  const sorted = [...gc.pausesMs].sort((a, b) => a - b);
+  const mean = sorted.reduce((s, p) => s + p, 0) / (sorted.length || 1);
+  return (
+    `GC: ${gc.young} young + ${gc.full} full collections, 1 per ${f0(r.requests / n)} requests ` +
+    `(budget ${f1(gc.allowedBytes / 2 ** 20)} MB: ${f1(gc.allowedBytes / (r.requests / n) / 1024)} KB a request), ` +
+    `pause mean ${f2(mean)} ms, max ${f2(sorted[sorted.length - 1] ?? Number.NaN)} ms; ` +
+    `samples wrk adds for them ${added} = ${f2((100 * added) / (r.requests + added))} %`
+  );
 }
 
 const chatBody = (model: string) =>
@@ -196,7 +281,13 @@ async function startGateway(src: string, name: Target["name"], simUrl: string): 
 
   const logPath = join(dir, `${name}.log`);
   const profile = args.profile && name === "gateway" ? ["--cpu-prof", "--cpu-prof-md", "--cpu-prof-interval=200", `--cpu-prof-dir=${args.profile}`] : [];
-  const gw = Bun.spawn(pin(0, ["bun", ...profile, "run", "src/main.ts", "serve", "--config", config]), { cwd: src, env, stdout: Bun.file(logPath), stderr: "inherit" });
+  const gcLog = args.gc ? join(dir, `${name}.gc.log`) : undefined;
+  const gw = Bun.spawn(pin(0, ["bun", ...profile, "run", "src/main.ts", "serve", "--config", config]), {
+    cwd: src,
+    env: gcLog ? { ...env, BUN_JSC_logGC: "1" } : env,
+    stdout: Bun.file(logPath),
+    stderr: gcLog ? Bun.file(gcLog) : "inherit",
+  });
   children.push(gw);
   const listening = await waitFor(`the gateway (${name}) to listen`, () => {
     let text = "";
@@ -214,6 +305,7 @@ async function startGateway(src: string, name: Target["name"], simUrl: string): 
     script: scriptFile(name, "svc-fast", { Authorization: `Bearer ${key}` }),
     pid: gw.pid,
     ...(listening.metrics_url ? { metricsUrl: listening.metrics_url } : {}),
+    ...(gcLog ? { gcLog } : {}),
   };
 }
 
@@ -229,14 +321,19 @@ async function setup(): Promise<Target[]> {
   const gateways = [await startGateway(".", "gateway", simUrl)];
   if (args.compare) gateways.push(await startGateway(String(args.compare), "base", simUrl));
 
-  const bp = Bun.spawn(pin(0, ["bun", "bench/bare-proxy.ts", "--upstream", simUrl]), { env, stdout: "pipe", stderr: "inherit" });
+  const bareGc = args.gc ? join(dir, "bare.gc.log") : undefined;
+  const bp = Bun.spawn(pin(0, ["bun", "bench/bare-proxy.ts", "--upstream", simUrl]), {
+    env: bareGc ? { ...env, BUN_JSC_logGC: "1" } : env,
+    stdout: "pipe",
+    stderr: bareGc ? Bun.file(bareGc) : "inherit",
+  });
   children.push(bp);
   const bareUrl = (JSON.parse(await firstLine(bp.stdout)) as { url: string }).url;
 
   const script = (name: string, model: string, headers: Record<string, string>) => scriptFile(name, model, headers);
   return [
     { name: "direct", url: `${simUrl}/chat/completions`, script: script("direct", UPSTREAM_MODEL, {}) },
-    { name: "bare", url: `${bareUrl}/chat/completions`, script: script("bare", UPSTREAM_MODEL, {}), pid: bp.pid },
+    { name: "bare", url: `${bareUrl}/chat/completions`, script: script("bare", UPSTREAM_MODEL, {}), pid: bp.pid, ...(bareGc ? { gcLog: bareGc } : {}) },
     ...gateways,
   ];
 }
@@ -269,6 +366,7 @@ async function main() {
       const r = await wrk(t, 1, c1Seconds);
       one[t.name] = [...(one[t.name] ?? []), r];
       console.log(`   round ${i + 1} ${t.name.padEnd(7)} c1:  p50 ${f3(r.p50Ms)} ms   p99 ${f3(r.p99Ms)} ms   errors ${r.errors}`);
+      if (r.gc) console.log(`                   ${gcLine(r, r.gc)}`);
     }
   }
 

@@ -1,0 +1,92 @@
+/**
+ * What one non-streamed chat request allocates in the gateway's request
+ * thread: `bun run bench/census.ts [--requests N] [--warmup N] > /dev/null`
+ * (the access log goes to standard output, the figures to standard error).
+ *
+ * A gateway in this process (embedded database in memory, access log on,
+ * metrics on, a quota on the organisation), the simulator and the client in
+ * their own processes. After a warm-up and a full collection, N sequential
+ * requests; `bun:jsc` heapStats() before and after gives the objects by type
+ * a request leaves for the young generation to collect (heapStats has no
+ * allocated-bytes figure: `bun run bench:wrk -- --gc` gives the bytes per
+ * request from the young generation's budget). A window in which a
+ * collection ran is measured again (a weak reference to a fresh object tells).
+ *
+ * Why it matters (docs/benchmarks.md, "What wrk's p99 at concurrency 1
+ * measures"): JSC collects the young generation when the bytes allocated since
+ * the last collection reach a budget, and at concurrency 1 the p99 that wrk
+ * reports counts those pauses. Fewer bytes a request, fewer pauses.
+ */
+import { heapStats } from "bun:jsc";
+import { mkdtempSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { parseArgs } from "node:util";
+import { createKey, createOrg } from "../src/admin/service.ts";
+import { loadConfig } from "../src/config/load.ts";
+import { createLogger } from "../src/lib/log.ts";
+import { startGateway } from "../src/server.ts";
+import { firstLine } from "./lib.ts";
+
+const { values: args } = parseArgs({
+  args: Bun.argv.slice(2),
+  options: { requests: { type: "string", default: "300" }, warmup: { type: "string", default: "3000" }, windows: { type: "string", default: "5" } },
+});
+const N = Number(args.requests);
+
+const sim = Bun.spawn(["bun", "run", "src/main.ts", "simulate-upstream", "--port", "0", "--ttft-ms", "0", "--inter-token-ms", "0", "--tokens", "16"], {
+  stdout: "pipe",
+  stderr: "inherit",
+});
+const simUrl = (JSON.parse(await firstLine(sim.stdout)) as { url: string }).url;
+
+// Configured through a file, as `serve --config` is.
+const configFile = join(mkdtempSync(join(tmpdir(), "gateway-census-")), "config.json");
+writeFileSync(
+  configFile,
+  JSON.stringify({
+    logLevel: "info",
+    accessLog: true,
+    metrics: { enabled: true, listen: "127.0.0.1:0" },
+    plans: { Bench: { requestsPerMinute: 100_000_000 } },
+    aliases: { "svc-fast": { targets: [{ baseUrl: simUrl, model: "sim/bench-model", weight: 1 }] } },
+  }),
+);
+const config = await loadConfig({ env: {}, file: configFile, overrides: { host: "127.0.0.1", port: 0, dataDir: "memory://" } });
+// The access log is on and written as in production (standard output, buffered): run with `> /dev/null`; figures go to standard error.
+const gw = await startGateway({ config, log: createLogger("info") });
+const org = await createOrg(gw.database, { name: "census", plan: "Bench", plans: ["Bench"], quotaTokens: 1e12, quotaWindow: "month" });
+const key = (await createKey(gw.database, { orgId: org.id, kind: "service", scopes: ["inference"], knownModels: ["svc-fast"], tag: "gw" })).key;
+
+/** A client process that sends `n` sequential requests and exits. */
+async function client(n: number): Promise<void> {
+  const body = JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "Summarise the plot of Hamlet in two sentences." }], max_tokens: 64 });
+  const code = `const h={"content-type":"application/json",authorization:${JSON.stringify(`Bearer ${key}`)}};for(let i=0;i<${n};i++){const r=await fetch(${JSON.stringify(`${gw.url}/v1/chat/completions`)},{method:"POST",headers:h,body:${JSON.stringify(body)}});if(r.status!==200){console.error(r.status,await r.text());process.exit(1)}await r.arrayBuffer()}`;
+  const p = Bun.spawn(["bun", "-e", code], { stdout: "inherit", stderr: "inherit" });
+  if ((await p.exited) !== 0) throw new Error("client failed");
+}
+
+await client(Number(args.warmup));
+const per: { counts: Record<string, number> }[] = [];
+for (let tries = 0; per.length < Number(args.windows) && tries < 50; tries++) {
+  Bun.gc(true);
+  const s0 = heapStats();
+  let sentinel: WeakRef<object> | undefined = new WeakRef({ young: true });
+  await client(N);
+  const s1 = heapStats();
+  // A collection in the window freed the sentinel (nothing else holds it): the counts are not the window's.
+  if (sentinel.deref() === undefined) continue;
+  sentinel = undefined;
+  const counts: Record<string, number> = {};
+  for (const [t, c] of Object.entries(s1.objectTypeCounts)) counts[t] = (c - (s0.objectTypeCounts[t] ?? 0)) / N;
+  per.push({ counts });
+}
+const med = (xs: number[]) => xs.sort((a, b) => a - b)[Math.floor(xs.length / 2)] ?? Number.NaN;
+console.error(`census: ${per.length} windows of ${N} sequential requests without a collection (medians over the windows, per request)`);
+const types = new Set(per.flatMap((p) => Object.keys(p.counts)));
+const rows = [...types].map((t) => [t, med(per.map((p) => p.counts[t] ?? 0))] as const).filter(([, c]) => c >= 0.5);
+rows.sort((a, b) => b[1] - a[1]);
+for (const [t, c] of rows) console.error(`  ${t.padEnd(28)} ${c.toFixed(1)}`);
+await gw.stop();
+sim.kill();
+process.exit(0);
