@@ -28,9 +28,8 @@
  * only the gateway is loaded then, the c1 runs too),
  * --compare DIR (also measure a gateway from another checkout, e.g. `git archive COMMIT | tar -x -C DIR` with node_modules linked: paired before/after figures),
  * --gc (gateway and bare proxy run with JSC's GC log, `BUN_JSC_logGC=1`; each c1
- * run also prints the request thread's young collections: how many, the
- * bytes allowed per cycle, hence bytes allocated per request, and their
- * pauses. At c1 wrk's coordinated-omission correction turns each pause of P
+ * run also prints the request thread's collections: how many, the young
+ * budget, and their pauses. At c1 wrk's coordinated-omission correction turns each pause of P
  * ms into about P / cycle extra samples, so this predicts the p99:
  * docs/benchmarks.md, "What wrk's p99 at concurrency 1 measures"),
  * --keep (keep the temporary directory).
@@ -221,11 +220,11 @@ function range(xs: number[], fmt: (n: number) => string): string {
 }
 
 /**
- * What the collections of one c1 run come to: requests per young collection,
- * bytes allocated per request (the young budget over those requests), the
- * pauses, and the samples wrk's correction adds for them (a pause of P ms on
- * a cycle of C ms adds about P / C) as a share of all samples: over 1 % and
- * the p99 is a pause.
+ * What the collections of one c1 run come to: requests per collection, the
+ * young budget JSC reported (collections also come from Bun's own GC timers,
+ * so it need not be what a request allocates), the pauses, and the samples
+ * wrk's correction adds for them (a pause of P ms on a cycle of C ms adds
+ * about P / C) as a share of all samples: over 1 % and the p99 is a pause.
  */
 function gcLine(r: WrkResult, gc: GcWindow): string {
   const n = gc.young + gc.full;
@@ -234,8 +233,7 @@ function gcLine(r: WrkResult, gc: GcWindow): string {
   const sorted = [...gc.pausesMs].sort((a, b) => a - b);
   const mean = sorted.reduce((s, p) => s + p, 0) / (sorted.length || 1);
   return (
-    `GC: ${gc.young} young + ${gc.full} full collections, 1 per ${f0(r.requests / n)} requests ` +
-    `(budget ${f1(gc.allowedBytes / 2 ** 20)} MB: ${f1(gc.allowedBytes / (r.requests / n) / 1024)} KB a request), ` +
+    `GC: ${gc.young} young + ${gc.full} full collections, 1 per ${f0(r.requests / n)} requests (young budget ${f1(gc.allowedBytes / 2 ** 20)} MB), ` +
     `pause mean ${f2(mean)} ms, max ${f2(sorted[sorted.length - 1] ?? Number.NaN)} ms; ` +
     `samples wrk adds for them ${added} = ${f2((100 * added) / (r.requests + added))} %`
   );
