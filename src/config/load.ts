@@ -1,3 +1,4 @@
+import { stat } from "node:fs/promises";
 import { Value } from "@sinclair/typebox/value";
 import { Alias, type Config, ConfigSchema, DEFAULT_PLANS, SPEC_ALIASES } from "./schema.ts";
 import { isRecord } from "../lib/guards.ts";
@@ -22,6 +23,15 @@ type Json = Record<string, unknown>;
 
 async function readFile(path: string, problems: string[]): Promise<Json> {
   const f = Bun.file(path);
+  // Bun.file(dir).exists() is false: a directory is told apart first, or it would be "not found".
+  const isDir = await stat(path).then(
+    (s) => s.isDirectory(),
+    () => false,
+  );
+  if (isDir) {
+    problems.push(`config file ${path}: is a directory, not a file`);
+    return {};
+  }
   if (!(await f.exists())) {
     problems.push(`config file ${path}: not found`);
     return {};

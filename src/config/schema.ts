@@ -16,12 +16,22 @@ function Ms(options: { minimum: number; default: number; description?: string })
   return T.Integer({ ...options, maximum: MAX_TIMER_MS });
 }
 
+/**
+ * A whole number the gateway can count with exactly: at most 2^53 - 1 unless
+ * a smaller maximum is given. JSON reads 1e300 as an integer, and counts,
+ * sizes and limits beyond 2^53 lose their units (n + 1 === n).
+ */
+function Int(options: { minimum: number; maximum?: number; default?: number; description?: string }) {
+  return T.Integer({ maximum: Number.MAX_SAFE_INTEGER, ...options });
+}
+
 const Target = T.Object(
   {
     baseUrl: T.String({ description: "Upstream OpenAI-compatible base URL, e.g. http://10.0.0.5:8000/v1" }),
     model: T.String({ description: "Upstream model id sent in the request body" }),
     apiKeyEnv: T.Optional(T.String({ description: "Name of the env variable holding the upstream API key" })),
-    weight: T.Number({ minimum: 0, default: 1 }),
+    // Bounded so that weights add up to a finite total (two of 1e308 made Infinity, and the weighted choice then always took the last target).
+    weight: T.Number({ minimum: 0, maximum: 1_000_000, default: 1, description: "Share of the alias's traffic (0: a standby), at most 1,000,000" }),
   },
   { additionalProperties: false },
 );
@@ -41,36 +51,36 @@ export const Capability = T.Union([T.Literal("images"), T.Literal("tools")]);
 export const Alias = T.Object(
   {
     kind: T.Union([T.Literal("chat"), T.Literal("embedding")]),
-    contextWindow: T.Optional(T.Integer({ minimum: 1 })),
+    contextWindow: T.Optional(Int({ minimum: 1 })),
     capabilities: T.Array(Capability, { default: [] }),
     ownedBy: T.String({ default: "gateway" }),
-    dimensions: T.Optional(T.Integer({ minimum: 1 })),
+    dimensions: T.Optional(Int({ minimum: 1 })),
     targets: T.Array(Target, { minItems: 1 }),
     timeouts: T.Optional(Timeouts),
   },
   { additionalProperties: false },
 );
 
-const Plan = T.Object({ requestsPerMinute: T.Integer({ minimum: 1 }) }, { additionalProperties: false });
+const Plan = T.Object({ requestsPerMinute: Int({ minimum: 1 }) }, { additionalProperties: false });
 
 export const ConfigSchema = T.Object(
   {
     host: T.String({ default: "127.0.0.1" }),
-    port: T.Integer({ minimum: 0, maximum: 65535, default: 8080 }),
+    port: Int({ minimum: 0, maximum: 65535, default: 8080 }),
     reusePort: T.Boolean({
       default: false,
       description: "Share the port with other instances on this host (SO_REUSEPORT); needs databaseUrl. Off: a taken port is an error",
     }),
     dataDir: T.String({ default: "./data", description: "Embedded database directory (when databaseUrl is unset)" }),
     databaseUrl: T.Optional(T.String({ pattern: "^postgres(ql)?://" })),
-    dbPoolMax: T.Integer({ minimum: 1, maximum: 200, default: 10 }),
+    dbPoolMax: Int({ minimum: 1, maximum: 200, default: 10 }),
     logLevel: T.Union([T.Literal("debug"), T.Literal("info"), T.Literal("warn"), T.Literal("error"), T.Literal("silent")], {
       default: "info",
     }),
     accessLog: T.Boolean({ default: true }),
-    bodyLimitBytes: T.Integer({ minimum: 1024, default: 16 * 1024 * 1024 }),
+    bodyLimitBytes: Int({ minimum: 1024, default: 16 * 1024 * 1024 }),
     drainMs: Ms({ minimum: 0, default: 30_000, description: "How long in-flight requests may finish after SIGTERM" }),
-    idleTimeoutS: T.Integer({
+    idleTimeoutS: Int({
       minimum: 1,
       maximum: 255,
       default: 60,
@@ -81,15 +91,15 @@ export const ConfigSchema = T.Object(
     keyCache: T.Object(
       {
         ttlMs: Ms({ minimum: 0, default: 60_000 }),
-        max: T.Integer({ minimum: 1, default: 100_000 }),
+        max: Int({ minimum: 1, default: 100_000 }),
         negativeTtlMs: Ms({ minimum: 0, default: 5_000 }),
-        negativeMax: T.Integer({ minimum: 1, default: 10_000 }),
-        unknownPerPrefixPerMin: T.Integer({
+        negativeMax: Int({ minimum: 1, default: 10_000 }),
+        unknownPerPrefixPerMin: Int({
           minimum: 1,
           default: 60,
           description: "Lookups of keys not in the cache a minute per client /24 or /48 (found keys do not count); beyond it 429",
         }),
-        unknownPerMin: T.Integer({ minimum: 1, default: 6_000, description: "The same budget for all clients together" }),
+        unknownPerMin: Int({ minimum: 1, default: 6_000, description: "The same budget for all clients together" }),
       },
       { additionalProperties: false, default: {} },
     ),
@@ -110,32 +120,32 @@ export const ConfigSchema = T.Object(
     plans: T.Record(T.String({ minLength: 1 }), Plan, { default: {} }),
     rateLimit: T.Object(
       {
-        instances: T.Integer({ minimum: 1, default: 1, description: "Gateway instances sharing the load; limits are divided by it" }),
-        maxOrgs: T.Integer({ minimum: 1, default: 100_000 }),
+        instances: Int({ minimum: 1, default: 1, description: "Gateway instances sharing the load; limits are divided by it" }),
+        maxOrgs: Int({ minimum: 1, default: 100_000 }),
         windowMs: Ms({ minimum: 1_000, default: 60_000, description: "Rolling window; the spec's limits are per minute" }),
       },
       { additionalProperties: false, default: {} },
     ),
     quota: T.Object(
       {
-        leaseTokens: T.Integer({ minimum: 1, default: 20_000, description: "Tokens an instance takes from the shared quota at a time" }),
-        defaultMaxTokens: T.Integer({
+        leaseTokens: Int({ minimum: 1, default: 20_000, description: "Tokens an instance takes from the shared quota at a time" }),
+        defaultMaxTokens: Int({
           minimum: 1,
           default: 4_096,
           description: "For an organisation with a quota, the completion bound of each choice of a request that sets none (reserved, and sent upstream as max_tokens)",
         }),
         flushMs: Ms({ minimum: 10, default: 1_000 }),
-        maxBuffered: T.Integer({ minimum: 1, default: 1_000_000 }),
+        maxBuffered: Int({ minimum: 1, default: 1_000_000 }),
       },
       { additionalProperties: false, default: {} },
     ),
     upstream: T.Object(
       {
-        attempts: T.Integer({ minimum: 1, maximum: 10, default: 3 }),
+        attempts: Int({ minimum: 1, maximum: 10, default: 3 }),
         backoffMs: Ms({ minimum: 0, default: 50 }),
-        breakerFailures: T.Integer({ minimum: 1, default: 5 }),
+        breakerFailures: Int({ minimum: 1, default: 5 }),
         breakerCooldownMs: Ms({ minimum: 1, default: 30_000 }),
-        maxResponseBytes: T.Integer({
+        maxResponseBytes: Int({
           minimum: 1024,
           default: 8 * 1024 * 1024,
           description: "Largest non-streamed answer or error body read from an upstream (embeddings get at least what their input count needs)",
@@ -176,7 +186,7 @@ export const ConfigSchema = T.Object(
           default: true,
           description: "Keep responses (their input, output, usage, metadata) in the database for retrieve and previous_response_id; false: never stored",
         }),
-        retentionDays: T.Integer({ minimum: 1, maximum: 3650, default: 30, description: "Days a stored response is kept; expired rows are deleted in the background" }),
+        retentionDays: Int({ minimum: 1, maximum: 3650, default: 30, description: "Days a stored response is kept; expired rows are deleted in the background" }),
       },
       { additionalProperties: false, default: {} },
     ),

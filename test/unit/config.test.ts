@@ -3,7 +3,8 @@ import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { runCli } from "../../src/cli/index.ts";
 import { ConfigError, loadConfig, maskConfig, upstreamAliases } from "../../src/config/load.ts";
-import { DEFAULT_PLANS, SPEC_ALIASES } from "../../src/config/schema.ts";
+import type { TSchema } from "@sinclair/typebox";
+import { ConfigSchema, DEFAULT_PLANS, SPEC_ALIASES } from "../../src/config/schema.ts";
 import { removeScratch, scratchDir } from "../helpers/process.ts";
 
 const dir = scratchDir("gw-config-");
@@ -197,6 +198,54 @@ describe("durations in milliseconds", () => {
   });
 });
 
+describe("numbers", () => {
+  /** Every integer option of the schema, as a path with `x` for a plan or alias name. */
+  function integerPaths(schema: TSchema, path: string[] = []): string[][] {
+    if (schema.type === "integer") return [path];
+    if (schema.type === "object" && schema.properties) {
+      return Object.entries(schema.properties as Record<string, TSchema>).flatMap(([k, v]) => integerPaths(v, [...path, k]));
+    }
+    if (schema.type === "object" && schema.patternProperties) {
+      return Object.values(schema.patternProperties as Record<string, TSchema>).flatMap((v) => integerPaths(v, [...path, "x"]));
+    }
+    return [];
+  }
+  /** A config file setting `path` to `v`, with what the rest of its object needs to be valid. */
+  function withNumber(path: string[], v: number): Record<string, unknown> {
+    const [top, ...rest] = path;
+    let value: unknown = v;
+    for (const k of [...rest].reverse()) value = { [k]: value };
+    if (top === "aliases") {
+      const x = (value as { x: Record<string, unknown> }).x;
+      const targets = [{ baseUrl: "http://h/v1", model: "m", ...((x.targets as object[] | undefined)?.[0] ?? {}) }];
+      return { aliases: { x: { kind: "chat", ...x, targets } } };
+    }
+    if (top === "plans") return { plans: value, defaultPlan: "x" };
+    return { [top ?? ""]: value };
+  }
+
+  test("every integer option refuses what is not a safe integer (beyond 2^53 - 1), naming the option", async () => {
+    const paths = integerPaths(ConfigSchema);
+    expect(paths.map((p) => p.join("/"))).toContain("quota/leaseTokens");
+    expect(paths.length).toBeGreaterThan(15);
+    for (const path of paths) {
+      for (const v of [2 ** 53, 1e300]) {
+        const p = await problems({ env: {}, file: file(withNumber(path, v)) });
+        expect({ path: path.join("/"), v, named: p.some((x) => x.startsWith(`/${path.join("/")}:`)) }).toEqual({ path: path.join("/"), v, named: true });
+      }
+    }
+  });
+
+  test("a target's weight is at most 1,000,000: two weights of 1e308 sum to Infinity, and the weighted choice then always took the last target", async () => {
+    const at = (w: number) => ({ aliases: { x: { kind: "chat", targets: [{ baseUrl: "http://h/v1", model: "m", weight: w }, { baseUrl: "http://h2/v1", model: "m", weight: 1 }] } } });
+    expect(await problems({ env: {}, file: file(at(1_000_000)) })).toEqual([]);
+    for (const w of [1_000_001, 1e308]) {
+      const p = await problems({ env: {}, file: file(at(w)) });
+      expect(p.some((x) => x.startsWith("/aliases/x/targets/0/weight:"))).toBe(true);
+    }
+  });
+});
+
 describe("plans", () => {
   test("a file's plans are merged with the built-in ones", async () => {
     const c = await loadConfig({ env: {}, file: file({ plans: { Enterprise: { requestsPerMinute: 1_200 } } }) });
@@ -354,6 +403,8 @@ describe("errors: all listed at once, each with its path", () => {
 
   test("a missing file, invalid JSON, or a non-object", async () => {
     expect(await problems({ env: {}, file: join(dir, "nope.json") })).toEqual([`config file ${join(dir, "nope.json")}: not found`]);
+    // A directory exists but is no file: said so, not "not found".
+    expect(await problems({ env: {}, file: dir })).toEqual([`config file ${dir}: is a directory, not a file`]);
     const bad = file("{ not json");
     expect((await problems({ env: {}, file: bad }))[0]).toStartWith(`config file ${bad}: invalid JSON`);
     const arr = file([1, 2]);
