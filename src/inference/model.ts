@@ -229,7 +229,8 @@ const ChatBody = T.Object(
     logit_bias: T.Optional(Nullable(T.Record(T.String(), T.Number()))),
     logprobs: T.Optional(Nullable(T.Boolean())),
     top_logprobs: T.Optional(Nullable(T.Integer({ minimum: 0 }))),
-    seed: T.Optional(Nullable(T.Integer())),
+    // Beyond 2^53 JSON.parse rounds: the upstream would get a different seed than the one sent.
+    seed: T.Optional(Nullable(T.Integer({ minimum: -Number.MAX_SAFE_INTEGER, maximum: Number.MAX_SAFE_INTEGER }))),
     user: T.Optional(T.String()),
     reasoning_effort: T.Optional(Nullable(T.String())),
     metadata: T.Optional(Nullable(T.Record(T.String(), T.String()))),

@@ -322,6 +322,14 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     }
   });
 
+  test("seed: a whole number JavaScript holds exactly (|seed| <= 2^53 - 1), forwarded as sent; a larger one would reach the upstream rounded (a different seed), so it is refused", async () => {
+    for (const seed of [2 ** 53, -(2 ** 53), 1e300, 1.5]) await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), seed }), "seed");
+    for (const seed of [0, -1, 42, Number.MAX_SAFE_INTEGER, -Number.MAX_SAFE_INTEGER]) {
+      expect((await chat({ model: "svc-fast", messages: userMessages(), seed })).status).toBe(200);
+      expect(rec(sim.stats.lastBody).seed).toBe(seed);
+    }
+  });
+
   test("max_tokens: a positive integer within the alias's context window", async () => {
     for (const v of [0, -1, 1.5, "10"]) await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), max_tokens: v }), "max_tokens");
     await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), max_tokens: 128_001 }), "max_tokens", "context window");
