@@ -86,6 +86,7 @@ console.error(`census: ${per.length} windows of ${N} sequential requests without
 const types = new Set(per.flatMap((p) => Object.keys(p.counts)));
 const rows = [...types].map((t) => [t, med(per.map((p) => p.counts[t] ?? 0))] as const).filter(([, c]) => c >= 0.5);
 rows.sort((a, b) => b[1] - a[1]);
+console.error(`  ${"all cells".padEnd(28)} ${rows.reduce((n, [, c]) => n + c, 0).toFixed(1)}`);
 for (const [t, c] of rows) console.error(`  ${t.padEnd(28)} ${c.toFixed(1)}`);
 await gw.stop();
 sim.kill();

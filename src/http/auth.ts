@@ -1,7 +1,7 @@
 import { Elysia } from "elysia";
 import type { Guard, Guarded, Requirement } from "../auth/guard.ts";
 import type { Caller, Principal } from "../auth/types.ts";
-import { annotate } from "./context.ts";
+import { stateOf } from "./context.ts";
 
 /**
  * `{ auth: { scope: "inference" } }` on a route runs the guard and gives the
@@ -31,7 +31,11 @@ type Admitted = { principal: Principal };
 
 function admitted(g: Guarded, request: Request, set: { headers: Record<string, string | number> }): Admitted {
   Object.assign(set.headers, g.headers);
-  annotate(request, { orgId: g.principal.orgId, keyId: g.principal.keyId });
+  const state = stateOf(request);
+  if (state) {
+    state.orgId = g.principal.orgId;
+    state.keyId = g.principal.keyId;
+  }
   return { principal: g.principal };
 }
 

@@ -32,11 +32,6 @@ export function stateOf(request: Request): RequestState | undefined {
   return states.get(request);
 }
 
-export function annotate(request: Request, fields: Partial<RequestState>): void {
-  const s = states.get(request);
-  if (s) Object.assign(s, fields);
-}
-
 const REQUEST_ID = /^[\w.:-]{1,128}$/;
 
 /** Honour a caller's x-request-id when it is short and plain; otherwise make one. */

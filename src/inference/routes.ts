@@ -2,7 +2,7 @@ import { Elysia } from "elysia";
 import type { authPlugin } from "../http/auth.ts";
 import type { Config } from "../config/schema.ts";
 import { readJsonBody } from "../http/body.ts";
-import { annotate, stateOf } from "../http/context.ts";
+import { stateOf } from "../http/context.ts";
 import { errorBody, statusOf } from "../http/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
@@ -88,9 +88,18 @@ export function createInference(deps: InferenceDeps) {
 
   async function run(call: CheckedCall, request: Request, transform?: RelayTransform): Promise<Reply> {
     const state = stateOf(request);
-    annotate(request, { alias: call.alias, streamed: call.streamed });
-    const served = await call.run({ signal: request.signal, requestId: state?.id ?? "", ...(transform ? { transform } : {}) });
-    if (served.usage) annotate(request, { promptTokens: served.usage.promptTokens, completionTokens: served.usage.completionTokens });
+    // Written field by field: no object literal per request for what the state already holds.
+    if (state) {
+      state.alias = call.alias;
+      state.streamed = call.streamed;
+    }
+    const signal = request.signal;
+    const requestId = state?.id ?? "";
+    const served = await call.run(transform ? { signal, requestId, transform } : { signal, requestId });
+    if (served.usage && state) {
+      state.promptTokens = served.usage.promptTokens;
+      state.completionTokens = served.usage.completionTokens;
+    }
     if (served.ended && state) {
       state.ended = served.ended.then((o) => {
         Object.assign(state, { promptTokens: o.usage.promptTokens, completionTokens: o.usage.completionTokens }, o.error ? { errorCode: o.error } : {});

@@ -121,6 +121,10 @@ export function createUpstream(deps: UpstreamDeps) {
     return new AppError("service_unavailable", `The model '${aliasName}' is temporarily unreachable${detail ? ` (${detail})` : ""}; retry with backoff.`);
   }
 
+  /** What a call comes to, made once rather than a `.then` and its closure per request. */
+  const completed = (target: Target, body: string): Completed => ({ target, body });
+  const opened = (_target: Target, stream: Opened): Opened => stream;
+
   /** Reads the first bytes of a 2xx stream; one function for every open(), made once. */
   const readFirst = (res: UpstreamResponse, a: Attempt): Promise<Opened> => openStream(res, a, failed);
 
@@ -176,7 +180,7 @@ export function createUpstream(deps: UpstreamDeps) {
    * Runs attempts until one succeeds, a final error comes back, or attempts
    * run out: then 429 when every failure was upstream back-pressure, else 503.
    */
-  async function run<T>(call: Call<T>): Promise<{ target: Target; value: T }> {
+  async function run<T, R>(call: Call<T>, result: (target: Target, value: T) => R): Promise<R> {
     const { aliasName, ctx } = call;
     const list = targets.get(aliasName) ?? [];
     const tried = new Set<Target>();
@@ -198,7 +202,7 @@ export function createUpstream(deps: UpstreamDeps) {
       const r = await attempt(call, target);
       if (r.kind === "ok") {
         target.breaker.success();
-        return { target, value: r.value };
+        return result(target, r.value);
       }
       if (r.kind === "fail") throw r.error;
       detail = r.detail;
@@ -231,7 +235,7 @@ export function createUpstream(deps: UpstreamDeps) {
     maxBytes = up.maxResponseBytes,
   ) {
     const call: Call<string> = { aliasName, path, payloadFor, ctx, stream: false, timeouts: timeoutsFor(config, alias), maxBytes, read: readWhole };
-    return run(call).then(({ target, value }): Completed => ({ target, body: value }));
+    return run(call, completed);
   }
 
   /** A streamed call, handed over once the first body bytes arrived (still under the first-byte timer). */
@@ -246,7 +250,7 @@ export function createUpstream(deps: UpstreamDeps) {
       maxBytes: up.maxResponseBytes,
       read: readFirst,
     };
-    return run(call).then(({ value }) => value);
+    return run(call, opened);
   }
 
   /** Each target's breaker, for the metrics scrape (not the request path). */

@@ -60,6 +60,16 @@ export function buildTargets(config: Config, http: Http1Client): Map<string, Tar
  * target has been tried, the set starts over (a single-target alias retries itself).
  */
 export function pickTarget(list: readonly Target[], tried: Set<Target>, t: number, random: () => number): Target | undefined {
+  // One target (most aliases): the same choice as below, without its arrays and closures.
+  if (list.length === 1) {
+    const only = list[0] as Target;
+    if (!only.breaker.available(t)) {
+      tried.clear();
+      return undefined;
+    }
+    if (tried.has(only)) tried.clear();
+    return only;
+  }
   let pool = list.filter((x) => !tried.has(x) && x.breaker.available(t));
   if (pool.length === 0) {
     tried.clear();
