@@ -68,8 +68,9 @@ measure("metrics, 6 updates: after (HotCounter, HotHistogram)", (i) => {
 
 // 2. The access-log line (written to a sink that drops it): its time stamp.
 let sunk = 0;
+// Reads the line's end, so a line built as a rope is flattened as the writer's join would.
 const sink = (l: string) => {
-  sunk += l.length;
+  sunk += l.charCodeAt(l.length - 2);
 };
 const log = createLogger("info", sink);
 const st = { id: "req_0123456789abcdef0123456789abcdef", start: performance.now(), orgId: "org_abc", keyId: "key_def", alias: "svc-fast", promptTokens: 12, completionTokens: 16, streamed: false };
@@ -89,6 +90,14 @@ const fields = () => ({
 });
 measure("access log line: before (a Date formatted per line)", () => {
   sink(`${JSON.stringify({ time: new Date().toISOString(), level: "info", msg: "request", ...fields() })}\n`);
+});
+// 2026-11-25: the fields spliced after time, level and msg instead of merged
+// into a copy measured the same (1.70 against 1.68 µs) and made five more
+// small strings a line; not kept.
+const timeOnce = new Date().toISOString();
+measure("access log line: fields spliced after time, level, msg (not kept)", () => {
+  const head = `{"time":"${timeOnce}","level":"info","msg":${JSON.stringify("request")}`;
+  sink(`${head},${JSON.stringify(fields()).slice(1)}\n`);
 });
 measure("access log line: after (log.info, time formatted once per ms)", () => {
   log.info("request", fields());
