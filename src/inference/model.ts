@@ -454,6 +454,33 @@ function checkMessage(m: { role: string }, i: number): void {
   }
 }
 
+/** OpenAI's function names: letters, digits, underscores and dashes, 1 to 64. */
+const FUNCTION_NAME = /^[A-Za-z0-9_-]{1,64}$/;
+
+/**
+ * OpenAI's rules for tools that the schema cannot say: each function name is
+ * FUNCTION_NAME; a tool_choice that requires a tool ("required", or one by
+ * name) needs tools, and a named one must be among them. vLLM leaves names to
+ * the chat template and words its own refusal of the rest, so the gateway
+ * answers these itself, as OpenAI does. "auto" and "none" without tools pass.
+ */
+function checkTools(body: Static<typeof ChatBody>): void {
+  const tools = body.tools ?? [];
+  for (const [i, t] of tools.entries()) {
+    if (!FUNCTION_NAME.test(t.function.name)) {
+      const param = `tools[${i}].function.name`;
+      throw new AppError("invalid_request_error", `Invalid '${param}': a function name is 1 to 64 letters, digits, underscores or dashes.`, param);
+    }
+  }
+  const choice = body.tool_choice;
+  if (choice !== "required" && typeof choice !== "object") return;
+  if (tools.length === 0) throw new AppError("invalid_request_error", "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.", "tool_choice");
+  if (typeof choice === "object" && !tools.some((t) => t.function.name === choice.function.name)) {
+    const param = "tool_choice.function.name";
+    throw new AppError("invalid_request_error", `Invalid '${param}': no function named '${choice.function.name}' is among 'tools'.`, param);
+  }
+}
+
 /** Validates a chat completion body or throws AppError("invalid_request_error") with `param`. */
 export function parseChatBody(raw: unknown): ChatBody {
   const body = requireObject(raw);
@@ -462,6 +489,7 @@ export function parseChatBody(raw: unknown): ChatBody {
   if (err) throw err;
   const value = body as Static<typeof ChatBody>;
   for (const [i, m] of value.messages.entries()) checkMessage(m, i);
+  checkTools(value);
   return value as ChatBody;
 }
 

@@ -346,6 +346,17 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     await expectInvalid(await chat({ ...base, tools: [{ type: "function", function: { description: "no name" } }] }), "tools[0].function.name");
     await expectInvalid(await chat({ ...base, tools: { type: "function" } }), "tools");
     await expectInvalid(await chat({ ...base, tool_choice: "sometimes" }), "tool_choice");
+    // OpenAI's rules, which vLLM leaves to the chat template or checks in its own words: a function
+    // name is 1-64 letters, digits, _ or -; a tool_choice that requires or names a tool needs tools,
+    // and a named one must be among them.
+    const fn = (name: string) => ({ type: "function", function: { name } });
+    for (const name of ["get weather", "a.b", "x".repeat(65), "naïve"]) await expectInvalid(await chat({ ...base, tools: [fn("ok"), fn(name)] }), "tools[1].function.name", "letters, digits");
+    for (const name of ["get_weather", "A-1", "x".repeat(64)]) expect((await chat({ ...base, tools: [fn(name)] })).status).toBe(200);
+    await expectInvalid(await chat({ ...base, tool_choice: "required" }), "tool_choice", "only allowed when 'tools'");
+    await expectInvalid(await chat({ ...base, tool_choice: fn("f") }), "tool_choice", "only allowed when 'tools'");
+    await expectInvalid(await chat({ ...base, tools: [fn("f")], tool_choice: fn("g") }), "tool_choice.function.name", "'g'");
+    // "auto" and "none" without tools say nothing a model could misread: they pass, as before.
+    for (const tc of ["auto", "none"]) expect((await chat({ ...base, tool_choice: tc })).status).toBe(200);
     await expectInvalid(await chat({ ...base, response_format: { type: "yaml" } }), "response_format");
     for (const tc of ["auto", "none", "required", { type: "function", function: { name: "f" } }]) {
       const tools = [{ type: "function", function: { name: "f", parameters: { type: "object", properties: {} } } }];
