@@ -226,14 +226,16 @@ const ChatBody = T.Object(
     stop: T.Optional(Nullable(T.Union([T.String(), T.Array(T.String())]))),
     presence_penalty: T.Optional(Nullable(T.Number())),
     frequency_penalty: T.Optional(Nullable(T.Number())),
-    logit_bias: T.Optional(Nullable(T.Record(T.String(), T.Number()))),
+    // Token ids (checked in checkBounds: a Record's key schema is not) to -100..100, as OpenAI takes them.
+    logit_bias: T.Optional(Nullable(T.Record(T.String(), T.Number({ minimum: -100, maximum: 100 })))),
     logprobs: T.Optional(Nullable(T.Boolean())),
-    top_logprobs: T.Optional(Nullable(T.Integer({ minimum: 0 }))),
+    top_logprobs: T.Optional(Nullable(T.Integer({ minimum: 0, maximum: 20 }))),
     // Beyond 2^53 JSON.parse rounds: the upstream would get a different seed than the one sent.
     seed: T.Optional(Nullable(T.Integer({ minimum: -Number.MAX_SAFE_INTEGER, maximum: Number.MAX_SAFE_INTEGER }))),
     user: T.Optional(T.String()),
     reasoning_effort: T.Optional(Nullable(T.String())),
-    metadata: T.Optional(Nullable(T.Record(T.String(), T.String()))),
+    // OpenAI's bounds, as on the Responses API: 16 pairs, keys of at most 64 characters (checkBounds), values of at most 512.
+    metadata: T.Optional(Nullable(T.Record(T.String(), T.String({ maxLength: 512 }), { maxProperties: 16 }))),
     store: T.Optional(Nullable(T.Boolean())),
     modalities: T.Optional(Nullable(T.Array(T.String()))),
     service_tier: T.Optional(Nullable(T.String())),
@@ -481,6 +483,23 @@ function checkTools(body: Static<typeof ChatBody>): void {
   }
 }
 
+const TOKEN_ID = /^\d{1,10}$/;
+
+/** What the schema cannot say: logit_bias keys are token ids, metadata keys at most 64 characters, stream_options only with stream. */
+function checkBounds(body: Static<typeof ChatBody>): void {
+  if (body.logit_bias) {
+    for (const k in body.logit_bias) {
+      if (!TOKEN_ID.test(k)) throw invalid("logit_bias", `Invalid 'logit_bias': keys are token ids (whole numbers), not '${k.slice(0, 40)}'.`);
+    }
+  }
+  if (body.metadata) {
+    for (const k in body.metadata) if (k.length > 64) throw invalid("metadata", "Invalid 'metadata': keys are at most 64 characters.");
+  }
+  if (body.stream_options != null && body.stream !== true) {
+    throw invalid("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.");
+  }
+}
+
 /** Validates a chat completion body or throws AppError("invalid_request_error") with `param`. */
 export function parseChatBody(raw: unknown): ChatBody {
   const body = requireObject(raw);
@@ -490,6 +509,7 @@ export function parseChatBody(raw: unknown): ChatBody {
   const value = body as Static<typeof ChatBody>;
   for (const [i, m] of value.messages.entries()) checkMessage(m, i);
   checkTools(value);
+  checkBounds(value);
   return value as ChatBody;
 }
 

@@ -330,6 +330,25 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     }
   });
 
+  test("OpenAI's bounds that the upstream would word its own way or not check: top_logprobs 0-20, logit_bias token ids to -100..100, metadata 16 pairs of 64/512 characters, stream_options only with stream", async () => {
+    const base = { model: "svc-fast", messages: userMessages() };
+    await expectInvalid(await chat({ ...base, logprobs: true, top_logprobs: 21 }), "top_logprobs");
+    expect((await chat({ ...base, logprobs: true, top_logprobs: 20 })).status).toBe(200);
+    await expectInvalid(await chat({ ...base, logit_bias: { "50256": 101 } }), "logit_bias[50256]");
+    await expectInvalid(await chat({ ...base, logit_bias: { abc: 1 } }), "logit_bias", "token ids");
+    await expectInvalid(await chat({ ...base, logit_bias: { "-1": 1 } }), "logit_bias", "token ids");
+    expect((await chat({ ...base, logit_bias: { "50256": -100, "11": 100 } })).status).toBe(200);
+    expect(rec(sim.stats.lastBody).logit_bias).toEqual({ "50256": -100, "11": 100 });
+    const pairs = (n: number) => Object.fromEntries(Array.from({ length: n }, (_, i) => [`k${i}`, "v"]));
+    await expectInvalid(await chat({ ...base, metadata: pairs(17) }), "metadata");
+    await expectInvalid(await chat({ ...base, metadata: { ["k".repeat(65)]: "v" } }), "metadata", "64");
+    await expectInvalid(await chat({ ...base, metadata: { k: "v".repeat(513) } }), "metadata.k");
+    expect((await chat({ ...base, metadata: { ...pairs(15), ["k".repeat(64)]: "v".repeat(512) } })).status).toBe(200);
+    await expectInvalid(await chat({ ...base, stream_options: { include_usage: true } }), "stream_options", "only allowed when 'stream'");
+    await expectInvalid(await chat({ ...base, stream: false, stream_options: { include_usage: true } }), "stream_options", "only allowed when 'stream'");
+    expect((await chat({ ...base, stream_options: null })).status).toBe(200);
+  });
+
   test("max_tokens: a positive integer within the alias's context window", async () => {
     for (const v of [0, -1, 1.5, "10"]) await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), max_tokens: v }), "max_tokens");
     await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), max_tokens: 128_001 }), "max_tokens", "context window");
@@ -372,6 +391,11 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
   test("stream and stream_options types", async () => {
     await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), stream: "yes" }), "stream");
     await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: "y" } }), "stream_options.include_usage");
+    // With stream, every field the SDK declares reaches the upstream; include_usage is forced on for metering.
+    const res = await chat({ model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: false, include_obfuscation: false } });
+    expect(res.status).toBe(200);
+    await res.text();
+    expect(rec(sim.stats.lastBody).stream_options).toEqual({ include_usage: true, include_obfuscation: false });
   });
 
   test("unknown fields inside nested objects are refused by their path, never forwarded", async () => {
@@ -431,7 +455,6 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
         },
         { role: "user", content: "go on" },
       ],
-      stream_options: { include_usage: false, include_obfuscation: false },
       prediction: { type: "content", content: [{ type: "text", text: "x" }] },
       audio: { format: "wav", voice: { id: "voice_1" } },
       web_search_options: { search_context_size: "low", user_location: { type: "approximate", approximate: { city: "Paris", country: "FR", region: "IDF", timezone: "Europe/Paris" } } },
