@@ -513,12 +513,37 @@ export function parseChatBody(raw: unknown): ChatBody {
   return value as ChatBody;
 }
 
+const MAX_EMBEDDING_INPUTS = 2048;
+const INPUT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists";
+const isTokenId = (v: unknown) => typeof v === "number" && Number.isInteger(v) && v >= 0;
+
+/** Why an embeddings `input` that matched none of its forms is wrong, with the element's path: the union's own error says only that. */
+function inputProblem(input: unknown): AppError {
+  const wrong = (param: string, what: string) => invalid(param, `Invalid value for '${param}': ${what}.`);
+  if (!Array.isArray(input)) return wrong("input", `expected ${INPUT_FORMS}`);
+  if (input.length === 0) return wrong("input", "an empty list; send at least one input");
+  if (input.length > MAX_EMBEDDING_INPUTS) return wrong("input", `at most ${MAX_EMBEDDING_INPUTS} inputs in one request, not ${input.length}`);
+  if (input.every((v) => typeof v === "string")) return wrong("input", `expected ${INPUT_FORMS}`);
+  if (input.every((v) => typeof v === "number")) {
+    const i = input.findIndex((v) => !isTokenId(v));
+    if (i >= 0) return wrong(`input[${i}]`, "token ids are whole numbers from 0");
+  }
+  if (input.every(Array.isArray)) {
+    for (const [i, list] of (input as unknown[][]).entries()) {
+      if (list.length === 0) return wrong(`input[${i}]`, "an empty token list");
+      const j = list.findIndex((v) => !isTokenId(v));
+      if (j >= 0) return wrong(`input[${i}][${j}]`, "token ids are whole numbers from 0");
+    }
+  }
+  return wrong("input", `expected ${INPUT_FORMS}, not a mix`);
+}
+
 /** Validates an embeddings body or throws AppError("invalid_request_error") with `param`. */
 export function parseEmbeddingsBody(raw: unknown): EmbeddingsBody {
   const body = requireObject(raw);
   rejectUnknown(body, EMBEDDINGS_KEYS);
   const err = firstError(embeddingsCheck, body, "");
-  if (err) throw err;
+  if (err) throw err.param === "input" && body.input !== undefined ? inputProblem(body.input) : err;
   return body as EmbeddingsBody;
 }
 

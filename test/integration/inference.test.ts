@@ -595,6 +595,16 @@ describe("POST /v1/embeddings", () => {
     await expectInvalid(await embed({ model: "svc-embed" }), "input");
     await expectInvalid(await embed({ model: "svc-embed", input: 5 }), "input");
     await expectInvalid(await embed({ model: "svc-embed", input: [] }), "input");
+    // Each wrong input says what is wrong with it, not only that the union did not match.
+    await expectInvalid(await embed({ model: "svc-embed", input: [] }), "input", "empty");
+    await expectInvalid(await embed({ model: "svc-embed", input: Array(2049).fill("a") }), "input", "at most 2048");
+    await expectInvalid(await embed({ model: "svc-embed", input: Array(2049).fill([1]) }), "input", "at most 2048");
+    await expectInvalid(await embed({ model: "svc-embed", input: [1, -2] }), "input[1]", "token ids");
+    await expectInvalid(await embed({ model: "svc-embed", input: [1, 2.5] }), "input[1]", "token ids");
+    await expectInvalid(await embed({ model: "svc-embed", input: [[1], [2, -1]] }), "input[1][1]", "token ids");
+    await expectInvalid(await embed({ model: "svc-embed", input: [[1], []] }), "input[1]", "empty");
+    await expectInvalid(await embed({ model: "svc-embed", input: ["a", 1] }), "input", "a list of strings");
+    await expectInvalid(await embed({ model: "svc-embed", input: { text: "a" } }), "input", "a list of strings");
     await expectInvalid(await embed({ model: "svc-embed", input: "x", encoding_format: "int8" }), "encoding_format");
     await expectInvalid(await embed({ model: "svc-embed", input: "x", dimensions: 0 }), "dimensions");
     await expectInvalid(await embed({ model: "svc-embed", input: "x", dimensions: 2048 }), "dimensions", "1024");
