@@ -205,6 +205,19 @@ const WebSearchOptions = T.Object(
   Strict,
 );
 
+/**
+ * OpenAI's request metadata, on chat and the Responses API: 16 pairs, values
+ * of at most 512 characters, keys of at most 64 (checkMetadataKeys: TypeBox
+ * does not check a Record's key schema).
+ */
+export const Metadata = T.Record(T.String({ maxLength: 64 }), T.String({ maxLength: 512 }), { maxProperties: 16 });
+
+/** The 64-character bound on metadata keys that the Metadata schema states but does not check. */
+export function checkMetadataKeys(metadata: unknown): void {
+  if (!isRecord(metadata)) return;
+  for (const k in metadata) if (k.length > 64) throw invalid("metadata", "Invalid 'metadata': keys are at most 64 characters.");
+}
+
 const ChatBody = T.Object(
   {
     model: T.String({ minLength: 1 }),
@@ -234,8 +247,7 @@ const ChatBody = T.Object(
     seed: T.Optional(Nullable(T.Integer({ minimum: -Number.MAX_SAFE_INTEGER, maximum: Number.MAX_SAFE_INTEGER }))),
     user: T.Optional(T.String()),
     reasoning_effort: T.Optional(Nullable(T.String())),
-    // OpenAI's bounds, as on the Responses API: 16 pairs, keys of at most 64 characters (checkBounds), values of at most 512.
-    metadata: T.Optional(Nullable(T.Record(T.String(), T.String({ maxLength: 512 }), { maxProperties: 16 }))),
+    metadata: T.Optional(Nullable(Metadata)),
     store: T.Optional(Nullable(T.Boolean())),
     modalities: T.Optional(Nullable(T.Array(T.String()))),
     service_tier: T.Optional(Nullable(T.String())),
@@ -264,12 +276,19 @@ export type ChatBody = Omit<Static<typeof ChatBody>, "messages"> & { messages: C
 // Embeddings body (spec 4.2)
 // ---------------------------------------------------------------------------
 
+/** Inputs one embeddings request may carry (OpenAI's bound). */
+const MAX_EMBEDDING_INPUTS = 2048;
 const TokenArray = T.Array(T.Integer({ minimum: 0 }), { minItems: 1 });
 const EmbeddingsBody = T.Object(
   {
     model: T.String({ minLength: 1 }),
     // LangChain and the Vercel AI SDK send arrays; token arrays are part of the format too.
-    input: T.Union([T.String(), T.Array(T.String(), { minItems: 1, maxItems: 2048 }), TokenArray, T.Array(TokenArray, { minItems: 1, maxItems: 2048 })]),
+    input: T.Union([
+      T.String(),
+      T.Array(T.String(), { minItems: 1, maxItems: MAX_EMBEDDING_INPUTS }),
+      TokenArray,
+      T.Array(TokenArray, { minItems: 1, maxItems: MAX_EMBEDDING_INPUTS }),
+    ]),
     encoding_format: T.Optional(T.Union([T.Literal("float"), T.Literal("base64")])),
     dimensions: T.Optional(PositiveInt),
     user: T.Optional(T.String()),
@@ -492,9 +511,7 @@ function checkBounds(body: Static<typeof ChatBody>): void {
       if (!TOKEN_ID.test(k)) throw invalid("logit_bias", `Invalid 'logit_bias': keys are token ids (whole numbers), not '${k.slice(0, 40)}'.`);
     }
   }
-  if (body.metadata) {
-    for (const k in body.metadata) if (k.length > 64) throw invalid("metadata", "Invalid 'metadata': keys are at most 64 characters.");
-  }
+  checkMetadataKeys(body.metadata);
   if (body.stream_options != null && body.stream !== true) {
     throw invalid("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.");
   }
@@ -513,7 +530,6 @@ export function parseChatBody(raw: unknown): ChatBody {
   return value as ChatBody;
 }
 
-const MAX_EMBEDDING_INPUTS = 2048;
 const INPUT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists";
 const isTokenId = (v: unknown) => typeof v === "number" && Number.isInteger(v) && v >= 0;
 

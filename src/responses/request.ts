@@ -1,7 +1,7 @@
 import { type Static, type TSchema, Type as T } from "@sinclair/typebox";
 import { TypeCompiler, type TypeCheck } from "@sinclair/typebox/compiler";
 import { AppError } from "../lib/errors.ts";
-import { firstError } from "../inference/model.ts";
+import { checkMetadataKeys, firstError, Metadata } from "../inference/model.ts";
 import { isRecord } from "../lib/guards.ts";
 import { JsonValue } from "../lib/json-value.ts";
 
@@ -226,7 +226,7 @@ const Body = T.Object(
     ),
     user: T.Optional(Nullable(T.String())),
     safety_identifier: T.Optional(Nullable(T.String())),
-    metadata: T.Optional(Nullable(T.Record(T.String({ maxLength: 64 }), T.String({ maxLength: 512 }), { maxProperties: 16 }))),
+    metadata: T.Optional(Nullable(Metadata)),
     include: T.Optional(Nullable(T.Array(T.String()))),
     truncation: T.Optional(Nullable(T.Union([T.Literal("auto"), T.Literal("disabled")]))),
     service_tier: T.Optional(Nullable(T.String())),
@@ -337,10 +337,7 @@ export function parseResponsesBody(raw: unknown): ResponsesBody {
   for (const k in raw) if (!BODY_KEYS.has(k)) throw invalid(k, `Unrecognized request argument supplied: ${k}`);
   const err = firstError(bodyCheck, raw, "");
   if (err) throw err;
-  // TypeBox's Record does not check its key schema: the 64-character bound on keys is checked here.
-  if (isRecord(raw.metadata)) {
-    for (const k in raw.metadata) if (k.length > 64) throw invalid("metadata", "Invalid 'metadata': keys are at most 64 characters.");
-  }
+  checkMetadataKeys(raw.metadata);
   if (raw.background === true) throw invalid("background", "Background responses are not supported by this gateway; send the request without background (streaming keeps long answers alive).");
   if (Array.isArray(raw.input)) for (const [j, item] of raw.input.entries()) checkItem(item as Record<string, unknown>, j);
   if (Array.isArray(raw.tools)) checkTools(raw.tools as Record<string, unknown>[]);
