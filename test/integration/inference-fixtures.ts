@@ -86,6 +86,11 @@ export function post(gw: Gateway, path: string, key: string | undefined, body: u
 
 export const userMessages = (text = "hi") => [{ role: "user", content: text }];
 
+/** What the simulator answers with `completionTokens: 6`. */
+export const SIX_TOKEN_TEXT = "token0 token1 token2 token3 token4 token5 ";
+/** The simulator's prompt count for one user message "Say hi": 3 + 4 per message + ceil(6 / 4). */
+export const SAY_HI_PROMPT_TOKENS = 9;
+
 /** The `data:` payloads of an SSE body, in order. */
 export function sseData(text: string): string[] {
   return text

@@ -8,7 +8,7 @@ import { z } from "zod";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { type SeededOrg, startTestGateway } from "../helpers/harness.ts";
-import { TEST_PLANS, arr, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+import { SAY_HI_PROMPT_TOKENS, SIX_TOKEN_TEXT, TEST_PLANS, arr, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s on a busy machine.
 setDefaultTimeout(30_000);
@@ -30,9 +30,7 @@ let sim: Simulator;
 let gw: Gateway;
 let org: SeededOrg;
 
-const TEXT = "token0 token1 token2 token3 token4 token5 ";
-/** The simulator's prompt count for one user message "Say hi": 3 + 4 per message + ceil(6 / 4). */
-const SAY_HI_PROMPT_TOKENS = 9;
+const TEXT = SIX_TOKEN_TEXT;
 
 beforeAll(async () => {
   sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 6 });
