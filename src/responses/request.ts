@@ -215,7 +215,8 @@ const Body = T.Object(
     max_output_tokens: T.Optional(Nullable(T.Integer({ minimum: 1 }))),
     temperature: T.Optional(Nullable(T.Number({ minimum: 0, maximum: 2 }))),
     top_p: T.Optional(Nullable(T.Number())),
-    top_logprobs: T.Optional(Nullable(T.Integer({ minimum: 0 }))),
+    // OpenAI's bound, as chat's top_logprobs.
+    top_logprobs: T.Optional(Nullable(T.Integer({ minimum: 0, maximum: 20 }))),
     reasoning: T.Optional(
       Nullable(
         T.Object(

@@ -165,7 +165,7 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
   // Logprobs are asked for with include (top_logprobs alone only sizes them), as in OpenAI's API.
   if (body.include?.includes("message.output_text.logprobs")) {
     chat.logprobs = true;
-    chat.top_logprobs = Math.min(20, body.top_logprobs ?? 0);
+    chat.top_logprobs = body.top_logprobs ?? 0;
   }
   if (body.reasoning?.effort != null) chat.reasoning_effort = body.reasoning.effort;
   const user = body.user ?? body.safety_identifier;

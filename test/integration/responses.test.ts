@@ -384,6 +384,8 @@ describe("validation: 400 with the Responses param", () => {
     ["an unknown role", { ...base, input: [{ role: "wizard", content: "x" }] }, "input[0].role"],
     ["temperature out of range", { ...base, temperature: 3 }, "temperature"],
     ["max_output_tokens 0", { ...base, max_output_tokens: 0 }, "max_output_tokens"],
+    // OpenAI's bound (and chat's here): was accepted, echoed as sent and silently cut to 20 upstream.
+    ["top_logprobs over 20", { ...base, include: ["message.output_text.logprobs"], top_logprobs: 21 }, "top_logprobs"],
     ["a non-empty prompt", { ...base, prompt: { id: "pmpt_1" } }, "prompt"],
     ["a conversation", { ...base, conversation: "conv_1" }, "conversation"],
     ["no input", { model: "svc-fast" }, "input", "Missing required parameter"],
