@@ -302,17 +302,20 @@ export function responseFromChat(chat: Record<string, unknown>, meta: ResponseMe
   const itemStatus: ItemStatus = end.status === "completed" ? "completed" : "incomplete";
   const r = responseShell(meta, end.status);
 
-  const reasoning = reasoningOf(message);
-  if (reasoning) r.output.push({ type: "reasoning", id: itemId("rs"), summary: [], content: [{ type: "reasoning_text", text: reasoning }], status: itemStatus });
-
   const text = str(message.content);
   const refusal = str(message.refusal);
   const calls = Array.isArray(message.tool_calls) ? message.tool_calls.filter(isRecord) : [];
+  // Only what was still being generated is cut short, as in the stream: the model writes reasoning, then
+  // text, then tool calls, so an item followed by another kind had ended (completed) before the cut.
+  const reasoning = reasoningOf(message);
+  const reasoningStatus: ItemStatus = text || refusal || calls.length > 0 ? "completed" : itemStatus;
+  if (reasoning) r.output.push({ type: "reasoning", id: itemId("rs"), summary: [], content: [{ type: "reasoning_text", text: reasoning }], status: reasoningStatus });
+
   if (text || refusal || calls.length === 0) {
     const content: MessageItem["content"] = [];
     if (text || !refusal) content.push({ type: "output_text", text, annotations: [], logprobs: logprobsFromChat(isRecord(choice) ? choice.logprobs : undefined) });
     if (refusal) content.push({ type: "refusal", refusal });
-    r.output.push({ type: "message", id: itemId("msg"), status: itemStatus, role: "assistant", content });
+    r.output.push({ type: "message", id: itemId("msg"), status: calls.length > 0 ? "completed" : itemStatus, role: "assistant", content });
   }
   for (const call of calls) {
     const fn = isRecord(call.function) ? call.function : {};

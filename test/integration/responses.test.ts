@@ -351,6 +351,25 @@ describe("request translation (what the chat upstream receives)", () => {
     });
   });
 
+  test("an answer cut short by max_output_tokens after its reasoning: the reasoning item completed, the message incomplete, streamed or not", async () => {
+    await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Let me think." }) });
+    const body = { model: "svc-fast", input: "hi", max_output_tokens: 2, store: false };
+    const json = rec(await (await create(body)).json());
+    const events = (await (await create({ ...body, stream: true })).text())
+      .split("\n\n")
+      .filter((e) => e.trim() !== "")
+      .map((e) => rec(JSON.parse(e.split("\n").find((l) => l.startsWith("data: "))?.slice(6) ?? "null")));
+    const streamed = rec(events.at(-1)?.response);
+    const statuses = (r: Record<string, unknown>) => arr(r.output).map((i) => [rec(i).type, rec(i).status]);
+    // The reasoning ended when the text began: only the message was cut (as the stream's done events say).
+    const expected = [
+      ["reasoning", "completed"],
+      ["message", "incomplete"],
+    ];
+    expect({ status: streamed.status, output: statuses(streamed) }).toEqual({ status: "incomplete", output: expected });
+    expect({ status: json.status, output: statuses(json) }).toEqual({ status: "incomplete", output: expected });
+  });
+
   test("json_object format and tool_choice strings pass; the gateway's max_tokens bound under a quota applies", async () => {
     const quoted = await seedTestOrg(gw.database, { quotaTokens: 1_000_000 });
     const res = await create({ model: "svc-fast", input: "hi", text: { format: { type: "json_object" } }, tool_choice: "none", store: false }, quoted.personalKey);

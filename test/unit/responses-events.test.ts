@@ -130,6 +130,14 @@ describe("responseEventStream: the event sequence", () => {
       ["empty", { content: null }, [], "stop"],
       ["reasoning only", { content: null, reasoning_content: "all thought" }, [{ reasoning_content: "all thought" }], "stop"],
       ["reasoning cut short", { content: "", reasoning_content: "thinking…" }, [{ reasoning_content: "thinking…" }], "length"],
+      // Only the item still being written is incomplete (the JSON answer once marked every item so).
+      ["text cut short after reasoning", { content: "Hel", reasoning_content: "hm" }, [{ reasoning_content: "hm" }, { content: "Hel" }], "length"],
+      [
+        "a tool call cut short after text",
+        { content: "Checking.", tool_calls: [{ id: "c1", type: "function", function: { name: "f", arguments: '{"a' } }] },
+        [{ content: "Checking." }, { tool_calls: [{ index: 0, id: "c1", type: "function", function: { name: "f", arguments: '{"a' } }] }],
+        "length",
+      ],
       ["text", { content: "hi" }, [{ content: "hi" }], "stop"],
       ["a tool call", { content: null, tool_calls: [{ id: "c1", type: "function", function: { name: "f", arguments: "{}" } }] }, [{ tool_calls: [{ index: 0, id: "c1", type: "function", function: { name: "f", arguments: "{}" } }] }], "tool_calls"],
     ];
