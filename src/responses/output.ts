@@ -41,7 +41,8 @@ export interface ResponseEcho {
       | { type: "json_schema"; name: string; schema: Record<string, unknown>; strict: boolean | null; description?: string };
     verbosity: "low" | "medium" | "high" | null;
   };
-  reasoning: { effort: string | null; summary: ReasoningSummary | null };
+  /** `context` and `mode` only when sent (the SDK's `mode` is not nullable). */
+  reasoning: { effort: string | null; summary: ReasoningSummary | null; context?: ReasoningContext | null; mode?: string };
   store: boolean;
   truncation: "disabled" | "auto";
   user: string | null;
@@ -149,6 +150,7 @@ export interface ResponseUsage {
 }
 
 export type ReasoningSummary = "auto" | "concise" | "detailed";
+export type ReasoningContext = "auto" | "current_turn" | "all_turns";
 
 /** The efforts the SDK's `ReasoningEffort` names; any other value the client sent is forwarded but echoed as null. */
 const EFFORTS = ["none", "minimal", "low", "medium", "high", "xhigh", "max"] as const;
@@ -178,7 +180,7 @@ export type ResponseObject = {
   previous_response_id: string | null;
   prompt_cache_key: string | null;
   prompt_cache_retention: ResponseEcho["prompt_cache_retention"];
-  reasoning: { effort: Effort | null; summary: ReasoningSummary | null };
+  reasoning: Omit<ResponseEcho["reasoning"], "effort"> & { effort: Effort | null };
   safety_identifier: string | null;
   /** The tier that served the request (OpenAI's meaning): the gateway has one. */
   service_tier: "default";
@@ -222,7 +224,7 @@ export function responseShell(meta: ResponseMeta, status: ResponseStatus): Respo
     previous_response_id: e.previous_response_id,
     prompt_cache_key: e.prompt_cache_key,
     prompt_cache_retention: e.prompt_cache_retention,
-    reasoning: { effort: isEffort(e.reasoning.effort) ? e.reasoning.effort : null, summary: e.reasoning.summary },
+    reasoning: { ...e.reasoning, effort: isEffort(e.reasoning.effort) ? e.reasoning.effort : null },
     safety_identifier: e.safety_identifier,
     service_tier: "default",
     store: e.store,

@@ -220,7 +220,15 @@ const Body = T.Object(
     reasoning: T.Optional(
       Nullable(
         T.Object(
-          { effort: T.Optional(Nullable(T.String())), summary: T.Optional(Nullable(T.String())), generate_summary: T.Optional(Nullable(T.String())) },
+          {
+            effort: T.Optional(Nullable(T.String())),
+            summary: T.Optional(Nullable(T.String())),
+            generate_summary: T.Optional(Nullable(T.String())),
+            // Which turns' reasoning the model sees, and OpenAI's reasoning modes: accepted, echoed and ignored
+            // (reasoning items never go upstream); the Vercel AI SDK sends them when asked to.
+            context: T.Optional(Nullable(T.String())),
+            mode: T.Optional(Nullable(T.String())),
+          },
           Strict,
         ),
       ),

@@ -75,6 +75,7 @@ export function storedItem(item: InputItem): StoredItem {
 const CACHE_RETENTIONS = ["in_memory", "24h"] as const;
 const VERBOSITIES = ["low", "medium", "high"] as const;
 const SUMMARIES = ["auto", "concise", "detailed"] as const;
+const CONTEXTS = ["auto", "current_turn", "all_turns"] as const;
 
 /** `v` when it is one of the values the SDK's Response type declares for the field, else null (it is echoed, not forwarded). */
 function oneOf<V extends string>(v: string | null | undefined, values: readonly V[]): V | null {
@@ -199,7 +200,12 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
           : (format ?? { type: "text" }),
       verbosity: oneOf(body.text?.verbosity, VERBOSITIES),
     },
-    reasoning: { effort: body.reasoning?.effort ?? null, summary: oneOf(body.reasoning?.summary ?? body.reasoning?.generate_summary, SUMMARIES) },
+    reasoning: {
+      effort: body.reasoning?.effort ?? null,
+      summary: oneOf(body.reasoning?.summary ?? body.reasoning?.generate_summary, SUMMARIES),
+      ...(body.reasoning?.context != null ? { context: oneOf(body.reasoning.context, CONTEXTS) } : {}),
+      ...(body.reasoning?.mode != null ? { mode: body.reasoning.mode } : {}),
+    },
     store,
     truncation: body.truncation ?? "disabled",
     user: body.user ?? null,

@@ -351,6 +351,19 @@ describe("request translation (what the chat upstream receives)", () => {
     });
   });
 
+  test("reasoning.context and reasoning.mode (the SDK's Reasoning type; the Vercel AI SDK sends them) are accepted, echoed and not forwarded", async () => {
+    const reasoning = { effort: "low", context: "current_turn", mode: "standard" };
+    const json = rec(await (await create({ model: "svc-fast", input: "hi", store: false, reasoning })).json());
+    expect(json.status).toBe("completed");
+    expect(json.reasoning).toEqual({ effort: "low", summary: null, context: "current_turn", mode: "standard" });
+    expect(upstreamBody().reasoning_effort).toBe("low");
+    expect(Object.keys(upstreamBody()).filter((k) => k.includes("context") || k.includes("mode"))).toEqual(["model"]);
+    // Not sent: left out (mode is not nullable in the SDK's type), as before.
+    const plain = rec(await (await create({ model: "svc-fast", input: "hi", store: false, reasoning: { effort: "low" } })).json());
+    expect(plain.reasoning).toEqual({ effort: "low", summary: null });
+    await expectError(await create({ model: "svc-fast", input: "hi", reasoning: { context: 1 } }), 400, "invalid_request_error", "reasoning.context");
+  });
+
   test("an answer cut short by max_output_tokens after its reasoning: the reasoning item completed, the message incomplete, streamed or not", async () => {
     await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Let me think." }) });
     const body = { model: "svc-fast", input: "hi", max_output_tokens: 2, store: false };
