@@ -77,6 +77,20 @@ const CRLF2 = Buffer.from("\r\n\r\n");
 const DATA = Buffer.from("data:");
 const DONE = Buffer.from("[DONE]");
 const USAGE = Buffer.from('"usage":');
+/** A chunk's `"id"` near its start (vLLM writes it first): a JSON string, escapes included. */
+const CHUNK_ID = /^\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){0,256}")/;
+
+/** The id of a chunk (`data` from `at`), or "" when it has none we can read: looked up once per stream. */
+function chunkIdOf(event: Buffer, at: number): string {
+  const m = CHUNK_ID.exec(event.toString("utf8", at, Math.min(event.length, at + 300)));
+  if (!m?.[1]) return "";
+  try {
+    const id = JSON.parse(m[1]) as unknown;
+    return typeof id === "string" ? id : "";
+  } catch {
+    return "";
+  }
+}
 const TEXT_FIELDS = ['"content":"', '"arguments":"', '"refusal":"'].map((s) => Buffer.from(s));
 /** vLLM's reasoning text, under its older name, its newer one, or both (the same text): counted once. */
 const REASONING_FIELDS = ['"reasoning_content":"', '"reasoning":"'].map((s) => Buffer.from(s));
@@ -205,6 +219,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   let tail: Buffer | undefined;
   let sawDone = false;
   let usage: StreamEnd["usage"];
+  /** The upstream's chunk id (read from its first chunk), for a usage chunk the gateway adds. */
+  let chunkId: string | undefined;
   let deliveredChars = 0;
   /** deliveredChars when the last usage report arrived (that event's own text included): what followed is not in it. */
   let charsAtUsage = 0;
@@ -254,8 +270,24 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     if (event[at] === SPACE) at++;
     if (startsWithAt(event, at, DONE)) {
       sawDone = true;
+      // Asked for usage and none came (an upstream that ignores include_usage): the
+      // client gets what is counted, as a JSON answer carries it, before [DONE].
+      if (usage === undefined && opts.clientWantsUsage) {
+        usage = { promptTokens: opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars) };
+        charsAtUsage = deliveredChars;
+        const chunk = {
+          id: chunkId ?? "",
+          object: "chat.completion.chunk",
+          created: Math.floor(Date.now() / 1000),
+          model: opts.alias,
+          choices: [],
+          usage: { prompt_tokens: usage.promptTokens, completion_tokens: usage.completionTokens, total_tokens: usage.promptTokens + usage.completionTokens },
+        };
+        return Buffer.concat([Buffer.from(`data: ${JSON.stringify(chunk)}${(sep ?? LF2).toString()}`), event]);
+      }
       return event;
     }
+    chunkId ??= chunkIdOf(event, at);
     // Every error prefix starts `{"e` or `{"o` (a chunk starts `{"id"`).
     if (event[at] === OPEN_BRACE && event[at + 1] === QUOTE && (event[at + 2] === 0x65 || event[at + 2] === 0x6f) && ERROR_PREFIXES.some((p) => startsWithAt(event, at, p))) {
       upstreamError = upstreamMessage(event.toString("utf8", at, event.length - (sep?.length ?? 2))).message;

@@ -54,6 +54,7 @@ beforeAll(async () => {
     aliases: { "svc-fast": chatAlias([{ baseUrl: base }]), "svc-embed": embedAlias([{ baseUrl: base }]) },
     plans: TEST_PLANS,
     upstream: upstreamSettings({ attempts: 1 }),
+    responses: { enabled: true },
   });
   gw = await startGateway({ config, database: await sharedDatabase(), log: createLogger("warn", (l) => lines.push(JSON.parse(l) as Record<string, unknown>)) });
   org = await seedTestOrg(gw.database);
@@ -225,6 +226,44 @@ describe("usage the upstream leaves out, or reports before the end", () => {
     expect(row?.promptTokens).toBe(promptEstimate);
     // 6 × 40 characters delivered ≈ 60 tokens.
     expect(row?.completionTokens).toBe(60);
+  });
+
+  test("streamed without usage, the client asking for it: a usage chunk with what was counted comes before [DONE] (chat), and the Response carries it (Responses API)", async () => {
+    const promptEstimate = await estimateOf(true);
+    const events = [
+      chunkOf([deltaOf({ role: "assistant", content: "a".repeat(40) })]),
+      chunkOf([deltaOf({ content: "b".repeat(40) })]),
+      chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]),
+    ];
+    // An upstream that ignores stream_options.include_usage: no usage chunk at all.
+    scripted = { events, done: true };
+    const o = await seedTestOrg(gw.database);
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
+    expect(res.status).toBe(200);
+    const data = sseData(await res.text());
+    expect(data.at(-1)).toBe("[DONE]");
+    // 80 characters delivered ≈ 20 tokens: what the record says, the client sees.
+    const last = rec(JSON.parse(data.at(-2) ?? "null"));
+    expect(last).toEqual({ id: "c1", object: "chat.completion.chunk", created: expect.any(Number), model: "svc-fast", choices: [], usage: { prompt_tokens: promptEstimate, completion_tokens: 20, total_tokens: promptEstimate + 20 } });
+    const [row] = await rows(o.orgId);
+    expect([row?.promptTokens, row?.completionTokens]).toEqual([promptEstimate, 20]);
+    // Not asked for: no usage chunk, as before.
+    const plain = sseData(await (await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true })).text());
+    expect(plain.filter((d) => d.includes('"usage"'))).toEqual([]);
+    // Cut off (no [DONE]): the error event ends it; no usage chunk is made up.
+    scripted = { events, done: false };
+    const cut = sseData(await (await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } })).text());
+    expect(cut.filter((d) => d.includes('"usage"'))).toEqual([]);
+    expect(cut.at(-1)).toContain('"error"');
+
+    // The Responses API asks chat for usage: its final event and stored Response carry the same figures.
+    scripted = { events, done: true };
+    const r = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi", stream: true });
+    expect(r.status).toBe(200);
+    const text = await r.text();
+    const completed = text.split("\n\n").find((e) => e.startsWith("event: response.completed"));
+    const final = rec(rec(JSON.parse(completed?.split("data: ")[1] ?? "null")).response);
+    expect(rec(final.usage)).toMatchObject({ output_tokens: 20, total_tokens: rec(final.usage).input_tokens as number + 20 });
   });
 
   test("non-streamed without usage: reasoning and refusal text count as completion, for the client and the record", async () => {
