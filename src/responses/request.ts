@@ -109,6 +109,9 @@ const FunctionCallOutputItem = T.Object(
     id: T.Optional(Nullable(T.String())),
     status: Status,
     caller: T.Optional(JsonValue),
+    // The tool that produced the output (the SDK's type): the call_id already says which call it answers.
+    name: T.Optional(Nullable(T.String())),
+    namespace: T.Optional(Nullable(T.String())),
   },
   Strict,
 );
@@ -166,6 +169,13 @@ const FunctionTool = T.Object(
     // Arbitrary JSON Schema ($schema, additionalProperties, …): never validated inside.
     parameters: T.Optional(Nullable(Json)),
     strict: T.Optional(Nullable(T.Boolean())),
+    // Declared by the SDK's FunctionTool and sent by the Agents SDK when configured: tool search
+    // (defer_loading), callers from hosted code (allowed_callers), asynchronous tools and the output's
+    // schema. A chat upstream has none of these: accepted and not forwarded; the tool is offered as is.
+    defer_loading: T.Optional(T.Boolean()),
+    allowed_callers: T.Optional(Nullable(T.Array(T.String()))),
+    async: T.Optional(T.Boolean()),
+    output_schema: T.Optional(Nullable(Json)),
   },
   Strict,
 );
@@ -305,6 +315,17 @@ function checkItem(item: Record<string, unknown>, j: number): void {
       `${at}.type`,
       `Invalid value for '${at}.type': ${JSON.stringify(type)} is not supported here; input items are message, function_call, function_call_output, reasoning or item_reference.`,
     );
+  }
+  if (type === "function_call_output" && Array.isArray(item.output)) {
+    for (const [k, part] of item.output.entries()) {
+      const partType = isRecord(part) ? part.type : undefined;
+      if (partType === "input_image" || partType === "input_file") {
+        throw invalid(
+          `${at}.output[${k}].type`,
+          `'${at}.output[${k}]' is ${partType}: a tool's output can carry only text here, because chat-completions upstreams take only text in tool results. Send the ${partType === "input_image" ? "image" : "file"} in a user message after it.`,
+        );
+      }
+    }
   }
   const err = firstError(check, item, `/input/${j}`);
   if (err) throw err;

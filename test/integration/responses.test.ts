@@ -364,6 +364,34 @@ describe("request translation (what the chat upstream receives)", () => {
     await expectError(await create({ model: "svc-fast", input: "hi", reasoning: { context: 1 } }), 400, "invalid_request_error", "reasoning.context");
   });
 
+  test("the SDK's other function-tool and tool-output fields are accepted and not forwarded; an image in a tool's output is refused with why", async () => {
+    const tool = {
+      type: "function",
+      name: "lookup",
+      parameters: { type: "object", properties: {} },
+      strict: true,
+      defer_loading: false,
+      allowed_callers: ["direct"],
+      async: false,
+      output_schema: { type: "object" },
+    };
+    const input = [
+      { role: "user", content: "look it up" },
+      { type: "function_call", call_id: "call_1", name: "lookup", arguments: "{}" },
+      { type: "function_call_output", call_id: "call_1", output: "42", name: "lookup", namespace: null },
+    ];
+    const res = await create({ model: "svc-fast", input, tools: [tool], store: false });
+    expect(res.status).toBe(200);
+    await res.text();
+    const sent = upstreamBody();
+    expect(sent.tools).toEqual([{ type: "function", function: { name: "lookup", parameters: { type: "object", properties: {} }, strict: true } }]);
+    expect(arr(sent.messages).at(-1)).toEqual({ role: "tool", tool_call_id: "call_1", content: "42" });
+    // Chat upstreams take text only in a tool result: the refusal says so and names the part.
+    const image = [...input.slice(0, 2), { type: "function_call_output", call_id: "call_1", output: [{ type: "input_text", text: "see" }, { type: "input_image", image_url: "data:image/png;base64,AAAA" }] }];
+    const refused = await create({ model: "svc-fast", input: image, tools: [tool], store: false });
+    expect(await expectError(refused, 400, "invalid_request_error", "input[2].output[1].type")).toContain("only text");
+  });
+
   test("an answer cut short by max_output_tokens after its reasoning: the reasoning item completed, the message incomplete, streamed or not", async () => {
     await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Let me think." }) });
     const body = { model: "svc-fast", input: "hi", max_output_tokens: 2, store: false };
