@@ -91,9 +91,10 @@ function chunkIdOf(event: Buffer, at: number): string {
     return "";
   }
 }
-const TEXT_FIELDS = ['"content":"', '"arguments":"', '"refusal":"'].map((s) => Buffer.from(s));
+/** Keys whose string values are delta text; the value's quote may follow a space (Python's default separators). */
+const TEXT_FIELDS = ['"content":', '"arguments":', '"refusal":'].map((s) => Buffer.from(s));
 /** vLLM's reasoning text, under its older name, its newer one, or both (the same text): counted once. */
-const REASONING_FIELDS = ['"reasoning_content":"', '"reasoning":"'].map((s) => Buffer.from(s));
+const REASONING_FIELDS = ['"reasoning_content":', '"reasoning":'].map((s) => Buffer.from(s));
 const ERROR_PREFIXES = ['{"error"', '{"object":"error"', '{"object": "error"'].map((s) => Buffer.from(s));
 /** One event larger than this without a terminator is not SSE we understand. */
 const MAX_EVENT_BYTES = 8 * 1024 * 1024;
@@ -114,14 +115,24 @@ function jsonStringBytes(b: Buffer, start: number): number {
   return b.length - start;
 }
 
-/** Bytes of every string value of `field` in the event: each choice's (`n`), each parallel tool call's. */
+/**
+ * Bytes of every string value of `field` (a key with its colon) in the event:
+ * each choice's (`n`), each parallel tool call's. `"content":"…"` and
+ * `"content": "…"` alike: servers built on Python's json write the second.
+ */
 function fieldBytes(event: Buffer, field: Buffer): number {
   let n = 0;
   let at = event.indexOf(field);
   while (at !== -1) {
-    const len = jsonStringBytes(event, at + field.length);
+    let v = at + field.length;
+    while (event[v] === SPACE) v++;
+    if (event[v] !== QUOTE) {
+      at = event.indexOf(field, v);
+      continue;
+    }
+    const len = jsonStringBytes(event, v + 1);
     n += len;
-    at = event.indexOf(field, at + field.length + len);
+    at = event.indexOf(field, v + 1 + len);
   }
   return n;
 }

@@ -19,7 +19,7 @@ setDefaultTimeout(30_000);
 /** What the hostile upstream puts in `usage`, set per test. */
 let usage: Record<string, unknown> = {};
 /** A whole chat answer of the test's own (the events of a stream, or a JSON completion), instead of the usual one. */
-let scripted: { events: unknown[]; done: boolean } | { completion: Record<string, unknown> } | undefined;
+let scripted: { events: unknown[]; done: boolean; python?: boolean } | { completion: Record<string, unknown> } | undefined;
 const upstream = Bun.serve({
   hostname: "127.0.0.1",
   port: 0,
@@ -28,7 +28,8 @@ const upstream = Bun.serve({
     if (scripted && "completion" in scripted) return Response.json({ id: "c1", created: 1, model: CHAT_MODEL, object: "chat.completion", ...scripted.completion });
     if (scripted && "events" in scripted) {
       // Without [DONE] the stream just ends: cut off, as a dying upstream's would be.
-      const text = scripted.events.map((e) => `data: ${JSON.stringify(e)}\n\n`).join("") + (scripted.done ? "data: [DONE]\n\n" : "");
+      const serialise = scripted.python ? pythonJson : JSON.stringify;
+      const text = scripted.events.map((e) => `data: ${serialise(e)}\n\n`).join("") + (scripted.done ? "data: [DONE]\n\n" : "");
       return new Response(text, { headers: { "content-type": "text/event-stream" } });
     }
     if (new URL(req.url).pathname.endsWith("/embeddings")) {
@@ -44,6 +45,13 @@ const upstream = Bun.serve({
   },
 });
 const base = `http://127.0.0.1:${upstream.port}/v1`;
+
+/** JSON as Python's json.dumps writes it by default (`", "` and `": "` separators), as servers built on it stream. */
+function pythonJson(v: unknown): string {
+  if (Array.isArray(v)) return `[${v.map(pythonJson).join(", ")}]`;
+  if (v !== null && typeof v === "object") return `{${Object.entries(v).map(([k, x]) => `${JSON.stringify(k)}: ${pythonJson(x)}`).join(", ")}}`;
+  return JSON.stringify(v);
+}
 
 const lines: Record<string, unknown>[] = [];
 let gw: Gateway;
@@ -264,6 +272,29 @@ describe("usage the upstream leaves out, or reports before the end", () => {
     const completed = text.split("\n\n").find((e) => e.startsWith("event: response.completed"));
     const final = rec(rec(JSON.parse(completed?.split("data: ")[1] ?? "null")).response);
     expect(rec(final.usage)).toMatchObject({ output_tokens: 20, total_tokens: rec(final.usage).input_tokens as number + 20 });
+  });
+
+  test("streamed without usage from a server writing Python's separators (`\"content\": \"…\"`): every delta's text counts all the same", async () => {
+    const promptEstimate = await estimateOf(true);
+    const o = await seedTestOrg(gw.database);
+    scripted = {
+      events: [
+        chunkOf([deltaOf({ role: "assistant", reasoning_content: "r".repeat(40) })]),
+        chunkOf([deltaOf({ content: "a".repeat(40) }), deltaOf({ content: "b".repeat(40) }, 1)]),
+        chunkOf([deltaOf({ tool_calls: [{ index: 0, function: { arguments: "c".repeat(40) } }] })]),
+        chunkOf([deltaOf({ refusal: "f".repeat(40) })]),
+      ],
+      done: true,
+      python: true,
+    };
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
+    expect(res.status).toBe(200);
+    await res.text();
+    const [row] = await rows(o.orgId);
+    expect(row?.status).toBe(200);
+    expect(row?.promptTokens).toBe(promptEstimate);
+    // 5 × 40 characters delivered ≈ 50 tokens (before: 0, none of the text was seen).
+    expect(row?.completionTokens).toBe(50);
   });
 
   test("non-streamed without usage: reasoning and refusal text count as completion, for the client and the record", async () => {
