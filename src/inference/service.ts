@@ -244,6 +244,11 @@ export function createInferenceService(deps: ServiceDeps) {
     // that knows only max_tokens, or takes it first, gets the same bound there.
     else if (principal.quotaTokens !== null && body.max_completion_tokens != null) body.max_tokens = body.max_completion_tokens;
 
+    // What the upstream may generate at most: n × the larger of the bounds it was sent (a server may take
+    // either). A completion count above it is capped (usage.ts), so no upstream figure overshoots the reservation.
+    const told = Math.max(body.max_tokens ?? 0, body.max_completion_tokens ?? 0);
+    const maxCompletion = told > 0 ? choices * told : Number.POSITIVE_INFINITY;
+
     // The client's stream_options are kept; include_usage is forced on so every stream can be metered.
     const clientWantsUsage = body.stream_options?.include_usage === true;
     if (streamed) body.stream_options = { ...(body.stream_options ?? {}), include_usage: true };
@@ -261,7 +266,7 @@ export function createInferenceService(deps: ServiceDeps) {
         const shaped = shapeCompletion(parsed, name);
         if (!shaped) throw badUpstreamAnswer(name, res.target);
         const rawUsage = isRecord(parsed) && isRecord(parsed.usage) ? parsed.usage : undefined;
-        const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionChars) });
+        const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionChars) }, maxCompletion);
         if (counted.rejected) implausibleUsage(name, res.target, counted.rejected, ctx.requestId);
         const { promptTokens, completionTokens } = counted;
         shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens };
@@ -280,7 +285,7 @@ export function createInferenceService(deps: ServiceDeps) {
     } catch (e) {
       return settleFailure(ticket, name, start, true, e);
     }
-    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform });
+    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, maxCompletion, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform });
   }
 
   /**
@@ -296,6 +301,7 @@ export function createInferenceService(deps: ServiceDeps) {
       alias: AliasConfig;
       clientWantsUsage: boolean;
       promptEstimate: number;
+      maxCompletion: number;
       ticket: Ticket;
       start: number;
       signal: AbortSignal;
@@ -315,6 +321,7 @@ export function createInferenceService(deps: ServiceDeps) {
       signal: r.signal,
       ...(r.transform ? { transform: r.transform } : {}),
       promptEstimate,
+      maxCompletionTokens: r.maxCompletion,
       onImplausibleUsage: (rejected) => implausibleUsage(name, target, rejected, r.requestId),
       open,
       errorBody: deps.wire.errorBody,

@@ -51,6 +51,8 @@ export interface RelayOptions {
   signal: AbortSignal;
   /** Stands in for an implausible upstream prompt count (usage.ts); 0 when not given. */
   promptEstimate?: number;
+  /** The most completion tokens the upstream was allowed (n × max_tokens as sent); a larger count is capped (usage.ts). */
+  maxCompletionTokens?: number;
   /** The usage chunk carried implausible counts; they were replaced before the client saw them. */
   onImplausibleUsage?(rejected: Record<string, string>): void;
   onEnd(end: StreamEnd): void;
@@ -160,6 +162,7 @@ function startsWithAt(b: Buffer, at: number, prefix: Buffer): boolean {
 function usageOf(
   payload: string,
   estimate: { promptTokens: number; completionTokens: number },
+  maxCompletion: number | undefined,
 ): { counted: Counted; onlyUsage: boolean; rewritten: string | undefined } | undefined {
   let v: unknown;
   try {
@@ -168,7 +171,7 @@ function usageOf(
     return undefined;
   }
   if (!isRecord(v) || !isRecord(v.usage)) return undefined;
-  const counted = countUsage(v.usage, estimate);
+  const counted = countUsage(v.usage, estimate, maxCompletion);
   const onlyUsage = Array.isArray(v.choices) && v.choices.length === 0;
   if (!counted.rejected) return { counted, onlyUsage, rewritten: undefined };
   const { promptTokens: p, completionTokens: c } = counted;
@@ -311,7 +314,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       while (event[v] === SPACE) v++;
       if (event[v] === OPEN_BRACE) {
         const estimate = { promptTokens: opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars + deltaTextBytes(event)) };
-        const parsed = usageOf(event.toString("utf8", at, event.length - (sep?.length ?? 2)), estimate);
+        const parsed = usageOf(event.toString("utf8", at, event.length - (sep?.length ?? 2)), estimate, opts.maxCompletionTokens);
         if (parsed) {
           usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
           reported = true;

@@ -2,9 +2,10 @@
  * Token counts read from an upstream's `usage`. They are hostile input like
  * any other: an upstream answering `"prompt_tokens": 1e20` must not reach the
  * client, the quota or the usage table. A count is accepted when it is an
- * integer from 0 to MAX_TOKEN_COUNT; anything else (absent, negative,
+ * integer from 0 to MAX_TOKEN_COUNT (a completion count also at most the
+ * bound the upstream was told); anything else (absent, negative,
  * fractional, a string, absurdly large) is replaced by the gateway's own
- * estimate, and a count that was present but implausible is reported so the
+ * estimate (a completion count over the bound: by the bound), and a count that was present but implausible is reported so the
  * caller can name the upstream in a warning.
  */
 
@@ -24,11 +25,30 @@ const clip = (v: unknown): string => {
   return s.length > 40 ? `${s.slice(0, 40)}…` : s;
 };
 
-/** The counts of a `usage` object (or undefined when there was none), each falling back to its estimate. */
-export function countUsage(usage: Record<string, unknown> | undefined, estimate: { promptTokens: number; completionTokens: number }): Counted {
+/**
+ * The counts of a `usage` object (or undefined when there was none), each falling back to its estimate.
+ *
+ * `maxCompletion` is the most the upstream was allowed to generate (n ×
+ * max_tokens as sent; Infinity when it was sent no bound). A completion count
+ * above it is no model's: it is capped at the bound, or at the estimate of the
+ * text actually delivered when that is more (an upstream that ran past its
+ * max_tokens delivered that text), and reported like any implausible figure.
+ * Without the cap one request could charge up to 10^9 tokens against a quota
+ * it was admitted to spend a few hundred of.
+ */
+export function countUsage(
+  usage: Record<string, unknown> | undefined,
+  estimate: { promptTokens: number; completionTokens: number },
+  maxCompletion = Number.POSITIVE_INFINITY,
+): Counted {
   let rejected: Counted["rejected"];
   const pick = (key: "prompt_tokens" | "completion_tokens", fallback: number): number => {
     const v = usage?.[key];
+    if (plausible(v) && key === "completion_tokens" && v > maxCompletion) {
+      rejected ??= {};
+      rejected[key] = clip(v);
+      return Math.min(v, Math.max(maxCompletion, fallback));
+    }
     if (plausible(v)) return v;
     if (v !== undefined) {
       rejected ??= {};

@@ -163,6 +163,28 @@ describe("usage figures an upstream makes up are clamped", () => {
     expect(warnings()[0]?.target).toBe(`${base}|${EMBED_MODEL}`);
   });
 
+  test("a completion count beyond the bound the upstream was told (n × max_tokens) is capped there: one request cannot overshoot the quota", async () => {
+    // 1,000,000 completion tokens claimed for an answer bounded at 50 a choice, under a quota of 10,000.
+    usage = { prompt_tokens: 9, completion_tokens: 1_000_000, total_tokens: 1_000_009 };
+    for (const [stream, n] of [[false, 1], [true, 1], [false, 2], [true, 2]] as const) {
+      lines.length = 0;
+      const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), max_tokens: 50, n, stream, ...(stream ? { stream_options: { include_usage: true } } : {}) });
+      expect(res.status).toBe(200);
+      const seen = stream ? rec(JSON.parse(String(sseData(await res.text()).at(-2)))).usage : rec(await res.json()).usage;
+      expect(seen).toEqual({ prompt_tokens: 9, completion_tokens: 50 * n, total_tokens: 9 + 50 * n });
+      const [row] = await rows(o.orgId);
+      expect(row?.promptTokens).toBe(9);
+      expect(row?.completionTokens).toBe(50 * n);
+      expect(warnings().length).toBe(1);
+      expect(warnings()[0]?.completion_tokens).toBe("1000000");
+    }
+    // Without a bound (no quota, no max_tokens) the figure stands.
+    const o = await seedTestOrg(gw.database);
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+    expect(rec(await res.json()).usage).toEqual(usage);
+  });
+
   test("plausible figures pass unchanged, without a warning (10^9 is still plausible)", async () => {
     lines.length = 0;
     for (const u of [
