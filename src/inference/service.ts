@@ -8,7 +8,7 @@ import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmb
 import type { ImageUrlCheck } from "./image-url.ts";
 import { type EndStream, relayStream } from "./stream.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
-import { countUsage } from "./usage.ts";
+import { type UsageBounds, countUsage } from "./usage.ts";
 import { charsToTokens, choiceCount, completionLimit, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream/index.ts";
 import { isRecord } from "../lib/guards.ts";
@@ -245,9 +245,13 @@ export function createInferenceService(deps: ServiceDeps) {
     else if (principal.quotaTokens !== null && body.max_completion_tokens != null) body.max_tokens = body.max_completion_tokens;
 
     // What the upstream may generate at most: n × the larger of the bounds it was sent (a server may take
-    // either). A completion count above it is capped (usage.ts), so no upstream figure overshoots the reservation.
+    // either); and no prompt is longer than the context window. A count above its bound is capped (usage.ts),
+    // so no upstream figure overshoots the reservation by more than the prompt can.
     const told = Math.max(body.max_tokens ?? 0, body.max_completion_tokens ?? 0);
-    const maxCompletion = told > 0 ? choices * told : Number.POSITIVE_INFINITY;
+    const bounds: UsageBounds = {
+      promptTokens: alias.contextWindow ?? Number.POSITIVE_INFINITY,
+      completionTokens: told > 0 ? choices * told : Number.POSITIVE_INFINITY,
+    };
 
     // The client's stream_options are kept; include_usage is forced on so every stream can be metered.
     const clientWantsUsage = body.stream_options?.include_usage === true;
@@ -266,7 +270,7 @@ export function createInferenceService(deps: ServiceDeps) {
         const shaped = shapeCompletion(parsed, name);
         if (!shaped) throw badUpstreamAnswer(name, res.target);
         const rawUsage = isRecord(parsed) && isRecord(parsed.usage) ? parsed.usage : undefined;
-        const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionChars) }, maxCompletion);
+        const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionChars) }, bounds);
         if (counted.rejected) implausibleUsage(name, res.target, counted.rejected, ctx.requestId);
         const { promptTokens, completionTokens } = counted;
         shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens };
@@ -285,7 +289,7 @@ export function createInferenceService(deps: ServiceDeps) {
     } catch (e) {
       return settleFailure(ticket, name, start, true, e);
     }
-    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, maxCompletion, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform });
+    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, bounds, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform });
   }
 
   /**
@@ -301,7 +305,7 @@ export function createInferenceService(deps: ServiceDeps) {
       alias: AliasConfig;
       clientWantsUsage: boolean;
       promptEstimate: number;
-      maxCompletion: number;
+      bounds: UsageBounds;
       ticket: Ticket;
       start: number;
       signal: AbortSignal;
@@ -321,7 +325,7 @@ export function createInferenceService(deps: ServiceDeps) {
       signal: r.signal,
       ...(r.transform ? { transform: r.transform } : {}),
       promptEstimate,
-      maxCompletionTokens: r.maxCompletion,
+      bounds: r.bounds,
       onImplausibleUsage: (rejected) => implausibleUsage(name, target, rejected, r.requestId),
       open,
       errorBody: deps.wire.errorBody,

@@ -4,7 +4,7 @@ import type { Opened } from "./upstream/index.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import { isRecord } from "../lib/guards.ts";
 import { charsToTokens } from "./tokens.ts";
-import { type Counted, countUsage } from "./usage.ts";
+import { type Counted, type UsageBounds, countUsage } from "./usage.ts";
 
 /**
  * SSE passthrough: the upstream's bytes go to the client event by event, with
@@ -51,8 +51,8 @@ export interface RelayOptions {
   signal: AbortSignal;
   /** Stands in for an implausible upstream prompt count (usage.ts); 0 when not given. */
   promptEstimate?: number;
-  /** The most completion tokens the upstream was allowed (n × max_tokens as sent); a larger count is capped (usage.ts). */
-  maxCompletionTokens?: number;
+  /** The most each count can be (n × max_tokens as sent, the context window); a larger one is capped (usage.ts). */
+  bounds?: UsageBounds;
   /** The usage chunk carried implausible counts; they were replaced before the client saw them. */
   onImplausibleUsage?(rejected: Record<string, string>): void;
   onEnd(end: StreamEnd): void;
@@ -162,7 +162,7 @@ function startsWithAt(b: Buffer, at: number, prefix: Buffer): boolean {
 function usageOf(
   payload: string,
   estimate: { promptTokens: number; completionTokens: number },
-  maxCompletion: number | undefined,
+  bounds: UsageBounds | undefined,
 ): { counted: Counted; onlyUsage: boolean; rewritten: string | undefined } | undefined {
   let v: unknown;
   try {
@@ -171,7 +171,7 @@ function usageOf(
     return undefined;
   }
   if (!isRecord(v) || !isRecord(v.usage)) return undefined;
-  const counted = countUsage(v.usage, estimate, maxCompletion);
+  const counted = countUsage(v.usage, estimate, bounds);
   const onlyUsage = Array.isArray(v.choices) && v.choices.length === 0;
   if (!counted.rejected) return { counted, onlyUsage, rewritten: undefined };
   const { promptTokens: p, completionTokens: c } = counted;
@@ -314,7 +314,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       while (event[v] === SPACE) v++;
       if (event[v] === OPEN_BRACE) {
         const estimate = { promptTokens: opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars + deltaTextBytes(event)) };
-        const parsed = usageOf(event.toString("utf8", at, event.length - (sep?.length ?? 2)), estimate, opts.maxCompletionTokens);
+        const parsed = usageOf(event.toString("utf8", at, event.length - (sep?.length ?? 2)), estimate, opts.bounds);
         if (parsed) {
           usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
           reported = true;

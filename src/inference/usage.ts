@@ -2,11 +2,12 @@
  * Token counts read from an upstream's `usage`. They are hostile input like
  * any other: an upstream answering `"prompt_tokens": 1e20` must not reach the
  * client, the quota or the usage table. A count is accepted when it is an
- * integer from 0 to MAX_TOKEN_COUNT (a completion count also at most the
- * bound the upstream was told); anything else (absent, negative,
- * fractional, a string, absurdly large) is replaced by the gateway's own
- * estimate (a completion count over the bound: by the bound), and a count that was present but implausible is reported so the
- * caller can name the upstream in a warning.
+ * integer from 0 to MAX_TOKEN_COUNT and within the request's bounds (the
+ * completion within what the upstream was told to generate, the prompt
+ * within the context window); anything else (absent, negative, fractional, a
+ * string, absurdly large) is replaced by the gateway's own estimate (a count
+ * over its bound: by the bound), and a count that was present but
+ * implausible is reported so the caller can name the upstream in a warning.
  */
 
 /** Far above any real request (context windows are ~10^6), far below where sums lose precision or overflow. */
@@ -25,29 +26,32 @@ const clip = (v: unknown): string => {
   return s.length > 40 ? `${s.slice(0, 40)}…` : s;
 };
 
+/** The most each count can be: what the upstream was allowed to generate, the model's context window. */
+export interface UsageBounds {
+  promptTokens: number;
+  completionTokens: number;
+}
+const UNBOUNDED: UsageBounds = { promptTokens: Number.POSITIVE_INFINITY, completionTokens: Number.POSITIVE_INFINITY };
+
 /**
  * The counts of a `usage` object (or undefined when there was none), each falling back to its estimate.
  *
- * `maxCompletion` is the most the upstream was allowed to generate (n ×
- * max_tokens as sent; Infinity when it was sent no bound). A completion count
- * above it is no model's: it is capped at the bound, or at the estimate of the
- * text actually delivered when that is more (an upstream that ran past its
- * max_tokens delivered that text), and reported like any implausible figure.
- * Without the cap one request could charge up to 10^9 tokens against a quota
- * it was admitted to spend a few hundred of.
+ * `bounds`: a completion count above n × max_tokens as sent (Infinity when
+ * the upstream was sent no bound), or a prompt count above the alias's
+ * context window, is no model's: it is capped at the bound, or at the
+ * estimate when that is more (an upstream that ran past its max_tokens did
+ * deliver that text), and reported like any implausible figure. Without the
+ * cap one request could charge up to 10^9 tokens against a quota it was
+ * admitted to spend a few hundred of.
  */
-export function countUsage(
-  usage: Record<string, unknown> | undefined,
-  estimate: { promptTokens: number; completionTokens: number },
-  maxCompletion = Number.POSITIVE_INFINITY,
-): Counted {
+export function countUsage(usage: Record<string, unknown> | undefined, estimate: { promptTokens: number; completionTokens: number }, bounds = UNBOUNDED): Counted {
   let rejected: Counted["rejected"];
-  const pick = (key: "prompt_tokens" | "completion_tokens", fallback: number): number => {
+  const pick = (key: "prompt_tokens" | "completion_tokens", fallback: number, bound: number): number => {
     const v = usage?.[key];
-    if (plausible(v) && key === "completion_tokens" && v > maxCompletion) {
+    if (plausible(v) && v > bound) {
       rejected ??= {};
       rejected[key] = clip(v);
-      return Math.min(v, Math.max(maxCompletion, fallback));
+      return Math.min(v, Math.max(bound, fallback));
     }
     if (plausible(v)) return v;
     if (v !== undefined) {
@@ -56,7 +60,7 @@ export function countUsage(
     }
     return fallback;
   };
-  const promptTokens = pick("prompt_tokens", estimate.promptTokens);
-  const completionTokens = pick("completion_tokens", estimate.completionTokens);
+  const promptTokens = pick("prompt_tokens", estimate.promptTokens, bounds.promptTokens);
+  const completionTokens = pick("completion_tokens", estimate.completionTokens, bounds.completionTokens);
   return { promptTokens, completionTokens, rejected };
 }

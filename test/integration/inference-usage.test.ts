@@ -185,6 +185,22 @@ describe("usage figures an upstream makes up are clamped", () => {
     expect(rec(await res.json()).usage).toEqual(usage);
   });
 
+  test("a prompt count beyond the alias's context window is capped at the window, streamed or not", async () => {
+    // svc-fast's window is 128,000 tokens; the upstream claims 10^9 for "hi".
+    usage = { prompt_tokens: 1_000_000_000, completion_tokens: 2, total_tokens: 1_000_000_002 };
+    for (const stream of [false, true]) {
+      lines.length = 0;
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream, ...(stream ? { stream_options: { include_usage: true } } : {}) });
+      expect(res.status).toBe(200);
+      const seen = stream ? rec(JSON.parse(String(sseData(await res.text()).at(-2)))).usage : rec(await res.json()).usage;
+      expect(seen).toEqual({ prompt_tokens: 128_000, completion_tokens: 2, total_tokens: 128_002 });
+      const [row] = await rows(o.orgId);
+      expect(row?.promptTokens).toBe(128_000);
+      expect(warnings()[0]?.prompt_tokens).toBe("1000000000");
+    }
+  });
+
   test("plausible figures pass unchanged, without a warning (10^9 is still plausible)", async () => {
     lines.length = 0;
     for (const u of [
