@@ -228,9 +228,24 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
         as u(r, o, k, a, t, p, c, s, l, st, ms)`);
   }
 
+  /**
+   * What of a batch is not written yet: all of it, or, once it is written
+   * item by item, the items from `next` on (those before it landed or were
+   * set aside, and must not be reported as unwritten a second time).
+   */
+  function unwrittenDeltas(b: Batch | undefined): CounterDelta[] {
+    if (!b) return [];
+    return b.items ? b.deltas.slice(b.items.next) : b.deltas;
+  }
+  function unwrittenRequests(b: Batch | undefined): number {
+    if (!b) return 0;
+    const from = b.items ? Math.max(0, b.items.next - b.deltas.length) : 0;
+    return b.events.requests.subarray(from).reduce((a, r) => a + r, 0);
+  }
+
   function bufferedTokens(): number {
     let n = source.pendingTokens();
-    for (const d of batch?.deltas ?? []) n += d.used;
+    for (const d of unwrittenDeltas(batch)) n += d.used;
     return n;
   }
 
@@ -273,7 +288,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
       // Nothing is lost: the batch stays buffered and the next flush retries it.
       log.warn("usage flush failed; buffered for retry", {
         err: (e as Error).message,
-        buffered_events: events.length + (batch?.events.requests.reduce((a, b) => a + b, 0) ?? 0),
+        buffered_events: events.length + unwrittenRequests(batch),
         pending_tokens: bufferedTokens(),
       });
       throw e;
@@ -288,14 +303,14 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
    */
   function reportUnwritten(): void {
     const used = new Map<string, { org_id: string; window_start: string; used: number }>();
-    for (const d of [...(batch?.deltas ?? []), ...source.cut(true)]) {
+    for (const d of [...unwrittenDeltas(batch), ...source.cut(true)]) {
       if (d.used <= 0) continue;
       const k = `${d.orgId}|${d.start}`;
       const c = used.get(k) ?? { org_id: d.orgId, window_start: new Date(d.start).toISOString(), used: 0 };
       c.used += d.used;
       used.set(k, c);
     }
-    const requests = (batch?.events.requests.reduce((a, b) => a + b, 0) ?? 0) + events.length;
+    const requests = unwrittenRequests(batch) + events.length;
     log.error("usage not written at shutdown: the database did not take it; this line is its only copy", { counters: [...used.values()], requests });
   }
 
@@ -353,7 +368,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     },
     stats() {
       return {
-        bufferedEvents: events.length + (batch?.events.requests.reduce((a, b) => a + b, 0) ?? 0),
+        bufferedEvents: events.length + unwrittenRequests(batch),
         pendingTokens: bufferedTokens(),
         droppedEvents: events.dropped,
         flushFailures,

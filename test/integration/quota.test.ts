@@ -422,6 +422,40 @@ describe("a graceful stop that cannot write", () => {
   });
 });
 
+describe("a graceful stop that cannot write, midway through a batch written record by record", () => {
+  test("names only what was not written: the records already written are not reported again", async () => {
+    const db = await sharedDatabase();
+    const first = await org(10_000);
+    const second = await org(10_000);
+    // Not a uuid: the batch's usage_events insert fails, so the batch is written item by item.
+    const bad: Principal = { ...first, keyId: "not-a-uuid" };
+    let transactions = 0;
+    let breakAt = Number.POSITIVE_INFINITY;
+    // Transactions 1-4: the batch twice and two reachability checks; 5: the first counter on its own; then the database goes away.
+    const flaky = aroundTransactions(db, (run) => (++transactions >= breakAt ? Promise.reject(new Error("connection refused")) : run()));
+    const lines: Record<string, unknown>[] = [];
+    const q = createQuota(flaky, createLogger("error", (l) => lines.push(JSON.parse(l) as Record<string, unknown>)), { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    const a = await q.admit(bad, 100);
+    const b = await q.admit(second, 100);
+    q.settle(a, { promptTokens: 30, completionTokens: 40 }, outcome);
+    q.settle(b, { promptTokens: 5, completionTokens: 6 }, outcome);
+    transactions = 0;
+    breakAt = 6;
+    expect(await rejectionOf(q.flush())).toBeInstanceOf(Error);
+    // The first organisation's counter landed before the database went away.
+    expect((await counters(first.orgId)).used).toBe(70);
+    expect((await counters(second.orgId)).used).toBe(0);
+    expect(q.stats().pendingTokens).toBe(11);
+    await q.stop();
+    const lost = lines.filter((l) => l.level === "error" && String(l.msg).includes("not written"));
+    expect(lost).toHaveLength(1);
+    const reported = (lost[0]?.counters ?? []) as { org_id: string; used: number }[];
+    // Before: the first organisation's 70 tokens too, which the counter already holds (an operator billing from the line would bill them twice).
+    expect(reported.map((c) => [c.org_id, c.used])).toEqual([[second.orgId, 11]]);
+    expect(lost[0]?.requests).toBe(2);
+  });
+});
+
 /**
  * The database with every transaction run through `around`: fault injection at
  * the driver boundary (a gate, a lost answer), the rest of the code unchanged.
