@@ -100,10 +100,13 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
   let batch: Batch | undefined;
   let applied = 0;
   let deadLettered = 0;
+  /** The source's final changes (unused lease returned) were cut: a stop that wrote only an older batch has not. */
+  let finalCut = false;
 
   /** Move everything pending into a new batch (synchronous: no settle interleaves). */
   function cut(final: boolean): Batch | undefined {
     const deltas = source.cut(final);
+    if (final) finalCut = true;
     // A batch carries at most eventsPerBatch usage records; larger backlogs go out as several batches.
     const taken = events.take(opts.eventsPerBatch ?? 5_000);
     if (deltas.length === 0 && taken.length === 0) return undefined;
@@ -359,7 +362,8 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
       for (let attempt = 0; attempt < 5; attempt++) {
         try {
           await flush(true);
-          if (!batch && bufferedTokens() === 0 && events.length === 0) break;
+          // A batch kept from a failed write goes first, unchanged: the final cut (lease returned) comes after it.
+          if (finalCut && !batch && bufferedTokens() === 0 && events.length === 0) break;
         } catch {
           await Bun.sleep(200 * (attempt + 1));
         }

@@ -422,6 +422,24 @@ describe("a graceful stop that cannot write", () => {
   });
 });
 
+describe("a graceful stop after a failed write", () => {
+  test("writes the batch kept from the failed write, then returns the unused lease", async () => {
+    const db = await sharedDatabase();
+    const p = await org(10_000);
+    let broken = false;
+    const flaky = aroundTransactions(db, (run) => (broken ? Promise.reject(new Error("connection refused")) : run()));
+    const q = createQuota(flaky, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    q.settle(await q.admit(p, 100), { promptTokens: 30, completionTokens: 40 }, outcome);
+    expect(await counters(p.orgId)).toEqual({ used: 0, leased: 1_000 });
+    broken = true;
+    expect(await rejectionOf(q.flush())).toBeInstanceOf(Error);
+    broken = false;
+    await q.stop();
+    // Before: the kept batch was written and the stop ended there, the 930 unused tokens stranded as lease until the period ends.
+    expect(await counters(p.orgId)).toEqual({ used: 70, leased: 0 });
+  });
+});
+
 describe("a graceful stop that cannot write, midway through a batch written record by record", () => {
   test("names only what was not written: the records already written are not reported again", async () => {
     const db = await sharedDatabase();
