@@ -98,6 +98,8 @@ const TEXT_FIELDS = ['"content":', '"arguments":', '"refusal":'].map((s) => Buff
 /** vLLM's reasoning text, under its older name, its newer one, or both (the same text): counted once. */
 const REASONING_FIELDS = ['"reasoning_content":', '"reasoning":'].map((s) => Buffer.from(s));
 const ERROR_PREFIXES = ['{"error"', '{"object":"error"', '{"object": "error"'].map((s) => Buffer.from(s));
+/** How long the rest of an upstream's body may take after [DONE] (normally the end of its chunked framing, at once). */
+const DRAIN_MS = 1_000;
 /** One event larger than this without a terminator is not SSE we understand. */
 const MAX_EVENT_BYTES = 8 * 1024 * 1024;
 const QUOTE = 0x22;
@@ -279,6 +281,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   /** Handles one complete event (terminator included); returns the bytes for the client, or undefined to drop it. */
   const handle = (received: Buffer): Buffer | undefined => {
     let event = received;
+    // [DONE] ends the answer: anything after it (in the same read) is neither relayed nor counted.
+    if (sawDone) return undefined;
     if (!startsWithAt(event, 0, DATA)) return event; // comments, keep-alives, `event:` lines: pass through
     let at = DATA.length;
     if (event[at] === SPACE) at++;
@@ -444,6 +448,32 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     c.close();
   };
 
+  /**
+   * [DONE] was relayed: the answer is complete and settled now, and the
+   * client's response closes. The rest of the upstream's body (normally just
+   * the end of its chunked framing) is read and dropped so its connection can
+   * be reused; an upstream that sends more, or keeps the body open, is cut
+   * after DRAIN_MS. Before, such an upstream held the client until idleMs and
+   * then failed a finished stream (an error event after [DONE], a 503), and
+   * text sent after [DONE] was relayed and charged.
+   */
+  const finishAtDone = async (c: ReadableStreamDirectController) => {
+    end("done");
+    try {
+      await close(c);
+    } catch {
+      // The client left while the transform finished: the request is done all the same.
+    }
+    const cut = setTimeout(() => up.abort("the upstream went on after [DONE]"), DRAIN_MS);
+    try {
+      for (;;) if ((await up.reader.read()).done) break;
+    } catch {
+      // Cut, or the connection went: nothing after [DONE] matters.
+    } finally {
+      clearTimeout(cut);
+    }
+  };
+
   const fail = async (c: ReadableStreamDirectController, message: string) => {
     up.abort(message);
     end(message === endedBecause ? "ended" : "failed", message);
@@ -496,6 +526,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       }
       if (ended) return;
       if (upstreamError !== undefined) return fail(c, `The model '${opts.alias}' failed while generating: ${upstreamError}`);
+      if (sawDone) return finishAtDone(c);
       waitingSince = performance.now();
       let r: Awaited<ReturnType<Opened["reader"]["read"]>>;
       try {
@@ -516,16 +547,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       }
       waitingSince = undefined;
       if (ended) return;
-      if (r.done) {
-        if (!sawDone) return fail(c, endedBecause ?? `The model '${opts.alias}' ended the stream early.`);
-        end("done");
-        try {
-          await close(c);
-        } catch {
-          // The client left while the transform finished: the request is done all the same.
-        }
-        return;
-      }
+      // [DONE] ends a stream before its body does (finishAtDone): a body that ends first was cut off.
+      if (r.done) return fail(c, endedBecause ?? `The model '${opts.alias}' ended the stream early.`);
       try {
         feed(r.value, out);
       } catch (e) {

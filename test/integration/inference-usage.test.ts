@@ -19,7 +19,18 @@ setDefaultTimeout(30_000);
 /** What the hostile upstream puts in `usage`, set per test. */
 let usage: Record<string, unknown> = {};
 /** A whole chat answer of the test's own (the events of a stream, or a JSON completion), instead of the usual one. */
-let scripted: { events: unknown[]; done: boolean; python?: boolean } | { completion: Record<string, unknown> } | undefined;
+let scripted:
+  | {
+      events: unknown[];
+      done: boolean;
+      python?: boolean;
+      /** Events sent after [DONE]. */
+      after?: unknown[];
+      /** The body is never ended (no final chunk, connection kept). */
+      open?: boolean;
+    }
+  | { completion: Record<string, unknown> }
+  | undefined;
 const upstream = Bun.serve({
   hostname: "127.0.0.1",
   port: 0,
@@ -29,8 +40,11 @@ const upstream = Bun.serve({
     if (scripted && "events" in scripted) {
       // Without [DONE] the stream just ends: cut off, as a dying upstream's would be.
       const serialise = scripted.python ? pythonJson : JSON.stringify;
-      const text = scripted.events.map((e) => `data: ${serialise(e)}\n\n`).join("") + (scripted.done ? "data: [DONE]\n\n" : "");
-      return new Response(text, { headers: { "content-type": "text/event-stream" } });
+      const events = (list: unknown[]) => list.map((e) => `data: ${serialise(e)}\n\n`).join("");
+      const text = events(scripted.events) + (scripted.done ? "data: [DONE]\n\n" : "") + events(scripted.after ?? []);
+      if (!scripted.open) return new Response(text, { headers: { "content-type": "text/event-stream" } });
+      const bytes = new TextEncoder().encode(text);
+      return new Response(new ReadableStream({ start: (c) => c.enqueue(bytes) }), { headers: { "content-type": "text/event-stream" } });
     }
     if (new URL(req.url).pathname.endsWith("/embeddings")) {
       return Response.json({ object: "list", model: EMBED_MODEL, data: [{ object: "embedding", index: 0, embedding: [0.5, 0.5] }], usage });
@@ -333,6 +347,31 @@ describe("usage the upstream leaves out, or reports before the end", () => {
     expect(row?.promptTokens).toBe(promptEstimate);
     // 5 × 40 characters delivered ≈ 50 tokens (before: 0, none of the text was seen).
     expect(row?.completionTokens).toBe(50);
+  });
+
+  test("[DONE] ends the answer: what an upstream sends after it is neither relayed nor charged, and an upstream that then keeps the body open does not fail the stream", async () => {
+    for (const open of [false, true]) {
+      const o = await seedTestOrg(gw.database);
+      scripted = {
+        events: [chunkOf([deltaOf({ role: "assistant", content: "abcd" })]), chunkOf([], { usage: { prompt_tokens: 9, completion_tokens: 10, total_tokens: 19 } })],
+        done: true,
+        after: Array.from({ length: 10 }, () => chunkOf([deltaOf({ content: "x".repeat(400) })])),
+        open,
+      };
+      const t0 = performance.now();
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
+      expect(res.status).toBe(200);
+      const data = sseData(await res.text());
+      // Before: the kept-open body was waited on for idleMs (10 s here), then an error event followed [DONE].
+      expect(performance.now() - t0).toBeLessThan(5_000);
+      expect(data.at(-1)).toBe("[DONE]");
+      expect(data.some((d) => d.includes("xxxx"))).toBe(false);
+      const [row] = await rows(o.orgId);
+      expect(row?.status).toBe(200);
+      expect(row?.promptTokens).toBe(9);
+      // Before: 10 + 4,000 characters after [DONE] ≈ 1,010.
+      expect(row?.completionTokens).toBe(10);
+    }
   });
 
   test("non-streamed without usage: reasoning and refusal text count as completion, for the client and the record", async () => {
