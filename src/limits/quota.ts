@@ -84,6 +84,8 @@ interface OrgState {
   othersHold: number;
   /** Lease converted or returned in a batch not yet written (still counted in the shared `leased`). */
   returning: number;
+  /** Lease taken back after the quota was lowered below it (changeQuota): no longer ours to admit against, returned at the next write. */
+  revoked: number;
   leasedAt: number;
   refill: Promise<void> | undefined;
   lastUsed: number;
@@ -167,12 +169,30 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     let s = currentState.get(p.orgId);
     if (!s || t >= s.end || t < s.start || s.period !== p.quotaPeriod) s = periodState(p, t);
     // A quota change reaches us through the key cache (org:<id> invalidation).
-    if (p.quotaTokens !== null && p.quotaTokens !== s.quota) {
-      s.quota = p.quotaTokens;
-      s.exhausted = false;
-    }
+    if (p.quotaTokens !== null && p.quotaTokens !== s.quota) changeQuota(s, p.quotaTokens);
     s.lastUsed = t;
     return s;
+  }
+
+  /**
+   * The quota changed under a state that may hold lease. What the shared
+   * counter has left moves by the change; when it falls below zero, lease
+   * was granted beyond the new quota, and as much of ours as is unused (up
+   * to that excess: other instances may hold the rest) is revoked: no longer
+   * admitted against, and returned at the next write. Without this an
+   * instance went on admitting its whole lease (up to a tenth of the old
+   * quota) after the quota was lowered below it.
+   */
+  function changeQuota(s: OrgState, quota: number): void {
+    const change = quota - s.quota;
+    s.quota = quota;
+    s.exhausted = false;
+    if (!Number.isFinite(s.sharedFree)) return;
+    s.sharedFree += change;
+    if (s.sharedFree >= 0) return;
+    const revoke = Math.min(Math.max(0, available(s)), -s.sharedFree);
+    s.granted -= revoke;
+    s.revoked += revoke;
   }
 
   /** The state of the period containing `t`, made when new; it becomes the organisation's current one. */
@@ -200,6 +220,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         sharedFree: Number.POSITIVE_INFINITY,
         othersHold: 0,
         returning: 0,
+        revoked: 0,
         leasedAt: t,
         refill: undefined,
         lastUsed: t,
@@ -231,7 +252,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       const free = s.quota - used - leased;
       // A share of what remains, so instances split a small quota (or the end of a large one); at least what is needed now.
       const take = Math.max(0, Math.min(free, Math.max(need, Math.min(wanted, Math.ceil(free * LEASE_SHARE)))));
-      const others = leased - s.granted - s.returning;
+      const others = leased - s.granted - s.returning - s.revoked;
       // Short while other instances hold lease: ask them for their unused part (they look at every flush).
       const asking = take < need && others > 0;
       if (take > 0 || asking) {
@@ -433,6 +454,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         // most one lease per organisation.
         else give = Math.max(0, s.granted - s.inflight - leaseSize(s));
         s.granted -= give;
+        give += s.revoked;
+        s.revoked = 0;
         s.returning += convert + give;
         if (u > 0 || convert + give > 0) deltas.push({ orgId: s.orgId, start: s.start, used: u, leased: -(convert + give) });
         if (ended && s.inflight === 0) {

@@ -5,6 +5,8 @@ import type { Database } from "../../src/db/client.ts";
 import { usageCounters } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { setOrg } from "../../src/admin/service.ts";
+import { until } from "../helpers/poll.ts";
 import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
 import { TEST_PLANS, chatAlias, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -306,6 +308,38 @@ describe("a reservation larger than what remains", () => {
     }
     expect(received).toBe(3 * (PROMPT_TOKENS + 10));
     expect((await used(org.orgId)).used).toBe(received);
+  });
+});
+
+describe("a quota lowered below the lease an instance holds", () => {
+  test("the instance stops admitting at the new quota, not at the end of its lease", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "day" });
+    // One request: this instance now holds a 20,000-token lease.
+    const first = await chat(gwA, org.serviceKey, { max_tokens: 60 });
+    expect(first.status).toBe(200);
+    await first.text();
+    await setOrg(db, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 1_000 });
+    // The new quota has arrived once a reservation above it is refused outright.
+    await until(async () => {
+      const res = await chat(gwA, org.serviceKey, { max_tokens: 2_000 });
+      await res.text();
+      return res.status === 429;
+    }, "the lowered quota");
+    let received = PROMPT_TOKENS + 60;
+    for (let i = 0; i < 400; i++) {
+      const res = await chat(gwA, org.serviceKey, { max_tokens: 60 });
+      if (res.status !== 200) {
+        expect((await errorOf(res)).code).toBe("budget_exceeded");
+        break;
+      }
+      const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+      received += usage.total_tokens;
+    }
+    await flushAll();
+    expect((await used(org.orgId)).used).toBe(received);
+    // Before: requests were admitted against the lease held before the change (11,858 used of a 1,000 quota in one run).
+    expect(received).toBeLessThanOrEqual(1_000);
+    expect(received).toBeGreaterThan(1_000 - (PROMPT_TOKENS + 60));
   });
 });
 

@@ -97,6 +97,32 @@ describe("quota leases", () => {
     await q.stop();
   });
 
+  test("a quota lowered below what this instance holds as lease: the lease beyond the new quota is no longer admitted against", async () => {
+    const db = await sharedDatabase();
+    const p = await org(100_000);
+    const q = createQuota(db, log, { leaseTokens: 20_000, flushMs: 60_000, maxBuffered: 10_000 });
+    q.settle(await q.admit(p, 100), { promptTokens: 50, completionTokens: 50 }, outcome);
+    expect(await counters(p.orgId)).toEqual({ used: 0, leased: 20_000 });
+    // The administrator lowers the quota to 1,000 (the key cache hands the new figure to the next request).
+    const lowered: Principal = { ...p, quotaTokens: 1_000 };
+    let admitted = 0;
+    for (let i = 0; i < 300; i++) {
+      try {
+        q.settle(await q.admit(lowered, 100), { promptTokens: 50, completionTokens: 50 }, outcome);
+        admitted++;
+      } catch (e) {
+        expect((e as AppError).code).toBe("budget_exceeded");
+        break;
+      }
+    }
+    await q.flush();
+    // Before: 199 more requests were admitted against the 20,000 leased, 20,000 used of a 1,000 quota.
+    expect(admitted).toBe(9);
+    expect((await counters(p.orgId)).used).toBe(1_000);
+    await q.stop();
+    expect(await counters(p.orgId)).toEqual({ used: 1_000, leased: 0 });
+  });
+
   test("refuses with budget_exceeded once the quota is used, and audits it once per window", async () => {
     const db = await sharedDatabase();
     const p = await org(500);
