@@ -8,6 +8,9 @@
  * string, absurdly large) is replaced by the gateway's own estimate (a count
  * over its bound: by the bound), and a count that was present but
  * implausible is reported so the caller can name the upstream in a warning.
+ * Zero where the estimate is not (a prompt was sent, text was delivered) is
+ * implausible too: some servers send zeros as placeholders, and every
+ * generated piece of text is at least one token.
  */
 
 /** Far above any real request (context windows are ~10^6), far below where sums lose precision or overflow. */
@@ -53,7 +56,8 @@ export function countUsage(usage: Record<string, unknown> | undefined, estimate:
       rejected[key] = clip(v);
       return Math.min(v, Math.max(bound, fallback));
     }
-    if (plausible(v)) return v;
+    // Zero for work the gateway saw done (a prompt sent, text delivered) is a placeholder, not a count.
+    if (plausible(v) && (v > 0 || fallback === 0)) return v;
     if (v !== undefined) {
       rejected ??= {};
       rejected[key] = clip(v);

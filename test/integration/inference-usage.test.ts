@@ -215,10 +215,29 @@ describe("usage figures an upstream makes up are clamped", () => {
     }
   });
 
+  test("a count of zero for work that was done (a prompt sent, text delivered) is replaced by the estimate and warned about, streamed or not", async () => {
+    const promptEstimate = await estimateOf(false);
+    lines.length = 0;
+    usage = { prompt_tokens: 0, completion_tokens: 0, total_tokens: 0 };
+    const o = await seedTestOrg(gw.database);
+    // "abcdefgh": 8 characters delivered ≈ 2 tokens.
+    const expected = { prompt_tokens: promptEstimate, completion_tokens: 2, total_tokens: promptEstimate + 2 };
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+    expect(rec(await res.json()).usage).toEqual(expected);
+    const s = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
+    expect(rec(JSON.parse(String(sseData(await s.text()).at(-2)))).usage).toEqual(expected);
+    const recorded = await rows(o.orgId);
+    expect(recorded.reduce((n, r) => n + r.promptTokens + r.completionTokens, 0)).toBe(2 * (promptEstimate + 2));
+    expect(warnings().map((w) => [w.prompt_tokens, w.completion_tokens])).toEqual([
+      ["0", "0"],
+      ["0", "0"],
+    ]);
+  });
+
   test("plausible figures pass unchanged, without a warning (10^9 is still plausible)", async () => {
     lines.length = 0;
     for (const u of [
-      { prompt_tokens: 0, completion_tokens: 0, total_tokens: 0 },
+      { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 },
       { prompt_tokens: 12, completion_tokens: 1_000_000_000, total_tokens: 1_000_000_012 },
     ]) {
       usage = u;
