@@ -9,7 +9,7 @@ import type { ImageUrlCheck } from "./image-url.ts";
 import { type EndStream, relayStream } from "./stream.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
 import { type UsageBounds, countUsage } from "./usage.ts";
-import { charsToTokens, choiceCount, completionLimit, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
+import { charsToTokens, choiceCount, completionLimit, embeddingTokenBound, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream/index.ts";
 import { isRecord } from "../lib/guards.ts";
 
@@ -376,7 +376,11 @@ export function createInferenceService(deps: ServiceDeps) {
         const e = isRecord(d) ? d : {};
         return { object: "embedding", index: int(e.index) ?? i, embedding: e.embedding };
       });
-      const counted = countUsage(isRecord(parsed.usage) ? parsed.usage : undefined, { promptTokens: estimate, completionTokens: 0 });
+      const counted = countUsage(
+        isRecord(parsed.usage) ? parsed.usage : undefined,
+        { promptTokens: estimate, completionTokens: 0 },
+        { promptTokens: embeddingTokenBound(body), completionTokens: Number.POSITIVE_INFINITY },
+      );
       if (counted.rejected) implausibleUsage(name, res.target, { prompt_tokens: counted.rejected.prompt_tokens }, ctx.requestId);
       const promptTokens = counted.promptTokens;
       // Spec 2.4; the embedding stays as the upstream wrote it (floats, or base64 when asked). Serialised before settling, as chat's.

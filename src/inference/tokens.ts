@@ -63,3 +63,22 @@ export function estimateEmbeddingTokens(body: EmbeddingsBody): number {
   }
   return tokens;
 }
+
+/** Special tokens a model may add to one embedding input (BOS/EOS, [CLS]/[SEP], an instruction's markers): a generous allowance. */
+const SPECIAL_TOKENS_PER_INPUT = 16;
+
+/**
+ * The most prompt tokens an embedding request can be: no tokenizer makes more
+ * than one token per byte of text (byte-level BPE falls back to bytes; pieces
+ * of other schemes are whole characters), a token list is its own length, and
+ * each input may get a few special tokens. A count above it is no model's.
+ */
+export function embeddingTokenBound(body: EmbeddingsBody): number {
+  const input = body.input;
+  if (typeof input === "string") return Buffer.byteLength(input) + SPECIAL_TOKENS_PER_INPUT;
+  // A flat list of numbers is one input of token ids.
+  if (input.length > 0 && typeof input[0] === "number") return input.length + SPECIAL_TOKENS_PER_INPUT;
+  let bound = 0;
+  for (const item of input) bound += (typeof item === "string" ? Buffer.byteLength(item) : typeof item === "number" ? 1 : item.length) + SPECIAL_TOKENS_PER_INPUT;
+  return bound;
+}

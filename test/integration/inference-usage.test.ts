@@ -177,6 +177,29 @@ describe("usage figures an upstream makes up are clamped", () => {
     expect(warnings()[0]?.target).toBe(`${base}|${EMBED_MODEL}`);
   });
 
+  test("embeddings: a prompt count above one token per byte of input (plus 16 special tokens an input) is capped there", async () => {
+    // Plausible in itself (under 10^9), but no tokenizer makes a million tokens of 8 bytes.
+    usage = { prompt_tokens: 1_000_000, total_tokens: 1_000_000 };
+    for (const [input, bound] of [
+      ["abcdefgh", 8 + 16],
+      [["abcdefgh", "é"], 8 + 16 + 2 + 16],
+      [[[1, 2, 3]], 3 + 16],
+    ] as const) {
+      lines.length = 0;
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/embeddings", o.personalKey, { model: "svc-embed", input });
+      expect(res.status).toBe(200);
+      expect(rec(await res.json()).usage).toEqual({ prompt_tokens: bound, total_tokens: bound });
+      const [row] = await rows(o.orgId);
+      expect(row?.promptTokens).toBe(bound);
+      expect(warnings()[0]?.prompt_tokens).toBe("1000000");
+    }
+    // Within the bound: the upstream's count stands.
+    usage = { prompt_tokens: 20, total_tokens: 20 };
+    const ok = await post(gw, "/v1/embeddings", org.personalKey, { model: "svc-embed", input: "abcdefgh" });
+    expect(rec(await ok.json()).usage).toEqual({ prompt_tokens: 20, total_tokens: 20 });
+  });
+
   test("a completion count beyond the bound the upstream was told (n × max_tokens) is capped there: one request cannot overshoot the quota", async () => {
     // 1,000,000 completion tokens claimed for an answer bounded at 50 a choice, under a quota of 10,000.
     usage = { prompt_tokens: 9, completion_tokens: 1_000_000, total_tokens: 1_000_009 };
