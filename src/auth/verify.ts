@@ -101,8 +101,14 @@ export interface KeyVerifier {
 
 const UNKNOWN: Verdict = { status: "unknown" };
 
+/**
+ * Revocation is never scheduled: a set `revoked_at` is a revocation, whatever
+ * it says. It is stamped with the revoking host's clock (`gateway keys
+ * revoke` may run elsewhere), and comparing it with ours kept a key revoked
+ * by a host whose clock ran ahead working until our clock caught up.
+ */
 export function judge(p: Principal, now: number): Verdict {
-  if (p.revokedAt && p.revokedAt.getTime() <= now) return { status: "revoked", principal: p };
+  if (p.revokedAt) return { status: "revoked", principal: p };
   if (p.expiresAt && p.expiresAt.getTime() <= now) return { status: "expired", principal: p };
   return { status: "valid", principal: p };
 }

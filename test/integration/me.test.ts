@@ -82,6 +82,23 @@ describe("GET /v1/me", () => {
     expect(err.message).not.toContain(k.key);
   });
 
+  test("a key revoked from a host whose clock runs ahead is refused at once too", async () => {
+    const db = await sharedDatabase();
+    const own = await seedOrg(db); // its own rate limit: the polling below must not run into the organisation's 60 a minute
+    const k = await createKey(db, { orgId: own.orgId, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" });
+    expect((await fetch(`${gw.url}/v1/me`, { headers: bearer(k.key) })).status).toBe(200);
+    // `gateway keys revoke` stamps revoked_at with its own clock; here it runs 10 minutes ahead of the gateway's.
+    await revokeKey(db, k.id, new Date(Date.now() + 600_000));
+    const deadline = performance.now() + 1_000;
+    let res = await fetch(`${gw.url}/v1/me`, { headers: bearer(k.key) });
+    while (res.status === 200 && performance.now() < deadline) {
+      await Bun.sleep(50);
+      res = await fetch(`${gw.url}/v1/me`, { headers: bearer(k.key) });
+    }
+    expect(res.status).toBe(401);
+    expect((await errorOf(res)).code).toBe("unauthorized");
+  });
+
   test("an expired key gets 401 key_expired", async () => {
     const k = await createKey(await sharedDatabase(), {
       orgId: org.orgId,
