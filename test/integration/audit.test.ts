@@ -1,11 +1,12 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
+import postgres from "postgres";
 import { createKey, revokeKey, rotateKey } from "../../src/admin/service.ts";
 import { encodeCursor } from "../../src/audit/cursor.ts";
 import type { AuditPage } from "../../src/audit/query.ts";
 import type { AuditEventView } from "../../src/audit/search.ts";
 import { type AuditInput, type Category, recordAudit } from "../../src/audit/record.ts";
-import type { Database } from "../../src/db/client.ts";
+import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { VERSION } from "../../src/lib/version.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, startTestGateway, type SeededOrg } from "../helpers/harness.ts";
@@ -834,6 +835,34 @@ describe("database unreachable", () => {
       expect(await res.json()).toEqual({ error: { message: expect.any(String), type: "service_unavailable", param: null, code: "service_unavailable" } });
     } finally {
       await Promise.race([g.stop().catch(() => {}), Bun.sleep(3_000)]);
+    }
+  });
+});
+
+describe.skipIf(!TEST_DATABASE_URL)("(postgres) q on a database whose character type is C", () => {
+  test("q is case-insensitive beyond ASCII: the database's lower() folds only A-Z there", async () => {
+    const admin = postgres(TEST_DATABASE_URL ?? "", { max: 1, onnotice: () => {} });
+    const name = `gw_ctype_c_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
+    await admin.unsafe(`create database "${name}" template template0 encoding 'UTF8' lc_collate 'C' lc_ctype 'C'`);
+    const u = new URL(TEST_DATABASE_URL ?? "");
+    u.pathname = `/${name}`;
+    const own = await openDatabase({ databaseUrl: u.toString(), dataDir: "memory://", poolMax: 4 });
+    await migrate(own);
+    const g = await startTestGateway(HIGH_LIMITS, own);
+    try {
+      const org = await seedOrg(own);
+      const chloe = { type: "user", id: crypto.randomUUID(), name: "Chloé Ørsted", email: "chloe@acme.example", keyId: null };
+      const id = crypto.randomUUID();
+      await recordAudit(own.db, { orgId: org.orgId, id, action: "member.invited", category: "member", actor: chloe, targets: [] });
+      for (const q of ["chloé", "CHLOÉ", "Chloé ØRSTED", "ørsted"]) {
+        const res = await fetch(`${g.url}/v1/audit-events?${new URLSearchParams({ q })}`, { headers: bearer(org.serviceKey) });
+        expect({ q, ids: ((await res.json()) as AuditPage).data.map((e) => e.id) }).toEqual({ q, ids: [id] });
+      }
+    } finally {
+      await g.stop();
+      await own.close();
+      await admin.unsafe(`drop database if exists "${name}" with (force)`);
+      await admin.end({ timeout: 5 });
     }
   });
 });
