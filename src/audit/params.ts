@@ -71,10 +71,19 @@ export function parseAuditQuery(search: string): AuditQuery {
   const to = toRaw === undefined ? undefined : parseTime("to", toRaw);
   if (from && to && compareInstants(from, to) > 0) throw invalid("from", "from must not be after to.");
   // Rows are stored to the millisecond: an inclusive lower bound rounds up, an
-  // inclusive upper bound rounds down. Clamping to years 0001–9999 changes no
-  // result (no row lies outside) and keeps the values printable for Postgres.
-  if (from) filter.from = new Date(Math.min(Math.max(from.ms + (from.subNs > 0 ? 1 : 0), MIN_TIME), MAX_TIME));
-  if (to) filter.to = new Date(Math.max(Math.min(to.ms, MAX_TIME), MIN_TIME));
+  // inclusive upper bound rounds down. Rows lie in years 0001–9999, the range
+  // Postgres reads back: a lower bound before it or an upper bound after it is
+  // clamped to it, which changes no result. A lower bound after it or an upper
+  // bound before it leaves no row; clamped, it would take in the row stored at
+  // the edge, so such a range is written as an empty one, from after to.
+  const fromMs = from ? from.ms + (from.subNs > 0 ? 1 : 0) : undefined;
+  if ((fromMs !== undefined && fromMs > MAX_TIME) || (to && to.ms < MIN_TIME)) {
+    filter.from = new Date(MAX_TIME);
+    filter.to = new Date(MIN_TIME);
+  } else {
+    if (fromMs !== undefined) filter.from = new Date(Math.max(fromMs, MIN_TIME));
+    if (to) filter.to = new Date(Math.min(to.ms, MAX_TIME));
+  }
 
   const actorId = seen.get("actor_id");
   if (actorId !== undefined) {

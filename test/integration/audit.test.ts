@@ -385,6 +385,29 @@ describe("filters", () => {
   });
 });
 
+describe("bounds beyond the years 0001-9999", () => {
+  test("a bound past the first or last storable millisecond leaves out the event stored there", async () => {
+    const org = await seedOrg(db);
+    const actor = { type: "user", id: crypto.randomUUID(), name: "Edge", email: "", keyId: null };
+    const first = crypto.randomUUID();
+    const last = crypto.randomUUID();
+    await recordAudit(db.db, [
+      { orgId: org.orgId, id: first, createdAt: new Date("0001-01-01T00:00:00.000Z"), action: "org.created", category: "org", actor },
+      { orgId: org.orgId, id: last, createdAt: new Date("9999-12-31T23:59:59.999Z"), action: "org.created", category: "org", actor },
+    ]);
+    const ids = async (params: Record<string, string>) => (await page(org.serviceKey, { ...params, q: "edge" })).data.map((e) => e.id);
+    // Inclusive bounds on the events' own instants still find them.
+    expect(await ids({ to: "0001-01-01T00:00:00Z" })).toEqual([first]);
+    expect(await ids({ from: "9999-12-31T23:59:59.999Z" })).toEqual([last]);
+    // One step beyond: nothing, not the event at the edge of the storable range.
+    expect(await ids({ to: "0000-12-31T23:59:59.999Z" })).toEqual([]);
+    expect(await ids({ to: "0001-01-01T00:00:00.000+00:01" })).toEqual([]);
+    expect(await ids({ from: "9999-12-31T23:59:59.9991Z" })).toEqual([]);
+    expect(await ids({ from: "9999-12-31T23:59:59.999-00:01" })).toEqual([]);
+    expect(await ids({ from: "0000-06-01T00:00Z", to: "9999-12-31T23:59:59.9999Z" })).toEqual([last, first]);
+  });
+});
+
 describe("q field boundaries", () => {
   let org: SeededOrg;
   beforeAll(async () => {
