@@ -27,10 +27,19 @@ export interface AppDeps {
   modules: ((auth: ReturnType<typeof authPlugin>) => AnyElysia)[];
 }
 
-/** Spec 5.2: any of these marks a browser; keys are for server-to-server use only. */
+/**
+ * Spec 5.2: any of these marks a browser; keys are for server-to-server use
+ * only. Fetch metadata is any `Sec-Fetch-*` header but one: `Sec-Fetch-Mode:
+ * cors` alone is what Node.js's built-in fetch (undici) sends on every request,
+ * so the SDKs on Node (openai, LangChain, the AI SDK) would all be refused. A
+ * browser never sends it alone: its fetch metadata always includes
+ * `Sec-Fetch-Site` (and its cross-origin requests an `Origin`).
+ */
 export function looksLikeBrowser(h: Headers): boolean {
   if (h.has("origin") || h.has("cookie")) return true;
-  for (const name of h.keys()) if (name.startsWith("sec-fetch-")) return true;
+  for (const name of h.keys()) {
+    if (name.startsWith("sec-fetch-") && (name !== "sec-fetch-mode" || h.get(name)?.trim().toLowerCase() !== "cors")) return true;
+  }
   return false;
 }
 

@@ -208,7 +208,7 @@ function errors(...statuses: number[]) {
 
 /** 403 browser_request_rejected: the one refusal an endpoint without a key can give. */
 const browserRejected = {
-  "403": { description: "browser_request_rejected (an Origin, Cookie or Sec-Fetch-* header)", headers: headers(["x-request-id"]), content: jsonContent("Error") },
+  "403": { description: "browser_request_rejected (an Origin, Cookie or Sec-Fetch-* header; Sec-Fetch-Mode: cors alone is Node.js, not a browser)", headers: headers(["x-request-id"]), content: jsonContent("Error") },
 };
 
 /** An admitted answer: the request id and the rate-limit state. */

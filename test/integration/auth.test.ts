@@ -259,7 +259,9 @@ for (const ep of ENDPOINTS) {
         { origin: "https://evil.example" },
         { origin: "null" },
         { "sec-fetch-site": "cross-site" },
-        { "sec-fetch-mode": "cors" },
+        { "sec-fetch-mode": "cors", "sec-fetch-site": "cross-site", "sec-fetch-dest": "empty" }, // a browser's fetch()
+        { "sec-fetch-mode": "cors", "sec-fetch-site": "same-origin" },
+        { "sec-fetch-mode": "navigate" },
         { "sec-fetch-dest": "empty" },
         { "sec-fetch-user": "?1" },
         { cookie: "session=abc" },
@@ -269,6 +271,12 @@ for (const ep of ENDPOINTS) {
           await expectError(await call(ep, { ...auth, ...extra }), 403, "browser_request_rejected", "permission_error");
         }
       }
+    });
+
+    test("Sec-Fetch-Mode: cors alone, as Node.js's fetch sends it on every request, is a server-side client", async () => {
+      // Exactly what Node 18+'s built-in fetch (undici) adds, the fetch the openai SDK, LangChain and the AI SDK use there.
+      const node = { "sec-fetch-mode": "cors", "accept-language": "*", "user-agent": "node" };
+      await expectOk(await call(ep, bearer(ep.goodKey(org), node)));
     });
 
     test("an OPTIONS preflight gets 403 browser_request_rejected and no CORS headers", async () => {

@@ -130,7 +130,7 @@ describe("GET /v1/me", () => {
   });
 
   test("browser-looking requests get 403 browser_request_rejected, before the key is checked", async () => {
-    const browserHeaders: Record<string, string>[] = [{ origin: "https://evil.example" }, { "sec-fetch-mode": "cors" }, { cookie: "session=1" }];
+    const browserHeaders: Record<string, string>[] = [{ origin: "https://evil.example" }, { "sec-fetch-mode": "cors", "sec-fetch-site": "cross-site" }, { cookie: "session=1" }];
     for (const extra of browserHeaders) {
       for (const headers of [bearer(org.personalKey, extra), extra]) {
         const res = await fetch(`${gw.url}/v1/me`, { headers });

@@ -1,4 +1,8 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { pathToFileURL } from "node:url";
 import OpenAI from "openai";
 import type { ChatCompletionMessageParam, ChatCompletionTool } from "openai/resources/chat/completions";
 import type { Gateway } from "../../src/server.ts";
@@ -273,5 +277,34 @@ describe("openai SDK: error classes", () => {
     expect(err).toBeInstanceOf(OpenAI.APIError);
     if (err instanceof OpenAI.APIError) expect(err.message).toContain("svc-fast");
     expect(seen).toBe(3);
+  });
+});
+
+describe("openai SDK on Node.js", () => {
+  // Node's built-in fetch (undici) sends Sec-Fetch-Mode: cors on every request; Bun's does not, so the suite above cannot see it.
+  test.skipIf(!Bun.which("node"))("a chat completion and the model list, through the SDK's default fetch", async () => {
+    const dir = await mkdtemp(join(tmpdir(), "gw-node-sdk-"));
+    const script = join(dir, "call.mjs");
+    const sdk = pathToFileURL(Bun.resolveSync("openai", import.meta.dir)).href;
+    await Bun.write(
+      script,
+      `const { default: OpenAI } = await import(${JSON.stringify(sdk)});
+const client = new OpenAI({ baseURL: process.argv[2], apiKey: process.argv[3], maxRetries: 0 });
+try {
+  const models = await client.models.list();
+  const chat = await client.chat.completions.create({ model: "svc-fast", messages: [{ role: "user", content: "Say hi" }] });
+  console.log(JSON.stringify({ models: models.data.length, object: chat.object }));
+} catch (e) {
+  console.log(JSON.stringify({ status: e.status, code: e.code }));
+}`,
+    );
+    try {
+      const p = Bun.spawn(["node", script, `${gw.url}/v1`, org.personalKey], { stdout: "pipe", stderr: "inherit", timeout: 20_000 });
+      const out = await new Response(p.stdout).text();
+      expect(await p.exited).toBe(0);
+      expect(JSON.parse(out)).toEqual({ models: expect.any(Number), object: "chat.completion" });
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
   });
 });
