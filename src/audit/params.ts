@@ -47,6 +47,19 @@ function parseTime(param: "from" | "to", value: string): Instant {
   return t;
 }
 
+const STRAY_PERCENT = /%(?![0-9A-Fa-f]{2})/g;
+
+/** Whether the percent-escapes of a raw query value decode as UTF-8 (a `%` that starts no escape is itself, as URLSearchParams reads it). */
+function isUtf8Escaped(raw: string): boolean {
+  if (!raw.includes("%")) return true;
+  try {
+    decodeURIComponent(raw.replace(STRAY_PERCENT, "%25"));
+    return true;
+  } catch {
+    return false;
+  }
+}
+
 /**
  * Validate the query string by hand: TypeBox on Elysia's parsed `query` would
  * merge repeated parameters and could not name the offending one. Every
@@ -54,6 +67,14 @@ function parseTime(param: "from" | "to", value: string): Instant {
  */
 export function parseAuditQuery(search: string): AuditQuery {
   const seen = new Map<string, string>();
+  for (const pair of search.split("&")) {
+    // URLSearchParams turns bytes that are not UTF-8 into U+FFFD without a word: q=caf%E9 searched for "caf\uFFFD".
+    const at = pair.indexOf("=");
+    if (at !== -1 && !isUtf8Escaped(pair.slice(at + 1))) {
+      const name = (new URLSearchParams(pair).keys().next().value ?? "").slice(0, 64);
+      throw invalid(name, `Parameter ${name} is not UTF-8 once percent-decoded; encode it as UTF-8.`);
+    }
+  }
   for (const [name, value] of new URLSearchParams(search)) {
     if (!PARAMS.has(name)) {
       const shown = name.slice(0, 64);

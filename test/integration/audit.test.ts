@@ -567,6 +567,10 @@ describe("validation: 400 invalid_body naming the parameter", () => {
     [`action=a.${"b".repeat(199)}`, "action"],
     [`q=${"x".repeat(201)}`, "q"],
     ["q=a%00b", "q"],
+    ["q=caf%E9", "q"], // Latin-1, not UTF-8: it decodes to U+FFFD, and the search was for that
+    ["q=%C3", "q"],
+    ["q=%ED%A0%80", "q"],
+    ["limit=5&%FF=1", "\uFFFD"],
     ["limit=0", "limit"],
     ["limit=201", "limit"],
     ["limit=1000", "limit"],
@@ -592,6 +596,13 @@ describe("validation: 400 invalid_body naming the parameter", () => {
       await expectInvalid(await get(org.serviceKey, qs), param);
     });
   }
+
+  test("q may hold U+FFFD itself, sent as UTF-8, and a % that starts no escape", async () => {
+    for (const qs of ["q=%EF%BF%BD", "q=\uFFFD", "q=100%", "q=100%25", "q=%zz"]) {
+      const res = await get(org.serviceKey, qs);
+      expect({ qs, status: res.status }).toEqual({ qs, status: 200 });
+    }
+  });
 
   test("200 characters of q and every valid parameter at once are accepted", async () => {
     const res = await get(org.serviceKey, {
