@@ -28,6 +28,28 @@ export interface AppDeps {
 }
 
 /**
+ * The cookies load balancers and CDNs set for themselves (stickiness, bot
+ * management): AWS ALB and classic ELB, Cloudflare, Google Cloud's load
+ * balancer, ingress-nginx's affinity cookie, HAProxy's and F5's. HTTP clients
+ * with a cookie jar (httpx, under the openai Python SDK) send them back on
+ * every call behind such a proxy; they are no session.
+ */
+const INFRASTRUCTURE_COOKIE = /^(?:AWSALB|AWSALBCORS|AWSALBTG|AWSALBTGCORS|AWSELB|AWSELBCORS|__cf_bm|__cflb|_cfuvid|GCLB|INGRESSCOOKIE|SERVERID|BIGipServer[\w.-]{1,128})$/;
+
+/** A Cookie header that names at least one cookie, every one of them a proxy's own. */
+function onlyInfrastructureCookies(header: string): boolean {
+  let any = false;
+  for (const pair of header.split(";")) {
+    const eq = pair.indexOf("=");
+    const name = (eq === -1 ? pair : pair.slice(0, eq)).trim();
+    if (name === "") continue;
+    if (!INFRASTRUCTURE_COOKIE.test(name)) return false;
+    any = true;
+  }
+  return any;
+}
+
+/**
  * Spec 5.2: any of these marks a browser; keys are for server-to-server use
  * only. Fetch metadata is any `Sec-Fetch-*` header but one: `Sec-Fetch-Mode:
  * cors` alone is what Node.js's built-in fetch (undici) sends on every request,
@@ -36,7 +58,9 @@ export interface AppDeps {
  * `Sec-Fetch-Site` (and its cross-origin requests an `Origin`).
  */
 export function looksLikeBrowser(h: Headers): boolean {
-  if (h.has("origin") || h.has("cookie")) return true;
+  if (h.has("origin")) return true;
+  const cookie = h.get("cookie");
+  if (cookie !== null && !onlyInfrastructureCookies(cookie)) return true;
   for (const name of h.keys()) {
     if (name.startsWith("sec-fetch-") && (name !== "sec-fetch-mode" || h.get(name)?.trim().toLowerCase() !== "cors")) return true;
   }

@@ -265,6 +265,9 @@ for (const ep of ENDPOINTS) {
         { "sec-fetch-dest": "empty" },
         { "sec-fetch-user": "?1" },
         { cookie: "session=abc" },
+        // A load balancer's cookie beside a session's is still a browser's.
+        { cookie: "AWSALB=abc; sid=1" },
+        { cookie: "__cf_bm=abc; __Host-session=x" },
       ];
       for (const extra of browserHeaders) {
         for (const auth of [bearer(ep.goodKey(org)), {}, bearer(FAKE_KEY)]) {
@@ -277,6 +280,13 @@ for (const ep of ENDPOINTS) {
       // Exactly what Node 18+'s built-in fetch (undici) adds, the fetch the openai SDK, LangChain and the AI SDK use there.
       const node = { "sec-fetch-mode": "cors", "accept-language": "*", "user-agent": "node" };
       await expectOk(await call(ep, bearer(ep.goodKey(org), node)));
+    });
+
+    test("a Cookie header of load-balancer and CDN cookies only (AWS ALB stickiness, Cloudflare), which HTTP clients with a cookie jar send back, is a server-side client", async () => {
+      // The openai Python SDK's httpx client keeps a cookie jar: behind such a proxy every call after the first carries them.
+      for (const cookie of ["AWSALB=a1; AWSALBCORS=a1", "__cf_bm=x.y-z; _cfuvid=q", "__cflb=02DiuEm", "GCLB=CKz", "AWSALBTG=t; AWSALBTGCORS=t", "INGRESSCOOKIE=1690"]) {
+        await expectOk(await call(ep, bearer(ep.goodKey(org), { cookie })));
+      }
     });
 
     test("an OPTIONS preflight gets 403 browser_request_rejected and no CORS headers", async () => {
