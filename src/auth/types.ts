@@ -47,4 +47,6 @@ export interface RequestMeta {
   requestId: string;
   /** A streamed answer's events rewritten inside the relay (the Responses API); none for chat. */
   transform?: RelayTransform;
+  /** A streamed answer is complete: called just before its response closes (the route gives the connection its idle timeout back). */
+  beforeClose?: () => void;
 }

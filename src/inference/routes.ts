@@ -3,6 +3,7 @@ import type { authPlugin } from "../http/auth.ts";
 import type { Config } from "../config/schema.ts";
 import { readJsonBody } from "../http/body.ts";
 import { stateOf } from "../http/context.ts";
+import { type ConnectionTimer, liftIdleTimeout, restoreIdleTimeout, restoringIdle, timeBodyRead } from "../http/idle.ts";
 import { errorBody, statusOf } from "../http/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
@@ -64,13 +65,13 @@ export function createInference(deps: InferenceDeps) {
    * The body is read under the server's idle timeout (a slow-loris body is cut
    * off); after that the connection may legitimately sit silent for minutes
    * while a large model thinks, so the timeout is lifted for this request and
-   * the upstream timeouts (first byte, idle gap) bound it instead.
+   * the upstream timeouts (first byte, idle gap) bound it instead, until the
+   * answer is complete (restoringIdle; a stream's relay, beforeClose).
    */
-  async function readBody(request: Request, server: { timeout(req: Request, seconds: number): void } | null): Promise<unknown> {
-    // The reader's own idle timer answers 400; Bun's (4 s steps) would only drop the connection, so it waits longer.
-    server?.timeout(request, Math.min(255, config.idleTimeoutS + 8));
+  async function readBody(request: Request, server: ConnectionTimer): Promise<unknown> {
+    timeBodyRead(request, server, config.idleTimeoutS);
     const body = await readJsonBody(request, config.bodyLimitBytes, "invalid_request_error", config.idleTimeoutS * 1000);
-    server?.timeout(request, 0);
+    liftIdleTimeout(request, server);
     return body;
   }
 
@@ -95,7 +96,8 @@ export function createInference(deps: InferenceDeps) {
     }
     const signal = request.signal;
     const requestId = state?.id ?? "";
-    const served = await call.run(transform ? { signal, requestId, transform } : { signal, requestId });
+    const beforeClose = () => restoreIdleTimeout(request);
+    const served = await call.run(transform ? { signal, requestId, transform, beforeClose } : { signal, requestId, beforeClose });
     if (served.usage && state) {
       state.promptTokens = served.usage.promptTokens;
       state.completionTokens = served.usage.completionTokens;
@@ -132,12 +134,14 @@ export function createInference(deps: InferenceDeps) {
         // Bodies are read after authentication (parse: "none"), so an anonymous caller gets 401 before any 400.
         .post(
           "/v1/chat/completions",
-          async ({ principal, request, server, set }) => serve(await service.chat(principal, await readBody(request, server)), request, set),
+          ({ principal, request, server, set }) =>
+            restoringIdle(request, async () => serve(await service.chat(principal, await readBody(request, server)), request, set)),
           { auth: { scope: "inference" }, parse: "none" },
         )
         .post(
           "/v1/embeddings",
-          async ({ principal, request, server, set }) => serve(await service.embeddings(principal, await readBody(request, server)), request, set),
+          ({ principal, request, server, set }) =>
+            restoringIdle(request, async () => serve(await service.embeddings(principal, await readBody(request, server)), request, set)),
           { auth: { scope: "inference" }, parse: "none" },
         ),
     /** Shutdown past the drain limit: open streams end with an error event (service.ts); returns how many. */

@@ -289,7 +289,7 @@ export function createInferenceService(deps: ServiceDeps) {
     } catch (e) {
       return settleFailure(ticket, name, start, true, e);
     }
-    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, bounds, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform });
+    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, bounds, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform, beforeClose: ctx.beforeClose });
   }
 
   /**
@@ -311,6 +311,7 @@ export function createInferenceService(deps: ServiceDeps) {
       signal: AbortSignal;
       requestId: string;
       transform: RelayTransform | undefined;
+      beforeClose: (() => void) | undefined;
     },
   ): Served {
     const { name, ticket, start, promptEstimate } = r;
@@ -324,6 +325,7 @@ export function createInferenceService(deps: ServiceDeps) {
       idleMs: timeoutsFor(config, r.alias).idleMs,
       signal: r.signal,
       ...(r.transform ? { transform: r.transform } : {}),
+      ...(r.beforeClose ? { beforeClose: r.beforeClose } : {}),
       promptEstimate,
       bounds: r.bounds,
       onImplausibleUsage: (rejected) => implausibleUsage(name, target, rejected, r.requestId),

@@ -69,6 +69,8 @@ export interface RelayOptions {
    * and the close waits for its finish().
    */
   transform?: RelayTransform;
+  /** Just before the response closes after its last event (the route gives the connection its idle timeout back: http/idle.ts). */
+  beforeClose?(): void;
 }
 
 /** Ends an open stream the way a mid-stream upstream failure does: an error event, then a clean close. */
@@ -445,6 +447,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   const close = async (c: ReadableStreamDirectController) => {
     const f = tf?.finish();
     if (f) await f;
+    opts.beforeClose?.();
     c.close();
   };
 

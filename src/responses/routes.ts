@@ -4,6 +4,7 @@ import type { Principal } from "../auth/types.ts";
 import type { Config } from "../config/schema.ts";
 import type { Database } from "../db/client.ts";
 import { readJsonBody } from "../http/body.ts";
+import { type ConnectionTimer, liftIdleTimeout, restoringIdle, timeBodyRead } from "../http/idle.ts";
 import { AppError } from "../lib/errors.ts";
 import { resolveAlias } from "../inference/aliases.ts";
 import type { Logger } from "../lib/log.ts";
@@ -49,11 +50,11 @@ export function createResponses(deps: ResponsesDeps) {
       })
     : undefined;
 
-  /** Read under the server's idle timeout, then lifted: an answer may take minutes (as in inference/routes.ts). */
-  async function readBody(request: Request, server: { timeout(req: Request, seconds: number): void } | null): Promise<unknown> {
-    server?.timeout(request, Math.min(255, config.idleTimeoutS + 8));
+  /** Read under the server's idle timeout, then lifted until the answer is complete: it may take minutes (as in inference/routes.ts). */
+  async function readBody(request: Request, server: ConnectionTimer): Promise<unknown> {
+    timeBodyRead(request, server, config.idleTimeoutS);
     const body = await readJsonBody(request, config.bodyLimitBytes, "invalid_request_error", config.idleTimeoutS * 1000);
-    server?.timeout(request, 0);
+    liftIdleTimeout(request, server);
     return body;
   }
 
@@ -187,7 +188,7 @@ export function createResponses(deps: ResponsesDeps) {
       new Elysia({ name: "responses" })
         .use(auth)
         // Bodies are read after authentication (parse: "none"), as for chat.
-        .post("/v1/responses", async ({ principal, request, server, set }) => create(principal, await readBody(request, server), request, set), {
+        .post("/v1/responses", ({ principal, request, server, set }) => restoringIdle(request, async () => create(principal, await readBody(request, server), request, set)), {
           auth: { scope: "inference" },
           parse: "none",
         })

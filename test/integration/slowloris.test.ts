@@ -21,7 +21,7 @@ const errors: string[] = [];
 
 beforeAll(async () => {
   sim = await startSimulator({ port: 0, ttftMs: 3_000, interTokenMs: 0, completionTokens: 3 });
-  const config = await testConfig({ aliases: upstreamAliases(sim.url), idleTimeoutS: 1 });
+  const config = await testConfig({ aliases: upstreamAliases(sim.url), idleTimeoutS: 1, responses: { enabled: true } });
   gw = await startGateway({ config, database: await sharedDatabase(), log: createLogger("error", (l) => errors.push(l)) });
   org = await seedOrg(gw.database);
 }, 120_000); // the embedded database can take longer than a test's 30 s to start on a loaded machine
@@ -30,13 +30,18 @@ afterAll(async () => {
   await sim.stop();
 });
 
-/** Open a raw connection, send `text`, and resolve with how long the server kept it open (ms) and what it answered. */
-function holdOpen(text: string, maxMs: number): Promise<{ ms: number; received: string }> {
+/**
+ * Open a raw connection, send `text`, and resolve with how long the server
+ * kept it open (ms), how long it stayed open after the last bytes it sent
+ * (quietMs), and what it answered.
+ */
+function holdOpen(text: string, maxMs: number): Promise<{ ms: number; quietMs: number; received: string }> {
   const url = new URL(gw.url);
   const started = Date.now();
+  let lastData = started;
   let received = "";
   return new Promise((resolve, reject) => {
-    const timer = setTimeout(() => resolve({ ms: Number.POSITIVE_INFINITY, received }), maxMs);
+    const timer = setTimeout(() => resolve({ ms: Number.POSITIVE_INFINITY, quietMs: Number.POSITIVE_INFINITY, received }), maxMs);
     Bun.connect({
       hostname: url.hostname,
       port: Number(url.port),
@@ -46,10 +51,11 @@ function holdOpen(text: string, maxMs: number): Promise<{ ms: number; received: 
         },
         data(_s, d) {
           received += d.toString();
+          lastData = Date.now();
         },
         close() {
           clearTimeout(timer);
-          resolve({ ms: Date.now() - started, received });
+          resolve({ ms: Date.now() - started, quietMs: Date.now() - lastData, received });
         },
         error(_s, e) {
           clearTimeout(timer);
@@ -162,6 +168,32 @@ describe("slow clients", () => {
     // Bun's idle timer ticks in 4 s steps: 1 s becomes about 4 s, still well under its default 10 s.
     expect(held.ms).toBeLessThan(7_000);
   });
+
+  // Inference answers lift the idle timeout while the model works; once the
+  // answer is complete the kept-alive connection waits under it again. Before,
+  // it was never given back: such a connection stayed open for good.
+  const afterAnswer: [string, string, Record<string, unknown>, string][] = [
+    ["a chat completion", "/v1/chat/completions", { model: "svc-fast", messages: [{ role: "user", content: "hi" }] }, "200"],
+    ["a streamed chat completion", "/v1/chat/completions", { model: "svc-fast", stream: true, messages: [{ role: "user", content: "hi" }] }, "200"],
+    ["a chat body refused once read (400)", "/v1/chat/completions", { model: "svc-fast", messages: [] }, "400"],
+    ["a chat call refused once its body was read (404 model_not_found)", "/v1/chat/completions", { model: "nope", messages: [{ role: "user", content: "hi" }] }, "404"],
+    ["embeddings", "/v1/embeddings", { model: "svc-embed", input: "hi" }, "200"],
+    ["a Responses API answer", "/v1/responses", { model: "svc-fast", input: "hi", store: false }, "200"],
+    ["a streamed Responses API answer", "/v1/responses", { model: "svc-fast", input: "hi", store: false, stream: true }, "200"],
+  ];
+  for (const [name, path, body, status] of afterAnswer) {
+    test(`a kept-alive connection is closed after idleTimeoutS once ${name} is answered`, async () => {
+      const payload = JSON.stringify(body);
+      const held = await holdOpen(
+        `POST ${path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${org.serviceKey}\r\nContent-Type: application/json\r\nContent-Length: ${Buffer.byteLength(payload)}\r\n\r\n${payload}`,
+        20_000,
+      );
+      expect(held.received).toStartWith(`HTTP/1.1 ${status} `);
+      if (body.stream) expect(held.received).toContain(path === "/v1/responses" ? "response.completed" : "data: [DONE]");
+      // As after GET /healthz above: Bun's 4 s steps, and room for a busy machine.
+      expect(held.quietMs).toBeLessThan(7_000);
+    });
+  }
 
   test("a model that thinks longer than the idle timeout still answers", async () => {
     const res = await fetch(`${gw.url}/v1/chat/completions`, {
