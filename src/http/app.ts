@@ -99,7 +99,14 @@ export function createApp(deps: AppDeps) {
       error: s.errorCode,
     });
 
-  const app = new Elysia({ normalize: false })
+  const app = new Elysia({
+    normalize: false,
+    // Elysia's default finds the path by searching for '/' from the URL's 11th
+    // character, assuming a host of at least 4 ("http://a.bc"): with `Host: api`
+    // it cut "/v1" off (a 404 and its access line named the wrong path). From the
+    // 7th, past "http://", is right for every host; the gateway serves plain HTTP.
+    handler: { standardHostname: false },
+  })
     // Registered first: hooks apply only to routes added after them.
     .onError(({ error, code, set, request, path }) => {
       const state = stateOf(request);

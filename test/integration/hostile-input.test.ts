@@ -263,3 +263,25 @@ describe("requests Bun's HTTP parser refuses before the gateway sees them", () =
     expect(res.status).toBe(200);
   });
 });
+
+describe("a Host header of three characters or fewer (a compose service named `api`)", () => {
+  // Elysia finds the path by searching for '/' from the 11th character of the
+  // URL, assuming a host of at least 4 ("http://a.bc"): behind "http://api" it
+  // cut "/v1" off. Routing held (Bun's router matched); a 404 named the wrong path.
+  test("a 404 names the path as sent", async () => {
+    for (const host of ["api", "gw", "x"]) {
+      for (const [method, path] of [["PUT", "/v1/models"], ["GET", "/v1/nothing/here"], ["DELETE", "/v1/chat/completions"]]) {
+        const a = await rawRequest({
+          url: gw.url,
+          head: `${method} ${path}?q=1 HTTP/1.1\r\nHost: ${host}\r\nAuthorization: Bearer ${org.serviceKey}\r\nConnection: close`,
+          maxMs: 10_000,
+        });
+        const err = (JSON.parse(a.body) as { error: { message: string; code: string } }).error;
+        expect({ host, status: a.status, code: err.code, message: err.message }).toEqual({ host, status: 404, code: "not_found", message: `No route for ${method} ${path}.` });
+      }
+    }
+    // The routes themselves answer whatever the host.
+    const a = await rawRequest({ url: gw.url, head: `GET /v1/models HTTP/1.1\r\nHost: api\r\nAuthorization: Bearer ${org.serviceKey}\r\nConnection: close`, maxMs: 10_000 });
+    expect(a.status).toBe(200);
+  });
+});
