@@ -236,7 +236,8 @@ const ChatBody = T.Object(
     top_p: T.Optional(Nullable(T.Number())),
     // OpenAI's maximum: each choice is reserved against the quota, so n must stay a small multiplier.
     n: T.Optional(Nullable(T.Integer({ minimum: 1, maximum: 128 }))),
-    stop: T.Optional(Nullable(T.Union([T.String(), T.Array(T.String())]))),
+    // OpenAI's bound: vLLM takes any number and searches the new text for each at every token.
+    stop: T.Optional(Nullable(T.Union([T.String(), T.Array(T.String(), { maxItems: 4 })]))),
     presence_penalty: T.Optional(Nullable(T.Number())),
     frequency_penalty: T.Optional(Nullable(T.Number())),
     // Token ids (checked in checkBounds: a Record's key schema is not) to -100..100, as OpenAI takes them.

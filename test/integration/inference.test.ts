@@ -330,8 +330,16 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     }
   });
 
-  test("OpenAI's bounds that the upstream would word its own way or not check: top_logprobs 0-20, logit_bias token ids to -100..100, metadata 16 pairs of 64/512 characters, stream_options only with stream", async () => {
+  test("OpenAI's bounds that the upstream would word its own way or not check: top_logprobs 0-20, logit_bias token ids to -100..100, metadata 16 pairs of 64/512 characters, stream_options only with stream, stop at most 4 sequences", async () => {
     const base = { model: "svc-fast", messages: userMessages() };
+    // vLLM takes any number and searches the new text for each one at every token.
+    await expectInvalid(await chat({ ...base, stop: ["a", "b", "c", "d", "e"] }), "stop", "4");
+    await expectInvalid(await chat({ ...base, stop: Array.from({ length: 1_000 }, (_, i) => `s${i}`) }), "stop", "4");
+    expect(sim.stats.requests).toBe(0);
+    expect((await chat({ ...base, stop: ["a", "b", "c", "d"] })).status).toBe(200);
+    expect(rec(sim.stats.lastBody).stop).toEqual(["a", "b", "c", "d"]);
+    expect((await chat({ ...base, stop: "a" })).status).toBe(200);
+    expect((await chat({ ...base, stop: [] })).status).toBe(200);
     await expectInvalid(await chat({ ...base, logprobs: true, top_logprobs: 21 }), "top_logprobs");
     expect((await chat({ ...base, logprobs: true, top_logprobs: 20 })).status).toBe(200);
     await expectInvalid(await chat({ ...base, logit_bias: { "50256": 101 } }), "logit_bias[50256]");
