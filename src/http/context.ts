@@ -18,6 +18,9 @@ export interface RequestState {
    * and the access line waits for it.
    */
   ended?: Promise<number>;
+  /** The server whose idle timer an inference route lifted, until restoreIdleTimeout gives it back (idle.ts). */
+  timer?: { timeout(req: Request, seconds: number): void };
+  idleTimeoutS?: number;
 }
 
 const states = new WeakMap<Request, RequestState>();

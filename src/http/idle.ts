@@ -11,16 +11,21 @@
  * connection open for good.
  */
 
+import { stateOf } from "./context.ts";
+
 /** What of Bun's server sets one request's connection timeout (Elysia's `server`; null when not served by Bun). */
 export type ConnectionTimer = { timeout(req: Request, seconds: number): void } | null;
-
-const restorers = new WeakMap<Request, () => void>();
 
 /** While the body is read: the read's own timer answers 400 first, so Bun's (4 s steps) waits longer. */
 export function timeBodyRead(request: Request, server: ConnectionTimer, idleTimeoutS: number): void {
   if (!server) return;
   server.timeout(request, Math.min(255, idleTimeoutS + 8));
-  restorers.set(request, () => server.timeout(request, idleTimeoutS));
+  // Kept on the request's state (no closure a request): what restoreIdleTimeout gives back.
+  const state = stateOf(request);
+  if (state) {
+    state.timer = server;
+    state.idleTimeoutS = idleTimeoutS;
+  }
 }
 
 /** The body is read: no idle limit while the answer is worked out. */
@@ -28,22 +33,20 @@ export function liftIdleTimeout(request: Request, server: ConnectionTimer): void
   server?.timeout(request, 0);
 }
 
-/** The answer is complete (or about to be sent whole): the connection waits under idleTimeoutS again. */
+/** The answer is complete (or about to be sent whole): the connection waits under idleTimeoutS again. Once. */
 export function restoreIdleTimeout(request: Request): void {
-  restorers.get(request)?.();
+  const state = stateOf(request);
+  if (!state?.timer) return;
+  state.timer.timeout(request, state.idleTimeoutS ?? 0);
+  state.timer = undefined;
 }
 
 /**
- * Runs a route's answer and, unless it is a stream still to be sent (its
- * relay restores the timeout just before it closes), gives the connection its
- * idle timeout back before the answer or the error is written.
+ * A route's answer is about to be written: unless it is a stream still to be
+ * sent (its relay restores the timeout just before it closes), the
+ * connection gets its idle timeout back now. Called from the route's
+ * `finally`, so an error answer gets it back too.
  */
-export async function restoringIdle<T>(request: Request, work: () => Promise<T>): Promise<T> {
-  let reply: T | undefined;
-  try {
-    reply = await work();
-    return reply;
-  } finally {
-    if (!(reply instanceof Response && reply.status === 200 && reply.body !== null)) restoreIdleTimeout(request);
-  }
+export function answered(request: Request, reply: unknown): void {
+  if (!(reply instanceof Response && reply.status === 200 && reply.body !== null)) restoreIdleTimeout(request);
 }

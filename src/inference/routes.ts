@@ -3,7 +3,7 @@ import type { authPlugin } from "../http/auth.ts";
 import type { Config } from "../config/schema.ts";
 import { readJsonBody } from "../http/body.ts";
 import { stateOf } from "../http/context.ts";
-import { type ConnectionTimer, liftIdleTimeout, restoreIdleTimeout, restoringIdle, timeBodyRead } from "../http/idle.ts";
+import { answered, type ConnectionTimer, liftIdleTimeout, restoreIdleTimeout, timeBodyRead } from "../http/idle.ts";
 import { errorBody, statusOf } from "../http/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
@@ -66,7 +66,7 @@ export function createInference(deps: InferenceDeps) {
    * off); after that the connection may legitimately sit silent for minutes
    * while a large model thinks, so the timeout is lifted for this request and
    * the upstream timeouts (first byte, idle gap) bound it instead, until the
-   * answer is complete (restoringIdle; a stream's relay, beforeClose).
+   * answer is complete (answered(); a stream's relay, beforeClose).
    */
   async function readBody(request: Request, server: ConnectionTimer): Promise<unknown> {
     timeBodyRead(request, server, config.idleTimeoutS);
@@ -96,8 +96,10 @@ export function createInference(deps: InferenceDeps) {
     }
     const signal = request.signal;
     const requestId = state?.id ?? "";
-    const beforeClose = () => restoreIdleTimeout(request);
-    const served = await call.run(transform ? { signal, requestId, transform, beforeClose } : { signal, requestId, beforeClose });
+    // Only a stream closes later: its relay gives the idle timeout back just before (non-streams: answered()).
+    const served = await call.run(
+      call.streamed ? { signal, requestId, transform, beforeClose: () => restoreIdleTimeout(request) } : transform ? { signal, requestId, transform } : { signal, requestId },
+    );
     if (served.usage && state) {
       state.promptTokens = served.usage.promptTokens;
       state.completionTokens = served.usage.completionTokens;
@@ -134,14 +136,28 @@ export function createInference(deps: InferenceDeps) {
         // Bodies are read after authentication (parse: "none"), so an anonymous caller gets 401 before any 400.
         .post(
           "/v1/chat/completions",
-          ({ principal, request, server, set }) =>
-            restoringIdle(request, async () => serve(await service.chat(principal, await readBody(request, server)), request, set)),
+          async ({ principal, request, server, set }) => {
+            let reply: Reply | undefined;
+            try {
+              reply = await serve(await service.chat(principal, await readBody(request, server)), request, set);
+              return reply;
+            } finally {
+              answered(request, reply);
+            }
+          },
           { auth: { scope: "inference" }, parse: "none" },
         )
         .post(
           "/v1/embeddings",
-          ({ principal, request, server, set }) =>
-            restoringIdle(request, async () => serve(await service.embeddings(principal, await readBody(request, server)), request, set)),
+          async ({ principal, request, server, set }) => {
+            let reply: Reply | undefined;
+            try {
+              reply = await serve(await service.embeddings(principal, await readBody(request, server)), request, set);
+              return reply;
+            } finally {
+              answered(request, reply);
+            }
+          },
           { auth: { scope: "inference" }, parse: "none" },
         ),
     /** Shutdown past the drain limit: open streams end with an error event (service.ts); returns how many. */

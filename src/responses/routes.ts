@@ -4,7 +4,7 @@ import type { Principal } from "../auth/types.ts";
 import type { Config } from "../config/schema.ts";
 import type { Database } from "../db/client.ts";
 import { readJsonBody } from "../http/body.ts";
-import { type ConnectionTimer, liftIdleTimeout, restoringIdle, timeBodyRead } from "../http/idle.ts";
+import { answered, type ConnectionTimer, liftIdleTimeout, timeBodyRead } from "../http/idle.ts";
 import { AppError } from "../lib/errors.ts";
 import { resolveAlias } from "../inference/aliases.ts";
 import type { Logger } from "../lib/log.ts";
@@ -188,10 +188,19 @@ export function createResponses(deps: ResponsesDeps) {
       new Elysia({ name: "responses" })
         .use(auth)
         // Bodies are read after authentication (parse: "none"), as for chat.
-        .post("/v1/responses", ({ principal, request, server, set }) => restoringIdle(request, async () => create(principal, await readBody(request, server), request, set)), {
-          auth: { scope: "inference" },
-          parse: "none",
-        })
+        .post(
+          "/v1/responses",
+          async ({ principal, request, server, set }) => {
+            let reply: Awaited<ReturnType<typeof create>> | undefined;
+            try {
+              reply = await create(principal, await readBody(request, server), request, set);
+              return reply;
+            } finally {
+              answered(request, reply);
+            }
+          },
+          { auth: { scope: "inference" }, parse: "none" },
+        )
         .get(
           "/v1/responses/:id",
           async ({ principal, params, query, set }) => {
