@@ -19,7 +19,6 @@ const TABLE: Record<ErrorCode, { status: number; type: string }> = {
   browser_request_rejected: { status: 403, type: "permission_error" },
   model_not_found: { status: 404, type: "invalid_request_error" },
   not_found: { status: 404, type: "invalid_request_error" },
-  method_not_allowed: { status: 405, type: "invalid_request_error" },
   rate_limit_error: { status: 429, type: "rate_limit_error" },
   budget_exceeded: { status: 429, type: "insufficient_quota" },
   service_unavailable: { status: 503, type: "service_unavailable" },

@@ -37,7 +37,6 @@ export type ErrorCode =
   | "browser_request_rejected"
   | "model_not_found"
   | "not_found"
-  | "method_not_allowed"
   | "rate_limit_error"
   | "budget_exceeded"
   | "service_unavailable"
