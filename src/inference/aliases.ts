@@ -18,9 +18,11 @@ export function resolveAlias(config: Config, name: string, p: Principal, kind: A
   const alias = Object.hasOwn(config.aliases, name) ? config.aliases[name] : undefined;
   if (!alias || alias.kind !== kind || (p.models && !p.models.includes(name))) {
     const what = kind === "chat" ? "chat model" : "embedding model";
+    // The name as sent, but not a megabyte of it back.
+    const shown = name.length > 128 ? `${name.slice(0, 128)}…` : name;
     throw new AppError(
       "model_not_found",
-      `The ${what} '${name}' does not exist or you do not have access to it. GET /v1/models lists the models this key may call.`,
+      `The ${what} '${shown}' does not exist or you do not have access to it. GET /v1/models lists the models this key may call.`,
       "model",
     );
   }

@@ -528,6 +528,14 @@ describe("404 model_not_found", () => {
     expect(sim.stats.requests).toBe(0);
   });
 
+  test("a model name of 50,000 characters is not echoed back whole: the message shows its first 128", async () => {
+    const name = `m${"x".repeat(50_000)}`;
+    const err = await errorOf(await chat({ model: name, messages: userMessages() }));
+    expect([err.code, err.message.slice(0, 200)]).toEqual(["model_not_found", expect.any(String)]);
+    expect(err.message).toContain(`'${name.slice(0, 128)}…'`);
+    expect(err.message.length).toBeLessThan(400);
+  });
+
   test("an alias outside the key's model list", async () => {
     const limited = await seedTestOrg(gw.database, { models: ["svc-fast"] });
     expect((await chat({ model: "svc-fast", messages: userMessages() }, limited.personalKey)).status).toBe(200);
