@@ -503,6 +503,8 @@ describe("hostile arguments: a message on stderr, exit 2, nothing written", () =
     const key = ["keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference"];
     // --models "" would otherwise mint a key for every model: a script's empty variable must not widen a key.
     expectUsage(await cli(...key, "--models", ""), "--models needs a value");
+    // Nor a value that names no alias: --models "$A,$B" with both variables empty is ",".
+    for (const m of [",", " ", " , ,"]) expectUsage(await cli(...key, "--models", m), "--models names no model alias");
     expectUsage(await cli(...key, "--expires-in", ""), "--expires-in needs a value");
     expectUsage(await cli(...key, "--expires-at="), "--expires-at needs a value");
     expectUsage(await cli(...key, "--name", ""), "--name needs a value");

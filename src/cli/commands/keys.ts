@@ -54,12 +54,15 @@ export const keysCreate = defineCommand({
   async run({ values }, { out }) {
     const cfg = await config(values);
     const expiry = expiryFlags(values, out);
+    const models = list(values.models);
+    // A given --models that names nothing (",", " ") must not mean "every model", as an absent one does.
+    if (values.models !== undefined && models.length === 0) throw new UsageError(`--models names no model alias: ${JSON.stringify(values.models)}`);
     const input = {
       orgId: values.org,
       ...(values.user ? { userId: values.user } : {}),
       kind: values.kind,
       scopes: list(values.scopes),
-      models: list(values.models),
+      models,
       knownModels: knownModels(cfg),
       ...(expiry && "at" in expiry ? { expiresAt: expiry.at } : {}),
       ...(expiry && "inMs" in expiry ? { expiresInMs: expiry.inMs } : {}),
