@@ -50,6 +50,11 @@ describe("CLI against a running server on the embedded database", () => {
       expect(revoked.code).toBe(0);
       const res = await me();
       expect(res.status).toBe(401);
+      // A warning the command prints is printed once, not once by the client and again by the server.
+      const past = await runGateway(["keys", "create", "--org", orgId.id, "--kind", "service", "--scopes", "inference", "--expires-at", "2020-01-01", "--data-dir", dataDir, "--json"], { env });
+      expect(past.code).toBe(0);
+      onlyJson(past.stdout);
+      expect(past.stderr).toBe("warning: --expires-at is in the past; the key is created already expired\n");
       // Bad arguments still exit 2 with a message, through the socket.
       const bad = await runGateway(["keys", "revoke", "not-a-uuid", "--data-dir", dataDir], { env });
       expect(bad.code).toBe(2);

@@ -13,19 +13,23 @@ const EXPIRY_FLAGS = {
 const KEY_ID = { name: "ID", description: "the key's id (UUID)", missing: "key ID", field: { name: "id", as: "key id" } };
 
 /** --expires-at / --expires-in, or null when neither is given. */
-function expiryFlags(values: { "expires-at"?: string | undefined; "expires-in"?: string | undefined }, out: Out): ExpiryRequest | null {
+function expiryFlags(values: { "expires-at"?: string | undefined; "expires-in"?: string | undefined }): ExpiryRequest | null {
   if (values["expires-at"] && values["expires-in"]) throw new UsageError("give --expires-at or --expires-in, not both");
-  if (values["expires-at"]) {
-    const at = isoTime(values["expires-at"], "--expires-at");
-    if (at.getTime() <= Date.now()) out.stderr("warning: --expires-at is in the past; the key is created already expired\n");
-    return { at };
-  }
+  if (values["expires-at"]) return { at: isoTime(values["expires-at"], "--expires-at") };
   if (values["expires-in"]) {
     const ms = parseDuration(values["expires-in"]);
     if (ms === null || ms === 0) throw new UsageError("--expires-in takes a duration such as 90d, 24h, 30m");
     return { inMs: ms };
   }
   return null;
+}
+
+/**
+ * Said once the key exists: before, the client said it and then, forwarded to a
+ * running server (which runs the command again), the server said it too.
+ */
+function warnIfPast(expiry: ExpiryRequest | null, out: Out) {
+  if (expiry && "at" in expiry && expiry.at.getTime() <= Date.now()) out.stderr("warning: --expires-at is in the past; the key is created already expired\n");
 }
 
 function knownModels(cfg: Config): string[] {
@@ -53,7 +57,7 @@ export const keysCreate = defineCommand({
   ],
   async run({ values }, { out }) {
     const cfg = await config(values);
-    const expiry = expiryFlags(values, out);
+    const expiry = expiryFlags(values);
     const models = list(values.models);
     // A given --models that names nothing (",", " ") must not mean "every model", as an absent one does.
     if (values.models !== undefined && models.length === 0) throw new UsageError(`--models names no model alias: ${JSON.stringify(values.models)}`);
@@ -71,6 +75,7 @@ export const keysCreate = defineCommand({
       tag: cfg.keyTag,
     };
     const key = await withDb(cfg, (db) => createKey(db, input));
+    warnIfPast(expiry, out);
     print(out, values.json, key, `created ${key.kind} key ${key.id}\n${key.key}\n(the key is shown only once; store it now)`);
     return 0;
   },
@@ -128,9 +133,10 @@ const rotate = defineCommand({
     const cfg = await config(values);
     const graceMs = values.grace === undefined ? 24 * 3_600_000 : values.grace === "0" ? 0 : parseDuration(values.grace);
     if (graceMs === null) throw new UsageError("--grace takes a duration such as 24h, 30m, 0");
-    const expiry = expiryFlags(values, out);
+    const expiry = expiryFlags(values);
     const lifetime = keyLifetime(cfg.keys);
     const k = await withDb(cfg, (db) => rotateKey(db, { id, graceMs, tag: cfg.keyTag, lifetime, ...(expiry ? { expiry } : {}) }));
+    warnIfPast(expiry, out);
     print(out, values.json, k, `rotated: new key ${k.id}\n${k.key}\n(the old key works for ${values.grace ?? "24h"} more)`);
     return 0;
   },
