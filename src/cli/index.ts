@@ -87,7 +87,14 @@ export async function runCli(argv: string[], out: Out = defaultOut): Promise<num
         out.stderr(`error: ${e.cause instanceof Error ? e.cause.message : e.message}\n`);
         return 1;
       }
-      const r = await forward(e.socket, argv, e.input);
+      let r: Awaited<ReturnType<typeof forward>>;
+      try {
+        r = await forward(e.socket, argv, e.input);
+      } catch (err) {
+        // A socket left by a killed server, or a server still starting: say so in one line, with the lock's advice.
+        out.stderr(`error: the admin socket ${e.socket} does not answer (${reason(err)}); ${e.cause instanceof Error ? e.cause.message : ""}\n`);
+        return 1;
+      }
       out.stdout(r.stdout);
       out.stderr(r.stderr);
       return r.code;

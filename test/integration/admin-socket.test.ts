@@ -66,6 +66,29 @@ describe("CLI against a running server on the embedded database", () => {
   }, 120_000);
 });
 
+describe("a data directory held by a process that does not answer on the socket", () => {
+  test("a stale socket file: one error line naming the socket, exit 1, no stack", async () => {
+    const dataDir = join(scratchDir(), "data");
+    const env = cleanEnv({ LOG_LEVEL: "error" });
+    expect((await runGateway(["migrate", "--data-dir", dataDir], { env })).code).toBe(0);
+    // A gateway killed with SIGKILL leaves its socket; its successor holds the directory while it starts.
+    const holder = Bun.spawn(["sleep", "60"]);
+    try {
+      writeFileSync(join(dataDir, "gateway.pid"), String(holder.pid));
+      mkdirSync(dirname(socketPath(dataDir)), { recursive: true, mode: 0o700 });
+      writeFileSync(socketPath(dataDir), "stale");
+      const r = await runGateway(["keys", "list", "--org", "00000000-0000-4000-8000-000000000000", "--data-dir", dataDir, "--json"], { env });
+      expect(r.code).toBe(1);
+      expect(r.stdout).toBe("");
+      expect(r.stderr).toStartWith("error: ");
+      expect(r.stderr).toContain(socketPath(dataDir));
+      expect(r.stderr.trimEnd().split("\n")).toHaveLength(1);
+    } finally {
+      holder.kill();
+    }
+  });
+});
+
 describe("the admin socket's permissions", () => {
   // The socket only hands the database to the runner; any open one will do (PGlite may start slowly here).
   let database: Database;
