@@ -143,32 +143,37 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
       (config.aliases as Json)[name] = defaulted;
     }
   }
+  const invalid: string[] = [];
   for (const err of Value.Errors(ConfigSchema, config)) {
+    invalid.push(err.path);
     problems.push(`${err.path || "/"}: ${describe(err.schema, err.message)}${err.value === undefined ? "" : ` (got ${clip(JSON.stringify(err.value))})`}`);
   }
-  if (problems.length === 0) {
-    // The embedded database belongs to one process, so instances sharing a port
-    // would each have their own keys and quota: only a shared Postgres makes sense.
-    if (config.reusePort && !config.databaseUrl) problems.push("/reusePort: several instances on one port need a shared Postgres (databaseUrl)");
-    if (!Object.hasOwn(config.plans, config.defaultPlan)) problems.push(`/defaultPlan: plan ${JSON.stringify(config.defaultPlan)} is not in /plans`);
-    problems.push(...allowListProblems(config.upstream.imageUrls?.allow ?? []));
-    const { defaultLifetime, maxLifetime } = config.keys;
-    if (maxLifetime !== undefined && (parseDuration(defaultLifetime) ?? 0) > (parseDuration(maxLifetime) ?? 0)) {
-      problems.push(`/keys/defaultLifetime: ${defaultLifetime} is longer than /keys/maxLifetime (${maxLifetime})`);
-    }
-    if (config.metrics.listen !== "main" && listenAddress(config.metrics.listen).port > 65535) {
-      problems.push(`/metrics/listen: port out of range (got ${JSON.stringify(config.metrics.listen)})`);
-    }
-    for (const [name, alias] of Object.entries(config.aliases)) {
-      for (const [i, t] of alias.targets.entries()) {
-        if (!URL.canParse(t.baseUrl) || !/^https?:$/.test(new URL(t.baseUrl).protocol)) {
-          problems.push(`/aliases/${name}/targets/${i}/baseUrl: not an http(s) URL`);
-        }
-        if (t.apiKeyEnv && !env[t.apiKeyEnv]) problems.push(`/aliases/${name}/targets/${i}/apiKeyEnv: env ${t.apiKeyEnv} is not set`);
+  // The checks below read what they check as the schema types it, so each runs
+  // only where the schema found nothing wrong (at that path, inside it, or
+  // around it): a schema error elsewhere no longer hides their problems.
+  const valid = (...paths: string[]) => paths.every((p) => !invalid.some((e) => e === "" || e === p || e.startsWith(`${p}/`) || p.startsWith(`${e}/`)));
+  // The embedded database belongs to one process, so instances sharing a port
+  // would each have their own keys and quota: only a shared Postgres makes sense.
+  if (valid("/reusePort", "/databaseUrl") && config.reusePort && !config.databaseUrl) problems.push("/reusePort: several instances on one port need a shared Postgres (databaseUrl)");
+  if (valid("/plans", "/defaultPlan") && !Object.hasOwn(config.plans, config.defaultPlan)) problems.push(`/defaultPlan: plan ${JSON.stringify(config.defaultPlan)} is not in /plans`);
+  if (valid("/upstream/imageUrls")) problems.push(...allowListProblems(config.upstream.imageUrls?.allow ?? []));
+  const { defaultLifetime, maxLifetime } = valid("/keys") ? config.keys : { defaultLifetime: "", maxLifetime: undefined };
+  if (maxLifetime !== undefined && (parseDuration(defaultLifetime) ?? 0) > (parseDuration(maxLifetime) ?? 0)) {
+    problems.push(`/keys/defaultLifetime: ${defaultLifetime} is longer than /keys/maxLifetime (${maxLifetime})`);
+  }
+  if (valid("/metrics/listen") && config.metrics.listen !== "main" && listenAddress(config.metrics.listen).port > 65535) {
+    problems.push(`/metrics/listen: port out of range (got ${JSON.stringify(config.metrics.listen)})`);
+  }
+  for (const [name, alias] of valid("/aliases") || isRecord(config.aliases) ? Object.entries(config.aliases) : []) {
+    if (!valid(`/aliases/${name}`)) continue;
+    for (const [i, t] of alias.targets.entries()) {
+      if (!URL.canParse(t.baseUrl) || !/^https?:$/.test(new URL(t.baseUrl).protocol)) {
+        problems.push(`/aliases/${name}/targets/${i}/baseUrl: not an http(s) URL`);
       }
-      if (alias.kind === "chat" && alias.targets.every((t) => t.weight === 0)) {
-        problems.push(`/aliases/${name}/targets: every target has weight 0`);
-      }
+      if (t.apiKeyEnv && !env[t.apiKeyEnv]) problems.push(`/aliases/${name}/targets/${i}/apiKeyEnv: env ${t.apiKeyEnv} is not set`);
+    }
+    if (alias.kind === "chat" && alias.targets.every((t) => t.weight === 0)) {
+      problems.push(`/aliases/${name}/targets: every target has weight 0`);
     }
   }
   if (problems.length > 0) throw new ConfigError(problems);

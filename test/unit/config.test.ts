@@ -401,6 +401,31 @@ describe("errors: all listed at once, each with its path", () => {
     ]);
   });
 
+  test("a schema error does not hide the other problems: every one is listed in the same run", async () => {
+    const p = await problems({
+      env: {},
+      file: file({
+        port: "x",
+        defaultPlan: "Gold",
+        keys: { defaultLifetime: "800d", maxLifetime: "30d" },
+        aliases: {
+          "svc-fast": { targets: [{ baseUrl: "ftp://h/v1", model: "m", apiKeyEnv: "NOT_SET_ANYWHERE" }] },
+          // An alias with a schema error of its own is not checked further (its targets may not be objects).
+          x: { kind: "chat", targets: "none" },
+        },
+      }),
+    });
+    expect(p).toContain(`/port: Expected integer (got "x")`);
+    expect(p).toContain(`/defaultPlan: plan "Gold" is not in /plans`);
+    expect(p).toContain("/keys/defaultLifetime: 800d is longer than /keys/maxLifetime (30d)");
+    expect(p).toContain("/aliases/svc-fast/targets/0/baseUrl: not an http(s) URL");
+    expect(p).toContain("/aliases/svc-fast/targets/0/apiKeyEnv: env NOT_SET_ANYWHERE is not set");
+    expect(p.some((m) => m.startsWith("/aliases/x/targets:"))).toBe(true);
+    // Shapes the later checks cannot read are reported by the schema alone, never a crash.
+    const q = await problems({ env: {}, file: file({ plans: 5, defaultPlan: 7, keys: "x", metrics: { listen: 9 }, upstream: { imageUrls: { allow: "x" } }, aliases: [] }) });
+    expect(q.map((m) => m.slice(0, m.indexOf(":"))).sort()).toEqual(["/defaultPlan", "/keys", "/metrics/listen", "/upstream/imageUrls/allow"]);
+  });
+
   test("a missing file, invalid JSON, or a non-object", async () => {
     expect(await problems({ env: {}, file: join(dir, "nope.json") })).toEqual([`config file ${join(dir, "nope.json")}: not found`]);
     // A directory exists but is no file: said so, not "not found".
