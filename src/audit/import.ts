@@ -1,6 +1,8 @@
 import { Type as T } from "@sinclair/typebox";
+import { inArray } from "drizzle-orm";
 import { TypeCompiler } from "@sinclair/typebox/compiler";
 import type { Database } from "../db/client.ts";
+import { auditEvents, organizations } from "../db/schema.ts";
 import { networkPrefixProblem } from "../lib/cidr.ts";
 import { InputError } from "../lib/errors.ts";
 import { UUID_PATTERN } from "../lib/ids.ts";
@@ -38,6 +40,9 @@ const check = TypeCompiler.Compile(Line);
 /** Parse and validate every line first; insert all of them in one transaction or none. */
 export async function importAudit(database: Database, text: string): Promise<number> {
   const events: AuditInput[] = [];
+  /** Line number of each event (for the checks against the database) and of each id given. */
+  const lineOf: number[] = [];
+  const idLine = new Map<string, number>();
   const lines = text.split("\n");
   for (const [i, raw] of lines.entries()) {
     const line = raw.trim();
@@ -71,6 +76,12 @@ export async function importAudit(database: Database, text: string): Promise<num
       }
       createdAt = new Date(t.ms);
     }
+    if (v.id) {
+      const first = idLine.get(v.id.toLowerCase());
+      if (first !== undefined) throw new InputError(`line ${i + 1}: /id ${v.id} is also the id of line ${first}`);
+      idLine.set(v.id.toLowerCase(), i + 1);
+    }
+    lineOf.push(i + 1);
     events.push({
       orgId: v.org_id,
       ...(v.id ? { id: v.id } : {}),
@@ -83,7 +94,21 @@ export async function importAudit(database: Database, text: string): Promise<num
       origin: { ipPrefix: v.origin.ip_prefix, userAgentSummary: v.origin.user_agent_summary },
     });
   }
+  // A line the database would refuse (an id already stored) or keep where no one can read it (an
+  // organisation that does not exist) is a bad line too: named, and nothing imported.
   await database.db.transaction(async (tx) => {
+    const ids = [...idLine.keys()];
+    for (let i = 0; i < ids.length; i += 500) {
+      const [taken] = await tx.select({ id: auditEvents.id }).from(auditEvents).where(inArray(auditEvents.id, ids.slice(i, i + 500))).limit(1);
+      if (taken) throw new InputError(`line ${idLine.get(taken.id)}: /id ${taken.id} is already in the audit log`);
+    }
+    const orgs = [...new Set(events.map((e) => e.orgId.toLowerCase()))];
+    const known = new Set<string>();
+    for (let i = 0; i < orgs.length; i += 500) {
+      for (const o of await tx.select({ id: organizations.id }).from(organizations).where(inArray(organizations.id, orgs.slice(i, i + 500)))) known.add(o.id);
+    }
+    const unknown = events.findIndex((e) => !known.has(e.orgId.toLowerCase()));
+    if (unknown !== -1) throw new InputError(`line ${lineOf[unknown]}: /org_id: no organisation ${events[unknown]?.orgId}`);
     for (let i = 0; i < events.length; i += 500) await recordAudit(tx, events.slice(i, i + 500));
   });
   return events.length;

@@ -607,6 +607,20 @@ describe("audit import", () => {
     expect(await counts()).toEqual(before);
   });
 
+  test("an id given twice or already in the log, or an unknown organisation, is a bad line: its number, exit 2, nothing imported", async () => {
+    const before = await counts();
+    const file = join(work, "dupes.jsonl");
+    const id = "22222222-2222-4222-8222-222222222222";
+    writeFileSync(file, `${line()}\n${line({ id })}\n${line({ id })}\n`);
+    expectUsage(await cli("audit", "import", file), /^error: line 3: \/id .* line 2/);
+    // 11111111-… was imported by the first test of this group.
+    writeFileSync(file, `${line()}\n${line({ id: "11111111-1111-4111-8111-111111111111" })}\n`);
+    expectUsage(await cli("audit", "import", file), /^error: line 2: \/id .*already in the audit log/);
+    writeFileSync(file, `${line()}\n${line({ org_id: MISSING_UUID })}\n`);
+    expectUsage(await cli("audit", "import", file), `line 2: /org_id: no organisation ${MISSING_UUID}`);
+    expect(await counts()).toEqual(before);
+  });
+
   test("origin.ip_prefix must be a network prefix in CIDR notation", async () => {
     const before = await counts();
     const file = join(work, "bad-origin.jsonl");
