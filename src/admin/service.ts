@@ -387,7 +387,7 @@ export async function revokeKey(database: Database, id: string, now = new Date()
 export async function rotateKey(
   database: Database,
   input: { id: string; graceMs: number; tag: string; now?: Date; expiry?: ExpiryRequest; lifetime?: KeyLifetime },
-): Promise<KeyView & { key: string }> {
+): Promise<KeyView & { key: string; old_key_expires_at: string }> {
   requireUuid("id", input.id);
   const now = input.now ?? new Date();
   const lifetime = input.lifetime ?? DEFAULT_KEY_LIFETIME;
@@ -429,6 +429,7 @@ export async function rotateKey(
     });
     await notify(tx, `key:${old.id}`);
     await notify(tx, "new");
-    return { ...keyView(k), key: minted.key };
+    // When the old key stops working: the grace's end, or its own expiry if that comes first.
+    return { ...keyView(k), key: minted.key, old_key_expires_at: oldExpiry.toISOString() };
   });
 }

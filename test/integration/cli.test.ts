@@ -456,6 +456,17 @@ describe("keys", () => {
     const h = await cli("keys", "rotate", k.id as string);
     expect(h.code).toBe(0);
     expect(h.stdout).toContain("(the old key works for 24h more)");
+
+    // A key that expires within the grace keeps its own expiry: the output says so, not "24h more".
+    const short = onlyJson<{ id: string; expires_at: string }>(
+      (await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--expires-in", "1h", "--json")).stdout,
+    );
+    const s = await cli("keys", "rotate", short.id);
+    expect(s.code).toBe(0);
+    expect(s.stdout).not.toContain("24h more");
+    expect(s.stdout).toContain(`(the old key works until ${short.expires_at}, when it expires)`);
+    const j = onlyJson<{ old_key_expires_at: string }>((await cli("keys", "rotate", k.id as string, "--grace", "0", "--json")).stdout);
+    expect(Math.abs(Date.parse(j.old_key_expires_at) - Date.now())).toBeLessThan(60_000);
   });
 
   test("revoke: sets revoked_at, writes api_key.revoked, and is idempotent", async () => {

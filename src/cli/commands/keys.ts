@@ -137,7 +137,10 @@ const rotate = defineCommand({
     const lifetime = keyLifetime(cfg.keys);
     const k = await withDb(cfg, (db) => rotateKey(db, { id, graceMs, tag: cfg.keyTag, lifetime, ...(expiry ? { expiry } : {}) }));
     warnIfPast(expiry, out);
-    print(out, values.json, k, `rotated: new key ${k.id}\n${k.key}\n(the old key works for ${values.grace ?? "24h"} more)`);
+    // The old key never outlives its own expiry: a grace longer than what it had left is not what it gets.
+    const graceEnd = Date.parse(k.created_at) + graceMs;
+    const until = Date.parse(k.old_key_expires_at) < graceEnd ? `until ${k.old_key_expires_at}, when it expires` : `for ${values.grace ?? "24h"} more`;
+    print(out, values.json, k, `rotated: new key ${k.id}\n${k.key}\n(the old key works ${until})`);
     return 0;
   },
 });
