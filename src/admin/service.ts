@@ -358,9 +358,17 @@ export async function createKey(database: Database, input: CreateKeyInput): Prom
   });
 }
 
+/** An id of no organisation (a typo, a key's or a person's id) is refused, not answered with an empty list. */
+export async function requireOrg(database: Database, orgId: string) {
+  requireUuid("orgId", orgId);
+  const [org] = await database.db.select({ id: organizations.id }).from(organizations).where(eq(organizations.id, orgId));
+  if (!org) throw new FieldError("orgId", () => `no organisation ${orgId}`);
+}
+
 export async function listKeys(database: Database, orgId: string): Promise<KeyView[]> {
   requireUuid("orgId", orgId);
   const rows = await database.db.select().from(apiKeys).where(eq(apiKeys.orgId, orgId)).orderBy(desc(apiKeys.createdAt), desc(apiKeys.id));
+  if (rows.length === 0) await requireOrg(database, orgId);
   return rows.map(keyView);
 }
 

@@ -1,7 +1,7 @@
 import { sql } from "drizzle-orm";
 import type { Database } from "../db/client.ts";
 import { FieldError } from "../lib/errors.ts";
-import { requireUuid } from "./service.ts";
+import { requireOrg, requireUuid } from "./service.ts";
 
 export interface UsageRow {
   alias: string;
@@ -24,6 +24,7 @@ export async function usageReport(database: Database, orgId: string, since?: Dat
     where org_id = ${orgId} and created_at >= ${from.toISOString()}::timestamptz
     group by alias, key_id
     order by alias, key_id`);
+  if (rows.length === 0) await requireOrg(database, orgId);
   return rows.map((r) => ({
     alias: r.alias,
     key_id: r.key_id,

@@ -438,6 +438,9 @@ describe("keys", () => {
   test("list: bad arguments", async () => {
     expectUsage(await cli("keys", "list"), "missing --org");
     expectUsage(await cli("keys", "list", "--org", "acme"), "--org must be a UUID");
+    // An id of no organisation (a typo, a key's or a person's id) is refused as everywhere else, not "no keys".
+    expectUsage(await cli("keys", "list", "--org", MISSING_UUID, "--json"), `no organisation ${MISSING_UUID}`);
+    expectUsage(await cli("keys", "list", "--org", userId), `no organisation ${userId}`);
   });
 
   test("rotate: a new key with the same owner and scopes; the old one expires after the grace", async () => {
@@ -685,6 +688,7 @@ describe("usage report", () => {
     expectUsage(await cli("usage", "report"), "missing --org");
     expectUsage(await cli("usage", "report", "--org", "acme"), "--org must be a UUID");
     expectUsage(await cli("usage", "report", "--org", orgId, "--since", "yesterday"), "--since is not an ISO 8601 time");
+    expectUsage(await cli("usage", "report", "--org", MISSING_UUID, "--json"), `no organisation ${MISSING_UUID}`);
   });
 });
 
