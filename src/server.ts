@@ -66,6 +66,8 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
   const metrics = createMetrics();
   const metricsOnMain = config.metrics.enabled && config.metrics.listen === "main";
   let metricsServer: ReturnType<typeof Bun.serve> | undefined;
+  /** What has started, for a start that fails later (a taken port): stopped, last first, before the database closes. */
+  const started: (() => unknown)[] = [];
   const database =
     opts.database ?? (await openDatabase({ databaseUrl: config.databaseUrl, dataDir: config.dataDir, poolMax: config.dbPoolMax }));
   try {
@@ -79,11 +81,14 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
 
     const verifier = createKeyVerifier(database, config.keyCache);
     await verifier.start();
+    started.push(() => verifier.stop());
     const security = createSecurityAuditor(database, log);
+    started.push(() => security.drain());
     const limiter = createLimiter({ instances: config.rateLimit.instances, maxKeys: config.rateLimit.maxOrgs, windowMs: config.rateLimit.windowMs });
     // Organisations idle for a window hold no state that matters: drop them at least once a window.
     const sweep = setInterval(() => limiter.sweep(Date.now()), Math.min(30_000, config.rateLimit.windowMs));
     sweep.unref?.();
+    started.push(() => clearInterval(sweep));
     const fallbackLimit = config.plans[config.defaultPlan]?.requestsPerMinute ?? 60;
     const guard = createGuard({
       verifier,
@@ -107,11 +112,14 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       },
     });
     quota.start();
+    started.push(() => quota.stop());
     const inference = createInference({ config, metering: quota, log, metrics, ...(opts.lookup ? { lookup: opts.lookup } : {}) });
+    started.push(() => inference.stop());
 
     // Off by default: the spec's v1 surface is chat, embeddings and models (docs/decisions.md: Responses API).
     const responsesApi = config.responses.enabled ? createResponses({ config, database, log, chat: inference }) : undefined;
     responsesApi?.start();
+    started.push(() => responsesApi?.stop());
 
     observeInternals(metrics, verifier, quota, limiter, database);
     const app = createApp({
@@ -214,6 +222,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       },
     };
   } catch (e) {
+    for (const stop of started.reverse()) await Promise.resolve().then(stop).catch(() => {});
     metricsServer?.stop(true);
     if (ownsDb) await database.close().catch(() => {});
     throw e;

@@ -818,6 +818,21 @@ describe("as a process (bun run src/main.ts)", () => {
     }
   });
 
+  test("a port already taken with the Responses API on: what had started is stopped before the database closes, no warning", async () => {
+    const taken = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: () => new Response() });
+    try {
+      const r = await runGateway(["serve", "--port", String(taken.port), "--data-dir", join(work, "taken-responses")], {
+        env: cleanEnv({ UPSTREAM_BASE_URL: "http://127.0.0.1:9/v1", LOG_LEVEL: "warn", MIMALLOC_PURGE_HOLES: "0", GATEWAY_RESPONSES: "1" }),
+      });
+      expect(r.code).toBe(1);
+      expect(r.stderr).toBe(`error: Failed to start server. Is port ${taken.port} in use?\n`);
+      // Before, the retention sweep started at boot ran on the closing database: "response retention sweep failed".
+      expect(r.stdout).toBe("");
+    } finally {
+      taken.stop(true);
+    }
+  });
+
   test("simulate-upstream serves until SIGTERM, then exits 0", async () => {
     const sim = startGatewayProcess(["simulate-upstream", "--port", "0", "--ttft-ms", "1"]);
     try {
