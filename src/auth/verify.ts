@@ -1,5 +1,5 @@
 import { eq, sql } from "drizzle-orm";
-import type { Database } from "../db/client.ts";
+import { ANSWER_TIMEOUT_MS, type Database, answeredWithin } from "../db/client.ts";
 import { apiKeys, organizations, users } from "../db/schema.ts";
 import { hashKey } from "./keys.ts";
 import { ipPrefix } from "./security.ts";
@@ -62,6 +62,8 @@ const MAX_PREFIXES = 10_000;
 interface Entry {
   principal: Principal;
   fetchedAt: number;
+  /** A refresh of this entry failed (the store unreachable) and none succeeded since; 0 otherwise. */
+  failedAt: number;
 }
 
 export interface VerifierOptions {
@@ -80,6 +82,8 @@ export interface VerifierOptions {
    */
   unknownPerPrefixPerMin?: number;
   unknownPerMin?: number;
+  /** How long a lookup (with its one retry) may wait for the database; ANSWER_TIMEOUT_MS by default. */
+  lookupTimeoutMs?: number;
   /** Reads a key's row; `lookupKey` unless a test substitutes one it can pause. */
   lookup?: (hash: string) => Promise<Principal | null>;
 }
@@ -202,7 +206,7 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
         if (oldest !== undefined) cache.delete(oldest);
       }
       cache.delete(hash);
-      cache.set(hash, { principal, fetchedAt: t });
+      cache.set(hash, { principal, fetchedAt: t, failedAt: 0 });
       negative.delete(hash);
     } else {
       if (negative.size >= opts.negativeMax && !negative.has(hash)) {
@@ -231,8 +235,12 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
       const startedAt = generation;
       const createdAt = created;
       // One immediate retry: a pooled connection the server dropped fails once, then the driver reconnects.
-      const running: Promise<Principal | null> = lookup(hash)
-        .catch(() => lookup(hash))
+      // Both within ANSWER_TIMEOUT_MS: a database that stops answering must not hold the request.
+      const running: Promise<Principal | null> = answeredWithin(
+        lookup(hash).catch(() => lookup(hash)),
+        opts.lookupTimeoutMs ?? ANSWER_TIMEOUT_MS,
+        "key lookup",
+      )
         .then((principal) => {
           if (generation === startedAt && (principal !== null || created === createdAt)) remember(hash, principal, now());
           return principal;
@@ -312,6 +320,12 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
       const known = fromCache(hash, t);
       if (known) return known;
       const entry = cache.get(hash);
+      if (entry && entry.failedAt > 0 && t - entry.fetchedAt < opts.ttlMs * 10) {
+        // Its last refresh failed: the store is unreachable. Serve the entry at once and try again in the
+        // background, rather than make every request with this key wait for the database to time out.
+        if (!inflight.has(hash)) void sharedLookup(hash).catch(() => {});
+        return judge(entry.principal, t);
+      }
       // A key seen before (entry kept past its TTL) or a lookup already out costs no new lookup of an unknown key.
       const refund = entry || inflight.has(hash) ? undefined : charge(client, t);
       misses++;
@@ -320,6 +334,7 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
         principal = await sharedLookup(hash);
         if (principal) refund?.();
       } catch (e) {
+        if (entry && cache.get(hash) === entry) entry.failedAt = now();
         if (entry && t - entry.fetchedAt < opts.ttlMs * 10) return judge(entry.principal, t);
         throw new AuthStoreUnavailable((e as Error).message);
       }
@@ -341,7 +356,11 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
         // entry is re-checked with the database at its next use, but stays
         // available as a fallback while the database is unreachable.
         const expired = now() - opts.ttlMs;
-        for (const e of cache.values()) e.fetchedAt = Math.min(e.fetchedAt, expired);
+        // A failed refresh no longer lets an entry serve without waiting for a lookup: the database is back.
+        for (const e of cache.values()) {
+          e.fetchedAt = Math.min(e.fetchedAt, expired);
+          e.failedAt = 0;
+        }
         negative.clear();
         return;
       }

@@ -72,6 +72,27 @@ async function extensionBundleUrl(name: string, path: string): Promise<URL> {
   return new URL(`file://${target}`);
 }
 
+/**
+ * How long the request path (a key lookup, a quota lease, the readiness
+ * check) waits for the database before it acts as if the database were
+ * unreachable. A database that stops answering without closing its
+ * connections (a network partition, a paused host) would otherwise hold a
+ * query sent on an open connection until TCP gives up, many minutes later;
+ * only a new connection is bounded, by connect_timeout.
+ */
+export const ANSWER_TIMEOUT_MS = 5_000;
+
+export class DatabaseTimeout extends Error {}
+
+/** `p`, or a DatabaseTimeout after `ms`; the query itself is left to finish or fail on its own. */
+export function answeredWithin<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const late = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new DatabaseTimeout(`${what}: no answer from the database within ${ms} ms`)), ms);
+  });
+  return Promise.race([p, late]).finally(() => clearTimeout(timer));
+}
+
 export class DataDirLockedError extends Error {}
 
 /** Data directories this process has open: the pid file cannot tell us apart from ourselves. */
@@ -211,7 +232,7 @@ function openPostgres(url: string, poolMax: number): Database {
     },
     async ping() {
       try {
-        await client`select 1`;
+        await answeredWithin(client`select 1`.execute(), ANSWER_TIMEOUT_MS, "ping");
         return true;
       } catch {
         return false;
@@ -260,7 +281,7 @@ export async function migrate(database: Database): Promise<string[]> {
 /** True when every embedded migration has been applied (readiness). */
 export async function migrationsCurrent(database: Database): Promise<boolean> {
   try {
-    const rows = await database.rows<{ n: number | string }>(sql`select count(*)::int as n from gateway_migrations`);
+    const rows = await answeredWithin(database.rows<{ n: number | string }>(sql`select count(*)::int as n from gateway_migrations`), ANSWER_TIMEOUT_MS, "migrations check");
     return Number(rows[0]?.n ?? 0) >= MIGRATIONS.length;
   } catch {
     return false;

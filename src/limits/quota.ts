@@ -1,6 +1,6 @@
 import { and, inArray, sql } from "drizzle-orm";
 import type { Principal } from "../auth/types.ts";
-import type { Database } from "../db/client.ts";
+import { ANSWER_TIMEOUT_MS, type Database, answeredWithin } from "../db/client.ts";
 import { epochMs, rowsOf } from "../db/raw.ts";
 import { usageCounters } from "../db/schema.ts";
 import { AppError } from "../lib/errors.ts";
@@ -289,8 +289,13 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
 
   function refill(s: OrgState): Promise<void> {
     // One immediate retry: a pooled connection that the server dropped fails once, then postgres.js reconnects.
-    s.refill ??= lease(s)
-      .catch(() => lease(s))
+    // Both within ANSWER_TIMEOUT_MS: requests wait on this, and a database that stops answering would hold
+    // them for good. A lease that commits after all is still counted when its answer comes.
+    s.refill ??= answeredWithin(
+      lease(s).catch(() => lease(s)),
+      ANSWER_TIMEOUT_MS,
+      "quota lease",
+    )
       .catch((e: Error) => {
         s.leaseError = true;
         log.warn("quota lease failed", { org_id: s.orgId, err: e.message });

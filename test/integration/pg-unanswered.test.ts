@@ -1,0 +1,122 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { createKey } from "../../src/admin/service.ts";
+import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { type FreezeProxy, startFreezeProxy } from "../helpers/freeze-proxy.ts";
+import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
+import { until } from "../helpers/poll.ts";
+import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
+
+setDefaultTimeout(90_000);
+
+/**
+ * Postgres that stops answering (a network partition, a paused host) rather
+ * than refusing: the gateway's open connections stay open and its queries
+ * are never answered. pg-outage.test.ts covers the refused case, where every
+ * query fails at once. The promises are the same (docs/decisions.md: key
+ * store unreachable, quota store unreachable; docs/operations.md: /readyz):
+ * a cached key keeps working, an unknown key gets 503, a request that needs
+ * a lease gets 503, /readyz answers 503, and none of them hangs.
+ */
+
+const KEY_CACHE = { max: 1_000, negativeTtlMs: 5_000, negativeMax: 1_000, unknownPerPrefixPerMin: 1_000, unknownPerMin: 10_000 };
+/** Each answer must come well within this; a hung request is cut here and fails the test. */
+const DEADLINE_MS = 20_000;
+
+describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
+  let scratch: ScratchPostgres;
+  let proxy: FreezeProxy;
+  let held: Database;
+  let sim: Simulator;
+
+  beforeAll(async () => {
+    scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "h6_unanswered");
+    held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 1 });
+    await migrate(held);
+    proxy = await startFreezeProxy(scratch.url, 19_641);
+    sim = await startSimulator({ port: 0, ttftMs: 1, interTokenMs: 0, completionTokens: 5 });
+  });
+  afterAll(async () => {
+    proxy?.stop();
+    await sim?.stop();
+    await held?.close();
+    await scratch?.drop();
+  });
+
+  async function timed(url: string, init: RequestInit = {}): Promise<{ status: number; code: string | null; ms: number }> {
+    const t = Date.now();
+    try {
+      const res = await fetch(url, { ...init, signal: AbortSignal.timeout(DEADLINE_MS) });
+      if (res.status >= 400 && url.includes("/v1/")) return { status: res.status, code: (await errorOf(res)).code, ms: Date.now() - t };
+      await res.arrayBuffer();
+      const code = null;
+      return { status: res.status, code, ms: Date.now() - t };
+    } catch (e) {
+      return { status: 0, code: (e as Error).name, ms: Date.now() - t };
+    }
+  }
+
+  test("a cached key keeps working, an unknown key and an unleased quota get 503, /readyz 503: none hangs", async () => {
+    // 10 × TTL, how long a cached key may serve unverified, is longer than the whole outage here.
+    const TTL = 6_000;
+    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 4 });
+    const gw = await startTestGateway(
+      {
+        keyCache: { ttlMs: TTL, ...KEY_CACHE },
+        plans: { Standard: { requestsPerMinute: 1_000_000 } },
+        upstream: upstreamSettings(),
+        aliases: testAliases(sim.url),
+        quota: { leaseTokens: 1_000, flushMs: 200 },
+      },
+      db,
+    );
+    try {
+      const org = await seedOrg(held);
+      const metered = await seedOrg(held, { quotaTokens: 1_000_000 });
+      const uncached = await createKey(held, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" });
+      const me = (key: string) => timed(`${gw.url}/v1/me`, { headers: bearer(key) });
+      // A reservation larger than any lease held: it must lease.
+      const chat = (key: string) =>
+        timed(`${gw.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: { ...bearer(key), "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }], max_tokens: 50_000 }),
+        });
+      expect((await me(org.personalKey)).status).toBe(200);
+      expect((await me(metered.personalKey)).status).toBe(200);
+      expect((await timed(`${gw.url}/readyz`)).status).toBe(200);
+
+      proxy.freeze();
+      await Bun.sleep(TTL + 100); // the cached entries are now due for a refresh that will never be answered
+
+      const cached = await me(org.personalKey);
+      const unknown = await me(uncached.key);
+      const unleased = await chat(metered.personalKey);
+      const again = await me(org.personalKey);
+      const ready = await timed(`${gw.url}/readyz`);
+      const report = { ready, cached, unknown, unleased, again };
+      expect(report).toEqual({
+        ready: { status: 503, code: null, ms: expect.any(Number) },
+        cached: { status: 200, code: null, ms: expect.any(Number) },
+        unknown: { status: 503, code: "service_unavailable", ms: expect.any(Number) },
+        unleased: { status: 503, code: "service_unavailable", ms: expect.any(Number) },
+        again: { status: 200, code: null, ms: expect.any(Number) },
+      });
+      // Each waits at most one ANSWER_TIMEOUT_MS (5 s) per database call it needs (the chat: its key, then a lease);
+      // a key whose refresh just failed is served without waiting again.
+      for (const r of Object.values(report)) expect(r.ms).toBeLessThan(12_000);
+      expect(again.ms).toBeLessThan(1_000);
+
+      // Healed: the frozen connections are closed, as the kernel would once the partition ends.
+      proxy.thaw();
+      await until(async () => (await me(uncached.key)).status === 200, "the uncached key verified after the database answers again", 30_000, 100);
+      await until(async () => (await chat(metered.personalKey)).status === 200, "a lease after the database answers again", 30_000, 100);
+      expect((await timed(`${gw.url}/readyz`)).status).toBe(200);
+    } finally {
+      proxy.thaw();
+      await gw.stop();
+      await db.close();
+    }
+  });
+});
