@@ -1,5 +1,5 @@
 import { recordAudit } from "../audit/record.ts";
-import type { Database } from "../db/client.ts";
+import { ANSWER_TIMEOUT_MS, type Database, answeredWithin } from "../db/client.ts";
 import { networkPrefixProblem } from "../lib/cidr.ts";
 import type { Logger } from "../lib/log.ts";
 import type { Caller, Principal } from "./types.ts";
@@ -119,7 +119,8 @@ export function createSecurityAuditor(database: Database, log: Logger, now: () =
       pending.add(write);
     },
     async drain() {
-      await Promise.all([...pending]);
+      // Bounded: a database that stops answering must not hold the shutdown (these rows are best effort).
+      await answeredWithin(Promise.all([...pending]), ANSWER_TIMEOUT_MS, "security events").catch(() => {});
     },
   };
 }

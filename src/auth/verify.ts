@@ -390,8 +390,10 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
         sql`, `,
       );
       try {
-        await database.db.execute(
-          sql`update api_keys as k set last_used_at = greatest(k.last_used_at, v.t) from (values ${values}) as v(id, t) where k.id = v.id`,
+        await answeredWithin(
+          database.db.execute(sql`update api_keys as k set last_used_at = greatest(k.last_used_at, v.t) from (values ${values}) as v(id, t) where k.id = v.id`),
+          ANSWER_TIMEOUT_MS,
+          "last_used_at update",
         );
       } catch {
         // Best effort: keep the newest times for the next attempt.
@@ -412,7 +414,8 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
     async stop() {
       if (flushTimer) clearInterval(flushTimer);
       await this.flushLastUsed();
-      if (unlisten) await unlisten().catch(() => {});
+      // Bounded: UNLISTEN goes to the database, which may not answer; closing the database drops the channel anyway.
+      if (unlisten) await answeredWithin(unlisten(), ANSWER_TIMEOUT_MS, "unlisten").catch(() => {});
     },
 
     stats() {

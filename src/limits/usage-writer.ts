@@ -1,5 +1,5 @@
 import { eq, sql } from "drizzle-orm";
-import type { Database } from "../db/client.ts";
+import { ANSWER_TIMEOUT_MS, type Database, DatabaseTimeout, answeredWithin } from "../db/client.ts";
 import { pgArray } from "../db/arrays.ts";
 import { epochMs, rowsOf } from "../db/raw.ts";
 import { usageBatches, usageDeadLetters } from "../db/schema.ts";
@@ -303,8 +303,10 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
    * process is about to exit with usage only it knows. One error line with
    * each organisation's tokens per quota period is then their only copy, so
    * an operator can still bill them (the per-request records are counted).
+   * `unansweredBatch`: the batch whose write was still unanswered, which the
+   * operator checks against usage_batches before billing it.
    */
-  function reportUnwritten(): void {
+  function reportUnwritten(unansweredBatch: string | undefined): void {
     const used = new Map<string, { org_id: string; window_start: string; used: number }>();
     for (const d of [...unwrittenDeltas(batch), ...source.cut(true)]) {
       if (d.used <= 0) continue;
@@ -314,7 +316,13 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
       used.set(k, c);
     }
     const requests = unwrittenRequests(batch) + events.length;
-    log.error("usage not written at shutdown: the database did not take it; this line is its only copy", { counters: [...used.values()], requests });
+    // A batch whose write got no answer may have committed all the same (only the answer lost): it did if
+    // usage_batches holds its id, and then its part of this line is already counted.
+    log.error("usage not written at shutdown: the database did not take it; this line is its only copy", {
+      counters: [...used.values()],
+      requests,
+      ...(unansweredBatch ? { unanswered_batch: unansweredBatch } : {}),
+    });
   }
 
   /** The flush a caller who asks now will have its own records written by (queued behind a running one). */
@@ -356,19 +364,28 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     flush: () => flush(false),
     async stop() {
       if (timer) clearInterval(timer);
-      if (flushing) await flushing.catch(() => {});
+      // A write the database never answers (a partition, a paused host) would hold the stop until the
+      // service manager kills the process, and the usage would be lost without the line below; every
+      // wait here is bounded, and once a write is left unanswered the next ones would queue behind it.
+      let unanswered = false;
+      const bounded = (p: Promise<void>) =>
+        answeredWithin(p, ANSWER_TIMEOUT_MS, "usage write").catch((e: Error) => {
+          if (e instanceof DatabaseTimeout) unanswered = true;
+          throw e;
+        });
+      if (flushing) await bounded(flushing).catch(() => {});
       // Write everything and return unused leases; retry a few times, since a
       // shutdown during a database blip should still land the usage.
-      for (let attempt = 0; attempt < 5; attempt++) {
+      for (let attempt = 0; attempt < 5 && !unanswered; attempt++) {
         try {
-          await flush(true);
+          await bounded(flush(true));
           // A batch kept from a failed write goes first, unchanged: the final cut (lease returned) comes after it.
           if (finalCut && !batch && bufferedTokens() === 0 && events.length === 0) break;
         } catch {
-          await Bun.sleep(200 * (attempt + 1));
+          if (!unanswered) await Bun.sleep(200 * (attempt + 1));
         }
       }
-      if (batch || bufferedTokens() > 0 || events.length > 0) reportUnwritten();
+      if (batch || bufferedTokens() > 0 || events.length > 0) reportUnwritten(unanswered ? batch?.id : undefined);
     },
     stats() {
       return {

@@ -4,7 +4,7 @@ import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { type FreezeProxy, startFreezeProxy } from "../helpers/freeze-proxy.ts";
-import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
+import { cleanEnv, createScratchDatabase, exitWithin, listeningUrl, type ScratchPostgres, startGatewayProcess } from "../helpers/process.ts";
 import { until } from "../helpers/poll.ts";
 import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -117,6 +117,52 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       proxy.thaw();
       await gw.stop();
       await db.close();
+    }
+  });
+
+  test("SIGTERM while the database does not answer: the process exits in time and logs the usage it could not write", async () => {
+    const org = await seedOrg(held, { quotaTokens: 1_000_000 });
+    const configPath = `/tmp/h6-unanswered-${crypto.randomUUID()}.json`;
+    // Usage is written only at the stop: flushMs is far longer than the test.
+    await Bun.write(
+      configPath,
+      JSON.stringify({ plans: { Standard: { requestsPerMinute: 1_000_000 } }, quota: { leaseTokens: 1_000, flushMs: 600_000 }, drainMs: 1_000, logLevel: "info", accessLog: false }),
+    );
+    const proc = startGatewayProcess(["serve", "--port", "19642", "--config", configPath], {
+      env: cleanEnv({ DATABASE_URL: proxy.url, UPSTREAM_BASE_URL: sim.url, METRICS_LISTEN: "127.0.0.1:19643" }),
+    });
+    try {
+      const url = await listeningUrl(proc);
+      let total = 0;
+      for (let i = 0; i < 3; i++) {
+        const res = await fetch(`${url}/v1/chat/completions`, {
+          method: "POST",
+          headers: { ...bearer(org.serviceKey), "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-fast", max_tokens: 20, messages: [{ role: "user", content: "hello" }] }),
+        });
+        expect(res.status).toBe(200);
+        total += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+      }
+      proxy.freeze();
+      const t = Date.now();
+      proc.kill("SIGTERM");
+      // systemd's TimeoutStopSec is 45 s, drainMs 30 s by default: the rest of the stop must fit in the difference.
+      const code = await exitWithin(proc, 40_000);
+      const ms = Date.now() - t;
+      const lost = proc
+        .stdout()
+        .split("\n")
+        .filter((l) => l.includes("usage not written at shutdown"))
+        .map((l) => JSON.parse(l) as { counters: { org_id: string; used: number }[]; requests: number });
+      expect({ exited: code !== null, lost: lost.map((l) => ({ counters: l.counters.map((c) => [c.org_id, c.used]), requests: l.requests })) }).toEqual({
+        exited: true,
+        lost: [{ counters: [[org.orgId, total]], requests: 3 }],
+      });
+      // Before: no exit within 40 s and no line (the final usage write, then UNLISTEN, waited for the database for good).
+      expect(ms).toBeLessThan(15_000);
+    } finally {
+      proc.kill("SIGKILL");
+      proxy.thaw();
     }
   });
 });
