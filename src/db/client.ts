@@ -84,6 +84,9 @@ export const ANSWER_TIMEOUT_MS = 5_000;
 
 export class DatabaseTimeout extends Error {}
 
+/** A LISTEN connection that heard nothing for this long is checked with a NOTIFY to itself (openPostgres). */
+export const LISTEN_CHECK_MS = 10_000;
+
 /** `p`, or a DatabaseTimeout after `ms`; the query itself is left to finish or fail on its own. */
 export function answeredWithin<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
   let timer: ReturnType<typeof setTimeout> | undefined;
@@ -221,14 +224,67 @@ function openPostgres(url: string, poolMax: number): Database {
       return (await db.execute(query)) as unknown as T[];
     },
     async listen(channel, onMessage, onReconnect) {
-      let first = true;
-      // postgres.js re-subscribes by itself after a dropped connection and calls
+      // The listening connection has a client of its own, so that one found dead can be dropped and replaced
+      // without waiting on it. postgres.js re-subscribes by itself after a dropped connection and calls
       // onlisten again; every call after the first means we may have missed messages.
-      const sub = await client.listen(channel, (p) => onMessage(p), () => {
-        if (first) first = false;
-        else onReconnect();
-      });
-      return () => sub.unlisten();
+      const probeChannel = `${channel}_probe`;
+      const probe = crypto.randomUUID();
+      let heardAt = Date.now();
+      let stopped = false;
+      let listener: postgres.Sql | undefined;
+      async function subscribe(): Promise<void> {
+        const sql = postgres(url, { max: 1, idle_timeout: 0, connect_timeout: 5, onnotice: () => {} });
+        listener = sql;
+        let first = true;
+        await sql.listen(channel, (p) => {
+          heardAt = Date.now();
+          onMessage(p);
+        }, () => {
+          heardAt = Date.now();
+          if (first) first = false;
+          else onReconnect();
+        });
+        await sql.listen(probeChannel, (p) => {
+          if (p === probe) heardAt = Date.now();
+        });
+      }
+      await subscribe();
+      /**
+       * A LISTEN connection can die without a word (a NAT or firewall drops the idle flow, a partition):
+       * nothing arrives, nothing fails, and revocations wait for the cache TTL. Every LISTEN_CHECK_MS
+       * without a message, a NOTIFY to ourselves on the probe channel must come back within
+       * ANSWER_TIMEOUT_MS; when the NOTIFY was sent (the database answers) and did not come back, the
+       * connection is replaced and every cached key re-verified, as after a reconnect.
+       */
+      let checking = false;
+      const timer = setInterval(async () => {
+        if (checking || stopped || Date.now() - heardAt < LISTEN_CHECK_MS) return;
+        checking = true;
+        try {
+          const sent = Date.now();
+          try {
+            await answeredWithin(client`select pg_notify(${probeChannel}, ${probe})`.execute(), ANSWER_TIMEOUT_MS, "listen probe");
+          } catch {
+            return; // the database does not answer at all: postgres.js and the readiness check deal with that
+          }
+          while (heardAt < sent && Date.now() - sent < ANSWER_TIMEOUT_MS) await Bun.sleep(50);
+          if (heardAt >= sent || stopped) return;
+          const dead = listener;
+          void dead?.end({ timeout: 0 }).catch(() => {});
+          await subscribe();
+          onReconnect();
+        } catch {
+          // the new subscription failed: the next check tries again
+        } finally {
+          checking = false;
+        }
+      }, 1_000);
+      timer.unref?.();
+      return async () => {
+        stopped = true;
+        clearInterval(timer);
+        await listener?.end({ timeout: 1 });
+      };
     },
     async ping() {
       try {

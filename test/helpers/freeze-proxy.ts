@@ -7,11 +7,14 @@ import type { Socket, TCPSocketListener } from "bun";
  * drops every byte in both directions on the connections open and on new
  * ones (which then connect but never get the server's greeting); `thaw()`
  * closes the frozen connections, as the kernel would once the partition
- * heals, and forwards again.
+ * heals, and forwards again. `freezeListening()` freezes only the
+ * connections that sent LISTEN: a NAT or firewall dropping an idle flow.
  */
 export interface FreezeProxy {
   url: string;
   freeze(): void;
+  /** Freeze only the connections open now that sent LISTEN. */
+  freezeListening(): number;
   thaw(): void;
   stop(): void;
 }
@@ -22,6 +25,8 @@ interface Pair {
   /** Client bytes that arrived before the server connection opened. */
   early: Uint8Array[];
   frozen: boolean;
+  /** The client sent a LISTEN on this connection. */
+  listens: boolean;
 }
 
 export async function startFreezeProxy(targetUrl: string, port: number): Promise<FreezeProxy> {
@@ -36,7 +41,7 @@ export async function startFreezeProxy(targetUrl: string, port: number): Promise
     port,
     socket: {
       open(client) {
-        const pair: Pair = { client, early: [], frozen };
+        const pair: Pair = { client, early: [], frozen, listens: false };
         client.data = pair;
         pairs.add(pair);
         void Bun.connect<{ pair: Pair }>({
@@ -62,6 +67,7 @@ export async function startFreezeProxy(targetUrl: string, port: number): Promise
       data(client, bytes) {
         const pair = client.data;
         if (pair.frozen) return;
+        if (!pair.listens && /\blisten\b/i.test(Buffer.from(bytes).toString("latin1"))) pair.listens = true;
         if (pair.server) pair.server.write(bytes);
         else pair.early.push(new Uint8Array(bytes));
       },
@@ -82,6 +88,15 @@ export async function startFreezeProxy(targetUrl: string, port: number): Promise
     freeze() {
       frozen = true;
       for (const p of pairs) p.frozen = true;
+    },
+    freezeListening() {
+      let n = 0;
+      for (const p of pairs) {
+        if (!p.listens) continue;
+        p.frozen = true;
+        n++;
+      }
+      return n;
     },
     thaw() {
       frozen = false;

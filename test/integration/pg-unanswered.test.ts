@@ -1,6 +1,6 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { createKey } from "../../src/admin/service.ts";
-import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
+import { createKey, revokeKey } from "../../src/admin/service.ts";
+import { ANSWER_TIMEOUT_MS, type Database, LISTEN_CHECK_MS, migrate, openDatabase } from "../../src/db/client.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { type FreezeProxy, startFreezeProxy } from "../helpers/freeze-proxy.ts";
@@ -163,6 +163,34 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
     } finally {
       proc.kill("SIGKILL");
       proxy.thaw();
+    }
+  });
+
+  test("a LISTEN connection that dies without a word is found and replaced: a revocation arrives in seconds, not at the TTL", async () => {
+    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 4 });
+    // Entries never age out during the test: only the NOTIFY, or the re-verification after a new LISTEN, can evict them.
+    const gw = await startTestGateway({ keyCache: { ttlMs: 600_000, ...KEY_CACHE }, plans: { Standard: { requestsPerMinute: 1_000_000 } } }, db);
+    try {
+      const org = await seedOrg(held);
+      const me = async () => (await timed(`${gw.url}/v1/me`, { headers: bearer(org.serviceKey) })).status;
+      expect(await me()).toBe(200);
+      expect(proxy.freezeListening()).toBe(1);
+      await revokeKey(held, org.serviceKeyId);
+      const t = Date.now();
+      await until(async () => (await me()) === 401, "the revocation to reach the instance", 40_000, 100);
+      // Found within LISTEN_CHECK_MS plus one probe's ANSWER_TIMEOUT_MS; before, the key worked until its TTL (10 minutes here).
+      expect(Date.now() - t).toBeLessThan(LISTEN_CHECK_MS + ANSWER_TIMEOUT_MS + 5_000);
+      expect(await me()).toBe(401);
+      expect(await timed(`${gw.url}/v1/me`, { headers: bearer(org.personalKey) })).toMatchObject({ status: 200 });
+      // The new LISTEN connection delivers: a revocation now arrives at once.
+      await revokeKey(held, org.personalKeyId);
+      const t2 = Date.now();
+      await until(async () => (await timed(`${gw.url}/v1/me`, { headers: bearer(org.personalKey) })).status === 401, "the next revocation", 10_000, 20);
+      expect(Date.now() - t2).toBeLessThan(3_000);
+    } finally {
+      proxy.thaw();
+      await gw.stop();
+      await db.close();
     }
   });
 });
