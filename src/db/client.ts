@@ -84,6 +84,9 @@ export const ANSWER_TIMEOUT_MS = 5_000;
 
 export class DatabaseTimeout extends Error {}
 
+/** The server ends a session of ours left idle inside a transaction this long (its locks released). */
+export const IDLE_IN_TRANSACTION_MS = 10_000;
+
 /** A LISTEN connection that heard nothing for this long is checked with a NOTIFY to itself (openPostgres). */
 export const LISTEN_CHECK_MS = 10_000;
 
@@ -214,6 +217,10 @@ function openPostgres(url: string, poolMax: number): Database {
     idle_timeout: 30,
     connect_timeout: 5,
     onnotice: () => {},
+    // A session whose client stopped mid-transaction (SIGSTOP, a paused VM, a partition) would otherwise
+    // hold its row locks until the server notices the silent client, hours later: the organisation's quota
+    // counter locked for every instance. Our transactions never wait on anything but the database.
+    connection: { idle_in_transaction_session_timeout: IDLE_IN_TRANSACTION_MS },
     // Our timestamps are timestamptz(3) Date objects; bigint columns are read as numbers by drizzle.
   });
   const db = drizzlePostgres(client, { schema }) as unknown as Db;

@@ -1,4 +1,5 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { sql } from "drizzle-orm";
 import { createKey, revokeKey } from "../../src/admin/service.ts";
 import { ANSWER_TIMEOUT_MS, type Database, LISTEN_CHECK_MS, migrate, openDatabase } from "../../src/db/client.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
@@ -191,6 +192,52 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       proxy.thaw();
       await gw.stop();
       await db.close();
+    }
+  });
+
+  test("an instance frozen mid-transaction does not block the organisation's counter for every other instance", async () => {
+    const org = await seedOrg(held, { quotaTokens: 1_000_000 });
+    // The frozen instance: its lease transaction took the counter's row lock, then its process stopped
+    // (SIGSTOP, a paused VM, a partition). Its connection stays open and the transaction never ends.
+    const frozenDb = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 1 });
+    let release: () => void = () => {};
+    const stalled = new Promise<void>((r) => {
+      release = r;
+    });
+    const holding = frozenDb.db
+      .transaction(async (tx) => {
+        await tx.execute(sql`insert into usage_counters (org_id, window_start) values (${org.orgId}, date_trunc('month', now() at time zone 'utc') at time zone 'utc') on conflict do nothing`);
+        await tx.execute(sql`select used from usage_counters where org_id = ${org.orgId} for update`);
+        await stalled;
+      })
+      .catch(() => {});
+    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 4 });
+    const gw = await startTestGateway(
+      { plans: { Standard: { requestsPerMinute: 1_000_000 } }, upstream: upstreamSettings(), aliases: testAliases(sim.url), quota: { leaseTokens: 1_000, flushMs: 200 } },
+      db,
+    );
+    try {
+      const chat = () =>
+        timed(`${gw.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: { ...bearer(org.serviceKey), "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }], max_tokens: 10 }),
+        });
+      const t = Date.now();
+      // Before: every request 503 for as long as the frozen session lived (the server notices a silent client after hours).
+      await until(async () => (await chat()).status === 200, "a lease while another instance's session is frozen mid-transaction", 40_000, 200);
+      expect(Date.now() - t).toBeLessThan(30_000);
+      await gw.quota.flush();
+      const [row] = await held.rows<{ used: number | string }>(sql`select used from usage_counters where org_id = ${org.orgId}`);
+      expect(Number(row?.used)).toBeGreaterThan(0);
+    } finally {
+      await gw.stop();
+      await db.close();
+      // Closed before the stalled transaction resumes: postgres.js 3.4 throws an uncaught TypeError
+      // (socket.write on null) when a transaction whose session the server ended sends its next statement.
+      await frozenDb.close();
+      release();
+      await holding;
     }
   });
 });
