@@ -240,4 +240,28 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       await holding;
     }
   });
+
+  test("a session ended inside a transaction (restart, idle_in_transaction timeout) leaves the pool working", async () => {
+    // One connection: the slot whose session is ended is the one every later query must use.
+    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 1 });
+    try {
+      const tx = db.db.transaction(async (t) => {
+        const [row] = (await t.execute(sql`select pg_backend_pid() as pid`)) as unknown as { pid: number }[];
+        await held.rows(sql`select pg_terminate_backend(${row?.pid})`);
+        await Bun.sleep(300);
+        await t.execute(sql`select 1`);
+      });
+      // The transaction rejects as soon as the session is gone; its callback still sends its next statement.
+      expect(await tx.then(() => "committed", () => "rejected")).toBe("rejected");
+      await Bun.sleep(500);
+      // Before (postgres.js 3.4.9 unpatched): an uncaught TypeError (socket.write on null), and every later
+      // query on that slot was never sent: the usage writer and leases of that instance stuck for good.
+      for (let i = 0; i < 3; i++) {
+        const answer = await Promise.race([db.rows<{ n: number }>(sql`select 1 as n`).then((r) => Number(r[0]?.n)), Bun.sleep(5_000).then(() => "no answer")]);
+        expect(answer).toBe(1);
+      }
+    } finally {
+      await db.close();
+    }
+  });
 });
