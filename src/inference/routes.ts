@@ -113,6 +113,23 @@ export function createInference(deps: InferenceDeps) {
     return served.reply;
   }
 
+  /**
+   * A POST route's handler (one made per route, none per request): the body
+   * read and checked into a call, the call served, and the connection's idle
+   * timeout given back once the answer (or the error) is written.
+   */
+  function inferenceRoute(check: (principal: Principal, body: unknown) => Promise<CheckedCall>) {
+    return async ({ principal, request, server, set }: { principal: Principal; request: Request; server: ConnectionTimer; set: { headers: Record<string, string | number> } }) => {
+      let reply: Reply | undefined;
+      try {
+        reply = await serve(await check(principal, await readBody(request, server)), request, set);
+        return reply;
+      } finally {
+        answered(request, reply);
+      }
+    };
+  }
+
   return {
     upstream,
     /**
@@ -136,28 +153,12 @@ export function createInference(deps: InferenceDeps) {
         // Bodies are read after authentication (parse: "none"), so an anonymous caller gets 401 before any 400.
         .post(
           "/v1/chat/completions",
-          async ({ principal, request, server, set }) => {
-            let reply: Reply | undefined;
-            try {
-              reply = await serve(await service.chat(principal, await readBody(request, server)), request, set);
-              return reply;
-            } finally {
-              answered(request, reply);
-            }
-          },
+          inferenceRoute(service.chat),
           { auth: { scope: "inference" }, parse: "none" },
         )
         .post(
           "/v1/embeddings",
-          async ({ principal, request, server, set }) => {
-            let reply: Reply | undefined;
-            try {
-              reply = await serve(await service.embeddings(principal, await readBody(request, server)), request, set);
-              return reply;
-            } finally {
-              answered(request, reply);
-            }
-          },
+          inferenceRoute(service.embeddings),
           { auth: { scope: "inference" }, parse: "none" },
         ),
     /** Shutdown past the drain limit: open streams end with an error event (service.ts); returns how many. */
