@@ -89,6 +89,16 @@ export const IDLE_IN_TRANSACTION_MS = 10_000;
 
 /** A LISTEN connection that heard nothing for this long is checked with a NOTIFY to itself (openPostgres). */
 export const LISTEN_CHECK_MS = 10_000;
+/** Where each instance's listening connection sends itself that NOTIFY (a random payload of its own). */
+const LISTEN_PROBE_CHANNEL = "gateway_listen_probe";
+
+interface Subscription {
+  channel: string;
+  onMessage(payload: string): void;
+  onReconnect(): void;
+  /** UNLISTEN on the listening connection of the moment (set again when it is replaced). */
+  unlisten?: () => Promise<void>;
+}
 
 /** `p`, or a DatabaseTimeout after `ms`; the query itself is left to finish or fail on its own. */
 export function answeredWithin<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
@@ -224,6 +234,101 @@ function openPostgres(url: string, poolMax: number): Database {
     // Our timestamps are timestamptz(3) Date objects; bigint columns are read as numbers by drizzle.
   });
   const db = drizzlePostgres(client, { schema }) as unknown as Db;
+
+  /**
+   * Every listen() shares one listening connection, as postgres.js's own
+   * listen does, so subscribers hear messages in the order the server sent
+   * them. It is a client of its own, so that one found dead can be dropped
+   * and replaced, with its subscriptions, without waiting on it. postgres.js
+   * re-subscribes by itself after a dropped connection and calls onlisten
+   * again; every call after the first means messages may have been missed.
+   */
+  const subs = new Set<Subscription>();
+  const probe = crypto.randomUUID();
+  let heardAt = Date.now();
+  let listener: postgres.Sql | undefined;
+  let opening: Promise<postgres.Sql> | undefined;
+  let checker: ReturnType<typeof setInterval> | undefined;
+  let checking = false;
+
+  async function openListener(): Promise<postgres.Sql> {
+    const sql = postgres(url, { max: 1, idle_timeout: 0, connect_timeout: 5, onnotice: () => {} });
+    try {
+      await sql.listen(LISTEN_PROBE_CHANNEL, (p) => {
+        if (p === probe) heardAt = Date.now();
+      });
+    } catch (e) {
+      opening = undefined;
+      void sql.end({ timeout: 0 }).catch(() => {});
+      throw e;
+    }
+    heardAt = Date.now();
+    listener = sql;
+    return sql;
+  }
+
+  async function attach(sql: postgres.Sql, sub: Subscription): Promise<void> {
+    let first = true;
+    const r = await sql.listen(
+      sub.channel,
+      (p) => {
+        heardAt = Date.now();
+        sub.onMessage(p);
+      },
+      () => {
+        heardAt = Date.now();
+        if (first) first = false;
+        else sub.onReconnect();
+      },
+    );
+    sub.unlisten = () => r.unlisten();
+  }
+
+  async function endListener(timeout: number): Promise<void> {
+    if (checker) clearInterval(checker);
+    checker = undefined;
+    const l = listener;
+    listener = undefined;
+    opening = undefined;
+    await l?.end({ timeout }).catch(() => {});
+  }
+
+  /**
+   * A LISTEN connection can die without a word (a NAT or firewall drops the
+   * idle flow, a partition): nothing arrives, nothing fails, and revocations
+   * wait for the cache TTL. Every LISTEN_CHECK_MS without a message, a NOTIFY
+   * to ourselves on the probe channel must come back within
+   * ANSWER_TIMEOUT_MS; when the NOTIFY was sent (the database answers) and
+   * did not come back, the connection is replaced, every subscription made
+   * again on the new one, and each told, as after a reconnect (the key cache
+   * re-verifies every entry).
+   */
+  async function checkListener(): Promise<void> {
+    if (checking || !listener || subs.size === 0 || Date.now() - heardAt < LISTEN_CHECK_MS) return;
+    checking = true;
+    try {
+      const sent = Date.now();
+      try {
+        await answeredWithin(client`select pg_notify(${LISTEN_PROBE_CHANNEL}, ${probe})`.execute(), ANSWER_TIMEOUT_MS, "listen probe");
+      } catch {
+        return; // the database does not answer at all: postgres.js and the readiness check deal with that
+      }
+      while (heardAt < sent && Date.now() - sent < ANSWER_TIMEOUT_MS) await Bun.sleep(50);
+      if (heardAt >= sent || !listener) return;
+      const dead = listener;
+      listener = undefined;
+      void dead.end({ timeout: 0 }).catch(() => {});
+      opening = openListener();
+      const sql = await opening;
+      for (const sub of subs) await attach(sql, sub);
+      for (const sub of subs) sub.onReconnect();
+    } catch {
+      // the new listener failed: the next check tries again
+    } finally {
+      checking = false;
+    }
+  }
+
   return {
     kind: "postgres",
     db,
@@ -231,66 +336,17 @@ function openPostgres(url: string, poolMax: number): Database {
       return (await db.execute(query)) as unknown as T[];
     },
     async listen(channel, onMessage, onReconnect) {
-      // The listening connection has a client of its own, so that one found dead can be dropped and replaced
-      // without waiting on it. postgres.js re-subscribes by itself after a dropped connection and calls
-      // onlisten again; every call after the first means we may have missed messages.
-      const probeChannel = `${channel}_probe`;
-      const probe = crypto.randomUUID();
-      let heardAt = Date.now();
-      let stopped = false;
-      let listener: postgres.Sql | undefined;
-      async function subscribe(): Promise<void> {
-        const sql = postgres(url, { max: 1, idle_timeout: 0, connect_timeout: 5, onnotice: () => {} });
-        listener = sql;
-        let first = true;
-        await sql.listen(channel, (p) => {
-          heardAt = Date.now();
-          onMessage(p);
-        }, () => {
-          heardAt = Date.now();
-          if (first) first = false;
-          else onReconnect();
-        });
-        await sql.listen(probeChannel, (p) => {
-          if (p === probe) heardAt = Date.now();
-        });
-      }
-      await subscribe();
-      /**
-       * A LISTEN connection can die without a word (a NAT or firewall drops the idle flow, a partition):
-       * nothing arrives, nothing fails, and revocations wait for the cache TTL. Every LISTEN_CHECK_MS
-       * without a message, a NOTIFY to ourselves on the probe channel must come back within
-       * ANSWER_TIMEOUT_MS; when the NOTIFY was sent (the database answers) and did not come back, the
-       * connection is replaced and every cached key re-verified, as after a reconnect.
-       */
-      let checking = false;
-      const timer = setInterval(async () => {
-        if (checking || stopped || Date.now() - heardAt < LISTEN_CHECK_MS) return;
-        checking = true;
-        try {
-          const sent = Date.now();
-          try {
-            await answeredWithin(client`select pg_notify(${probeChannel}, ${probe})`.execute(), ANSWER_TIMEOUT_MS, "listen probe");
-          } catch {
-            return; // the database does not answer at all: postgres.js and the readiness check deal with that
-          }
-          while (heardAt < sent && Date.now() - sent < ANSWER_TIMEOUT_MS) await Bun.sleep(50);
-          if (heardAt >= sent || stopped) return;
-          const dead = listener;
-          void dead?.end({ timeout: 0 }).catch(() => {});
-          await subscribe();
-          onReconnect();
-        } catch {
-          // the new subscription failed: the next check tries again
-        } finally {
-          checking = false;
-        }
-      }, 1_000);
-      timer.unref?.();
+      opening ??= openListener();
+      const sql = await opening;
+      const sub: Subscription = { channel, onMessage, onReconnect };
+      subs.add(sub);
+      await attach(sql, sub);
+      checker ??= setInterval(() => void checkListener(), 1_000);
+      checker.unref?.();
       return async () => {
-        stopped = true;
-        clearInterval(timer);
-        await listener?.end({ timeout: 1 });
+        subs.delete(sub);
+        await sub.unlisten?.().catch(() => {});
+        if (subs.size === 0) await endListener(1);
       };
     },
     async ping() {
@@ -303,6 +359,7 @@ function openPostgres(url: string, poolMax: number): Database {
     },
     async close() {
       // Everything worth writing was flushed before close; do not wait on a connection the server already dropped.
+      await endListener(0);
       await client.end({ timeout: 1 });
     },
   };

@@ -142,7 +142,8 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
           body: JSON.stringify({ model: "svc-fast", max_tokens: 20, messages: [{ role: "user", content: "hello" }] }),
         });
         expect(res.status).toBe(200);
-        total += ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
+        const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+        total += usage.total_tokens;
       }
       proxy.freeze();
       const t = Date.now();
