@@ -11,26 +11,32 @@
  * connection open for good.
  */
 
+import { readJsonBody } from "./body.ts";
 import { stateOf } from "./context.ts";
 
 /** What of Bun's server sets one request's connection timeout (Elysia's `server`; null when not served by Bun). */
 export type ConnectionTimer = { timeout(req: Request, seconds: number): void } | null;
 
-/** While the body is read: the read's own timer answers 400 first, so Bun's (4 s steps) waits longer. */
-export function timeBodyRead(request: Request, server: ConnectionTimer, idleTimeoutS: number): void {
-  if (!server) return;
-  server.timeout(request, Math.min(255, idleTimeoutS + 8));
-  // Kept on the request's state (no closure a request): what restoreIdleTimeout gives back.
-  const state = stateOf(request);
-  if (state) {
-    state.timer = server;
-    state.idleTimeoutS = idleTimeoutS;
+/**
+ * An inference request's JSON body, read under the connection's idle timeout
+ * (a slow-loris body is cut off: the reader's own timer answers 400 first, so
+ * Bun's, in 4 s steps, waits longer), which is then lifted until the answer is
+ * complete (`answered`; a stream's relay calls `restoreIdleTimeout`). The
+ * lifted timer is kept on the request's state: no closure a request.
+ */
+export async function readInferenceBody(request: Request, server: ConnectionTimer, limits: { bodyLimitBytes: number; idleTimeoutS: number }): Promise<unknown> {
+  const { idleTimeoutS } = limits;
+  if (server) {
+    server.timeout(request, Math.min(255, idleTimeoutS + 8));
+    const state = stateOf(request);
+    if (state) {
+      state.timer = server;
+      state.idleTimeoutS = idleTimeoutS;
+    }
   }
-}
-
-/** The body is read: no idle limit while the answer is worked out. */
-export function liftIdleTimeout(request: Request, server: ConnectionTimer): void {
+  const body = await readJsonBody(request, limits.bodyLimitBytes, "invalid_request_error", idleTimeoutS * 1000);
   server?.timeout(request, 0);
+  return body;
 }
 
 /** The answer is complete (or about to be sent whole): the connection waits under idleTimeoutS again. Once. */

@@ -1,9 +1,8 @@
 import { Elysia } from "elysia";
 import type { authPlugin } from "../http/auth.ts";
 import type { Config } from "../config/schema.ts";
-import { readJsonBody } from "../http/body.ts";
 import { stateOf } from "../http/context.ts";
-import { answered, type ConnectionTimer, liftIdleTimeout, restoreIdleTimeout, timeBodyRead } from "../http/idle.ts";
+import { answered, type ConnectionTimer, readInferenceBody, restoreIdleTimeout } from "../http/idle.ts";
 import { errorBody, statusOf } from "../http/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
@@ -61,19 +60,6 @@ export function createInference(deps: InferenceDeps) {
   });
   const created = Math.floor(Date.now() / 1000);
 
-  /**
-   * The body is read under the server's idle timeout (a slow-loris body is cut
-   * off); after that the connection may legitimately sit silent for minutes
-   * while a large model thinks, so the timeout is lifted for this request and
-   * the upstream timeouts (first byte, idle gap) bound it instead, until the
-   * answer is complete (answered(); a stream's relay, beforeClose).
-   */
-  async function readBody(request: Request, server: ConnectionTimer): Promise<unknown> {
-    timeBodyRead(request, server, config.idleTimeoutS);
-    const body = await readJsonBody(request, config.bodyLimitBytes, "invalid_request_error", config.idleTimeoutS * 1000);
-    liftIdleTimeout(request, server);
-    return body;
-  }
 
   /**
    * Runs a checked call and writes what it came to into the request's
@@ -122,7 +108,7 @@ export function createInference(deps: InferenceDeps) {
     return async ({ principal, request, server, set }: { principal: Principal; request: Request; server: ConnectionTimer; set: { headers: Record<string, string | number> } }) => {
       let reply: Reply | undefined;
       try {
-        reply = await serve(await check(principal, await readBody(request, server)), request, set);
+        reply = await serve(await check(principal, await readInferenceBody(request, server, config)), request, set);
         return reply;
       } finally {
         answered(request, reply);

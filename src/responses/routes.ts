@@ -3,8 +3,7 @@ import type { authPlugin } from "../http/auth.ts";
 import type { Principal } from "../auth/types.ts";
 import type { Config } from "../config/schema.ts";
 import type { Database } from "../db/client.ts";
-import { readJsonBody } from "../http/body.ts";
-import { answered, type ConnectionTimer, liftIdleTimeout, timeBodyRead } from "../http/idle.ts";
+import { answered, readInferenceBody } from "../http/idle.ts";
 import { AppError } from "../lib/errors.ts";
 import { resolveAlias } from "../inference/aliases.ts";
 import type { Logger } from "../lib/log.ts";
@@ -50,13 +49,6 @@ export function createResponses(deps: ResponsesDeps) {
       })
     : undefined;
 
-  /** Read under the server's idle timeout, then lifted until the answer is complete: it may take minutes (as in inference/routes.ts). */
-  async function readBody(request: Request, server: ConnectionTimer): Promise<unknown> {
-    timeBodyRead(request, server, config.idleTimeoutS);
-    const body = await readJsonBody(request, config.bodyLimitBytes, "invalid_request_error", config.idleTimeoutS * 1000);
-    liftIdleTimeout(request, server);
-    return body;
-  }
 
   async function replayed(p: Principal, previous: string | null | undefined): Promise<InputItem[]> {
     if (previous == null) return [];
@@ -193,7 +185,7 @@ export function createResponses(deps: ResponsesDeps) {
           async ({ principal, request, server, set }) => {
             let reply: Awaited<ReturnType<typeof create>> | undefined;
             try {
-              reply = await create(principal, await readBody(request, server), request, set);
+              reply = await create(principal, await readInferenceBody(request, server, config), request, set);
               return reply;
             } finally {
               answered(request, reply);
