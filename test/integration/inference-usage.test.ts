@@ -274,6 +274,16 @@ describe("usage figures an upstream makes up are clamped", () => {
   });
 });
 
+/** One streamed chat request of `o`'s, read to the end: its usage row, recorded with status 200. */
+async function streamedRow(o: SeededOrg) {
+  const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
+  expect(res.status).toBe(200);
+  await res.text();
+  const [row] = await rows(o.orgId);
+  expect(row?.status).toBe(200);
+  return row;
+}
+
 /** A streamed chunk of the upstream's, with the given choices (and usage, when given). */
 const chunkOf = (choices: unknown[], extra: Record<string, unknown> = {}) => ({ id: "c1", object: "chat.completion.chunk", created: 1, model: CHAT_MODEL, choices, ...extra });
 const deltaOf = (delta: Record<string, unknown>, index = 0) => ({ index, delta, finish_reason: null });
@@ -320,11 +330,7 @@ describe("usage the upstream leaves out, or reports before the end", () => {
       ],
       done: true,
     };
-    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
-    expect(res.status).toBe(200);
-    await res.text();
-    const [row] = await rows(o.orgId);
-    expect(row?.status).toBe(200);
+    const row = await streamedRow(o);
     expect(row?.promptTokens).toBe(promptEstimate);
     // 6 × 40 characters delivered ≈ 60 tokens.
     expect(row?.completionTokens).toBe(60);
@@ -381,11 +387,7 @@ describe("usage the upstream leaves out, or reports before the end", () => {
       done: true,
       python: true,
     };
-    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
-    expect(res.status).toBe(200);
-    await res.text();
-    const [row] = await rows(o.orgId);
-    expect(row?.status).toBe(200);
+    const row = await streamedRow(o);
     expect(row?.promptTokens).toBe(promptEstimate);
     // 5 × 40 characters delivered ≈ 50 tokens (before: 0, none of the text was seen).
     expect(row?.completionTokens).toBe(50);
