@@ -52,11 +52,11 @@
  * Each process needs file descriptors: the gateway two per open stream. When
  * `ulimit -n` is too low for --streams, phase 3 is reduced and says so.
  */
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
-import { firstLine, median, streamLine, waitFor } from "./lib.ts";
+import { firstLine, median, runBench, streamLine, waitFor } from "./lib.ts";
 import { responsesPhase } from "./responses.ts";
 
 // `bun run bench -- --wrk [options]`: the wrk phase (bench/wrk.ts) instead of the phases below.
@@ -676,19 +676,4 @@ async function manyStreams(simRoot: string, viaGw: Endpoint, gwPid: number, stre
   console.log(`   gateway RSS: ${f1(rssBefore / 1024)} MB before, peak ${f1(peak / 1024)} MB (target <= 512)`);
 }
 
-let code = 0;
-try {
-  await main();
-} catch (e) {
-  console.error(`bench failed: ${e instanceof Error ? e.message : String(e)}`);
-  code = 1;
-} finally {
-  for (const c of children.reverse()) {
-    c.kill("SIGTERM");
-    await Promise.race([c.exited, Bun.sleep(5_000)]);
-    if (c.exitCode === null) c.kill("SIGKILL");
-  }
-  if (!args.keep) rmSync(dir, { recursive: true, force: true });
-  else console.log(`\nkept ${dir}`);
-}
-process.exit(code);
+await runBench(main, { children, dir, keep: args.keep === true, killAfterMs: 5_000 });

@@ -1,4 +1,5 @@
 /** Small helpers the benchmark scripts share (each script is its own entry point). */
+import { rmSync } from "node:fs";
 
 /** The first line a child process prints (servers print their listening line as JSON first). */
 export async function firstLine(stream: ReadableStream<Uint8Array>): Promise<string> {
@@ -39,3 +40,30 @@ const num = (r: Record<string, number>, k: string) => r[k] ?? Number.NaN;
 /** One line of a stream load's figures (phases 2 and r). */
 export const streamLine = (name: string, r: Record<string, number>) =>
   `   ${name} ${r.streams} streams (${r.failed} failed)   TTFB p50 ${f2(num(r, "ttfbP50"))} / p99 ${f2(num(r, "ttfbP99"))} ms   gap p50 ${f2(num(r, "gapP50"))} / p99 ${f2(num(r, "gapP99"))} / max ${f2(num(r, "gapMax"))} ms   events/stream ${r.eventsMin}-${r.eventsMax}   reads/stream p50 ${r.readsP50}`;
+
+/**
+ * Runs a benchmark's `main`, then stops its child processes (last started
+ * first: SIGTERM, SIGKILL after `killAfterMs`) and removes its scratch
+ * directory unless `keep`; exits 1 when `main` threw.
+ */
+export async function runBench(
+  main: () => Promise<void>,
+  opts: { children: ReturnType<typeof Bun.spawn>[]; dir: string; keep: boolean; killAfterMs: number },
+): Promise<never> {
+  let code = 0;
+  try {
+    await main();
+  } catch (e) {
+    console.error(`bench failed: ${e instanceof Error ? e.message : String(e)}`);
+    code = 1;
+  } finally {
+    for (const c of opts.children.reverse()) {
+      c.kill("SIGTERM");
+      await Promise.race([c.exited, Bun.sleep(opts.killAfterMs)]);
+      if (c.exitCode === null) c.kill("SIGKILL");
+    }
+    if (!opts.keep) rmSync(opts.dir, { recursive: true, force: true });
+    else console.log(`\nkept ${opts.dir}`);
+  }
+  process.exit(code);
+}

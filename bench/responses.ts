@@ -15,7 +15,7 @@
  *    (peak - before) / N; the target is Responses <= 1.5x chat.
  */
 import { SseData } from "../src/responses/events.ts";
-import type { ResponseEcho } from "../src/responses/output.ts";
+import { echo } from "../test/helpers/responses.ts";
 import { ChatToResponses } from "../src/responses/stream-state.ts";
 import type { LoadSpec } from "./inference.ts";
 import { median, streamLine } from "./lib.ts";
@@ -151,7 +151,7 @@ function translationCost(): void {
   const chunk = (i: number) =>
     enc.encode(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"svc-fast","choices":[{"index":0,"delta":{"content":"token${i} "},"logprobs":null,"finish_reason":null}]}\n\n`);
   const chunks = Array.from({ length: 40 }, (_, i) => chunk(i));
-  const meta = { id: "resp_bench", createdAt: 0, model: "svc-fast", echo: benchEcho };
+  const meta = { id: "resp_bench", createdAt: 0, model: "svc-fast", echo: echo({ store: false }) };
   const times: number[] = [];
   for (let s = 0; s < 2_000; s++) {
     const t = new ChatToResponses(meta);
@@ -168,24 +168,3 @@ function translationCost(): void {
   console.log(`   translation per upstream chunk (in-process, ${times.length} chunks): p50 ${f1(at(50))} µs, p99 ${f1(at(99))} µs`);
 }
 
-const benchEcho: ResponseEcho = {
-  instructions: null,
-  max_output_tokens: null,
-  max_tool_calls: null,
-  metadata: {},
-  parallel_tool_calls: true,
-  previous_response_id: null,
-  prompt_cache_key: null,
-  prompt_cache_retention: null,
-  safety_identifier: null,
-  temperature: null,
-  top_logprobs: null,
-  top_p: null,
-  tool_choice: "auto",
-  tools: [],
-  text: { format: { type: "text" }, verbosity: null },
-  reasoning: { effort: null, summary: null },
-  store: false,
-  truncation: "disabled",
-  user: null,
-};

@@ -34,11 +34,11 @@
  * docs/benchmarks.md, "What wrk's p99 at concurrency 1 measures"),
  * --keep (keep the temporary directory).
  */
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
-import { firstLine, median, waitFor } from "./lib.ts";
+import { firstLine, median, runBench, waitFor } from "./lib.ts";
 
 const { values: args } = parseArgs({
   args: Bun.argv.slice(2),
@@ -425,19 +425,4 @@ async function main() {
   if (errors > 0) console.log(`WARNING: ${errors} failed requests (non-2xx or socket errors) across all runs`);
 }
 
-let code = 0;
-try {
-  await main();
-} catch (e) {
-  console.error(`bench failed: ${e instanceof Error ? e.message : String(e)}`);
-  code = 1;
-} finally {
-  for (const c of children.reverse()) {
-    c.kill("SIGTERM");
-    await Promise.race([c.exited, Bun.sleep(10_000)]);
-    if (c.exitCode === null) c.kill("SIGKILL");
-  }
-  if (!args.keep) rmSync(dir, { recursive: true, force: true });
-  else console.log(`\nkept ${dir}`);
-}
-process.exit(code);
+await runBench(main, { children, dir, keep: args.keep === true, killAfterMs: 10_000 });
