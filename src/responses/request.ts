@@ -368,6 +368,10 @@ export function parseResponsesBody(raw: unknown): ResponsesBody {
   const err = firstError(bodyCheck, raw, "");
   if (err) throw err;
   checkMetadataKeys(raw.metadata);
+  // As on chat (and OpenAI's Responses API): options for a stream that was not asked for are a mistake, not a no-op.
+  if (raw.stream_options != null && raw.stream !== true) {
+    throw invalid("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.");
+  }
   if (raw.background === true) throw invalid("background", "Background responses are not supported by this gateway; send the request without background (streaming keeps long answers alive).");
   if (Array.isArray(raw.input)) for (const [j, item] of raw.input.entries()) checkItem(item as Record<string, unknown>, j);
   if (Array.isArray(raw.tools)) checkTools(raw.tools as Record<string, unknown>[]);

@@ -192,7 +192,8 @@ describe("request translation (what the chat upstream receives)", () => {
   });
 
   test("a stream forces include_usage upstream and answers Responses events ending in response.completed with usage", async () => {
-    const res = await create({ model: "svc-fast", input: "hi", stream: true, store: false });
+    // stream_options is accepted with stream: true (include_obfuscation is ignored).
+    const res = await create({ model: "svc-fast", input: "hi", stream: true, stream_options: { include_obfuscation: false }, store: false });
     expect(res.status).toBe(200);
     expect(res.headers.get("content-type")).toStartWith("text/event-stream");
     const text = await res.text();
@@ -444,6 +445,9 @@ describe("validation: 400 with the Responses param", () => {
     ["an unknown role", { ...base, input: [{ role: "wizard", content: "x" }] }, "input[0].role"],
     ["temperature out of range", { ...base, temperature: 3 }, "temperature"],
     ["max_output_tokens 0", { ...base, max_output_tokens: 0 }, "max_output_tokens"],
+    // OpenAI's rule, as chat's: was accepted and ignored.
+    ["stream_options without stream", { ...base, stream_options: { include_obfuscation: false } }, "stream_options", "only allowed when 'stream' is enabled"],
+    ["stream_options with stream: false", { ...base, stream: false, stream_options: {} }, "stream_options", "only allowed when 'stream' is enabled"],
     // OpenAI's bound (and chat's here): was accepted, echoed as sent and silently cut to 20 upstream.
     ["top_logprobs over 20", { ...base, include: ["message.output_text.logprobs"], top_logprobs: 21 }, "top_logprobs"],
     ["a non-empty prompt", { ...base, prompt: { id: "pmpt_1" } }, "prompt"],
