@@ -205,6 +205,9 @@ const TextFormat = T.Union([
 // The body
 // ---------------------------------------------------------------------------
 
+/** OpenAI refuses a smaller max_output_tokens; no SDK sends one by default. */
+const MIN_OUTPUT_TOKENS = 16;
+
 const Body = T.Object(
   {
     model: T.String({ minLength: 1 }),
@@ -222,7 +225,8 @@ const Body = T.Object(
     parallel_tool_calls: T.Optional(Nullable(T.Boolean())),
     max_tool_calls: T.Optional(Nullable(T.Integer({ minimum: 1 }))),
     text: T.Optional(Nullable(T.Object({ format: T.Optional(Nullable(TextFormat)), verbosity: T.Optional(Nullable(T.String())) }, Strict))),
-    max_output_tokens: T.Optional(Nullable(T.Integer({ minimum: 1 }))),
+    // OpenAI's least value (checked first in parseResponsesBody, in OpenAI's words).
+    max_output_tokens: T.Optional(Nullable(T.Integer({ minimum: MIN_OUTPUT_TOKENS }))),
     temperature: T.Optional(Nullable(T.Number({ minimum: 0, maximum: 2 }))),
     top_p: T.Optional(Nullable(T.Number())),
     // OpenAI's bound, as chat's top_logprobs.
@@ -365,6 +369,13 @@ function checkTools(tools: Record<string, unknown>[]): void {
 export function parseResponsesBody(raw: unknown): ResponsesBody {
   if (!isRecord(raw)) throw new AppError("invalid_request_error", "The request body must be a JSON object.");
   for (const k in raw) if (!BODY_KEYS.has(k)) throw invalid(k, `Unrecognized request argument supplied: ${k}`);
+  const max = raw.max_output_tokens;
+  if (typeof max === "number" && Number.isInteger(max) && max < MIN_OUTPUT_TOKENS) {
+    throw invalid(
+      "max_output_tokens",
+      `Invalid 'max_output_tokens': integer below minimum value. Expected a value >= ${MIN_OUTPUT_TOKENS}, but got ${max} instead.`,
+    );
+  }
   const err = firstError(bodyCheck, raw, "");
   if (err) throw err;
   checkMetadataKeys(raw.metadata);

@@ -394,8 +394,9 @@ describe("request translation (what the chat upstream receives)", () => {
   });
 
   test("an answer cut short by max_output_tokens after its reasoning: the reasoning item completed, the message incomplete, streamed or not", async () => {
-    await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Let me think." }) });
-    const body = { model: "svc-fast", input: "hi", max_output_tokens: 2, store: false };
+    // 16 is the least max_output_tokens OpenAI (and the gateway) takes: the answer is made longer than that.
+    await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Let me think.", completionTokens: 20 }) });
+    const body = { model: "svc-fast", input: "hi", max_output_tokens: 16, store: false };
     const json = rec(await (await create(body)).json());
     const events = (await (await create({ ...body, stream: true })).text())
       .split("\n\n")
@@ -445,6 +446,9 @@ describe("validation: 400 with the Responses param", () => {
     ["an unknown role", { ...base, input: [{ role: "wizard", content: "x" }] }, "input[0].role"],
     ["temperature out of range", { ...base, temperature: 3 }, "temperature"],
     ["max_output_tokens 0", { ...base, max_output_tokens: 0 }, "max_output_tokens"],
+    // OpenAI's least value and wording: 1 to 15 were forwarded as max_tokens.
+    ["max_output_tokens 1", { ...base, max_output_tokens: 1 }, "max_output_tokens", "Expected a value >= 16, but got 1 instead."],
+    ["max_output_tokens 15", { ...base, max_output_tokens: 15 }, "max_output_tokens", "Invalid 'max_output_tokens': integer below minimum value. Expected a value >= 16, but got 15 instead."],
     // OpenAI's rule, as chat's: was accepted and ignored.
     ["stream_options without stream", { ...base, stream_options: { include_obfuscation: false } }, "stream_options", "only allowed when 'stream' is enabled"],
     ["stream_options with stream: false", { ...base, stream: false, stream_options: {} }, "stream_options", "only allowed when 'stream' is enabled"],

@@ -68,11 +68,17 @@ const weather = tool({
 const upstreamBodies = () => sim.stats.bodies.map(rec);
 const lastUpstream = () => rec(sim.stats.lastBody);
 
-/** Sets the simulator's reasoning text (vLLM's reasoning parser: `reasoning_content` before the answer); sim.reset() clears it. */
-async function simReasoning(text: string): Promise<void> {
-  const res = await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: text }) });
+/** Changes the simulator's settings until sim.reset(). */
+async function simConfig(patch: Record<string, unknown>): Promise<void> {
+  const res = await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify(patch) });
   expect(res.status).toBe(200);
 }
+
+/** Sets the simulator's reasoning text (vLLM's reasoning parser: `reasoning_content` before the answer); sim.reset() clears it. */
+const simReasoning = (text: string) => simConfig({ reasoning: text });
+
+/** The simulator's first n tokens ("token0 token1 … "). */
+const tokens = (n: number) => Array.from({ length: n }, (_, i) => `token${i} `).join("");
 
 /** streamText's onError for streams expected to fail (the default logs each error). */
 const quiet = (): void => {};
@@ -116,12 +122,14 @@ for (const [api, model] of apis) {
     });
 
     test("generateText with a system prompt and maxOutputTokens: finish reason length, settings forwarded", async () => {
-      const r = await generateText({ model: model("svc-fast"), system: "Be brief.", prompt: "Say hi", temperature: 0.3, topP: 0.9, maxOutputTokens: 3 });
-      expect(r.text).toBe("token0 token1 token2 ");
+      // 16 is the least max_output_tokens the Responses API takes (OpenAI's bound): the answer is made longer than that.
+      await simConfig({ completionTokens: 20 });
+      const r = await generateText({ model: model("svc-fast"), system: "Be brief.", prompt: "Say hi", temperature: 0.3, topP: 0.9, maxOutputTokens: 16 });
+      expect(r.text).toBe(tokens(16));
       expect(r.finishReason).toBe("length");
-      expect(r.usage.outputTokens).toBe(3);
+      expect(r.usage.outputTokens).toBe(16);
       const up = lastUpstream();
-      expect(up.max_tokens).toBe(3);
+      expect(up.max_tokens).toBe(16);
       expect(up.temperature).toBe(0.3);
       expect(up.top_p).toBe(0.9);
       expect(rec(arr(up.messages)[0])).toEqual({ role: "system", content: "Be brief." });
@@ -143,22 +151,24 @@ for (const [api, model] of apis) {
 
     test("a conversation: each turn's response.messages sent back with the next question, streamed or not", async () => {
       const messages: ModelMessage[] = [{ role: "user", content: "Say hi" }];
-      const first = await generateText({ model: model("svc-fast"), messages, maxOutputTokens: 2 });
-      expect(first.text).toBe("token0 token1 ");
+      // Each turn's answer a different length (the Responses API takes max_output_tokens from 16).
+      await simConfig({ completionTokens: 20 });
+      const first = await generateText({ model: model("svc-fast"), messages, maxOutputTokens: 16 });
+      expect(first.text).toBe(tokens(16));
       messages.push(...first.response.messages, { role: "user", content: "Once more" });
-      const second = streamText({ model: model("svc-fast"), messages, maxOutputTokens: 4 });
-      expect(await second.text).toBe("token0 token1 token2 token3 ");
+      const second = streamText({ model: model("svc-fast"), messages, maxOutputTokens: 18 });
+      expect(await second.text).toBe(tokens(18));
       messages.push(...(await second.response).messages, { role: "user", content: "And again" });
       const third = await generateText({ model: model("svc-fast"), messages });
-      expect(third.text).toBe(TEXT);
+      expect(third.text).toBe(tokens(20));
       // The Responses API translation sends user text as parts: compare the text.
       const text = (c: unknown) => (typeof c === "string" ? c : arr(c).map((p) => rec(p).text).join(""));
       const sent = arr(lastUpstream().messages).map(rec);
       expect(sent.map((m) => [m.role, text(m.content)])).toEqual([
         ["user", "Say hi"],
-        ["assistant", "token0 token1 "],
+        ["assistant", tokens(16)],
         ["user", "Once more"],
-        ["assistant", "token0 token1 token2 token3 "],
+        ["assistant", tokens(18)],
         ["user", "And again"],
       ]);
     });
