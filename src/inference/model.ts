@@ -176,7 +176,8 @@ const LegacyFunction = T.Object(
 );
 const LegacyFunctionCall = T.Union([T.Literal("none"), T.Literal("auto"), T.Object({ name: T.String({ minLength: 1 }) }, Strict)]);
 const ModerationMode = T.Object({ mode: T.String() }, Strict);
-const Moderation = T.Object(
+/** OpenAI's moderated completions; the Responses API takes the same object and forwards it here. */
+export const Moderation = T.Object(
   {
     model: T.String(),
     policy: T.Optional(Nullable(T.Object({ input: T.Optional(Nullable(ModerationMode)), output: T.Optional(Nullable(ModerationMode)) }, Strict))),

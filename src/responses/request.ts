@@ -1,7 +1,7 @@
 import { type Static, type TSchema, Type as T } from "@sinclair/typebox";
 import { TypeCompiler, type TypeCheck } from "@sinclair/typebox/compiler";
 import { AppError } from "../lib/errors.ts";
-import { checkMetadataKeys, firstError, Metadata } from "../inference/model.ts";
+import { checkMetadataKeys, firstError, Metadata, Moderation } from "../inference/model.ts";
 import { isRecord } from "../lib/guards.ts";
 import { JsonValue } from "../lib/json-value.ts";
 
@@ -15,7 +15,8 @@ import { JsonValue } from "../lib/json-value.ts";
  *
  * What the gateway cannot do is refused by name: `background`, hosted tools
  * (`web_search`, `file_search`, …), `input_file` parts and `file_id` images
- * (there is no files API), reusable `prompt`s and `conversation`s.
+ * (there is no files API), reusable `prompt`s, `conversation`s and access
+ * programs other than the standard one.
  */
 
 const Nullable = <S extends TSchema>(s: S) => T.Union([s, T.Null()]);
@@ -257,7 +258,13 @@ const Body = T.Object(
     prompt_cache_retention: T.Optional(Nullable(T.String())),
     prompt_cache_options: T.Optional(Nullable(Json)),
     context_management: T.Optional(JsonValue),
-    // Features this gateway does not have: accepted only when empty.
+    // Chat's moderation object (the SDK declares the same on both): forwarded as chat's, the upstream judges it.
+    moderation: T.Optional(Nullable(Moderation)),
+    // Image context compression, a hint to OpenAI's servers: accepted and ignored.
+    image: T.Optional(Nullable(T.Object({ context_compression: T.Optional(T.String()) }, Strict))),
+    // OpenAI's access programs: only the standard one, what every request here gets (parseResponsesBody).
+    access_programs: T.Optional(Nullable(T.Object({ cyber: T.Optional(T.String()) }, Strict))),
+    // Features this gateway does not have: accepted only when empty (parseResponsesBody says so otherwise).
     prompt: T.Optional(T.Null()),
     conversation: T.Optional(T.Null()),
   },
@@ -369,6 +376,10 @@ function checkTools(tools: Record<string, unknown>[]): void {
 export function parseResponsesBody(raw: unknown): ResponsesBody {
   if (!isRecord(raw)) throw new AppError("invalid_request_error", "The request body must be a JSON object.");
   for (const k in raw) if (!BODY_KEYS.has(k)) throw invalid(k, `Unrecognized request argument supplied: ${k}`);
+  if (raw.prompt != null) throw invalid("prompt", "Reusable prompts are not supported by this gateway: send the instructions and input in the request.");
+  if (raw.conversation != null) {
+    throw invalid("conversation", "Conversations are not supported by this gateway: chain responses with previous_response_id instead.");
+  }
   const max = raw.max_output_tokens;
   if (typeof max === "number" && Number.isInteger(max) && max < MIN_OUTPUT_TOKENS) {
     throw invalid(
@@ -382,6 +393,13 @@ export function parseResponsesBody(raw: unknown): ResponsesBody {
   // As on chat (and OpenAI's Responses API): options for a stream that was not asked for are a mistake, not a no-op.
   if (raw.stream_options != null && raw.stream !== true) {
     throw invalid("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.");
+  }
+  const cyber = isRecord(raw.access_programs) ? raw.access_programs.cyber : undefined;
+  if (cyber !== undefined && cyber !== "standard") {
+    throw invalid(
+      "access_programs.cyber",
+      `The access program '${String(cyber)}' is not available through this gateway: it has only the standard one; send the request without access_programs.`,
+    );
   }
   if (raw.background === true) throw invalid("background", "Background responses are not supported by this gateway; send the request without background (streaming keeps long answers alive).");
   if (Array.isArray(raw.input)) for (const [j, item] of raw.input.entries()) checkItem(item as Record<string, unknown>, j);

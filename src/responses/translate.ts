@@ -13,7 +13,7 @@ import { type ContentPart, type FunctionTool, type InputItem, isItemReference, t
  * Forwarded: input/instructions (as messages), tools, tool_choice,
  * parallel_tool_calls, text.format (response_format), max_output_tokens
  * (max_tokens), temperature, top_p, reasoning.effort (vLLM's
- * reasoning_effort), user (or else safety_identifier, as user). Everything
+ * reasoning_effort), user (or else safety_identifier, as user), moderation. Everything
  * else accepted is the gateway's own (store, metadata, previous_response_id)
  * or ignored (docs/decisions.md).
  */
@@ -169,6 +169,7 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
     chat.top_logprobs = body.top_logprobs ?? 0;
   }
   if (body.reasoning?.effort != null) chat.reasoning_effort = body.reasoning.effort;
+  if (body.moderation != null) chat.moderation = body.moderation;
   const user = body.user ?? body.safety_identifier;
   if (user != null) chat.user = user;
 

@@ -365,6 +365,30 @@ describe("request translation (what the chat upstream receives)", () => {
     await expectError(await create({ model: "svc-fast", input: "hi", reasoning: { context: 1 } }), 400, "invalid_request_error", "reasoning.context");
   });
 
+  test("the SDK's moderation, image and access_programs (were 'unknown parameter'): moderation forwarded as chat's, image ignored, access programs other than standard refused by name", async () => {
+    // moderation has chat's shape (the SDK's ChatCompletionCreateParams declares it too): forwarded, the upstream judges it as on chat.
+    const moderation = { model: "omni-moderation-latest", policy: { input: { mode: "block" }, output: null } };
+    const res = await create({ model: "svc-fast", input: "hi", store: false, moderation, image: { context_compression: "auto" }, access_programs: { cyber: "standard" } });
+    expect(res.status).toBe(200);
+    await res.text();
+    const sent = upstreamBody();
+    expect(sent.moderation).toEqual(moderation);
+    expect({ image: sent.image, access_programs: sent.access_programs }).toEqual({ image: undefined, access_programs: undefined });
+    for (const empty of [{ access_programs: {}, image: {}, moderation: null }, { access_programs: null, image: null }]) {
+      const ok = await create({ model: "svc-fast", input: "hi", store: false, ...empty });
+      expect(ok.status).toBe(200);
+      await ok.text();
+    }
+    // Closed inside, as every nested object.
+    await expectError(await create({ model: "svc-fast", input: "hi", moderation: { model: "m", evil: 1 } }), 400, "invalid_request_error", "moderation.evil");
+    await expectError(await create({ model: "svc-fast", input: "hi", image: { context_compression: "auto", evil: 1 } }), 400, "invalid_request_error", "image.evil");
+    await expectError(await create({ model: "svc-fast", input: "hi", access_programs: { evil: 1 } }), 400, "invalid_request_error", "access_programs.evil");
+    // A Daybreak program is an authorisation the gateway cannot grant: refused by name, not ignored.
+    const daybreak = await create({ model: "svc-fast", input: "hi", access_programs: { cyber: "daybreak_red" } });
+    expect(await expectError(daybreak, 400, "invalid_request_error", "access_programs.cyber")).toContain("daybreak_red");
+    expect(sim.stats.requests).toBe(1 + 2);
+  });
+
   test("the SDK's other function-tool and tool-output fields are accepted and not forwarded; an image in a tool's output is refused with why", async () => {
     const tool = {
       type: "function",
@@ -454,8 +478,10 @@ describe("validation: 400 with the Responses param", () => {
     ["stream_options with stream: false", { ...base, stream: false, stream_options: {} }, "stream_options", "only allowed when 'stream' is enabled"],
     // OpenAI's bound (and chat's here): was accepted, echoed as sent and silently cut to 20 upstream.
     ["top_logprobs over 20", { ...base, include: ["message.output_text.logprobs"], top_logprobs: 21 }, "top_logprobs"],
-    ["a non-empty prompt", { ...base, prompt: { id: "pmpt_1" } }, "prompt"],
-    ["a conversation", { ...base, conversation: "conv_1" }, "conversation"],
+    // Said to be unsupported (they were "expected null").
+    ["a non-empty prompt", { ...base, prompt: { id: "pmpt_1" } }, "prompt", "Reusable prompts are not supported by this gateway"],
+    ["a conversation", { ...base, conversation: "conv_1" }, "conversation", "Conversations are not supported by this gateway"],
+    ["a conversation object", { ...base, conversation: { id: "conv_1" } }, "conversation", "previous_response_id"],
     ["no input", { model: "svc-fast" }, "input", "Missing required parameter"],
     ["no model", { input: "hi" }, "model"],
     ["json_schema without a name", { ...base, text: { format: { type: "json_schema", schema: {} } } }, "text.format.name"],
