@@ -229,7 +229,8 @@ const Body = T.Object(
     // OpenAI's least value (checked first in parseResponsesBody, in OpenAI's words).
     max_output_tokens: T.Optional(Nullable(T.Integer({ minimum: MIN_OUTPUT_TOKENS }))),
     temperature: T.Optional(Nullable(T.Number({ minimum: 0, maximum: 2 }))),
-    top_p: T.Optional(Nullable(T.Number())),
+    // OpenAI's bound (a probability mass); forwarded, so the upstream never has to word the refusal.
+    top_p: T.Optional(Nullable(T.Number({ minimum: 0, maximum: 1 }))),
     // OpenAI's bound, as chat's top_logprobs.
     top_logprobs: T.Optional(Nullable(T.Integer({ minimum: 0, maximum: 20 }))),
     reasoning: T.Optional(
@@ -249,7 +250,8 @@ const Body = T.Object(
       ),
     ),
     user: T.Optional(Nullable(T.String())),
-    safety_identifier: T.Optional(Nullable(T.String())),
+    // OpenAI's bound.
+    safety_identifier: T.Optional(Nullable(T.String({ maxLength: 128 }))),
     metadata: T.Optional(Nullable(Metadata)),
     include: T.Optional(Nullable(T.Array(T.String()))),
     truncation: T.Optional(Nullable(T.Union([T.Literal("auto"), T.Literal("disabled")]))),

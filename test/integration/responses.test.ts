@@ -469,6 +469,11 @@ describe("validation: 400 with the Responses param", () => {
     ["an unknown field in an item", { ...base, input: [{ role: "user", content: "x", evil: 1 }] }, "input[0].evil"],
     ["an unknown role", { ...base, input: [{ role: "wizard", content: "x" }] }, "input[0].role"],
     ["temperature out of range", { ...base, temperature: 3 }, "temperature"],
+    // OpenAI's bounds (0 to 1; at most 128 characters): were accepted, top_p forwarded for the upstream to refuse in its own words.
+    ["top_p over 1", { ...base, top_p: 1.5 }, "top_p"],
+    ["top_p below 0", { ...base, top_p: -0.1 }, "top_p"],
+    ["a safety_identifier over 128 characters", { ...base, safety_identifier: "s".repeat(129) }, "safety_identifier", "128"],
+    ["a metadata value over 512 characters", { ...base, metadata: { k: "v".repeat(513) } }, "metadata.k", "512"],
     ["max_output_tokens 0", { ...base, max_output_tokens: 0 }, "max_output_tokens"],
     // OpenAI's least value and wording: 1 to 15 were forwarded as max_tokens.
     ["max_output_tokens 1", { ...base, max_output_tokens: 1 }, "max_output_tokens", "Expected a value >= 16, but got 1 instead."],
@@ -496,6 +501,16 @@ describe("validation: 400 with the Responses param", () => {
       expect(sim.stats.requests).toBe(0);
     });
   }
+
+  test("OpenAI's bounds themselves pass: top_p 0 and 1, a 128-character safety_identifier, 16 metadata pairs at their longest, max_output_tokens 16", async () => {
+    const metadata = Object.fromEntries(Array.from({ length: 16 }, (_, i) => [`${i}`.padStart(64, "k"), "v".repeat(512)]));
+    for (const top_p of [0, 1]) {
+      const res = await create({ ...base, store: false, top_p, safety_identifier: "s".repeat(128), metadata, max_output_tokens: 16 });
+      expect(res.status).toBe(200);
+      await res.text();
+      expect({ top_p: upstreamBody().top_p, max_tokens: upstreamBody().max_tokens }).toEqual({ top_p, max_tokens: 16 });
+    }
+  });
 
   test("not JSON, and not an object", async () => {
     await expectError(await create("{nope"), 400, "invalid_request_error");
