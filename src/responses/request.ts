@@ -258,8 +258,21 @@ const Body = T.Object(
     service_tier: T.Optional(Nullable(T.String())),
     prompt_cache_key: T.Optional(Nullable(T.String())),
     prompt_cache_retention: T.Optional(Nullable(T.String())),
-    prompt_cache_options: T.Optional(Nullable(Json)),
-    context_management: T.Optional(JsonValue),
+    // The SDK's shapes, closed: OpenAI's prompt cache and server-side compaction, which a chat upstream has not.
+    prompt_cache_options: T.Optional(
+      Nullable(
+        T.Object(
+          {
+            comparison_response_id: T.Optional(Nullable(T.String())),
+            mode: T.Optional(T.String()),
+            prewarm: T.Optional(T.Boolean()),
+            ttl: T.Optional(T.String()),
+          },
+          Strict,
+        ),
+      ),
+    ),
+    context_management: T.Optional(Nullable(T.Array(T.Object({ type: T.String(), compact_threshold: T.Optional(Nullable(T.Number())) }, Strict)))),
     // Chat's moderation object (the SDK declares the same on both): forwarded as chat's, the upstream judges it.
     moderation: T.Optional(Nullable(Moderation)),
     // Image context compression, a hint to OpenAI's servers: accepted and ignored.

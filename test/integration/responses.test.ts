@@ -365,6 +365,15 @@ describe("request translation (what the chat upstream receives)", () => {
     await expectError(await create({ model: "svc-fast", input: "hi", reasoning: { context: 1 } }), 400, "invalid_request_error", "reasoning.context");
   });
 
+  test("prompt_cache_options and context_management in the SDK's shapes (what the Agents SDK and the Vercel AI SDK send) are accepted and not forwarded", async () => {
+    const prompt_cache_options = { mode: "explicit", ttl: "30m", prewarm: false, comparison_response_id: null };
+    const context_management = [{ type: "compaction", compact_threshold: 20_000 }, { type: "compaction" }];
+    const res = await create({ model: "svc-fast", input: "hi", store: false, prompt_cache_options, context_management });
+    expect(res.status).toBe(200);
+    await res.text();
+    expect(Object.keys(upstreamBody()).filter((k) => k.startsWith("prompt_cache") || k.startsWith("context"))).toEqual([]);
+  });
+
   test("the SDK's moderation, image and access_programs (were 'unknown parameter'): moderation forwarded as chat's, image ignored, access programs other than standard refused by name", async () => {
     // moderation has chat's shape (the SDK's ChatCompletionCreateParams declares it too): forwarded, the upstream judges it as on chat.
     const moderation = { model: "omni-moderation-latest", policy: { input: { mode: "block" }, output: null } };
@@ -469,6 +478,11 @@ describe("validation: 400 with the Responses param", () => {
     ["an unknown field in an item", { ...base, input: [{ role: "user", content: "x", evil: 1 }] }, "input[0].evil"],
     ["an unknown role", { ...base, input: [{ role: "wizard", content: "x" }] }, "input[0].role"],
     ["temperature out of range", { ...base, temperature: 3 }, "temperature"],
+    // The SDK's shapes, closed as every nested object: were free-form JSON, accepted whatever they held.
+    ["context_management not an array", { ...base, context_management: "compact" }, "context_management"],
+    ["an unknown field in context_management", { ...base, context_management: [{ type: "compaction", evil: 1 }] }, "context_management[0].evil"],
+    ["an unknown field in prompt_cache_options", { ...base, prompt_cache_options: { mode: "explicit", evil: 1 } }, "prompt_cache_options.evil"],
+    ["prompt_cache_options not an object", { ...base, prompt_cache_options: [1] }, "prompt_cache_options"],
     // OpenAI's bounds (0 to 1; at most 128 characters): were accepted, top_p forwarded for the upstream to refuse in its own words.
     ["top_p over 1", { ...base, top_p: 1.5 }, "top_p"],
     ["top_p below 0", { ...base, top_p: -0.1 }, "top_p"],
