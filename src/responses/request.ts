@@ -409,6 +409,12 @@ export function parseResponsesBody(raw: unknown): ResponsesBody {
   if (raw.stream_options != null && raw.stream !== true) {
     throw invalid("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.");
   }
+  if (isRecord(raw.prompt_cache_options) && raw.prompt_cache_options.prewarm === true) {
+    throw invalid(
+      "prompt_cache_options.prewarm",
+      "This gateway cannot prewarm a prompt cache without generating an answer: send the request without prewarm (the upstream caches prompts on its own).",
+    );
+  }
   const cyber = isRecord(raw.access_programs) ? raw.access_programs.cyber : undefined;
   if (cyber !== undefined && cyber !== "standard") {
     throw invalid(

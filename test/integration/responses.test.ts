@@ -483,6 +483,8 @@ describe("validation: 400 with the Responses param", () => {
     ["an unknown field in context_management", { ...base, context_management: [{ type: "compaction", evil: 1 }] }, "context_management[0].evil"],
     ["an unknown field in prompt_cache_options", { ...base, prompt_cache_options: { mode: "explicit", evil: 1 } }, "prompt_cache_options.evil"],
     ["prompt_cache_options not an object", { ...base, prompt_cache_options: [1] }, "prompt_cache_options"],
+    // A prewarm generates nothing on OpenAI: ignored, it became a whole answer, generated and counted.
+    ["prompt_cache_options.prewarm true", { ...base, prompt_cache_options: { prewarm: true } }, "prompt_cache_options.prewarm", "without generating"],
     // OpenAI's bounds (0 to 1; at most 128 characters): were accepted, top_p forwarded for the upstream to refuse in its own words.
     ["top_p over 1", { ...base, top_p: 1.5 }, "top_p"],
     ["top_p below 0", { ...base, top_p: -0.1 }, "top_p"],
