@@ -333,8 +333,10 @@ export function createInferenceService(deps: ServiceDeps) {
       errorBody: deps.wire.errorBody,
       onEnd(end) {
         deps.streams?.dec();
-        // Without the upstream's count (stream cut off), estimate from what the client received.
-        const usage = end.usage ?? { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) };
+        // Without the upstream's count (stream cut off), estimate from what the client received;
+        // either way never past the bound the upstream was sent (usage.ts): that is all that was reserved.
+        const counted = end.usage ?? { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) };
+        const usage = { promptTokens: counted.promptTokens, completionTokens: Math.min(counted.completionTokens, r.bounds.completionTokens) };
         // "ended" (cut at shutdown) is a 503 like an upstream failure: the client got the same error event.
         const status = end.outcome === "done" ? 200 : end.outcome === "client_gone" ? 499 : 503;
         metering.settle(ticket, usage, outcome(name, target, status, start, true));

@@ -293,7 +293,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       // Asked for usage and none came (an upstream that ignores include_usage): the
       // client gets what is counted, as a JSON answer carries it, before [DONE].
       if (usage === undefined && opts.clientWantsUsage) {
-        usage = { promptTokens: opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars) };
+        // Never past the bound the upstream was sent (usage.ts): that is what is charged.
+        usage = { promptTokens: opts.promptEstimate ?? 0, completionTokens: Math.min(charsToTokens(deliveredChars), opts.bounds?.completionTokens ?? Number.POSITIVE_INFINITY) };
         charsAtUsage = deliveredChars;
         const chunk = {
           id: chunkId ?? "",

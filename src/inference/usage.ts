@@ -41,11 +41,14 @@ const UNBOUNDED: UsageBounds = { promptTokens: Number.POSITIVE_INFINITY, complet
  *
  * `bounds`: a completion count above n × max_tokens as sent (Infinity when
  * the upstream was sent no bound), or a prompt count above the alias's
- * context window, is no model's: it is capped at the bound, or at the
- * estimate when that is more (an upstream that ran past its max_tokens did
- * deliver that text), and reported like any implausible figure. Without the
- * cap one request could charge up to 10^9 tokens against a quota it was
- * admitted to spend a few hundred of.
+ * context window, is no model's: it is capped at the bound and reported like
+ * any implausible figure. The completion is never charged past its bound,
+ * the estimate neither: an upstream that ran past its max_tokens delivered
+ * text nobody reserved, and charging it would overshoot the quota (the
+ * reservation is the bound). A prompt count is capped at the window or at
+ * the prompt estimate, when that is more. Without the caps one request could
+ * charge up to 10^9 tokens against a quota it was admitted to spend a few
+ * hundred of.
  */
 export function countUsage(usage: Record<string, unknown> | undefined, estimate: { promptTokens: number; completionTokens: number }, bounds = UNBOUNDED): Counted {
   let rejected: Counted["rejected"];
@@ -65,6 +68,7 @@ export function countUsage(usage: Record<string, unknown> | undefined, estimate:
     return fallback;
   };
   const promptTokens = pick("prompt_tokens", estimate.promptTokens, bounds.promptTokens);
-  const completionTokens = pick("completion_tokens", estimate.completionTokens, bounds.completionTokens);
+  // The estimate capped first: past the bound it is no fallback either, and a count above the bound then comes to the bound.
+  const completionTokens = pick("completion_tokens", Math.min(estimate.completionTokens, bounds.completionTokens), bounds.completionTokens);
   return { promptTokens, completionTokens, rejected };
 }

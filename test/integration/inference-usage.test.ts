@@ -439,6 +439,54 @@ describe("usage the upstream leaves out, or reports before the end", () => {
   });
 });
 
+describe("an upstream that ignores max_tokens", () => {
+  afterEach(() => {
+    scripted = undefined;
+  });
+
+  test("streamed: a few chunks of much text past the bound (not certainly past it in tokens) are relayed, and charged at most the bound", async () => {
+    const promptEstimate = await estimateOf(true);
+    for (const claimed of [{ prompt_tokens: 9, completion_tokens: 300, total_tokens: 309 }, undefined]) {
+      // 3 chunks of 400 characters (≈ 300 tokens) where 5 tokens were allowed: 3 chunks may be 3 tokens, so nothing is cut.
+      scripted = {
+        events: [
+          chunkOf([deltaOf({ role: "assistant", content: "" })]),
+          ...Array.from({ length: 3 }, () => chunkOf([deltaOf({ content: "x".repeat(400) })])),
+          chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]),
+          ...(claimed ? [chunkOf([], { usage: claimed })] : []),
+        ],
+        done: true,
+      };
+      const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), max_tokens: 5, stream: true, stream_options: { include_usage: true } });
+      expect(res.status).toBe(200);
+      const data = sseData(await res.text());
+      expect(data.filter((d) => d.includes("x".repeat(400)))).toHaveLength(3);
+      const prompt = claimed ? 9 : promptEstimate;
+      // Before: 300 tokens (the claim, or the estimate of 1,200 characters) against a reservation of 5.
+      expect(rec(JSON.parse(data.at(-2) ?? "null")).usage).toEqual({ prompt_tokens: prompt, completion_tokens: 5, total_tokens: prompt + 5 });
+      const [row] = await rows(o.orgId);
+      expect([row?.status, row?.promptTokens, row?.completionTokens]).toEqual([200, prompt, 5]);
+    }
+  });
+
+  test("non-streamed: an answer far past max_tokens is charged at most the bound, whatever the upstream claims or omits", async () => {
+    const promptEstimate = await estimateOf(false);
+    for (const claimed of [{ prompt_tokens: 9, completion_tokens: 1_000, total_tokens: 1_009 }, undefined]) {
+      // 4,000 characters (≈ 1,000 tokens) where 5 tokens were allowed.
+      scripted = { completion: { choices: [{ index: 0, message: { role: "assistant", content: "x".repeat(4_000) }, finish_reason: "stop" }], ...(claimed ? { usage: claimed } : {}) } };
+      const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), max_tokens: 5 });
+      expect(res.status).toBe(200);
+      const prompt = claimed ? 9 : promptEstimate;
+      // Before: the estimate of the delivered text, 1,000 tokens against a reservation of 5.
+      expect(rec(await res.json()).usage).toEqual({ prompt_tokens: prompt, completion_tokens: 5, total_tokens: prompt + 5 });
+      const [row] = await rows(o.orgId);
+      expect([row?.promptTokens, row?.completionTokens]).toEqual([prompt, 5]);
+    }
+  });
+});
+
 describe("usage rows", () => {
   test("requests of one key, alias, target and status in one write are one row that sums them; streamed ones another", async () => {
     usage = { prompt_tokens: 7, completion_tokens: 3, total_tokens: 10 };
