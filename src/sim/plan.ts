@@ -158,9 +158,8 @@ function logprobTail(delta: unknown, lp: TokenLogprob): Uint8Array {
 }
 
 /** Adds the configured reasoning before the answer: its own deltas first when streaming, and its tokens to the count. */
-function withReasoning(plan: ChatPlan, reasoning: string | undefined, stream: boolean): ChatPlan {
-  if (!reasoning) return plan;
-  const pieces = splitPieces(reasoning);
+function withReasoning(plan: ChatPlan, pieces: string[], stream: boolean): ChatPlan {
+  const reasoning = pieces.join("");
   return {
     ...plan,
     reasoning,
@@ -170,7 +169,18 @@ function withReasoning(plan: ChatPlan, reasoning: string | undefined, stream: bo
 }
 
 export function planChat(cfg: SimConfig, body: Record<string, unknown>, messages: unknown[], stream: boolean): ChatPlan {
-  return withReasoning(planAnswer(cfg, body, messages, stream), cfg.reasoning, stream);
+  if (!cfg.reasoning) return planAnswer(cfg, body, messages, stream);
+  // As vLLM's, reasoning tokens count within max_tokens: the reasoning comes first, the answer gets what is left.
+  const limit = nonNegInt(body.max_completion_tokens) ?? nonNegInt(body.max_tokens);
+  const pieces = splitPieces(cfg.reasoning);
+  if (limit === undefined) return withReasoning(planAnswer(cfg, body, messages, stream), pieces, stream);
+  if (limit <= pieces.length) {
+    // Cut within the reasoning: no answer at all.
+    const model = typeof body.model === "string" ? body.model : (cfg.models[0] ?? "sim");
+    const cut: ChatPlan = { model, promptTokens: estimatePromptTokens(body, messages), content: "", tool: undefined, tails: [], completionTokens: 0, finishReason: "length" };
+    return withReasoning(cut, pieces.slice(0, limit), stream);
+  }
+  return withReasoning(planAnswer(cfg, { ...body, max_tokens: limit - pieces.length, max_completion_tokens: undefined }, messages, stream), pieces, stream);
 }
 
 function planAnswer(cfg: SimConfig, body: Record<string, unknown>, messages: unknown[], stream: boolean): ChatPlan {

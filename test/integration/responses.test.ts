@@ -428,6 +428,7 @@ describe("request translation (what the chat upstream receives)", () => {
 
   test("an answer cut short by max_output_tokens after its reasoning: the reasoning item completed, the message incomplete, streamed or not", async () => {
     // 16 is the least max_output_tokens OpenAI (and the gateway) takes: the answer is made longer than that.
+    // The reasoning's 4 tokens ("Let me think.") and 12 of the answer's 20: vLLM counts both within the bound.
     await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Let me think.", completionTokens: 20 }) });
     const body = { model: "svc-fast", input: "hi", max_output_tokens: 16, store: false };
     const json = rec(await (await create(body)).json());

@@ -125,6 +125,40 @@ describe("simulator (instant)", () => {
     expect(b.choices[0]?.finish_reason).toBe("length");
   });
 
+  test("reasoning tokens count within max_tokens, as vLLM's do: the answer gets what the reasoning leaves, streamed or not", async () => {
+    // "Let me think." is 4 reasoning tokens (4 characters each).
+    await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Let me think." }) });
+    const ask = async (max_tokens: number, stream: boolean) => {
+      const res = await post(sim, "/chat/completions", { model: "m", messages: userMsg("hi"), max_tokens, stream, ...(stream ? { stream_options: { include_usage: true } } : {}) });
+      if (!stream) {
+        const body = rec(await res.json());
+        const message = rec(firstChoice(body).message);
+        return [message.reasoning_content, message.content, firstChoice(body).finish_reason, rec(body.usage).completion_tokens];
+      }
+      const chunks = sseData(await res.text()).filter((d) => d !== "[DONE]").map((d) => rec(JSON.parse(d)));
+      let reasoning = "";
+      let content = "";
+      let finish: unknown;
+      let events = 0;
+      for (const c of chunks) {
+        const choice = arr(c.choices)[0];
+        if (choice === undefined) continue;
+        const delta = rec(rec(choice).delta);
+        if (typeof delta.reasoning_content === "string") reasoning += delta.reasoning_content;
+        if (typeof delta.content === "string") content += delta.content;
+        if (typeof delta.reasoning_content === "string" || (typeof delta.content === "string" && delta.content !== "")) events++;
+        finish = rec(choice).finish_reason ?? finish;
+      }
+      // One event of text per token: no more than max_tokens of them.
+      expect(events).toBeLessThanOrEqual(max_tokens);
+      return [reasoning, content, finish, rec(chunks.at(-1)?.usage).completion_tokens];
+    };
+    for (const stream of [false, true]) {
+      expect(await ask(6, stream)).toEqual(["Let me think.", "token0 token1 ", "length", 6]);
+      expect(await ask(2, stream)).toEqual(["Let me t", "", "length", 2]);
+    }
+  });
+
   test("n: that many choices, each up to max_tokens; the completion count is their sum, the prompt counted once", async () => {
     const one = await client.chat.completions.create({ model: "m", messages: [{ role: "user", content: "hi" }], max_tokens: 3 });
     const a = await client.chat.completions.create({ model: "m", messages: [{ role: "user", content: "hi" }], max_tokens: 3, n: 3 });
