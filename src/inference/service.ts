@@ -289,7 +289,9 @@ export function createInferenceService(deps: ServiceDeps) {
     } catch (e) {
       return settleFailure(ticket, name, start, true, e);
     }
-    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, bounds, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform, beforeClose: ctx.beforeClose });
+    // A bound was sent: an upstream that streams past it is cut there (stream.ts).
+    const generation = told > 0 ? { maxTokens: told, choices } : undefined;
+    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, bounds, generation, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform, beforeClose: ctx.beforeClose });
   }
 
   /**
@@ -306,6 +308,7 @@ export function createInferenceService(deps: ServiceDeps) {
       clientWantsUsage: boolean;
       promptEstimate: number;
       bounds: UsageBounds;
+      generation: { maxTokens: number; choices: number } | undefined;
       ticket: Ticket;
       start: number;
       signal: AbortSignal;
@@ -328,6 +331,7 @@ export function createInferenceService(deps: ServiceDeps) {
       ...(r.beforeClose ? { beforeClose: r.beforeClose } : {}),
       promptEstimate,
       bounds: r.bounds,
+      ...(r.generation ? { generation: r.generation } : {}),
       onImplausibleUsage: (rejected) => implausibleUsage(name, target, rejected, r.requestId),
       open,
       errorBody: deps.wire.errorBody,
@@ -338,7 +342,11 @@ export function createInferenceService(deps: ServiceDeps) {
         const counted = end.usage ?? { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) };
         const usage = { promptTokens: counted.promptTokens, completionTokens: Math.min(counted.completionTokens, r.bounds.completionTokens) };
         // "ended" (cut at shutdown) is a 503 like an upstream failure: the client got the same error event.
-        const status = end.outcome === "done" ? 200 : end.outcome === "client_gone" ? 499 : 503;
+        // "bound" (ended at the bound the upstream ignored) ended as a complete answer does.
+        const status = end.outcome === "done" || end.outcome === "bound" ? 200 : end.outcome === "client_gone" ? 499 : 503;
+        if (end.outcome === "bound") {
+          log.warn("upstream streamed past max_tokens; the answer was ended at the bound", { alias: name, target: target.label, max_tokens: r.generation?.maxTokens, request_id: r.requestId });
+        }
         metering.settle(ticket, usage, outcome(name, target, status, start, true));
         if (end.outcome === "failed") log.warn("upstream stream failed", { alias: name, target: target.label, reason: end.reason, request_id: r.requestId });
         settled(status === 503 ? { status, usage, error: "service_unavailable" } : { status, usage });

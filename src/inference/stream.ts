@@ -17,7 +17,13 @@ import { type Counted, type UsageBounds, countUsage } from "./usage.ts";
  *    for usage (the gateway always asks the upstream for it);
  *  - measure delta text (`"content":"…"`, tool-call `"arguments":"…"`, refusal, reasoning),
  *    so a stream that ends without usage is still counted (~4 chars a token);
- *  - turn an upstream error event into our wire shape.
+ *  - turn an upstream error event into our wire shape;
+ *  - count the events that carry delta text, per choice: each stands for at
+ *    least one generated token (vLLM sends one event per choice per engine
+ *    step, a step generating one token or more), so more of them than the
+ *    max_tokens the upstream was sent means it ignored its bound, and the
+ *    answer is ended there (`finishAtBound`). Bytes are no such lower bound
+ *    (one token may decode to many bytes, or to none).
  *
  * A Bun "direct" ReadableStream rather than `pipeThrough(TransformStream)`:
  * when the upstream fails mid-stream, a TransformStream's readable side errors
@@ -28,8 +34,11 @@ import { type Counted, type UsageBounds, countUsage } from "./usage.ts";
  */
 
 export interface StreamEnd {
-  /** `ended`: cut by the gateway itself (shutdown), not by the upstream or the client. */
-  outcome: "done" | "failed" | "ended" | "client_gone";
+  /**
+   * `ended`: cut by the gateway itself (shutdown), not by the upstream or the client;
+   * `bound`: the upstream went past the max_tokens it was sent, and the gateway ended the answer there.
+   */
+  outcome: "done" | "failed" | "ended" | "client_gone" | "bound";
   /**
    * The upstream's last usage report, when it sent one, plus the text
    * delivered after that report (~4 characters a token): a server that
@@ -53,6 +62,12 @@ export interface RelayOptions {
   promptEstimate?: number;
   /** The most each count can be (n × max_tokens as sent, the context window); a larger one is capped (usage.ts). */
   bounds?: UsageBounds;
+  /**
+   * The max_tokens each choice was sent and the number of choices (`n`), when a
+   * bound was sent: a choice that sends more events of text than that has
+   * certainly ignored it, and the answer ends there (`finishAtBound`).
+   */
+  generation?: { maxTokens: number; choices: number };
   /** The usage chunk carried implausible counts; they were replaced before the client saw them. */
   onImplausibleUsage?(rejected: Record<string, string>): void;
   onEnd(end: StreamEnd): void;
@@ -81,6 +96,10 @@ const CRLF2 = Buffer.from("\r\n\r\n");
 const DATA = Buffer.from("data:");
 const DONE = Buffer.from("[DONE]");
 const USAGE = Buffer.from('"usage":');
+const CHOICES = Buffer.from('"choices":');
+const DELTA = Buffer.from('"delta":');
+const INDEX = Buffer.from('"index":');
+const FINISH_REASON = Buffer.from('"finish_reason":');
 /** A chunk's `"id"` near its start (vLLM writes it first): a JSON string, escapes included. */
 const CHUNK_ID = /^\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){0,256}")/;
 
@@ -149,6 +168,38 @@ function deltaTextBytes(event: Buffer): number {
   let reasoning = 0;
   for (const f of REASONING_FIELDS) reasoning = Math.max(reasoning, fieldBytes(event, f));
   return n + reasoning;
+}
+
+/**
+ * The index of the one choice an event carries (vLLM sends each choice in an
+ * event of its own, `"choices":[{"index":K,"delta":…`), or -1 when it carries
+ * several or its index is not found before its delta: such an event counts
+ * only towards the stream's total. `"delta":` is found only as a key (inside
+ * a JSON string its closing quote would be escaped); a tool call's `"index"`
+ * lies inside the delta, after it.
+ */
+function choiceIndexOf(event: Buffer, at: number): number {
+  const c = event.indexOf(CHOICES, at);
+  if (c === -1) return -1;
+  const d = event.indexOf(DELTA, c);
+  if (d === -1 || event.indexOf(DELTA, d + DELTA.length) !== -1) return -1;
+  const i = event.lastIndexOf(INDEX, d);
+  if (i < c) return -1;
+  let v = i + INDEX.length;
+  while (event[v] === SPACE) v++;
+  let k = 0;
+  const first = v;
+  for (let b = event[v]; b !== undefined && b >= 0x30 && b <= 0x39 && v - first < 4; b = event[++v]) k = k * 10 + b - 0x30;
+  return v === first ? -1 : k;
+}
+
+/** The event gives a finish_reason (a string, not null); asked of one-choice events only. */
+function finishes(event: Buffer, at: number): boolean {
+  const f = event.indexOf(FINISH_REASON, at);
+  if (f === -1) return false;
+  let v = f + FINISH_REASON.length;
+  while (event[v] === SPACE) v++;
+  return event[v] === QUOTE;
 }
 
 /** Byte by byte: the prefixes are a few bytes, shorter than a call into Buffer.compare costs. */
@@ -244,6 +295,14 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   let charsAtUsage = 0;
   let ended = false;
   let upstreamError: string | undefined;
+  const gen = opts.generation;
+  /** Events of delta text so far, over all choices: each stands for at least one generated token. */
+  let textEvents = 0;
+  /** With n > 1: events of text per choice, and which choices have finished (their finish_reason came). */
+  const perChoice = gen && gen.choices > 1 ? new Array<number>(gen.choices).fill(0) : undefined;
+  const finished = perChoice ? new Array<boolean>(perChoice.length).fill(false) : undefined;
+  /** The upstream went past its bound: the event that did so was dropped, and the answer ends (finishAtBound). */
+  let pastBound = false;
 
   // Idle timer without per-chunk timer churn: each read only stamps when it
   // started waiting; the timer wakes once per idle period and re-arms for the
@@ -280,6 +339,28 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     opts.onEnd({ outcome, usage: reported, deliveredChars, ...(reason ? { reason } : {}) });
   };
 
+  /**
+   * Counts an event of the answer against the bound the upstream was sent;
+   * true when it goes past it: a choice has sent more events of text than its
+   * max_tokens (or, where an event's choice cannot be told, the stream more
+   * than n × max_tokens). With n = 1 that is one counter.
+   */
+  const beyondBound = (g: NonNullable<RelayOptions["generation"]>, event: Buffer, at: number, text: number): boolean => {
+    if (text > 0) textEvents++;
+    if (perChoice && finished) {
+      const k = choiceIndexOf(event, at);
+      if (k >= 0 && k < perChoice.length) {
+        if (text > 0) {
+          const seen = (perChoice[k] ?? 0) + 1;
+          perChoice[k] = seen;
+          if (seen > g.maxTokens) return true;
+        }
+        if (finishes(event, at)) finished[k] = true;
+      }
+    }
+    return textEvents > g.maxTokens * g.choices;
+  };
+
   /** Handles one complete event (terminator included); returns the bytes for the client, or undefined to drop it. */
   const handle = (received: Buffer): Buffer | undefined => {
     let event = received;
@@ -314,13 +395,18 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       upstreamError = upstreamMessage(event.toString("utf8", at, event.length - (sep?.length ?? 2))).message;
       return undefined;
     }
+    const text = deltaTextBytes(event);
+    if (gen && beyondBound(gen, event, at, text)) {
+      pastBound = true;
+      return undefined;
+    }
     let reported = false;
     const u = event.indexOf(USAGE, at);
     if (u !== -1) {
       let v = u + USAGE.length;
       while (event[v] === SPACE) v++;
       if (event[v] === OPEN_BRACE) {
-        const estimate = { promptTokens: opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars + deltaTextBytes(event)) };
+        const estimate = { promptTokens: opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars + text) };
         const parsed = usageOf(event.toString("utf8", at, event.length - (sep?.length ?? 2)), estimate, opts.bounds);
         if (parsed) {
           usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
@@ -338,7 +424,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
         }
       }
     }
-    deliveredChars += deltaTextBytes(event);
+    deliveredChars += text;
     if (reported) charsAtUsage = deliveredChars;
     // A transform re-serialises the events (the Responses API names the alias itself): no swap to make.
     if (!swapModel || tf) return event;
@@ -396,7 +482,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
         tail = undefined;
         start = first.end;
         const e = handle(event);
-        if (upstreamError !== undefined) return;
+        if (upstreamError !== undefined || pastBound) return;
         if (e) out.push(e);
       }
     }
@@ -406,7 +492,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
         if (idx === -1) break;
         const event = handle(buf.subarray(start, idx + sep.length));
         start = idx + sep.length;
-        if (upstreamError !== undefined) return;
+        if (upstreamError !== undefined || pastBound) return;
         if (event) out.push(event);
       }
     }
@@ -478,6 +564,46 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     }
   };
 
+  /**
+   * The upstream went past the max_tokens it was sent (it ignores the bound):
+   * its call is closed (the GPU stops) and the answer ends as one cut at its
+   * bound would: a chunk with finish_reason "length" for each choice not yet
+   * finished, the usage chunk when the client asked for it, then [DONE]. The
+   * completion is charged at most the bound: what the upstream counted or the
+   * text delivered (~4 characters a token), but never less than the events of
+   * text seen (each at least one token), and never more than n × max_tokens.
+   */
+  const finishAtBound = async (c: ReadableStreamDirectController, g: NonNullable<RelayOptions["generation"]>) => {
+    up.abort("the upstream went past max_tokens");
+    const counted = usage ? usage.completionTokens + charsToTokens(deliveredChars - charsAtUsage) : charsToTokens(deliveredChars);
+    const completion = Math.min(g.maxTokens * g.choices, Math.max(counted, textEvents));
+    usage = { promptTokens: usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: completion };
+    charsAtUsage = deliveredChars;
+    const term = (sep ?? LF2).toString();
+    const head = `data: {"id":${JSON.stringify(chunkId ?? "")},"object":"chat.completion.chunk","created":${Math.floor(Date.now() / 1000)},"model":${JSON.stringify(opts.alias)},"choices":`;
+    const closing: Buffer[] = [];
+    for (let k = 0; k < g.choices; k++) {
+      if (!finished?.[k]) closing.push(Buffer.from(`${head}[{"index":${k},"delta":{},"logprobs":null,"finish_reason":"length"}]}${term}`));
+    }
+    if (opts.clientWantsUsage) {
+      const { promptTokens: p, completionTokens: t } = usage;
+      closing.push(Buffer.from(`${head}[],"usage":{"prompt_tokens":${p},"completion_tokens":${t},"total_tokens":${p + t}}}${term}`));
+    }
+    closing.push(Buffer.from(`data: [DONE]${term}`));
+    try {
+      await send(c, closing);
+    } catch {
+      clientGone();
+      return;
+    }
+    end("bound");
+    try {
+      await close(c);
+    } catch {
+      // The client left while the transform finished: the request is done all the same.
+    }
+  };
+
   const fail = async (c: ReadableStreamDirectController, message: string) => {
     up.abort(message);
     end(message === endedBecause ? "ended" : "failed", message);
@@ -531,6 +657,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       if (ended) return;
       if (upstreamError !== undefined) return fail(c, `The model '${opts.alias}' failed while generating: ${upstreamError}`);
       if (sawDone) return finishAtDone(c);
+      if (pastBound && gen) return finishAtBound(c, gen);
       waitingSince = performance.now();
       let r: Awaited<ReturnType<Opened["reader"]["read"]>>;
       try {

@@ -5,6 +5,7 @@ import { usageEvents } from "../../src/db/schema.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
 import { type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
 import { CHAT_MODEL, EMBED_MODEL, TEST_PLANS, chatAlias, embedAlias, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
 setDefaultTimeout(30_000);
@@ -30,12 +31,28 @@ let scripted:
       open?: boolean;
     }
   | { completion: Record<string, unknown> }
+  /** A stream that never ends: `event` again and again, as fast as it is read; `cancelled` once the gateway closed the call. */
+  | { endless: unknown; cancelled: boolean }
   | undefined;
 const upstream = Bun.serve({
   hostname: "127.0.0.1",
   port: 0,
   async fetch(req) {
     const body = (await req.json()) as { stream?: boolean };
+    if (scripted && "endless" in scripted) {
+      const run = scripted;
+      const bytes = new TextEncoder().encode(`data: ${JSON.stringify(run.endless)}\n\n`);
+      const stream = new ReadableStream<Uint8Array>({
+        async pull(c) {
+          await Bun.sleep(1);
+          c.enqueue(bytes);
+        },
+        cancel() {
+          run.cancelled = true;
+        },
+      });
+      return new Response(stream, { headers: { "content-type": "text/event-stream" } });
+    }
     if (scripted && "completion" in scripted) return Response.json({ id: "c1", created: 1, model: CHAT_MODEL, object: "chat.completion", ...scripted.completion });
     if (scripted && "events" in scripted) {
       // Without [DONE] the stream just ends: cut off, as a dying upstream's would be.
@@ -442,6 +459,138 @@ describe("usage the upstream leaves out, or reports before the end", () => {
 describe("an upstream that ignores max_tokens", () => {
   afterEach(() => {
     scripted = undefined;
+  });
+
+  /** The choices of the client's chunks: each text delta's choice index, and each finish_reason given. */
+  function choicesOf(data: string[]): { texts: number[]; finishes: [number, unknown][] } {
+    const texts: number[] = [];
+    const finishes: [number, unknown][] = [];
+    for (const d of data.slice(0, -1)) {
+      for (const c of (rec(JSON.parse(d)).choices ?? []) as Record<string, unknown>[]) {
+        if (typeof rec(c.delta).content === "string" && rec(c.delta).content !== "") texts.push(Number(c.index));
+        if (c.finish_reason != null) finishes.push([Number(c.index), c.finish_reason]);
+      }
+    }
+    return { texts, finishes };
+  }
+  const ignoredWarnings = () => lines.filter((l) => l.level === "warn" && String(l.msg).includes("max_tokens"));
+
+  test("streamed: past max_tokens chunks of text the answer ends there (finish_reason length, usage, [DONE]) and is charged the bound, not what the upstream went on to send", async () => {
+    const promptEstimate = await estimateOf(true);
+    // 50 chunks of 40 characters where 5 tokens were allowed, then the upstream's own ending and a made-up count.
+    scripted = {
+      events: [
+        chunkOf([deltaOf({ role: "assistant", content: "" })]),
+        ...Array.from({ length: 50 }, () => chunkOf([deltaOf({ content: "x".repeat(40) })])),
+        chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]),
+        chunkOf([], { usage: { prompt_tokens: 9, completion_tokens: 1_000, total_tokens: 1_009 } }),
+      ],
+      done: true,
+    };
+    for (const wantsUsage of [true, false]) {
+      lines.length = 0;
+      const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, {
+        model: "svc-fast",
+        messages: userMessages(),
+        max_tokens: 5,
+        stream: true,
+        ...(wantsUsage ? { stream_options: { include_usage: true } } : {}),
+      });
+      expect(res.status).toBe(200);
+      const data = sseData(await res.text());
+      // Before: all 50 chunks were relayed, and 2,000 characters ≈ 500 tokens charged against a reservation of 5.
+      expect(choicesOf(data)).toEqual({ texts: [0, 0, 0, 0, 0], finishes: [[0, "length"]] });
+      expect(data.at(-1)).toBe("[DONE]");
+      const end = (wantsUsage ? data.at(-3) : data.at(-2)) ?? "null";
+      expect(rec(JSON.parse(end))).toEqual({ id: "c1", object: "chat.completion.chunk", created: expect.any(Number), model: "svc-fast", choices: [{ index: 0, delta: {}, logprobs: null, finish_reason: "length" }] });
+      if (wantsUsage) {
+        expect(rec(JSON.parse(data.at(-2) ?? "null"))).toEqual({ id: "c1", object: "chat.completion.chunk", created: expect.any(Number), model: "svc-fast", choices: [], usage: { prompt_tokens: promptEstimate, completion_tokens: 5, total_tokens: promptEstimate + 5 } });
+      } else expect(data.filter((d) => d.includes('"usage"'))).toEqual([]);
+      const [row] = await rows(o.orgId);
+      expect([row?.status, row?.promptTokens, row?.completionTokens]).toEqual([200, promptEstimate, 5]);
+      expect(ignoredWarnings().length).toBe(1);
+    }
+  });
+
+  test("streamed: exactly max_tokens chunks of text (the upstream keeping its bound) pass unchanged", async () => {
+    scripted = {
+      events: [
+        chunkOf([deltaOf({ role: "assistant", content: "" })]),
+        ...Array.from({ length: 4 }, () => chunkOf([deltaOf({ content: "x".repeat(40) })])),
+        chunkOf([{ index: 0, delta: { content: "y".repeat(40) }, finish_reason: "length" }]),
+        chunkOf([], { usage: { prompt_tokens: 9, completion_tokens: 5, total_tokens: 14 } }),
+      ],
+      done: true,
+    };
+    lines.length = 0;
+    const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), max_tokens: 5, stream: true, stream_options: { include_usage: true } });
+    const data = sseData(await res.text());
+    expect(choicesOf(data)).toEqual({ texts: [0, 0, 0, 0, 0], finishes: [[0, "length"]] });
+    expect(rec(JSON.parse(data.at(-2) ?? "null")).usage).toEqual({ prompt_tokens: 9, completion_tokens: 5, total_tokens: 14 });
+    const [row] = await rows(o.orgId);
+    expect([row?.status, row?.completionTokens]).toEqual([200, 5]);
+    expect(ignoredWarnings()).toEqual([]);
+  });
+
+  test("streamed: an upstream that never stops is ended at the bound and its call closed; the client's stream ends properly", async () => {
+    const run = { endless: chunkOf([deltaOf({ content: "xxxx" })]), cancelled: false };
+    scripted = run;
+    const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), max_tokens: 20, stream: true, stream_options: { include_usage: true } });
+    expect(res.status).toBe(200);
+    // Before: relayed without end (here: until the deadline).
+    const text = await Promise.race([res.text(), Bun.sleep(8_000).then(() => "(still streaming)")]);
+    expect(text).not.toBe("(still streaming)");
+    const data = sseData(text);
+    expect(data.at(-1)).toBe("[DONE]");
+    expect(choicesOf(data)).toEqual({ texts: Array(20).fill(0), finishes: [[0, "length"]] });
+    expect(rec(JSON.parse(data.at(-2) ?? "null")).usage).toMatchObject({ completion_tokens: 20 });
+    await until(() => run.cancelled, "the upstream call closed");
+    const [row] = await rows(o.orgId);
+    expect([row?.status, row?.completionTokens]).toEqual([200, 20]);
+  });
+
+  test("streamed with n = 2: the bound holds per choice; the choice that ran past it ends with length, one that had finished keeps its stop", async () => {
+    const events: unknown[] = [chunkOf([deltaOf({ role: "assistant", content: "" })]), chunkOf([deltaOf({ role: "assistant", content: "" }, 1)])];
+    for (let i = 0; i < 20; i++) {
+      events.push(chunkOf([deltaOf({ content: "a".repeat(40) })]));
+      if (i < 2) events.push(chunkOf([deltaOf({ content: "b".repeat(40) }, 1)]));
+      if (i === 2) events.push(chunkOf([{ index: 1, delta: {}, finish_reason: "stop" }]));
+    }
+    events.push(chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]));
+    scripted = { events, done: true };
+    const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), max_tokens: 5, n: 2, stream: true });
+    const data = sseData(await res.text());
+    expect(data.at(-1)).toBe("[DONE]");
+    // Choice 1 (two chunks, then stop) was within its bound; choice 0 was cut after its fifth.
+    expect(choicesOf(data)).toEqual({ texts: [0, 1, 0, 1, 0, 0, 0], finishes: [[1, "stop"], [0, "length"]] });
+    const [row] = await rows(o.orgId);
+    // 7 chunks of 40 characters delivered ≈ 70 tokens; at most the bound, 2 × 5.
+    expect([row?.status, row?.completionTokens]).toEqual([200, 10]);
+  });
+
+  test("Responses API: a stream cut at max_output_tokens ends with response.incomplete (max_output_tokens), charged the bound", async () => {
+    const run = { endless: chunkOf([deltaOf({ content: "xxxx" })]), cancelled: false };
+    scripted = run;
+    const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+    const res = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi", max_output_tokens: 16, stream: true });
+    expect(res.status).toBe(200);
+    const text = await Promise.race([res.text(), Bun.sleep(8_000).then(() => "(still streaming)")]);
+    expect(text).not.toBe("(still streaming)");
+    const events = text.split("\n\n").filter((e) => e.length > 0);
+    const last = events.at(-1) ?? "";
+    expect(last.startsWith("event: response.incomplete")).toBe(true);
+    const response = rec(rec(JSON.parse(last.split("data: ")[1] ?? "null")).response);
+    expect(response.status).toBe("incomplete");
+    expect(response.incomplete_details).toEqual({ reason: "max_output_tokens" });
+    expect(response.output_text).toBe("xxxx".repeat(16));
+    expect(rec(response.usage).output_tokens).toBe(16);
+    await until(() => run.cancelled, "the upstream call closed");
+    const [row] = await rows(o.orgId);
+    expect([row?.status, row?.completionTokens]).toEqual([200, 16]);
   });
 
   test("streamed: a few chunks of much text past the bound (not certainly past it in tokens) are relayed, and charged at most the bound", async () => {
