@@ -55,8 +55,8 @@ const ImagePart = T.Object(
   Strict,
 );
 
-/** A content field before its parts are dispatched: a string, or an array of tagged objects. */
-const Parts = T.Array(T.Object({ type: T.String() }));
+/** A content field before its parts are dispatched: a string, or a non-empty array of tagged objects (OpenAI refuses `[]`, in every role). */
+const Parts = T.Array(T.Object({ type: T.String() }), { minItems: 1 });
 const ContentOf = (nullable: boolean) => (nullable ? T.Union([T.String(), T.Null(), Parts]) : T.Union([T.String(), Parts]));
 
 // ---------------------------------------------------------------------------
@@ -305,7 +305,7 @@ export type EmbeddingsBody = Static<typeof EmbeddingsBody>;
 // ---------------------------------------------------------------------------
 
 const docContent = (parts: TSchema[], nullable: boolean) =>
-  T.Union([T.String(), ...(nullable ? [T.Null()] : []), T.Array(parts.length === 1 ? (parts[0] as TSchema) : T.Union(parts))]);
+  T.Union([T.String(), ...(nullable ? [T.Null()] : []), T.Array(parts.length === 1 ? (parts[0] as TSchema) : T.Union(parts), { minItems: 1 })]);
 
 /** Spec 4.1 as clients see it; validation dispatches on `role` and `type` instead (see above) for precise `param`s. */
 export const ChatBodySchema = T.Object(
@@ -381,12 +381,18 @@ function describe(e: ValueError, param: string): AppError {
       return invalid(param, `Missing required parameter: '${param}'.`);
     case ValueErrorType.Union:
       return invalid(param, `Invalid value for '${param}': not one of the accepted types or values.`);
+    case ValueErrorType.ArrayMinItems:
+      // OpenAI's wording for an empty `messages` or content array.
+      if (Array.isArray(e.value) && e.value.length === 0) {
+        const min = (e.schema as { minItems?: number }).minItems ?? 1;
+        return invalid(param, `Invalid '${param}': empty array. Expected an array with minimum length ${min}, but got an empty array instead.`);
+      }
+      break;
     case ValueErrorType.Kind:
       // JsonValue (lib/json-value.ts) is the only custom kind: free-form JSON nested too deep.
       return invalid(param, `Invalid value for '${param}': arrays and objects nested more than ${JSON_DEPTH_LIMIT} levels deep.`);
-    default:
-      return invalid(param, `Invalid value for '${param}': ${e.message.charAt(0).toLowerCase()}${e.message.slice(1)}.`);
   }
+  return invalid(param, `Invalid value for '${param}': ${e.message.charAt(0).toLowerCase()}${e.message.slice(1)}.`);
 }
 
 /** The JS kind of a value in JSON Schema terms, to match it against union variants. */

@@ -120,7 +120,8 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
       } else push({ role: "assistant", content: null, tool_calls: [call] }, from);
     } else if (type === "function_call_output") {
       const o = item as Extract<InputItem, { type: "function_call_output" }>;
-      const content = typeof o.output === "string" ? o.output : o.output.map((p) => ({ type: "text", text: p.text }));
+      // An empty list of parts is empty text: chat refuses a tool message whose content is [] (as OpenAI does).
+      const content = typeof o.output === "string" ? o.output : o.output.length === 0 ? "" : o.output.map((p) => ({ type: "text", text: p.text }));
       push({ role: "tool", tool_call_id: o.call_id, content }, from);
     }
     // reasoning items: dropped (chat upstreams take no reasoning input).

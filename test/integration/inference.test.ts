@@ -314,6 +314,26 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     await expectInvalid(await chat(m(["just a string"])), "messages[0].content[0]");
   });
 
+  test("an empty array of content parts is refused in every role, as OpenAI does; an assistant that only calls tools sends null or no content", async () => {
+    const ok = { role: "user", content: "x" };
+    const call = { id: "c1", type: "function", function: { name: "f", arguments: "{}" } };
+    const cases: [unknown[], string][] = [
+      [[{ role: "user", content: [] }], "messages[0].content"],
+      [[{ role: "system", content: [] }, ok], "messages[0].content"],
+      [[ok, { role: "assistant", content: [] }], "messages[1].content"],
+      [[ok, { role: "assistant", content: [], tool_calls: [call] }, { role: "tool", tool_call_id: "c1", content: "r" }], "messages[1].content"],
+      [[ok, { role: "assistant", content: null, tool_calls: [call] }, { role: "tool", tool_call_id: "c1", content: [] }], "messages[2].content"],
+    ];
+    for (const [messages, param] of cases) {
+      await expectInvalid(await chat({ model: "svc-fast", messages }), param, `Invalid '${param}': empty array. Expected an array with minimum length 1`);
+    }
+    await expectInvalid(await chat({ model: "svc-fast", messages: [] }), "messages", "Invalid 'messages': empty array.");
+    expect(sim.stats.requests).toBe(0);
+    for (const assistant of [{ role: "assistant", content: null, tool_calls: [call] }, { role: "assistant", tool_calls: [call] }]) {
+      expect((await chat({ model: "svc-fast", messages: [ok, assistant, { role: "tool", tool_call_id: "c1", content: [{ type: "text", text: "r" }] }] })).status).toBe(200);
+    }
+  });
+
   test("temperature 0 to 2", async () => {
     for (const t of [-0.01, 2.01, "1"]) await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), temperature: t }), "temperature");
     for (const t of [0, 2, 1.3]) {

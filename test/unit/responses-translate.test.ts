@@ -57,6 +57,18 @@ describe("toChat", () => {
     ]);
   });
 
+  test("a function_call_output with an empty list of parts is sent as empty text (chat refuses content: [])", () => {
+    const input = [
+      { type: "function_call", call_id: "a", name: "f", arguments: "{}" },
+      { type: "function_call_output", call_id: "a", output: [] },
+    ];
+    const t = toChat(parseResponsesBody({ model: "m", input }), [], false);
+    expect(t.chat.messages).toEqual([
+      { role: "assistant", content: null, tool_calls: [{ id: "a", type: "function", function: { name: "f", arguments: "{}" } }] },
+      { role: "tool", tool_call_id: "a", content: "" },
+    ]);
+  });
+
   test("only reasoning items: no messages is a 400 on input", () => {
     expect(() => toChat(parseResponsesBody({ model: "m", input: [{ type: "reasoning", summary: [] }] }), [], false)).toThrow(AppError);
   });
