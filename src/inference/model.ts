@@ -512,8 +512,17 @@ function checkTools(body: Static<typeof ChatBody>): void {
 
 const TOKEN_ID = /^\d{1,10}$/;
 
-/** What the schema cannot say: logit_bias keys are token ids, metadata keys at most 64 characters, stream_options only with stream. */
+/**
+ * What the schema cannot say: logit_bias keys are token ids, metadata keys at
+ * most 64 characters, stream_options only with stream, and a json_schema's
+ * name is FUNCTION_NAME (OpenAI's rule for both).
+ */
 function checkBounds(body: Static<typeof ChatBody>): void {
+  const format = body.response_format;
+  if (format?.type === "json_schema" && !FUNCTION_NAME.test(format.json_schema.name)) {
+    const param = "response_format.json_schema.name";
+    throw invalid(param, `Invalid '${param}': a name is 1 to 64 letters, digits, underscores or dashes.`);
+  }
   if (body.logit_bias) {
     for (const k in body.logit_bias) {
       if (!TOKEN_ID.test(k)) throw invalid("logit_bias", `Invalid 'logit_bias': keys are token ids (whole numbers), not '${k.slice(0, 40)}'.`);

@@ -334,6 +334,19 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     }
   });
 
+  test("response_format.json_schema.name: 1 to 64 letters, digits, underscores or dashes, as OpenAI; the SDKs' default names pass", async () => {
+    const format = (name: string) => ({ model: "svc-fast", messages: userMessages(), response_format: { type: "json_schema", json_schema: { name, schema: { type: "object" } } } });
+    for (const name of ["has space", "a.b", "x/y", "naïve", "x".repeat(65), ""]) {
+      await expectInvalid(await chat(format(name)), "response_format.json_schema.name", "response_format.json_schema.name");
+    }
+    expect(sim.stats.requests).toBe(0);
+    // The defaults of the Vercel AI SDK ("response"), LangChain ("extract") and the Agents SDK ("output"; "final_output" in Python).
+    for (const name of ["response", "extract", "output", "final_output", "My-Schema_2", "x".repeat(64)]) {
+      expect((await chat(format(name))).status).toBe(200);
+      expect(rec(rec(rec(sim.stats.lastBody).response_format).json_schema).name).toBe(name);
+    }
+  });
+
   test("temperature 0 to 2", async () => {
     for (const t of [-0.01, 2.01, "1"]) await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), temperature: t }), "temperature");
     for (const t of [0, 2, 1.3]) {

@@ -507,6 +507,8 @@ describe("validation: 400 with the Responses param", () => {
     ["no input", { model: "svc-fast" }, "input", "Missing required parameter"],
     ["no model", { input: "hi" }, "model"],
     ["json_schema without a name", { ...base, text: { format: { type: "json_schema", schema: {} } } }, "text.format.name"],
+    // OpenAI's rule for the name (chat's response_format.json_schema.name): was forwarded.
+    ["a json_schema name with a space", { ...base, text: { format: { type: "json_schema", name: "my answer", schema: {} } } }, "text.format.name", "letters, digits, underscores or dashes"],
     // The key's maxLength in the schema is not checked by TypeBox's Record: seen accepted (200) before the explicit check.
     ["a metadata key over 64 characters", { ...base, metadata: { ["k".repeat(65)]: "v" } }, "metadata", "64"],
     ["more than 16 metadata pairs", { ...base, metadata: Object.fromEntries(Array.from({ length: 17 }, (_, i) => [`k${i}`, "v"])) }, "metadata"],
