@@ -510,6 +510,48 @@ function checkTools(body: Static<typeof ChatBody>): void {
   }
 }
 
+/** A message as far as the tool-answer rule reads it (chat's, or the Responses API's translation). */
+type ToolTurn = { role: string; tool_calls?: unknown; tool_call_id?: unknown };
+
+/** Where OpenAI's tool-answer rule breaks: a tool message after no tool calls (`orphan`), or answering none of them (`unknown_id`). */
+export interface ToolAnswerProblem {
+  index: number;
+  kind: "orphan" | "unknown_id";
+}
+
+/**
+ * OpenAI's rule for tool messages: each answers a call of the assistant
+ * message just before it, with only other tool messages between (parallel
+ * calls are answered in any order). One pass over the messages; the calls in
+ * force are the last assistant message's, so nothing is allocated unless the
+ * rule breaks. Whether every call is answered is not checked.
+ */
+export function toolAnswerProblem(messages: readonly ToolTurn[]): ToolAnswerProblem | undefined {
+  let calls: readonly unknown[] | undefined;
+  for (let i = 0; i < messages.length; i++) {
+    const m = messages[i] as ToolTurn;
+    if (m.role !== "tool") {
+      calls = m.role === "assistant" && Array.isArray(m.tool_calls) && m.tool_calls.length > 0 ? m.tool_calls : undefined;
+      continue;
+    }
+    if (calls === undefined) return { index: i, kind: "orphan" };
+    let found = false;
+    for (const c of calls) if (isRecord(c) && c.id === m.tool_call_id) found = true;
+    if (!found) return { index: i, kind: "unknown_id" };
+  }
+  return undefined;
+}
+
+function checkToolAnswers(messages: readonly ChatMessage[]): void {
+  const bad = toolAnswerProblem(messages);
+  if (!bad) return;
+  if (bad.kind === "orphan") {
+    throw invalid(`messages[${bad.index}].role`, "Invalid parameter: messages with role 'tool' must be a response to a preceding message with 'tool_calls'.");
+  }
+  const id = String((messages[bad.index] as ToolMessage).tool_call_id).slice(0, 128);
+  throw invalid(`messages[${bad.index}].tool_call_id`, `Invalid parameter: 'tool_call_id' of '${id}' not found in 'tool_calls' of previous message.`);
+}
+
 const TOKEN_ID = /^\d{1,10}$/;
 
 /**
@@ -542,6 +584,7 @@ export function parseChatBody(raw: unknown): ChatBody {
   if (err) throw err;
   const value = body as Static<typeof ChatBody>;
   for (const [i, m] of value.messages.entries()) checkMessage(m, i);
+  checkToolAnswers(value.messages as ChatMessage[]);
   checkTools(value);
   checkBounds(value);
   return value as ChatBody;

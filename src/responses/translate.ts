@@ -1,4 +1,6 @@
+import { toolAnswerProblem } from "../inference/model.ts";
 import { AppError } from "../lib/errors.ts";
+import { isRecord } from "../lib/guards.ts";
 import type { ResponseEcho } from "./output.ts";
 import { type ContentPart, type FunctionTool, type InputItem, isItemReference, type MessageItem, type RequestItem, type ResponsesBody } from "./request.ts";
 
@@ -130,6 +132,15 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
   for (const item of replay) add(item, "previous_response_id");
   const input: InputItem[] = typeof body.input === "string" ? [{ role: "user", content: body.input }] : (body.input ?? []).map(resolvedItem);
   for (const [j, item] of input.entries()) add(item, `input[${j}]`);
+  // Chat's rule for tool messages (model.ts), checked here to be worded for this request. An output replayed
+  // from a chain whose older link is gone (deleted, expired, beyond the replay bound) answers a call no longer
+  // sent: it is left out, or every later request of the conversation would be refused.
+  for (let bad = toolAnswerProblem(messages); bad; bad = toolAnswerProblem(messages)) {
+    const from = origin[bad.index] ?? "input";
+    if (from !== "previous_response_id") throw outputWithoutCall(messages, bad.index, from);
+    messages.splice(bad.index, 1);
+    origin.splice(bad.index, 1);
+  }
   if (messages.length === 0) throw new AppError("invalid_request_error", "The request has no messages: send input (or instructions).", "input");
 
   const chat: Record<string, unknown> = { model: body.model, messages };
@@ -214,6 +225,17 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
   };
 
   return { chat, echo, inputItems: input.map(storedItem), param: (p) => responsesParam(p, origin) };
+}
+
+/** A function_call_output that answers no function_call just before it (other calls and outputs between), in OpenAI's Responses words. */
+function outputWithoutCall(messages: readonly ChatMessage[], index: number, from: string): AppError {
+  const id = messages[index]?.tool_call_id;
+  const called = messages.slice(0, index).some((m) => Array.isArray(m.tool_calls) && m.tool_calls.some((c) => isRecord(c) && c.id === id));
+  const shown = String(id).slice(0, 128);
+  const message = called
+    ? `Invalid '${from}': the function_call_output for call_id '${shown}' must follow its function_call, with only other function calls and their outputs between.`
+    : `No tool call found for function call output with call_id ${shown}.`;
+  return new AppError("invalid_request_error", message, from);
 }
 
 const RENAMES: [RegExp, string][] = [

@@ -347,6 +347,30 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     }
   });
 
+  test("a tool message answers a call of the assistant message just before it (other tool messages between), as OpenAI requires", async () => {
+    const call = (id: string) => ({ id, type: "function", function: { name: "f", arguments: "{}" } });
+    const user = { role: "user", content: "x" };
+    const calling = (...ids: string[]) => ({ role: "assistant", content: null, tool_calls: ids.map(call) });
+    const tool = (id: string) => ({ role: "tool", tool_call_id: id, content: "r" });
+    const orphan = "must be a response to a preceding message with 'tool_calls'";
+    const cases: [unknown[], string, string][] = [
+      [[user, tool("c1")], "messages[1].role", orphan],
+      [[tool("c1"), user], "messages[0].role", orphan],
+      [[user, { role: "assistant", content: "sure" }, tool("c1")], "messages[2].role", orphan],
+      [[user, { role: "assistant", content: "sure", tool_calls: [] }, tool("c1")], "messages[2].role", orphan],
+      [[user, calling("c1"), tool("c1"), user, tool("c1")], "messages[4].role", orphan],
+      [[user, calling("c1"), tool("c2")], "messages[2].tool_call_id", "'tool_call_id' of 'c2' not found in 'tool_calls' of previous message"],
+      // A call of an earlier assistant message is not answered later on.
+      [[user, calling("c1"), tool("c1"), calling("c2"), tool("c1")], "messages[4].tool_call_id", "'c1' not found"],
+    ];
+    for (const [messages, param, message] of cases) await expectInvalid(await chat({ model: "svc-fast", messages }), param, message);
+    expect(sim.stats.requests).toBe(0);
+    // Parallel calls answered in any order, several rounds, and a final answer after them.
+    const rounds = [user, calling("c1", "c2"), tool("c2"), tool("c1"), calling("c3"), tool("c3"), { role: "assistant", content: "done" }, user];
+    expect((await chat({ model: "svc-fast", messages: rounds })).status).toBe(200);
+    expect(rec(sim.stats.lastBody).messages).toEqual(rounds);
+  });
+
   test("temperature 0 to 2", async () => {
     for (const t of [-0.01, 2.01, "1"]) await expectInvalid(await chat({ model: "svc-fast", messages: userMessages(), temperature: t }), "temperature");
     for (const t of [0, 2, 1.3]) {

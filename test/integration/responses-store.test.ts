@@ -222,6 +222,17 @@ describe("previous_response_id", () => {
     expect(messages[2]).toEqual({ role: "tool", tool_call_id: call.call_id, content: "sunny" });
   });
 
+  test("a replay that starts after a deleted link leaves out the function_call_outputs whose calls went with it", async () => {
+    // A chat upstream refuses a tool message without its call, as the gateway does a client's: the conversation would be stuck.
+    const tools = [{ type: "function", name: "get_weather", parameters: { type: "object", properties: { location: { type: "string" } } } }];
+    const first = await made({ input: "What is the weather in Paris?", tools });
+    const call = rec(arr(first.output).find((o) => rec(o).type === "function_call"));
+    const second = await made({ previous_response_id: first.id, tools, input: [{ type: "function_call_output", call_id: call.call_id, output: "sunny" }] });
+    await get(`/v1/responses/${String(first.id)}`, org.personalKey, "DELETE");
+    await made({ previous_response_id: second.id, tools, input: "Thanks!" });
+    expect(upstreamMessages().map((m) => rec(m).role)).toEqual(["assistant", "user"]);
+  });
+
   test("the replay reads at most bodyLimitBytes of stored responses: older ones beyond it are left out", async () => {
     // Seen failing before the bound: all three earlier inputs went upstream (the chain was read whole, however large).
     const small = await startTestGateway({

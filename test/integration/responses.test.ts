@@ -554,6 +554,40 @@ describe("validation: 400 with the Responses param", () => {
     expect((await errorOf(internal)).param).toStartWith("input[0].content[0]");
     expect(sim.stats.requests).toBe(0);
   });
+
+  test("a function_call_output must answer a function_call just before it (other calls and outputs between): 400 on the output's input item, in the Responses API's words", async () => {
+    const user = { role: "user", content: "look it up" };
+    const fc = (id: string) => ({ type: "function_call", call_id: id, name: "lookup", arguments: "{}" });
+    const out = (id: string) => ({ type: "function_call_output", call_id: id, output: "42" });
+    const tools = [{ type: "function", name: "lookup", parameters: { type: "object", properties: {} } }];
+    const cases: [unknown[], string, string][] = [
+      [[user, out("call_x")], "input[1]", "No tool call found for function call output with call_id call_x."],
+      [[user, fc("call_1"), out("call_2")], "input[2]", "No tool call found for function call output with call_id call_2."],
+      [[user, fc("call_1"), { role: "user", content: "wait" }, out("call_1")], "input[3]", "must follow its function_call"],
+      // An output answering the calls of an earlier turn.
+      [[user, fc("call_1"), out("call_1"), { role: "assistant", content: "ok" }, fc("call_2"), out("call_1")], "input[5]", "must follow its function_call"],
+    ];
+    for (const [input, param, message] of cases) {
+      const msg = await expectError(await create({ model: "svc-fast", input, tools, store: false }), 400, "invalid_request_error", param);
+      expect(msg).toContain(message);
+      expect(msg).not.toContain("messages");
+    }
+    expect(sim.stats.requests).toBe(0);
+    // What the Agents SDK sends: its previous output echoed (text, reasoning, parallel calls), then the outputs in any order.
+    const agents = [
+      user,
+      { type: "reasoning", id: "rs_1", summary: [] },
+      { id: "msg_1", type: "message", role: "assistant", status: "completed", content: [{ type: "output_text", text: "Checking.", annotations: [] }] },
+      { id: "fc_1", ...fc("call_1"), status: "completed" },
+      { id: "fc_2", ...fc("call_2"), status: "completed" },
+      out("call_2"),
+      out("call_1"),
+    ];
+    const res = await create({ model: "svc-fast", input: agents, tools, store: false });
+    expect(res.status).toBe(200);
+    await res.text();
+    expect(arr(upstreamBody().messages).map((m) => rec(m).role)).toEqual(["user", "assistant", "tool", "tool"]);
+  });
 });
 
 describe("every error path of chat applies", () => {
