@@ -36,10 +36,12 @@ const ChatCompletion = T.Object({
       message: T.Object({
         role: T.Literal("assistant"),
         content: T.Union([T.String(), T.Null()]),
+        refusal: T.Union([T.String(), T.Null()], { description: "null unless the model refused" }),
         tool_calls: T.Optional(
           T.Array(T.Object({ id: T.String(), type: T.Literal("function"), function: T.Object({ name: T.String(), arguments: T.String() }) })),
         ),
       }),
+      logprobs: T.Union([T.Object({}, { additionalProperties: true }), T.Null()], { description: "null unless asked for with logprobs: true" }),
       finish_reason: T.String({ description: "stop, length, tool_calls, content_filter" }),
     }),
   ),

@@ -122,7 +122,11 @@ function embeddingAnswerLimit(body: EmbeddingsBody, aliasDimensions: number | un
 
 const stringLength = (v: unknown): number => (typeof v === "string" ? v.length : 0);
 
-/** Spec 2.3 with `model` = the alias; tool calls, finish reasons, reasoning text and requested logprobs pass through. */
+/**
+ * Spec 2.3 with `model` = the alias; tool calls, finish reasons, reasoning
+ * text and requested logprobs pass through. `message.refusal` and `logprobs`
+ * are always sent, null when the upstream sent none, as OpenAI sends them.
+ */
 function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unknown>; completionChars: number } | undefined {
   if (!isRecord(raw) || !Array.isArray(raw.choices)) return undefined;
   let completionChars = 0;
@@ -131,7 +135,7 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     const m = isRecord(choice.message) ? choice.message : {};
     const content = typeof m.content === "string" ? m.content : null;
     completionChars += content?.length ?? 0;
-    const message: Record<string, unknown> = { role: "assistant", content };
+    const message: Record<string, unknown> = { role: "assistant", content, refusal: null };
     if (Array.isArray(m.tool_calls) && m.tool_calls.length > 0) {
       message.tool_calls = m.tool_calls;
       completionChars += JSON.stringify(m.tool_calls).length;
@@ -141,10 +145,12 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     }
     // Generated text too, for the estimate when the upstream reports no usage; the reasoning once under either name.
     completionChars += Math.max(stringLength(m.reasoning_content), stringLength(m.reasoning)) + stringLength(m.refusal);
-    const shaped: Record<string, unknown> = { index: int(choice.index) ?? i, message };
-    if (choice.logprobs !== undefined && choice.logprobs !== null) shaped.logprobs = choice.logprobs;
-    shaped.finish_reason = typeof choice.finish_reason === "string" ? choice.finish_reason : "stop";
-    return shaped;
+    return {
+      index: int(choice.index) ?? i,
+      message,
+      logprobs: choice.logprobs ?? null,
+      finish_reason: typeof choice.finish_reason === "string" ? choice.finish_reason : "stop",
+    };
   });
   return {
     out: {

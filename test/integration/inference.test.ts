@@ -71,10 +71,12 @@ describe("POST /v1/chat/completions: answers", () => {
     expect(typeof body.id).toBe("string");
     expect(Number.isInteger(body.created)).toBe(true);
     const choice = rec(arr(body.choices)[0]);
-    expect(Object.keys(choice).sort()).toEqual(["finish_reason", "index", "message"]);
+    // logprobs and message.refusal as OpenAI always sends them, null here (the simulator sends logprobs: null, as vLLM does, and no refusal).
+    expect(Object.keys(choice).sort()).toEqual(["finish_reason", "index", "logprobs", "message"]);
     expect(choice.index).toBe(0);
     expect(choice.finish_reason).toBe("stop");
-    expect(choice.message).toEqual({ role: "assistant", content: "token0 token1 token2 token3 token4 " });
+    expect(choice.logprobs).toBeNull();
+    expect(choice.message).toEqual({ role: "assistant", content: "token0 token1 token2 token3 token4 ", refusal: null });
     const usage = rec(body.usage);
     expect(Object.keys(usage).sort()).toEqual(["completion_tokens", "prompt_tokens", "total_tokens"]);
     expect(usage.completion_tokens).toBe(5);
@@ -200,11 +202,11 @@ describe("POST /v1/chat/completions: answers", () => {
     expect(sim.stats.lastBody).toEqual({ ...JSON.parse(JSON.stringify(sent)), model: CHAT_MODEL });
   });
 
-  test("reasoning text, refusals and requested logprobs pass through; logprobs only when asked", async () => {
+  test("reasoning text, refusals and requested logprobs pass through; logprobs null when not asked", async () => {
     await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "Let me think it over." }) });
     const asked = rec(await (await chat({ model: "svc-fast", messages: userMessages(), logprobs: true, top_logprobs: 2 })).json());
     const choice = rec(arr(asked.choices)[0]);
-    expect(choice.message).toEqual({ role: "assistant", content: "token0 token1 token2 token3 token4 ", reasoning_content: "Let me think it over." });
+    expect(choice.message).toEqual({ role: "assistant", content: "token0 token1 token2 token3 token4 ", refusal: null, reasoning_content: "Let me think it over." });
     const lp = arr(rec(choice.logprobs).content).map(rec);
     expect(lp.map((t) => t.token)).toEqual(["token0 ", "token1 ", "token2 ", "token3 ", "token4 "]);
     expect(lp[0]).toEqual({
@@ -222,7 +224,8 @@ describe("POST /v1/chat/completions: answers", () => {
     const refused = rec(await (await chat({ model: "svc-fast", messages: userMessages("Please refuse this.") })).json());
     const r = rec(arr(refused.choices)[0]);
     expect(r.message).toEqual({ role: "assistant", content: null, refusal: "I can't help with that.", reasoning_content: "Let me think it over." });
-    expect(Object.keys(r).sort()).toEqual(["finish_reason", "index", "message"]);
+    expect(Object.keys(r).sort()).toEqual(["finish_reason", "index", "logprobs", "message"]);
+    expect(r.logprobs).toBeNull();
   });
 
   test("null for optional parameters is accepted (the SDKs send it)", async () => {
