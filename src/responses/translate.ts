@@ -108,8 +108,15 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
     const type = item.type ?? "message";
     if (type === "message") {
       const m = item as MessageItem;
-      if (m.role === "assistant") push({ role: "assistant", content: textOf(m.content) }, from);
-      else push({ role: m.role === "developer" ? "system" : m.role, content: chatParts(m.content) }, from);
+      if (m.role === "assistant") {
+        const last = messages[messages.length - 1];
+        // Text after the calls of its turn (an upstream that streamed its calls first) joins their
+        // message: chat has one assistant message with both, and the outputs that follow answer it.
+        if (last?.role === "assistant" && Array.isArray(last.tool_calls)) {
+          const text = textOf(m.content);
+          if (text !== "") last.content = typeof last.content === "string" ? last.content + text : text;
+        } else push({ role: "assistant", content: textOf(m.content) }, from);
+      } else push({ role: m.role === "developer" ? "system" : m.role, content: chatParts(m.content) }, from);
     } else if (type === "function_call") {
       const c = item as Extract<InputItem, { type: "function_call" }>;
       const call = { id: c.call_id, type: "function", function: { name: c.name, arguments: c.arguments } };

@@ -57,6 +57,27 @@ describe("toChat", () => {
     ]);
   });
 
+  test("assistant text after the calls of its turn joins their message, so the outputs that follow still answer it", () => {
+    // An upstream that streamed its tool calls before its text gives output items in that order, and the
+    // Agents SDK echoes them so: chat has one assistant message with both, then the tool messages.
+    const input = [
+      { role: "user", content: "weather?" },
+      { type: "function_call", call_id: "a", name: "f", arguments: "{}" },
+      { role: "assistant", content: [{ type: "output_text", text: "Checking.", annotations: [] }] },
+      { type: "function_call", call_id: "b", name: "f", arguments: "{}" },
+      { type: "function_call_output", call_id: "a", output: "1" },
+      { type: "function_call_output", call_id: "b", output: "2" },
+    ];
+    const t = toChat(parseResponsesBody({ model: "m", input }), [], false);
+    const call = (id: string) => ({ id, type: "function", function: { name: "f", arguments: "{}" } });
+    expect(t.chat.messages).toEqual([
+      { role: "user", content: "weather?" },
+      { role: "assistant", content: "Checking.", tool_calls: [call("a"), call("b")] },
+      { role: "tool", tool_call_id: "a", content: "1" },
+      { role: "tool", tool_call_id: "b", content: "2" },
+    ]);
+  });
+
   test("a function_call_output with an empty list of parts is sent as empty text (chat refuses content: [])", () => {
     const input = [
       { type: "function_call", call_id: "a", name: "f", arguments: "{}" },
