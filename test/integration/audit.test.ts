@@ -535,6 +535,18 @@ describe("cursor", () => {
     expect(c).not.toBe("");
     expect((await get(a.serviceKey, { from: "2025-03-01T12:59:58.000+01:00", cursor: c })).status).toBe(200);
   });
+
+  test("q in another case is the same search and keeps the cursor valid; another q does not", async () => {
+    const first = await page(a.serviceKey, { q: "Alice", limit: "2" });
+    expect(first.next_cursor).not.toBe("");
+    const want = (await page(a.serviceKey, { q: "alice", limit: "200" })).data.map((e) => e.id).slice(2, 4);
+    expect(want).toHaveLength(2);
+    for (const q of ["alice", "ALICE", "aLiCe"]) {
+      const next = await page(a.serviceKey, { q, limit: "2", cursor: first.next_cursor });
+      expect({ q, ids: next.data.map((e) => e.id) }).toEqual({ q, ids: want });
+    }
+    for (const q of ["alic", "alice ", "Alice Martin"]) await expectInvalid(await get(a.serviceKey, { q, limit: "2", cursor: first.next_cursor }), "cursor");
+  });
 });
 
 describe("validation: 400 invalid_body naming the parameter", () => {
