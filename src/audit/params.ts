@@ -1,7 +1,7 @@
 import { AppError } from "../lib/errors.ts";
 import { isUuid } from "../lib/ids.ts";
 import { type Instant, MAX_TIME, MIN_TIME, compareInstants, parseInstant } from "../lib/time.ts";
-import { CATEGORIES, type Category, isAction } from "./record.ts";
+import { CATEGORIES, type Category, foldSearch, isAction } from "./record.ts";
 
 /**
  * The query-string grammar of GET /v1/audit-events (spec 4.5): which
@@ -14,6 +14,7 @@ export interface AuditFilter {
   actorId?: string;
   category?: Category;
   action?: string;
+  /** Folded as the stored search text is (record.ts foldSearch), so equal searches are equal filters. */
   q?: string;
 }
 
@@ -126,7 +127,7 @@ export function parseAuditQuery(search: string): AuditQuery {
   if (q !== undefined) {
     if ([...q].length > MAX_Q_CHARS) throw invalid("q", `q must be at most ${MAX_Q_CHARS} characters.`);
     if (CONTROL.test(q)) throw invalid("q", "q must not contain control characters.");
-    filter.q = q;
+    filter.q = foldSearch(q);
   }
 
   let limit = DEFAULT_LIMIT;

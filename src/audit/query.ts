@@ -3,7 +3,7 @@ import { AppError } from "../lib/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import { type CursorPosition, decodeCursor, encodeCursor } from "./cursor.ts";
 import { type AuditFilter, invalid, parseAuditQuery } from "./params.ts";
-import { type AuditEventView, foldQ, listAuditEvents } from "./search.ts";
+import { type AuditEventView, listAuditEvents } from "./search.ts";
 
 /**
  * Reading the audit log (spec 4.5): validate the parameters (params.ts), check
@@ -19,7 +19,7 @@ export interface AuditPage {
 
 /**
  * What a cursor is bound to: the organisation and every filter, in canonical
- * form (parsed times, lower-case uuid, q folded as the search folds it), so
+ * form (parsed times, lower-case uuid, folded q), so
  * `+01:00` and `Z` spellings of one instant, or `q=Ada` and `q=ada`, share
  * cursors but any other change of filter does not. `limit` is not bound: a
  * client may change its page size between pages.
@@ -33,7 +33,7 @@ export function cursorBinding(orgId: string, f: AuditFilter): string {
     f.actorId ?? null,
     f.category ?? null,
     f.action ?? null,
-    f.q === undefined ? null : foldQ(f.q),
+    f.q ?? null,
   ]);
 }
 

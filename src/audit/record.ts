@@ -56,17 +56,26 @@ export interface AuditInput {
 export const HOST_ORIGIN = { ipPrefix: "127.0.0.0/8", userAgentSummary: `gateway-cli/${VERSION}` } as const;
 
 /**
+ * The one folding of the stored search text and of `q` (docs/decisions.md, `q`),
+ * done by the gateway rather than the database, whose lower() folds only A-Z
+ * under LC_CTYPE C. Lower case, and the word-final `ς` made `σ`: JavaScript
+ * lowers a word-final `Σ` to `ς`, so `ΣΊΣΥΦΟΣ` (`σίσυφος`) and a `q` of
+ * `ΣΊΣ` (`σίς`) would each miss the other's spelling. Migration 0010 applies
+ * the same folding to rows written before it.
+ */
+export function foldSearch(s: string): string {
+  return s.toLowerCase().replaceAll("ς", "σ");
+}
+
+/**
  * What `q` searches: action, and the names and e-mails of the actor and
- * targets, one field per line. `q` may not contain a line break, so a
- * substring match of q can never span two fields.
+ * targets, one field per line, folded (foldSearch). `q` may not contain a line
+ * break, so a substring match of q can never span two fields.
  */
 export function searchTextOf(e: Pick<AuditInput, "action" | "actor" | "targets">): string {
   const parts = [e.action, e.actor.name, e.actor.email];
   for (const t of e.targets ?? []) parts.push(t.name, t.email);
-  return parts
-    .filter((p) => p)
-    .join("\n")
-    .toLowerCase();
+  return foldSearch(parts.filter((p) => p).join("\n"));
 }
 
 /**

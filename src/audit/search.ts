@@ -23,20 +23,6 @@ export function likePattern(q: string): string {
   return `%${q.replace(/[\\%_]/g, (c) => `\\${c}`)}%`;
 }
 
-/**
- * `q` lower-cased here, as search_text is when written (record.ts): ILIKE
- * folds case with the database's character type, which on a database created
- * with LC_CTYPE C is A-Z only, so `CHLOÉ` missed `chloé` there. One character
- * at a time, so that a final Σ becomes σ as the database's lower() makes it
- * (JavaScript's whole-string rule would make `ΣΊΣ` the `σίς` that `σίσυφος`
- * does not contain).
- */
-export function foldQ(q: string): string {
-  let out = "";
-  for (const c of q) out += c.toLowerCase();
-  return out;
-}
-
 type Row = typeof auditEvents.$inferSelect;
 
 function view(r: Row): AuditEventView {
@@ -111,8 +97,8 @@ export async function listAuditEvents(
       .orderBy(...newestFirst)
       .limit(limit + 1);
   } else {
-    // search_text is stored lower-cased and q is lower-cased the same way (foldQ); ILIKE adds nothing beyond that.
-    const pattern = likePattern(foldQ(filter.q));
+    // search_text is stored folded and q arrives folded the same way (record.ts foldSearch); ILIKE adds nothing beyond that.
+    const pattern = likePattern(filter.q);
     const head = db
       .select()
       .from(t)

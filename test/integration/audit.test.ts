@@ -428,6 +428,40 @@ describe("q field boundaries", () => {
   });
 });
 
+describe("q folding: Greek final sigma, Unicode normalisation", () => {
+  let org: SeededOrg;
+  const person = (name: string, email = "") => ({ type: "user", id: crypto.randomUUID(), name, email, keyId: null });
+  const target = (name: string) => ({ key: "target_user_id", kind: "user", id: crypto.randomUUID(), name, email: "" });
+  /** One event per name, its id by name. Names are stored as given (NFC, NFD, compatibility forms). */
+  const ids: Record<string, string> = {};
+  beforeAll(async () => {
+    org = await seedOrg(db);
+    const events: [string, AuditInput["actor"], AuditInput["targets"]][] = [
+      ["sisyphus", person("Σίσυφος"), [target("ΟΔΥΣΣΕΥΣ")]],
+      ["chloe-nfc", person("Chlo\u00e9 Petit".normalize("NFC")), []],
+      ["zoe-nfd", person("Zoe\u0301 Martin", "zoe\u0301@acme.example"), []],
+      ["nbsp", person("Ada\u00a0Lovelace"), []],
+      ["ligature", person("\ufb01nance-bot"), [target("Ｗｉｄｅ Ｃｏｒｐ")]],
+      ["percent", person("Report"), [target("100%_done")]],
+    ];
+    for (const [label, actor, targets] of events) {
+      ids[label] = crypto.randomUUID();
+      await recordAudit(db.db, { orgId: org.orgId, id: ids[label], action: "member.invited", category: "member", actor, targets });
+    }
+  });
+  async function found(q: string): Promise<string[]> {
+    const got = (await page(org.serviceKey, { q, limit: "200" })).data.map((e) => e.id);
+    return Object.keys(ids).filter((label) => got.includes(ids[label] as string));
+  }
+
+  test("a word-final sigma is one letter with σ: ΣΊΣΥΦΟΣ finds Σίσυφος, and lower case finds capitals", async () => {
+    for (const q of ["ΣΊΣΥΦΟΣ", "Σίσυφος", "σίσυφος", "σίσυφοσ", "ΣΊΣ", "σίς", "ΟΔΥΣΣΕΥΣ", "οδυσσευς", "Οδυσσευσ", "ΣΣΕΥ"]) {
+      expect({ q, found: await found(q) }).toEqual({ q, found: ["sisyphus"] });
+    }
+    expect(await found("σίσυφοςα")).toEqual([]);
+  });
+});
+
 describe("pagination", () => {
   let org: SeededOrg;
   let expected: string[];

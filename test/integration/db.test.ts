@@ -3,6 +3,7 @@ import { existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { sql } from "drizzle-orm";
 import { createOrg } from "../../src/admin/service.ts";
+import { searchTextOf } from "../../src/audit/record.ts";
 import { type Database, DataDirLockedError, migrate, migrationsCurrent, openDatabase } from "../../src/db/client.ts";
 import { MIGRATIONS } from "../../src/db/migrations.ts";
 import { createScratchDatabase, removeScratch, type ScratchPostgres, scratchDir } from "../helpers/process.ts";
@@ -116,6 +117,58 @@ function suite(kind: Kind) {
     expect(row?.s).toBe("member.invited\nada lovelace\nada@example.com\ngrace hopper\nzed\nzed@example.com");
     // The log is append-only again.
     expect(await failure(db.rows(sql`update audit_events set action = 'member.removed' where id = ${event?.id}`))).toContain("append-only");
+  });
+
+  test("0010: search_text is refolded as the gateway now writes it (final sigma as σ); rows that do not change are not rewritten", async () => {
+    const db = await fresh(kind);
+    // The database as a gateway before 0010 left it.
+    const upTo = MIGRATIONS.findIndex((m) => m.tag === "0010_audit_search_fold");
+    expect(upTo).toBeGreaterThan(0);
+    await db.db.transaction(async (tx) => {
+      await tx.execute(sql`create table gateway_migrations (tag text primary key, applied_at timestamptz not null default now())`);
+      for (const m of MIGRATIONS.slice(0, upTo)) {
+        for (const stmt of m.statements) await tx.execute(sql.raw(stmt));
+        await tx.execute(sql`insert into gateway_migrations (tag) values (${m.tag})`);
+      }
+    });
+    const people: [string, string, { name: string; email: string }[]][] = [
+      ["ΣΊΣΥΦΟΣ", "", [{ name: "Οδυσσέας", email: "" }]],
+      ["Σίσυφος Παπαδόπουλος", "sisyphos@example.com", []],
+      ["Ada Lovelace", "Ada@Example.com", [{ name: "Grace Hopper", email: "grace@example.com" }]],
+    ];
+    const written: { id: string; want: string }[] = [];
+    for (const [name, email, targets] of people) {
+      const event = {
+        action: "member.invited",
+        actor: { type: "user", id: crypto.randomUUID(), name, email, keyId: null },
+        targets: targets.map((t) => ({ key: "target_user_id", kind: "user", id: crypto.randomUUID(), ...t })),
+      };
+      // What the gateway wrote before 0010: the fields, one per line, lower-cased by JavaScript.
+      const old = [event.action, name, email, ...targets.flatMap((t) => [t.name, t.email])].filter((p) => p).join("\n").toLowerCase();
+      const [row] = await db.rows<{ id: string }>(sql`
+        insert into audit_events (org_id, action, category, actor_type, actor_id, actor_name, actor_email,
+                                  targets, details, origin_ip_prefix, origin_user_agent_summary, search_text)
+        values (gen_random_uuid(), ${event.action}, 'member', 'user', ${event.actor.id}, ${name}, ${email},
+                ${JSON.stringify(event.targets)}::jsonb, '{}'::jsonb, '', '', ${old})
+        returning id::text as id`);
+      written.push({ id: row?.id ?? "", want: searchTextOf(event) });
+    }
+    expect(written[0]?.want).toBe("member.invited\nσίσυφοσ\nοδυσσέασ");
+    const versions = async () =>
+      new Map((await db.rows<{ id: string; x: string }>(sql`select id::text as id, xmin::text as x from audit_events`)).map((r) => [r.id, r.x]));
+    const before = await versions();
+
+    expect(await migrate(db)).toEqual(MIGRATIONS.slice(upTo).map((m) => m.tag));
+    for (const { id, want } of written) {
+      const [row] = await db.rows<{ s: string }>(sql`select search_text as s from audit_events where id = ${id}`);
+      expect(row?.s).toBe(want);
+    }
+    // Ada's row was already folded: left alone (same row version).
+    const after = await versions();
+    expect(after.get(written[2]?.id ?? "")).toBe(before.get(written[2]?.id ?? ""));
+    expect(after.get(written[0]?.id ?? "")).not.toBe(before.get(written[0]?.id ?? ""));
+    // The log is append-only again.
+    expect(await failure(db.rows(sql`update audit_events set action = 'member.removed' where id = ${written[0]?.id}`))).toContain("append-only");
   });
 
   test("migrations apply once: a second run applies nothing and changes nothing", async () => {
