@@ -58,13 +58,19 @@ export const HOST_ORIGIN = { ipPrefix: "127.0.0.0/8", userAgentSummary: `gateway
 /**
  * The one folding of the stored search text and of `q` (docs/decisions.md, `q`),
  * done by the gateway rather than the database, whose lower() folds only A-Z
- * under LC_CTYPE C. Lower case, and the word-final `ς` made `σ`: JavaScript
- * lowers a word-final `Σ` to `ς`, so `ΣΊΣΥΦΟΣ` (`σίσυφος`) and a `q` of
- * `ΣΊΣ` (`σίς`) would each miss the other's spelling. Migration 0010 applies
- * the same folding to rows written before it.
+ * under LC_CTYPE C:
+ * - NFKC, so that `e` + U+0301 (NFD, as macOS and some keyboards write it) is
+ *   `é`, and compatibility forms are their plain letters (full-width `ａｄａ`,
+ *   the ligature `ﬁ`, a no-break space). Before lower case, which leaves
+ *   `ℌ` alone where NFKC makes it `H`; again after it, as lower case may
+ *   decompose (`İ` becomes `i` + U+0307).
+ * - Lower case, and the word-final `ς` made `σ`: JavaScript lowers a
+ *   word-final `Σ` to `ς`, so `ΣΊΣΥΦΟΣ` (`σίσυφος`) and a `q` of `ΣΊΣ`
+ *   (`σίς`) would each miss the other's spelling.
+ * Migration 0010 applies the same folding to rows written before it.
  */
 export function foldSearch(s: string): string {
-  return s.toLowerCase().replaceAll("ς", "σ");
+  return s.normalize("NFKC").toLowerCase().normalize("NFKC").replaceAll("ς", "σ");
 }
 
 /**

@@ -188,12 +188,13 @@ export interface ScratchPostgres {
 /**
  * A new, empty database on the server of `adminUrl` (TEST_DATABASE_URL), for
  * tests that must see migrations run from nothing; dropped by `drop()`.
+ * `options` is appended to CREATE DATABASE (e.g. another encoding).
  */
-export async function createScratchDatabase(adminUrl: string, prefix = "gw_scratch"): Promise<ScratchPostgres> {
+export async function createScratchDatabase(adminUrl: string, prefix = "gw_scratch", options = ""): Promise<ScratchPostgres> {
   const name = `${prefix}_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
   const admin = postgres(adminUrl, { max: 1, onnotice: () => {} });
   try {
-    await admin.unsafe(`create database "${name}"`);
+    await admin.unsafe(`create database "${name}" ${options}`);
   } finally {
     await admin.end({ timeout: 5 });
   }

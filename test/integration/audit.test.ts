@@ -460,6 +460,29 @@ describe("q folding: Greek final sigma, Unicode normalisation", () => {
     }
     expect(await found("σίσυφοςα")).toEqual([]);
   });
+
+  test("q and the stored names match whatever their Unicode normal form (NFD as macOS writes it, NFC)", async () => {
+    for (const q of ["Chloe\u0301", "CHLOE\u0301 PETIT", "chlo\u00e9", "CHLO\u00c9"]) expect({ q, found: await found(q) }).toEqual({ q, found: ["chloe-nfc"] });
+    for (const q of ["zo\u00e9", "ZO\u00c9 MARTIN", "zoe\u0301", "zo\u00e9@acme"]) expect({ q, found: await found(q) }).toEqual({ q, found: ["zoe-nfd"] });
+    expect(await found("zoe")).toEqual([]);
+  });
+
+  test("compatibility forms fold to their plain letters: full-width, ligatures, no-break space", async () => {
+    for (const [q, label] of [
+      ["ａｄａ ｌｏｖｅｌａｃｅ", "nbsp"],
+      ["ada lovelace", "nbsp"],
+      ["finance", "ligature"],
+      ["\ufb01nance", "ligature"],
+      ["wide corp", "ligature"],
+      ["ＷＩＤＥ", "ligature"],
+      ["１００％＿", "percent"],
+      ["¹⁰⁰", "percent"], // the cost: superscripts are digits too
+    ] as const) {
+      expect({ q, found: await found(q) }).toEqual({ q, found: [label] });
+    }
+    // Folded before % and _ are escaped: a full-width ％ is a literal % too.
+    expect(await found("1％0")).toEqual([]);
+  });
 });
 
 describe("pagination", () => {
@@ -580,6 +603,11 @@ describe("cursor", () => {
       expect({ q, ids: next.data.map((e) => e.id) }).toEqual({ q, ids: want });
     }
     for (const q of ["alic", "alice ", "Alice Martin"]) await expectInvalid(await get(a.serviceKey, { q, limit: "2", cursor: first.next_cursor }), "cursor");
+    // Another normal form (NFD) or full-width spelling of q is the same search too.
+    const chloe = await page(a.serviceKey, { q: "Chlo\u00e9", limit: "1" });
+    expect(chloe.next_cursor).not.toBe("");
+    for (const q of ["CHLOE\u0301", "ｃｈｌｏé"]) expect((await get(a.serviceKey, { q, limit: "1", cursor: chloe.next_cursor })).status).toBe(200);
+    await expectInvalid(await get(a.serviceKey, { q: "chloe", limit: "1", cursor: chloe.next_cursor }), "cursor");
   });
 });
 

@@ -68,6 +68,20 @@ async function insertAuditEvent(db: Database): Promise<string> {
   return row.id;
 }
 
+/** Bring a fresh database to where a gateway before `tag` left it. */
+async function migrateUpTo(db: Database, tag: string): Promise<number> {
+  const upTo = MIGRATIONS.findIndex((m) => m.tag === tag);
+  expect(upTo).toBeGreaterThan(0);
+  await db.db.transaction(async (tx) => {
+    await tx.execute(sql`create table gateway_migrations (tag text primary key, applied_at timestamptz not null default now())`);
+    for (const m of MIGRATIONS.slice(0, upTo)) {
+      for (const stmt of m.statements) await tx.execute(sql.raw(stmt));
+      await tx.execute(sql`insert into gateway_migrations (tag) values (${m.tag})`);
+    }
+  });
+  return upTo;
+}
+
 function suite(kind: Kind) {
   test("0005: keys without expiry get created_at + 365 days (at least 30 days from the upgrade) and expires_at becomes NOT NULL; search_text gets one field per line", async () => {
     const db = await fresh(kind);
@@ -119,21 +133,14 @@ function suite(kind: Kind) {
     expect(await failure(db.rows(sql`update audit_events set action = 'member.removed' where id = ${event?.id}`))).toContain("append-only");
   });
 
-  test("0010: search_text is refolded as the gateway now writes it (final sigma as σ); rows that do not change are not rewritten", async () => {
+  test("0010: search_text is refolded as the gateway now writes it (NFKC, final sigma as σ); rows that do not change are not rewritten", async () => {
     const db = await fresh(kind);
-    // The database as a gateway before 0010 left it.
-    const upTo = MIGRATIONS.findIndex((m) => m.tag === "0010_audit_search_fold");
-    expect(upTo).toBeGreaterThan(0);
-    await db.db.transaction(async (tx) => {
-      await tx.execute(sql`create table gateway_migrations (tag text primary key, applied_at timestamptz not null default now())`);
-      for (const m of MIGRATIONS.slice(0, upTo)) {
-        for (const stmt of m.statements) await tx.execute(sql.raw(stmt));
-        await tx.execute(sql`insert into gateway_migrations (tag) values (${m.tag})`);
-      }
-    });
+    const upTo = await migrateUpTo(db, "0010_audit_search_fold");
     const people: [string, string, { name: string; email: string }[]][] = [
       ["ΣΊΣΥΦΟΣ", "", [{ name: "Οδυσσέας", email: "" }]],
       ["Σίσυφος Παπαδόπουλος", "sisyphos@example.com", []],
+      ["Zoe\u0301 Martin", "zoe\u0301@example.com", [{ name: "Chlo\u00e9", email: "" }]],
+      ["Ａｃｍｅ™ \ufb01nance\u00a0bot", "", [{ name: "ℌilbert ½", email: "ＨＩ@example.com" }]],
       ["Ada Lovelace", "Ada@Example.com", [{ name: "Grace Hopper", email: "grace@example.com" }]],
     ];
     const written: { id: string; want: string }[] = [];
@@ -154,6 +161,8 @@ function suite(kind: Kind) {
       written.push({ id: row?.id ?? "", want: searchTextOf(event) });
     }
     expect(written[0]?.want).toBe("member.invited\nσίσυφοσ\nοδυσσέασ");
+    expect(written[2]?.want).toBe("member.invited\nzo\u00e9 martin\nzo\u00e9@example.com\nchlo\u00e9");
+    expect(written[3]?.want).toBe("member.invited\nacmetm finance bot\nhilbert 1\u20442\nhi@example.com");
     const versions = async () =>
       new Map((await db.rows<{ id: string; x: string }>(sql`select id::text as id, xmin::text as x from audit_events`)).map((r) => [r.id, r.x]));
     const before = await versions();
@@ -165,7 +174,7 @@ function suite(kind: Kind) {
     }
     // Ada's row was already folded: left alone (same row version).
     const after = await versions();
-    expect(after.get(written[2]?.id ?? "")).toBe(before.get(written[2]?.id ?? ""));
+    expect(after.get(written[4]?.id ?? "")).toBe(before.get(written[4]?.id ?? ""));
     expect(after.get(written[0]?.id ?? "")).not.toBe(before.get(written[0]?.id ?? ""));
     // The log is append-only again.
     expect(await failure(db.rows(sql`update audit_events set action = 'member.removed' where id = ${written[0]?.id}`))).toContain("append-only");
@@ -385,6 +394,25 @@ describe("PGlite (embedded)", () => {
 
 describe.skipIf(!TEST_DATABASE_URL)("Postgres (TEST_DATABASE_URL)", () => {
   suite("postgres");
+
+  test("0010 on a database not in UTF8 (SQL_ASCII) applies and leaves search_text as it was (normalize() needs UTF8)", async () => {
+    const pg = await createScratchDatabase(TEST_DATABASE_URL ?? "", "gw_dbtest", "template template0 encoding 'SQL_ASCII' lc_collate 'C' lc_ctype 'C'");
+    cleanups.push(() => pg.drop());
+    const db = await openDatabase({ databaseUrl: pg.url, dataDir: "memory://", poolMax: 2 });
+    cleanups.push(() => db.close());
+    const upTo = await migrateUpTo(db, "0010_audit_search_fold");
+    const old = "member.invited\nzoe\u0301 ｍａｒｔｉｎ\nσίσυφος";
+    const [event] = await db.rows<{ id: string }>(sql`
+      insert into audit_events (org_id, action, category, actor_type, actor_id, actor_name, actor_email,
+                                targets, details, origin_ip_prefix, origin_user_agent_summary, search_text)
+      values (gen_random_uuid(), 'member.invited', 'member', 'user', gen_random_uuid(), 'Zoe\u0301 ＭＡＲＴＩＮ', '',
+              '[]'::jsonb, '{}'::jsonb, '', '', ${old})
+      returning id::text as id`);
+    const id = event?.id;
+    expect(await migrate(db)).toEqual(MIGRATIONS.slice(upTo).map((m) => m.tag));
+    const [row] = await db.rows<{ s: string }>(sql`select search_text as s from audit_events where id = ${id}`);
+    expect(row?.s).toBe(old);
+  });
 });
 
 describe("postgres.js without a server", () => {
