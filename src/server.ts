@@ -269,6 +269,7 @@ function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaM
     metrics.usageBuffered.set(q.bufferedEvents);
     metrics.usagePendingTokens.set(q.pendingTokens);
     metrics.usageFlushFailures.set(q.flushFailures);
+    metrics.usageUnanswered.set(q.unansweredWrites);
     metrics.rateLimitOrgs.set(limiter.size());
     if (database.transactions) {
       const t = database.transactions();

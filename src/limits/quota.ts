@@ -115,7 +115,7 @@ export interface QuotaManager extends Metering {
   flush(): Promise<void>;
   /** Flush and return unused leases. */
   stop(): Promise<void>;
-  stats(): { orgs: number; bufferedEvents: number; pendingTokens: number; droppedEvents: number; flushFailures: number; deadLettered: number };
+  stats(): { orgs: number; bufferedEvents: number; pendingTokens: number; droppedEvents: number; flushFailures: number; deadLettered: number; unansweredWrites: number };
 }
 
 class TicketImpl implements Ticket {

@@ -21,6 +21,9 @@ import { isDataError } from "../db/errors.ts";
  *   (usage_dead_letters, and the log), so one bad record never blocks the rest.
  * - Bounded: per-request records wait in a UsageLog of `maxBuffered`; token
  *   counters are never dropped.
+ * - Bounded in time: each statement or transaction of a flush waits at most
+ *   ANSWER_TIMEOUT_MS for the database, then the flush fails and its batch
+ *   waits for the next one (answered() below).
  *
  * What the counters should change by comes from a CounterSource (the quota's
  * lease accounting, src/limits/quota.ts); the writer tells it what the shared
@@ -76,7 +79,7 @@ export interface UsageWriter {
   flush(): Promise<void>;
   /** Stop the timer and write everything, the source's final changes included. */
   stop(): Promise<void>;
-  stats(): { bufferedEvents: number; pendingTokens: number; droppedEvents: number; flushFailures: number; deadLettered: number };
+  stats(): { bufferedEvents: number; pendingTokens: number; droppedEvents: number; flushFailures: number; deadLettered: number; unansweredWrites: number };
 }
 
 interface Batch {
@@ -91,6 +94,19 @@ interface Batch {
 
 type Tx = Parameters<Parameters<Database["db"]["transaction"]>[0]>[0];
 
+/**
+ * Writes given up on (no answer within ANSWER_TIMEOUT_MS) that may still hold
+ * a pool connection, since a query sent cannot be taken back: while this many
+ * are outstanding no flush touches the database, so a database that stops
+ * answering never has the writer take the whole pool. Two, not one: a single
+ * dead connection (a NAT that dropped its flow) then delays the usage by one
+ * flush, not until TCP gives up on it.
+ */
+const MAX_UNANSWERED = 2;
+
+/** Postgres ends a statement of a usage write that runs as long as we wait for its answer (blocked on a lock, say). */
+const STATEMENT_TIMEOUT = sql.raw(`set local statement_timeout = ${ANSWER_TIMEOUT_MS}`);
+
 export function createUsageWriter(database: Database, log: Logger, source: CounterSource, opts: UsageWriterOptions): UsageWriter {
   const events = new UsageLog(opts.maxBuffered);
   let flushFailures = 0;
@@ -102,6 +118,40 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
   let deadLettered = 0;
   /** The source's final changes (unused lease returned) were cut: a stop that wrote only an older batch has not. */
   let finalCut = false;
+  /** Database calls given up on that have not settled yet (each may hold a connection). */
+  let unanswered = 0;
+  /** The stop is under way: the pool is closed after it, so writes left unanswered no longer hold anything back. */
+  let stopping = false;
+
+  /**
+   * Runs one database call of a flush, waiting at most ANSWER_TIMEOUT_MS for
+   * it. A call with no answer by then is given up on (DatabaseTimeout): the
+   * flush fails and its batch is retried at the next one under the same id.
+   * The call itself runs on (postgres.js cannot take back a query it sent)
+   * and may still commit; `live()` is then false, so its late answer tells the
+   * source nothing, and whichever of it and the retry inserts the batch id
+   * first applies the batch (the id is unique, inserted in the write's own
+   * transaction: the other finds it and writes nothing). Until it settles it
+   * may hold its pool connection: at most MAX_UNANSWERED are left so.
+   */
+  async function answered<T>(what: string, call: (live: () => boolean) => Promise<T>): Promise<T> {
+    if (unanswered >= MAX_UNANSWERED && !stopping) throw new DatabaseTimeout(`${what}: ${unanswered} earlier usage writes are still unanswered`);
+    let givenUp = false;
+    const running = call(() => !givenUp);
+    try {
+      return await answeredWithin(running, ANSWER_TIMEOUT_MS, what);
+    } catch (e) {
+      if (e instanceof DatabaseTimeout && !givenUp) {
+        givenUp = true;
+        unanswered++;
+        const settled = () => {
+          unanswered--;
+        };
+        running.then(settled, settled);
+      }
+      throw e;
+    }
+  }
 
   /** Move everything pending into a new batch (synchronous: no settle interleaves). */
   function cut(final: boolean): Batch | undefined {
@@ -120,7 +170,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
    * A template, not drizzle's query builder (src/db/raw.ts): one statement
    * per organisation with usage in every flush.
    */
-  async function applyDelta(tx: Tx, d: CounterDelta): Promise<void> {
+  async function applyDelta(tx: Tx, d: CounterDelta, live: () => boolean): Promise<void> {
     const [row] = rowsOf<{ used: unknown; leased: unknown; wanted: unknown }>(
       await tx.execute(sql`
         insert into usage_counters (org_id, window_start, used, leased)
@@ -130,35 +180,45 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
         returning used, leased, coalesce(wanted_at > now() - make_interval(secs => ${opts.wantedWithinMs / 1000}), false) as wanted`),
     );
     // bigint columns arrive as numbers (PGlite) or strings (postgres.js).
-    if (row) source.observed(d, { used: Number(row.used), leased: Number(row.leased), wanted: row.wanted === true });
+    if (row && live()) source.observed(d, { used: Number(row.used), leased: Number(row.leased), wanted: row.wanted === true });
   }
 
-  /** Runs `write` in a transaction unless `id` was applied before (an earlier attempt committed although we never heard back). */
-  async function once(id: string, write: (tx: Tx) => Promise<void>): Promise<void> {
-    await database.db.transaction(async (tx) => {
-      const fresh = rowsOf(await tx.execute(sql`insert into usage_batches (id) values (${id}) on conflict do nothing returning id`));
-      if (fresh.length > 0) await write(tx);
-    });
+  /**
+   * Runs `write` in a transaction unless `id` was applied before (an earlier
+   * attempt committed although we never heard back, or an attempt given up on
+   * commits while this one runs: the id's row is inserted first, so one waits
+   * for the other's and then writes nothing). Within ANSWER_TIMEOUT_MS.
+   */
+  function once(what: string, id: string, write: (tx: Tx, live: () => boolean) => Promise<void>): Promise<void> {
+    return answered(what, (live) =>
+      database.db.transaction(async (tx) => {
+        if (database.kind === "postgres") await tx.execute(STATEMENT_TIMEOUT);
+        const fresh = rowsOf(await tx.execute(sql`insert into usage_batches (id) values (${id}) on conflict do nothing returning id`));
+        if (fresh.length > 0) await write(tx, live);
+      }),
+    );
   }
 
   async function apply(b: Batch): Promise<void> {
-    await once(b.id, async (tx) => {
-      for (const d of b.deltas) await applyDelta(tx, d);
+    await once("usage write", b.id, async (tx, live) => {
+      for (const d of b.deltas) await applyDelta(tx, d, live);
       if (b.events.length > 0) await insertEvents(tx, b.events);
     });
     for (const d of b.deltas) source.landed(d);
     // Batch ids only guard retries of the last few seconds; keep a day of them.
     if (++applied % 1000 === 1) {
-      await database.db.execute(sql`delete from usage_batches where created_at < now() - interval '1 day'`).catch(() => {});
+      await answered("usage batch cleanup", () => database.db.execute(sql`delete from usage_batches where created_at < now() - interval '1 day'`)).catch(() => {});
     }
   }
 
   /** Whether the database takes transactions now (the path every write uses), so a failed write was the data's fault. */
   async function reachable(): Promise<boolean> {
     try {
-      await database.db.transaction(async (tx) => {
-        await tx.execute(sql`select 1`);
-      });
+      await answered("usage write check", () =>
+        database.db.transaction(async (tx) => {
+          await tx.execute(sql`select 1`);
+        }),
+      );
       return true;
     } catch {
       return false;
@@ -166,7 +226,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
   }
 
   async function batchLanded(id: string): Promise<boolean> {
-    const rows = await database.db.select({ id: usageBatches.id }).from(usageBatches).where(eq(usageBatches.id, id));
+    const rows = await answered("usage batch check", () => database.db.select({ id: usageBatches.id }).from(usageBatches).where(eq(usageBatches.id, id)));
     return rows.length > 0;
   }
 
@@ -195,8 +255,8 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
       const id = items.ids[i] as string;
       const delta = i < b.deltas.length ? b.deltas[i] : undefined;
       try {
-        if (delta) await once(id, (tx) => applyDelta(tx, delta));
-        else await once(id, (tx) => insertEvents(tx, columnsAt(b.events, i - b.deltas.length)));
+        if (delta) await once("usage write", id, (tx, live) => applyDelta(tx, delta, live));
+        else await once("usage write", id, (tx) => insertEvents(tx, columnsAt(b.events, i - b.deltas.length)));
       } catch (e) {
         // Only the data's own fault sets a record aside; anything else keeps the batch for the next flush.
         if (!isDataError(e) || !(await reachable())) throw e;
@@ -212,7 +272,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     deadLettered++;
     log.error("usage record could not be written; set aside", { err: err.message, record });
     try {
-      await database.db.insert(usageDeadLetters).values({ record: JSON.stringify(record), error: err.message });
+      await answered("usage dead letter", () => database.db.insert(usageDeadLetters).values({ record: JSON.stringify(record), error: err.message }));
     } catch (e) {
       log.error("usage dead letter could not be stored; the log line above is its only copy", { err: (e as Error).message });
     }
@@ -258,7 +318,8 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     try {
       await apply(b);
     } catch (first) {
-      if (!(await reachable())) throw first;
+      // No answer at all: asking whether the database answers would only wait as long again.
+      if (first instanceof DatabaseTimeout || !(await reachable())) throw first;
       try {
         await apply(b);
       } catch (second) {
@@ -269,9 +330,13 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
   }
 
   async function flushOnce(final: boolean): Promise<void> {
-    // Best effort: a failure here only delays handing lease over, never the usage write.
-    await source.beforeFlush().catch((e: Error) => log.debug("lease request check failed", { err: e.message }));
     try {
+      // Best effort: a failure here only delays handing lease over, never the usage write; but a database
+      // that did not answer it would not answer the write either.
+      await answered("lease request check", () => source.beforeFlush()).catch((e: Error) => {
+        if (e instanceof DatabaseTimeout) throw e;
+        log.debug("lease request check failed", { err: e.message });
+      });
       for (;;) {
         // A batch that failed before is written first, unchanged; new usage waits for the next one.
         batch ??= cut(final);
@@ -364,6 +429,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     flush: () => flush(false),
     async stop() {
       if (timer) clearInterval(timer);
+      stopping = true;
       // A write the database never answers (a partition, a paused host) would hold the stop until the
       // service manager kills the process, and the usage would be lost without the line below; every
       // wait here is bounded, and once a write is left unanswered the next ones would queue behind it.
@@ -394,6 +460,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
         droppedEvents: events.dropped,
         flushFailures,
         deadLettered,
+        unansweredWrites: unanswered,
       };
     },
   };

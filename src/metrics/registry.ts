@@ -100,6 +100,11 @@ export function createMetrics() {
     rateLimitOrgs: new Gauge({ name: "gateway_rate_limit_orgs", help: "Organisations the rate limiter holds a window for", registers }),
     usagePendingTokens: new Gauge({ name: "gateway_usage_pending_tokens", help: "Settled tokens not yet written to the database", registers }),
     usageFlushFailures: new Gauge({ name: "gateway_usage_flush_failures", help: "Failed usage writes since start (retried)", registers }),
+    usageUnanswered: new Gauge({
+      name: "gateway_usage_unanswered_writes",
+      help: "Usage writes given up on without an answer from the database that have not settled yet (each may hold a database connection)",
+      registers,
+    }),
     keyCache: new Counter({
       name: "gateway_key_cache_total",
       help: "Key verifications served from the cache (hit), the database (miss), or refused without a lookup (throttled)",

@@ -9,14 +9,33 @@ import type { Socket, TCPSocketListener } from "bun";
  * closes the frozen connections, as the kernel would once the partition
  * heals, and forwards again. `freezeListening()` freezes only the
  * connections that sent LISTEN: a NAT or firewall dropping an idle flow.
+ * `holdWhen()` holds one connection from a given statement on, keeping its
+ * bytes instead of dropping them, and lets them through later: a partition
+ * that heals before TCP gives up, delivering a write its client abandoned.
  */
 export interface FreezeProxy {
   url: string;
   freeze(): void;
   /** Freeze only the connections open now that sent LISTEN. */
   freezeListening(): number;
+  /**
+   * Holds the first connection whose client then sends bytes matching
+   * `pattern` (with `after`: the first to send `after`, once it then sends
+   * `pattern`), until `release()` forwards what was kept, in order.
+   * `"statement"`: from the matching bytes on, both directions are kept, so
+   * the server never sees the statement; `"answer"`: the client's bytes go
+   * through and the server's are kept, so it runs the statement and its
+   * answer is lost until the release.
+   */
+  holdWhen(pattern: RegExp, what: "statement" | "answer", after?: RegExp): Hold;
   thaw(): void;
   stop(): void;
+}
+
+export interface Hold {
+  /** Resolves when a connection sent the pattern and is held. */
+  held: Promise<void>;
+  release(): void;
 }
 
 interface Pair {
@@ -27,6 +46,33 @@ interface Pair {
   frozen: boolean;
   /** The client sent a LISTEN on this connection. */
   listens: boolean;
+  /** Prepared statements' text by name (a Bind names the statement only): what holdWhen() matches. */
+  statements: Map<string, string>;
+  /** Bytes kept while the connection is held (holdWhen), each direction in order. */
+  hold?: { what: "statement" | "answer"; toServer: Uint8Array[]; toClient: Uint8Array[]; serverClosed: boolean };
+}
+
+/** A holdWhen() waiting for its statement (`pair` unset), or holding its connection. */
+interface Trigger {
+  pattern: RegExp;
+  what: "statement" | "answer";
+  after?: RegExp;
+  /** The connection that sent `after`. */
+  primed?: Pair;
+  pair?: Pair;
+  onHeld(): void;
+}
+
+/**
+ * What a chunk of the client's bytes runs: its own text, and the text of each
+ * prepared statement it binds (postgres.js parses a statement once per
+ * connection and afterwards sends only its name).
+ */
+function sentText(pair: Pair, text: string): string {
+  for (const m of text.matchAll(/P[\s\S]{4}([^\0]+)\0([^\0]*)\0/g)) pair.statements.set(m[1] as string, m[2] as string);
+  let out = text;
+  for (const m of text.matchAll(/B[\s\S]{4}\0([^\0]+)\0/g)) out += `\n${pair.statements.get(m[1] as string) ?? ""}`;
+  return out;
 }
 
 export async function startFreezeProxy(targetUrl: string, port: number): Promise<FreezeProxy> {
@@ -35,13 +81,14 @@ export async function startFreezeProxy(targetUrl: string, port: number): Promise
   const targetPort = Number(target.port || 5432);
   let frozen = false;
   const pairs = new Set<Pair>();
+  let armed: Trigger | undefined;
 
   const listener: TCPSocketListener<Pair> = Bun.listen<Pair>({
     hostname: "127.0.0.1",
     port,
     socket: {
       open(client) {
-        const pair: Pair = { client, early: [], frozen, listens: false };
+        const pair: Pair = { client, early: [], frozen, listens: false, statements: new Map() };
         client.data = pair;
         pairs.add(pair);
         void Bun.connect<{ pair: Pair }>({
@@ -54,10 +101,13 @@ export async function startFreezeProxy(targetUrl: string, port: number): Promise
               for (const b of pair.early.splice(0)) server.write(b);
             },
             data(_server, bytes) {
-              if (!pair.frozen) pair.client.write(bytes);
+              if (pair.hold) pair.hold.toClient.push(new Uint8Array(bytes));
+              else if (!pair.frozen) pair.client.write(bytes);
             },
             close() {
-              if (!pair.frozen) pair.client.end();
+              // A held connection's end reaches the client after what was kept, at the release.
+              if (pair.hold) pair.hold.serverClosed = true;
+              else if (!pair.frozen) pair.client.end();
               pairs.delete(pair);
             },
             error() {},
@@ -67,7 +117,24 @@ export async function startFreezeProxy(targetUrl: string, port: number): Promise
       data(client, bytes) {
         const pair = client.data;
         if (pair.frozen) return;
-        if (!pair.listens && /\blisten\b/i.test(Buffer.from(bytes).toString("latin1"))) pair.listens = true;
+        if (pair.hold?.what === "statement") {
+          pair.hold.toServer.push(new Uint8Array(bytes));
+          return;
+        }
+        const text = sentText(pair, Buffer.from(bytes).toString("latin1"));
+        if (!pair.listens && /\blisten\b/i.test(text)) pair.listens = true;
+        if (armed && !armed.pair) {
+          if (armed.after && !armed.primed && armed.after.test(text)) armed.primed = pair;
+          else if ((!armed.after || armed.primed === pair) && armed.pattern.test(text)) {
+            armed.pair = pair;
+            pair.hold = { what: armed.what, toServer: [], toClient: [], serverClosed: false };
+            armed.onHeld();
+            if (armed.what === "statement") {
+              pair.hold.toServer.push(new Uint8Array(bytes));
+              return;
+            }
+          }
+        }
         if (pair.server) pair.server.write(bytes);
         else pair.early.push(new Uint8Array(bytes));
       },
@@ -97,6 +164,27 @@ export async function startFreezeProxy(targetUrl: string, port: number): Promise
         n++;
       }
       return n;
+    },
+    holdWhen(pattern, what, after) {
+      let onHeld = () => {};
+      const held = new Promise<void>((r) => {
+        onHeld = r;
+      });
+      const hold: Trigger = { pattern, what, onHeld, ...(after ? { after } : {}) };
+      armed = hold;
+      return {
+        held,
+        release() {
+          const pair = hold.pair;
+          if (armed === hold) armed = undefined;
+          const kept = pair?.hold;
+          if (!pair || !kept) return;
+          pair.hold = undefined;
+          for (const b of kept.toServer) pair.server?.write(b);
+          for (const b of kept.toClient) pair.client.write(b);
+          if (kept.serverClosed) pair.client.end();
+        },
+      };
     },
     thaw() {
       frozen = false;

@@ -1,7 +1,7 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
 import { createKey, revokeKey } from "../../src/admin/service.ts";
-import { ANSWER_TIMEOUT_MS, type Database, LISTEN_CHECK_MS, migrate, openDatabase } from "../../src/db/client.ts";
+import { ANSWER_TIMEOUT_MS, type Database, IDLE_IN_TRANSACTION_MS, LISTEN_CHECK_MS, migrate, openDatabase } from "../../src/db/client.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { type FreezeProxy, startFreezeProxy } from "../helpers/freeze-proxy.ts";
@@ -165,6 +165,167 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
     } finally {
       proc.kill("SIGKILL");
       proxy.thaw();
+    }
+  });
+
+  /** What the shared counter and the usage records of `orgId` hold. */
+  async function written(orgId: string): Promise<{ used: number; requests: number }> {
+    const [c] = await held.rows<{ used: number | string }>(sql`select coalesce(sum(used), 0) as used from usage_counters where org_id = ${orgId}`);
+    const [e] = await held.rows<{ n: number | string }>(sql`select coalesce(sum(requests), 0) as n from usage_events where org_id = ${orgId}`);
+    return { used: Number(c?.used), requests: Number(e?.n) };
+  }
+
+  /** One chat completion; its total tokens. */
+  async function chatTokens(url: string, key: string): Promise<number> {
+    const res = await fetch(`${url}/v1/chat/completions`, {
+      method: "POST",
+      headers: { ...bearer(key), "content-type": "application/json" },
+      body: JSON.stringify({ model: "svc-fast", max_tokens: 20, messages: [{ role: "user", content: "hello" }] }),
+      signal: AbortSignal.timeout(DEADLINE_MS),
+    });
+    expect(res.status).toBe(200);
+    const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+    return usage.total_tokens;
+  }
+
+  /** A gauge of the gateway's /metrics. */
+  async function gauge(metricsUrl: string, name: string): Promise<number> {
+    const text = await (await fetch(metricsUrl, { signal: AbortSignal.timeout(DEADLINE_MS) })).text();
+    const line = text.split("\n").find((l) => l.startsWith(`${name} `));
+    return line === undefined ? Number.NaN : Number(line.slice(name.length + 1));
+  }
+
+  /**
+   * Where the write's connection is held, and what its retry under the same batch id then finds:
+   * - its batch id's insert: the server has not seen it; the retry commits, then the insert arrives and finds the id;
+   * - its commit: the batch id's row is inserted, uncommitted; the retry waits for it on the server, then finds it;
+   * - its commit's answer: the write committed and we never heard; the retry finds the id at once.
+   */
+  const holds = [
+    { where: "its batch id's insert", what: "statement", pattern: /insert into usage_batches/i, after: undefined, retry: "commits" },
+    { where: "its commit", what: "statement", pattern: /commit/i, after: /insert into usage_batches/i, retry: "waits" },
+    { where: "its commit's answer", what: "answer", pattern: /commit/i, after: /insert into usage_batches/i, retry: "finds it" },
+  ] as const;
+  for (const h of holds) {
+    test(`a usage write left unanswered (${h.where} held) is given up on and retried under its batch id; let through after the retry, it changes nothing`, async () => {
+      const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 4 });
+      // Usage is written only when the test flushes.
+      const gw = await startTestGateway(
+        { plans: { Standard: { requestsPerMinute: 1_000_000 } }, upstream: upstreamSettings(), aliases: testAliases(sim.url), quota: { leaseTokens: 1_000, flushMs: 600_000 } },
+        db,
+      );
+      const hold = proxy.holdWhen(h.pattern, h.what, h.after);
+      try {
+        const org = await seedOrg(held, { quotaTokens: 1_000_000 });
+        let total = 0;
+        for (let i = 0; i < 3; i++) {
+          const tokens = await chatTokens(gw.url, org.serviceKey);
+          total += tokens;
+        }
+        const t = Date.now();
+        const first = gw.quota.flush().then(
+          () => "written",
+          (e: Error) => e.message,
+        );
+        await hold.held;
+        const heldAt = Date.now();
+        // Before: the flush waited for the answer for good (until TCP gives up, many minutes in production).
+        const outcome = await Promise.race([first, Bun.sleep(3 * ANSWER_TIMEOUT_MS).then(() => "still waiting")]);
+        expect(outcome).toContain("no answer from the database within");
+        expect(Date.now() - t).toBeLessThan(ANSWER_TIMEOUT_MS + 5_000);
+        expect(gw.quota.stats()).toMatchObject({ flushFailures: 1, unansweredWrites: 1 });
+        expect(await written(org.orgId)).toEqual(h.retry === "finds it" ? { used: total, requests: 3 } : { used: 0, requests: 0 });
+
+        // The retry, on another connection, under the same batch id.
+        const retry = gw.quota.flush();
+        if (h.retry === "waits") {
+          await until(
+            async () => {
+              const [r] = await held.rows<{ n: number }>(
+                sql`select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock' and query like 'insert into usage_batches%'`,
+              );
+              return r?.n === 1;
+            },
+            "the retry waiting on the server for the batch id's row the abandoned write inserted",
+            ANSWER_TIMEOUT_MS - 1_000,
+            20,
+          );
+        } else {
+          await retry;
+          expect(await written(org.orgId)).toEqual({ used: total, requests: 3 });
+        }
+        // The abandoned transaction's session is still alive when it is let through (the server ends it after IDLE_IN_TRANSACTION_MS idle).
+        expect(Date.now() - heldAt).toBeLessThan(IDLE_IN_TRANSACTION_MS - 1_000);
+        hold.release();
+        await retry;
+        await until(() => gw.quota.stats().unansweredWrites === 0, "the abandoned write to finish", 10_000, 20);
+        // Once, not twice: the abandoned write and its retry carry one batch id, inserted in the write's own transaction.
+        expect(await written(org.orgId)).toEqual({ used: total, requests: 3 });
+        await gw.quota.flush();
+        expect(await written(org.orgId)).toEqual({ used: total, requests: 3 });
+      } finally {
+        hold.release();
+        await gw.stop();
+        await db.close();
+      }
+    });
+  }
+
+  test("the database stops answering during normal running: each usage write gives up within the limit, at most two are left unanswered, all usage lands once after", async () => {
+    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 3 });
+    const gw = await startTestGateway(
+      {
+        keyCache: { ttlMs: 600_000, ...KEY_CACHE },
+        plans: { Standard: { requestsPerMinute: 1_000_000 } },
+        upstream: upstreamSettings(),
+        aliases: testAliases(sim.url),
+        quota: { leaseTokens: 1_000, flushMs: 200 },
+      },
+      db,
+    );
+    const metrics = gw.metricsUrl as string;
+    try {
+      // No quota: its requests need no lease, so they are served while the database does not answer.
+      const org = await seedOrg(held);
+      let total = await chatTokens(gw.url, org.serviceKey);
+      await until(async () => (await written(org.orgId)).used === total, "the first usage written", 10_000, 50);
+      const before = total;
+      // Every connection of the pool open, so that each write can be sent on one and left unanswered.
+      await Promise.all([1, 2, 3].map(() => db.rows(sql`select pg_sleep(0.2)`)));
+
+      proxy.freeze();
+      const frozenAt = Date.now();
+      for (let i = 0; i < 3; i++) {
+        const tokens = await chatTokens(gw.url, org.serviceKey);
+        total += tokens;
+      }
+      // Before: no failed write was ever counted: the flush waited for its answer for good, and the timer skipped every tick.
+      await until(async () => (await gauge(metrics, "gateway_usage_flush_failures")) >= 1, "a usage write given up on", 3 * ANSWER_TIMEOUT_MS, 100);
+      // Each write given up on still holds its connection: no more than two are left unanswered at once, so the
+      // rest of the pool stays for key lookups and leases. Watched for four answer limits (the whole pool, three, without the bound).
+      let most = 0;
+      while (Date.now() - frozenAt < 4 * ANSWER_TIMEOUT_MS + 1_000) {
+        most = Math.max(most, await gauge(metrics, "gateway_usage_unanswered_writes"));
+        await Bun.sleep(100);
+      }
+      expect({
+        most,
+        failures: (await gauge(metrics, "gateway_usage_flush_failures")) >= 3,
+        pending: await gauge(metrics, "gateway_usage_pending_tokens"),
+        ready: (await timed(`${gw.url}/readyz`)).status,
+      }).toEqual({ most: 2, failures: true, pending: total - before, ready: 503 });
+
+      // Healed: the frozen connections are closed, the writes left unanswered fail, the batch is written once.
+      proxy.thaw();
+      await until(async () => (await written(org.orgId)).requests === 4, "the usage written after the database answers again", 30_000, 100);
+      await until(async () => (await gauge(metrics, "gateway_usage_unanswered_writes")) === 0, "no write left unanswered", 10_000, 100);
+      await gw.quota.flush();
+      expect(await written(org.orgId)).toEqual({ used: total, requests: 4 });
+      expect(await gauge(metrics, "gateway_usage_pending_tokens")).toBe(0);
+    } finally {
+      proxy.thaw();
+      await gw.stop();
+      await db.close();
     }
   });
 
