@@ -7,7 +7,7 @@ import { auditRoutes } from "./audit/routes.ts";
 import { meRoutes } from "./auth/routes.ts";
 import { listenAddress } from "./config/load.ts";
 import type { Config } from "./config/schema.ts";
-import { type Database, migrate, migrationsCurrent, openDatabase } from "./db/client.ts";
+import { type Database, migrate, migrationsCurrent, openDatabase, unknownMigrations } from "./db/client.ts";
 import { settings } from "./db/schema.ts";
 import { createApp } from "./http/app.ts";
 import { errorBody } from "./http/errors.ts";
@@ -77,6 +77,9 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     if (config.metrics.enabled && !metricsOnMain) metricsServer = serveMetrics(config.metrics.listen, metrics);
     const applied = await migrate(database);
     if (applied.length > 0) log.info("migrations applied", { applied });
+    // Served all the same: in a rolling deploy the first new instance migrates while the old ones still run and restart.
+    const ahead = await unknownMigrations(database);
+    if (ahead) log.warn(ahead.message, { unknown: ahead.unknown, database_newest: ahead.databaseNewest, gateway_newest: ahead.gatewayNewest });
     const secret = await cursorSecret(database, config.cursorSecret);
 
     const verifier = createKeyVerifier(database, config.keyCache);

@@ -398,6 +398,37 @@ export async function migrate(database: Database): Promise<string[]> {
   });
 }
 
+/** A database holding applied migrations this binary does not carry: a newer release (or another build) migrated it. */
+export interface UnknownMigrations {
+  /** The tags this binary does not know, in order. */
+  unknown: string[];
+  /** The newest migration the database has applied, and the newest this binary knows. */
+  databaseNewest: string;
+  gatewayNewest: string;
+  /** One line for the operator, naming both. */
+  message: string;
+}
+
+/**
+ * Undefined when every migration the database has applied is one of ours.
+ * Nothing is undone: a rollback to an older release keeps the newer schema
+ * (docs/decisions.md: Command line).
+ */
+export async function unknownMigrations(database: Database): Promise<UnknownMigrations | undefined> {
+  const rows = await database.rows<{ tag: string }>(sql`select tag from gateway_migrations order by tag`);
+  const known = new Set(MIGRATIONS.map((m) => m.tag));
+  const unknown = rows.map((r) => r.tag).filter((t) => !known.has(t));
+  if (unknown.length === 0) return undefined;
+  // Tags start with a zero-padded number, so their order is the order they were made in.
+  const databaseNewest = rows.at(-1)?.tag ?? "";
+  const gatewayNewest = MIGRATIONS.at(-1)?.tag ?? "";
+  const who = databaseNewest > gatewayNewest ? "a newer release" : "another build";
+  const message =
+    `the database has ${unknown.length} migration${unknown.length === 1 ? "" : "s"} this gateway does not know (${unknown.join(", ")}): ` +
+    `the newest it has is ${databaseNewest}, the newest this gateway knows is ${gatewayNewest}; ${who} migrated it, and this one may fail on that schema`;
+  return { unknown, databaseNewest, gatewayNewest, message };
+}
+
 /** True when every embedded migration has been applied (readiness). */
 export async function migrationsCurrent(database: Database): Promise<boolean> {
   try {

@@ -90,8 +90,8 @@ function expectUsage(r: Result, message: string | RegExp) {
   expect(r.code).toBe(2);
 }
 
-async function inspect<T>(fn: (db: Database) => Promise<T>): Promise<T> {
-  const db = await openDatabase({ dataDir });
+async function inspect<T>(fn: (db: Database) => Promise<T>, dir = dataDir): Promise<T> {
+  const db = await openDatabase({ dataDir: dir });
   try {
     return await fn(db);
   } finally {
@@ -207,11 +207,32 @@ describe("migrate", () => {
   test("applies every migration once, then reports the database up to date", async () => {
     const r = await cli("migrate", "--json");
     expect(r.code).toBe(0);
-    expect(onlyJson(r.stdout)).toEqual({ applied: ALL_TAGS });
+    expect(onlyJson(r.stdout)).toEqual({ applied: ALL_TAGS, unknown: [] });
     const again = await cli("migrate", "--json");
-    expect(onlyJson(again.stdout)).toEqual({ applied: [] });
+    expect(onlyJson(again.stdout)).toEqual({ applied: [], unknown: [] });
     const human = await cli("migrate");
     expect(human.stdout).toBe("database is up to date\n");
+    expect(human.stderr).toBe("");
+  });
+
+  test("a database a newer release migrated: exit 0, one warning naming the newest migration on each side, nothing undone", async () => {
+    const dir = join(work, "newer");
+    expect((await cli("migrate", "--data-dir", dir)).code).toBe(0);
+    // What a newer release leaves behind: applied migrations this binary does not carry.
+    await inspect((db) => db.rows(sql`insert into gateway_migrations (tag) values ('9001_from_the_future'), ('9000_newer_release')`), dir);
+    const warning =
+      "warning: the database has 2 migrations this gateway does not know (9000_newer_release, 9001_from_the_future): " +
+      `the newest it has is 9001_from_the_future, the newest this gateway knows is ${ALL_TAGS.at(-1)}; ` +
+      "a newer release migrated it, and this one may fail on that schema\n";
+    const human = await cli("migrate", "--data-dir", dir);
+    expect(human).toEqual({ code: 0, stdout: "database is up to date\n", stderr: warning });
+    const json = await cli("migrate", "--json", "--data-dir", dir);
+    expect(json.code).toBe(0);
+    expect(onlyJson(json.stdout)).toEqual({ applied: [], unknown: ["9000_newer_release", "9001_from_the_future"] });
+    expect(json.stderr).toBe(warning);
+    // The rows stay: a rollback does not forget what the newer release did.
+    const tags = await inspect((db) => db.rows<{ tag: string }>(sql`select tag from gateway_migrations order by tag`), dir);
+    expect(tags.map((t) => t.tag)).toEqual([...ALL_TAGS, "9000_newer_release", "9001_from_the_future"]);
   });
 
   test("the human form names what it applied", async () => {
@@ -833,6 +854,30 @@ describe("as a process (bun run src/main.ts)", () => {
     }
   });
 
+  test("serve on a database a newer release migrated: one warning naming both newest migrations, and it serves", async () => {
+    const dir = join(work, "serve-newer");
+    expect((await runGateway(["migrate", "--data-dir", dir], { env: cleanEnv() })).code).toBe(0);
+    await inspect((db) => db.rows(sql`insert into gateway_migrations (tag) values ('9000_newer_release')`), dir);
+    const env = cleanEnv({ UPSTREAM_BASE_URL: "http://127.0.0.1:9/v1", LOG_LEVEL: "info", MIMALLOC_PURGE_HOLES: "0" });
+    const proc = startGatewayProcess(["serve", "--port", "0", "--data-dir", dir], { env });
+    try {
+      const url = await listeningUrl(proc);
+      await waitFor200(`${url}/readyz`);
+      const warnings = proc
+        .stdout()
+        .split("\n")
+        .filter((l) => l.includes('"level":"warn"') && l.includes("does not know"))
+        .map((l) => JSON.parse(l) as Record<string, unknown>);
+      expect(warnings).toHaveLength(1);
+      expect(warnings[0]).toMatchObject({ unknown: ["9000_newer_release"], database_newest: "9000_newer_release", gateway_newest: ALL_TAGS.at(-1) });
+      expect(warnings[0]?.msg).toContain("9000_newer_release");
+      proc.kill("SIGTERM");
+      expect(await exitWithin(proc, 30_000)).toBe(0);
+    } finally {
+      proc.kill("SIGKILL");
+    }
+  });
+
   test("simulate-upstream serves until SIGTERM, then exits 0", async () => {
     const sim = startGatewayProcess(["simulate-upstream", "--port", "0", "--ttft-ms", "1"]);
     try {
@@ -878,13 +923,34 @@ describe("as a process (bun run src/main.ts)", () => {
 });
 
 describe.skipIf(!process.env.TEST_DATABASE_URL)("against Postgres (DATABASE_URL), as processes", () => {
+  test("migrate on a database a newer release migrated: exit 0 and the warning", async () => {
+    const pg = await createScratchDatabase(process.env.TEST_DATABASE_URL ?? "", "gw_cli_newer");
+    try {
+      const env = cleanEnv({ DATABASE_URL: pg.url });
+      expect((await runGateway(["migrate"], { env })).code).toBe(0);
+      const db = await openDatabase({ databaseUrl: pg.url, dataDir: "memory://", poolMax: 1 });
+      try {
+        await db.rows(sql`insert into gateway_migrations (tag) values ('9000_newer_release')`);
+      } finally {
+        await db.close();
+      }
+      const r = await runGateway(["migrate", "--json"], { env });
+      expect(r.code).toBe(0);
+      expect(onlyJson(r.stdout)).toEqual({ applied: [], unknown: ["9000_newer_release"] });
+      expect(r.stderr).toStartWith("warning: the database has 1 migration this gateway does not know (9000_newer_release)");
+      expect(r.stderr).toContain(`the newest this gateway knows is ${ALL_TAGS.at(-1)}`);
+    } finally {
+      await pg.drop();
+    }
+  }, 60_000);
+
   test("the admin flow, with its audit events in the same database", async () => {
     const pg = await createScratchDatabase(process.env.TEST_DATABASE_URL ?? "", "gw_cli");
     try {
       const env = cleanEnv({ DATABASE_URL: pg.url });
       const gw = (...args: string[]) => runGateway(args, { env });
       const migrated = await gw("migrate", "--json");
-      expect(onlyJson(migrated.stdout)).toEqual({ applied: ALL_TAGS });
+      expect(onlyJson(migrated.stdout)).toEqual({ applied: ALL_TAGS, unknown: [] });
       const org = onlyJson<{ id: string }>((await gw("orgs", "create", "--name", "PG", "--json")).stdout).id;
       const user = onlyJson<{ id: string }>((await gw("users", "create", "--org", org, "--name", "U", "--email", "u@pg.example", "--json")).stdout).id;
       const key = onlyJson<{ id: string }>((await gw("keys", "create", "--org", org, "--user", user, "--kind", "personal", "--scopes", "inference", "--json")).stdout);
