@@ -3,7 +3,8 @@ import { readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { sql } from "drizzle-orm";
 import { COMMANDS } from "../../src/cli/commands/index.ts";
-import { type Database, openDatabase } from "../../src/db/client.ts";
+import { createOrg, createUser } from "../../src/admin/service.ts";
+import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { MIGRATIONS } from "../../src/db/migrations.ts";
 import {
   ROOT,
@@ -343,6 +344,34 @@ describe("users", () => {
     expectUsage(await cli("users", "create", "--org", MISSING_UUID, "--name", "X", "--email", "x@y.z"), `no organisation ${MISSING_UUID}`);
     expectUsage(await cli("users", "create", "--org", orgId, "--name", "Ada 2", "--email", "ada@acme.example"), "already exists in this organisation");
     expect(await counts()).toEqual(before);
+  });
+
+  test("e-mail addresses are unique per organisation whatever their case; kept as typed", async () => {
+    const org = onlyJson<{ id: string }>((await cli("orgs", "create", "--name", "Case", "--json")).stdout).id;
+    const grace = await cli("users", "create", "--org", org, "--name", "Grace", "--email", "Grace.Hopper@Navy.MIL", "--json");
+    expect(grace.code).toBe(0);
+    const graceId = onlyJson<{ id: string; email: string }>(grace.stdout);
+    expect(graceId.email).toBe("Grace.Hopper@Navy.MIL");
+    const before = await counts();
+    const taken = `error: a user with e-mail Grace.Hopper@Navy.MIL already exists in this organisation (${graceId.id})`;
+    for (const email of ["grace.hopper@navy.mil", "GRACE.HOPPER@NAVY.MIL"]) {
+      const r = await cli("users", "create", "--org", org, "--name", "Grace 2", "--email", email);
+      expectUsage(r, `${taken}; addresses that differ only in case are the same address\n`);
+    }
+    expectUsage(await cli("users", "create", "--org", org, "--name", "Grace 2", "--email", "Grace.Hopper@Navy.MIL"), `${taken}\n`);
+    expect(await counts()).toEqual(before);
+    // Another organisation may hold the same address.
+    expect((await cli("users", "create", "--org", orgId, "--name", "Grace", "--email", "grace.hopper@navy.mil")).code).toBe(0);
+  });
+
+  test("addresses that differ only in case, stored before this check, stay; a third spelling is refused", async () => {
+    const org = onlyJson<{ id: string }>((await cli("orgs", "create", "--name", "Legacy", "--json")).stdout).id;
+    // What the old check let in: two users whose addresses differ only in case.
+    await inspect((db) => db.rows(sql`insert into users (org_id, name, email) values (${org}, 'Old 1', 'Twin@Legacy.example'), (${org}, 'Old 2', 'twin@legacy.example')`));
+    expectUsage(await cli("users", "create", "--org", org, "--name", "Twin", "--email", "TWIN@legacy.example"), "already exists in this organisation");
+    const rows = await inspect((db) => db.rows<{ email: string }>(sql`select email from users where org_id = ${org} order by email`));
+    expect(rows.map((r) => r.email)).toEqual(["Twin@Legacy.example", "twin@legacy.example"]);
+    expect((await cli("users", "create", "--org", org, "--name", "Other", "--email", "other@legacy.example")).code).toBe(0);
   });
 });
 
@@ -940,6 +969,26 @@ describe.skipIf(!process.env.TEST_DATABASE_URL)("against Postgres (DATABASE_URL)
       expect(r.stderr).toStartWith("warning: the database has 1 migration this gateway does not know (9000_newer_release)");
       expect(r.stderr).toContain(`the newest this gateway knows is ${ALL_TAGS.at(-1)}`);
     } finally {
+      await pg.drop();
+    }
+  }, 60_000);
+
+  test("users created at once with one address in different cases: exactly one is created", async () => {
+    const pg = await createScratchDatabase(process.env.TEST_DATABASE_URL ?? "", "gw_cli_race");
+    const db = await openDatabase({ databaseUrl: pg.url, dataDir: "memory://", poolMax: 8 });
+    try {
+      await migrate(db);
+      const org = await createOrg(db, { name: "Race", plan: "Standard", plans: ["Standard"] });
+      // Every connection of the pool open first, so the transactions start together rather than one per new connection.
+      await Promise.all(Array.from({ length: 8 }, () => db.rows(sql`select pg_sleep(0.05)`)));
+      const spellings = ["ada@race.example", "Ada@race.example", "ADA@race.example", "ada@Race.example", "ada@RACE.EXAMPLE", "aDa@race.example", "adA@race.example", "Ada@Race.Example"];
+      const results = await Promise.allSettled(spellings.map((email) => createUser(db, { orgId: org.id, name: "Ada", email })));
+      expect(results.filter((r) => r.status === "fulfilled")).toHaveLength(1);
+      for (const r of results) if (r.status === "rejected") expect(String(r.reason)).toContain("already exists in this organisation");
+      const [row] = await db.rows<{ n: number }>(sql`select count(*)::int as n from users where org_id = ${org.id}`);
+      expect(row?.n).toBe(1);
+    } finally {
+      await db.close();
       await pg.drop();
     }
   }, 60_000);

@@ -9,7 +9,7 @@ const create = defineCommand({
   flags: {
     org: { type: "string", value: "UUID", description: "the organisation", required: true, field: "orgId" },
     name: { type: "string", value: "NAME", description: "the person's name", required: true, field: "name" },
-    email: { type: "string", value: "EMAIL", description: "unique within the organisation", required: true, field: "email" },
+    email: { type: "string", value: "EMAIL", description: "unique within the organisation, whatever its case; kept as typed", required: true, field: "email" },
     "academy-only": { type: "boolean", description: "an academy-only account: the person's keys get 403 academy_only on the platform API" },
   },
   common: ["config", "data-dir", "json"],
