@@ -69,6 +69,23 @@ async function insertAuditEvent(db: Database): Promise<string> {
 }
 
 /** Bring a fresh database to where a gateway before `tag` left it. */
+/** An audit event as the tests before 0005 wrote it (no targets). */
+function oldEvent(name: string, email: string) {
+  return { action: "member.invited", actor: { type: "user" as const, id: crypto.randomUUID(), name, email, keyId: null }, targets: [] };
+}
+
+/** A row as the gateway wrote it before 0005: its fields joined by spaces, lower-cased by JavaScript. */
+async function insertOldEvent(db: Database, name: string, email: string): Promise<string> {
+  const old = `member.invited ${name} ${email}`.toLowerCase();
+  const [row] = await db.rows<{ id: string }>(sql`
+    insert into audit_events (org_id, action, category, actor_type, actor_id, actor_name, actor_email,
+                              targets, details, origin_ip_prefix, origin_user_agent_summary, search_text)
+    values (gen_random_uuid(), 'member.invited', 'member', 'user', gen_random_uuid(), ${name}, ${email},
+            '[]'::jsonb, '{}'::jsonb, '', '', ${old})
+    returning id::text as id`);
+  return row?.id ?? "";
+}
+
 async function migrateUpTo(db: Database, tag: string): Promise<number> {
   const upTo = MIGRATIONS.findIndex((m) => m.tag === tag);
   expect(upTo).toBeGreaterThan(0);
@@ -178,6 +195,18 @@ function suite(kind: Kind) {
     expect(after.get(written[0]?.id ?? "")).not.toBe(before.get(written[0]?.id ?? ""));
     // The log is append-only again.
     expect(await failure(db.rows(sql`update audit_events set action = 'member.removed' where id = ${written[0]?.id}`))).toContain("append-only");
+  });
+
+  test("0010: rows 0005 lower-cased in the database (its lower(), not JavaScript's) are refolded from their fields as the gateway writes them", async () => {
+    const db = await fresh(kind);
+    const upTo = await migrateUpTo(db, "0005_keys_expire_search_fields");
+    // A row written before 0005 (fields joined by spaces); 0005 rewrote it with Postgres's lower(), which
+    // lowers İ to a plain i where JavaScript (the writer and q) writes i + U+0307: q=İlkay found nothing.
+    const id = await insertOldEvent(db, "İLKAY Gündoğan", "ilkay@example.com");
+    expect(await migrate(db)).toEqual(MIGRATIONS.slice(upTo).map((m) => m.tag));
+    const [row] = await db.rows<{ s: string }>(sql`select search_text as s from audit_events where id = ${id}`);
+    expect(row?.s).toBe(searchTextOf(oldEvent("İLKAY Gündoğan", "ilkay@example.com")));
+    expect(row?.s).toBe("member.invited\ni\u0307lkay gündoğan\nilkay@example.com");
   });
 
   test("migrations apply once: a second run applies nothing and changes nothing", async () => {
@@ -412,6 +441,22 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres (TEST_DATABASE_URL)", () => {
     expect(await migrate(db)).toEqual(MIGRATIONS.slice(upTo).map((m) => m.tag));
     const [row] = await db.rows<{ s: string }>(sql`select search_text as s from audit_events where id = ${id}`);
     expect(row?.s).toBe(old);
+  });
+});
+
+describe.skipIf(!TEST_DATABASE_URL)("Postgres whose LC_CTYPE is C (TEST_DATABASE_URL)", () => {
+  test("0010: rows 0005 lower-cased there (A to Z only) are refolded as the gateway writes them, so q=Émile finds Émile", async () => {
+    const pg = await createScratchDatabase(TEST_DATABASE_URL ?? "", "gw_dbtest", "template template0 encoding 'UTF8' lc_collate 'C' lc_ctype 'C'");
+    cleanups.push(() => pg.drop());
+    const db = await openDatabase({ databaseUrl: pg.url, dataDir: "memory://", poolMax: 2 });
+    cleanups.push(() => db.close());
+    const upTo = await migrateUpTo(db, "0005_keys_expire_search_fields");
+    const id = await insertOldEvent(db, "ÉMILE Ölund", "emile@example.com");
+    expect(await migrate(db)).toEqual(MIGRATIONS.slice(upTo).map((m) => m.tag));
+    const [row] = await db.rows<{ s: string }>(sql`select search_text as s from audit_events where id = ${id}`);
+    // Before: 0005 left "Émile Ölund" (lower() there folds A to Z only), and 0010 kept it: already NFKC.
+    expect(row?.s).toBe("member.invited\némile ölund\nemile@example.com");
+    expect(row?.s).toBe(searchTextOf(oldEvent("ÉMILE Ölund", "emile@example.com")));
   });
 });
 
