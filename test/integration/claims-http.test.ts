@@ -1,0 +1,107 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { upstreamAliases } from "../../src/config/load.ts";
+import type { Gateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+
+// Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(90_000);
+
+/**
+ * Claims of docs/operations.md and docs/decisions.md that had no test able to
+ * fail: the refusal counters operators alert on and the usage gauges.
+ */
+
+let gw: Gateway;
+let sim: Simulator;
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
+  gw = await startTestGateway({
+    aliases: upstreamAliases(sim.url),
+    // Usage is written only when the test flushes it.
+    quota: { flushMs: 600_000 },
+    plans: { Standard: { requestsPerMinute: 1_000 }, Ultra: { requestsPerMinute: 1 } },
+  });
+});
+afterAll(async () => {
+  await gw.stop();
+  await sim.stop();
+});
+
+async function scrape(): Promise<string> {
+  if (!gw.metricsUrl) throw new Error("metrics are not served");
+  const res = await fetch(gw.metricsUrl);
+  expect(res.status).toBe(200);
+  return res.text();
+}
+
+function sample(text: string, name: string): number {
+  for (const line of text.split("\n")) {
+    const m = /^([a-z_:]+) (\S+)$/.exec(line);
+    if (m && m[1] === name) return Number(m[2]);
+  }
+  throw new Error(`${name} not in the scrape`);
+}
+
+const chat = (key: string, extra: Record<string, unknown> = {}) =>
+  fetch(`${gw.url}/v1/chat/completions`, {
+    method: "POST",
+    headers: bearer(key, { "content-type": "application/json" }),
+    body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }], ...extra }),
+  });
+
+describe("metrics operators alert on (docs/operations.md)", () => {
+  test("gateway_rate_limited_total counts the limiter's refusals, gateway_budget_exceeded_total the quota's; nothing else moves them", async () => {
+    const limited = await seedOrg(gw.database, { plan: "Ultra" });
+    const capped = await seedOrg(gw.database, { quotaTokens: 100 });
+    const before = await scrape();
+
+    // Served and refused-for-other-reasons requests move neither counter.
+    expect((await fetch(`${gw.url}/v1/me`, { headers: bearer(capped.serviceKey) })).status).toBe(200);
+    expect((await fetch(`${gw.url}/v1/me`, { headers: bearer(`sk-gw-${"Z".repeat(43)}`) })).status).toBe(401);
+    // The limiter: a plan of 1 a minute, the second request refused.
+    expect((await fetch(`${gw.url}/v1/me`, { headers: bearer(limited.serviceKey) })).status).toBe(200);
+    for (let i = 0; i < 2; i++) {
+      const res = await fetch(`${gw.url}/v1/me`, { headers: bearer(limited.serviceKey) });
+      expect(res.status).toBe(429);
+      expect((await errorOf(res)).code).toBe("rate_limit_error");
+    }
+    // The quota: a bound larger than the whole quota of 100 tokens.
+    for (let i = 0; i < 3; i++) {
+      const res = await chat(capped.serviceKey, { max_tokens: 1_000 });
+      expect(res.status).toBe(429);
+      expect((await errorOf(res)).code).toBe("budget_exceeded");
+    }
+
+    const after = await scrape();
+    const moved = (name: string) => sample(after, name) - sample(before, name);
+    expect(moved("gateway_rate_limited_total")).toBe(2);
+    expect(moved("gateway_budget_exceeded_total")).toBe(3);
+  });
+
+  test("gateway_usage_pending_tokens and gateway_usage_buffered_events hold settled usage until it is written, then fall to 0", async () => {
+    const org = await seedOrg(gw.database);
+    await gw.quota.flush();
+    const idle = await scrape();
+    expect(sample(idle, "gateway_usage_pending_tokens")).toBe(0);
+    expect(sample(idle, "gateway_usage_buffered_events")).toBe(0);
+
+    for (let i = 0; i < 2; i++) {
+      const res = await chat(org.serviceKey);
+      expect(res.status).toBe(200);
+      const body = (await res.json()) as { usage: { total_tokens: number } };
+      expect(body.usage.total_tokens).toBeGreaterThan(0);
+    }
+    const held = await scrape();
+    // Two requests of the simulator's 5 completion tokens each, plus their prompts.
+    expect(sample(held, "gateway_usage_pending_tokens")).toBeGreaterThanOrEqual(10);
+    expect(sample(held, "gateway_usage_buffered_events")).toBeGreaterThanOrEqual(1);
+
+    await gw.quota.flush();
+    const written = await scrape();
+    expect(sample(written, "gateway_usage_pending_tokens")).toBe(0);
+    expect(sample(written, "gateway_usage_buffered_events")).toBe(0);
+    expect(sample(written, "gateway_usage_flush_failures")).toBe(0);
+  });
+});
