@@ -30,11 +30,12 @@ export interface AppDeps {
 /**
  * The cookies load balancers and CDNs set for themselves (stickiness, bot
  * management): AWS ALB and classic ELB, Cloudflare, Google Cloud's load
- * balancer, ingress-nginx's affinity cookie, HAProxy's and F5's. HTTP clients
+ * balancer, ingress-nginx's affinity cookie, HAProxy's and F5's (BIG-IP names
+ * it BIGipServer<pool>, a pool's partition path written with ~: BIGipServer~Common~web). HTTP clients
  * with a cookie jar (httpx, under the openai Python SDK) send them back on
  * every call behind such a proxy; they are no session.
  */
-const INFRASTRUCTURE_COOKIE = /^(?:AWSALB|AWSALBCORS|AWSALBTG|AWSALBTGCORS|AWSELB|AWSELBCORS|__cf_bm|__cflb|_cfuvid|GCLB|INGRESSCOOKIE|SERVERID|BIGipServer[\w.-]{1,128})$/;
+const INFRASTRUCTURE_COOKIE = /^(?:AWSALB|AWSALBCORS|AWSALBTG|AWSALBTGCORS|AWSELB|AWSELBCORS|__cf_bm|__cflb|_cfuvid|GCLB|INGRESSCOOKIE|SERVERID|BIGipServer[\w.~-]{1,128})$/;
 
 /** A Cookie header that names at least one cookie, every one of them a proxy's own. */
 function onlyInfrastructureCookies(header: string): boolean {

@@ -9,7 +9,8 @@ setDefaultTimeout(90_000);
 
 /**
  * Claims of docs/operations.md and docs/decisions.md that had no test able to
- * fail: the refusal counters operators alert on and the usage gauges.
+ * fail: the refusal counters operators alert on, the usage gauges, and the
+ * load-balancer cookies the browser rule lets through.
  */
 
 let gw: Gateway;
@@ -103,5 +104,21 @@ describe("metrics operators alert on (docs/operations.md)", () => {
     expect(sample(written, "gateway_usage_pending_tokens")).toBe(0);
     expect(sample(written, "gateway_usage_buffered_events")).toBe(0);
     expect(sample(written, "gateway_usage_flush_failures")).toBe(0);
+  });
+});
+
+describe("the browser rule's load-balancer cookies (docs/decisions.md)", () => {
+  test("AWSELB, SERVERID and BIGipServer<pool> cookies alone are a server-side client's; beside any other cookie, a browser's", async () => {
+    const org = await seedOrg(gw.database);
+    const me = (cookie: string) => fetch(`${gw.url}/v1/me`, { headers: bearer(org.serviceKey, { cookie }) });
+    for (const cookie of ["AWSELB=ABCD1234", "AWSELB=a; AWSELBCORS=a", "SERVERID=app2", "BIGipServer~Common~pool_web=1677787402.36895.0000", "BIGipServerpool_api=rd5o00000000000000000000ffff0a000a05o443"]) {
+      const res = await me(cookie);
+      expect({ cookie, status: res.status }).toEqual({ cookie, status: 200 });
+    }
+    for (const cookie of ["SERVERID=app2; session=abc", "BIGipServerpool=1; sid=1", "AWSELBX=1", "AWSALBX=1"]) {
+      const res = await me(cookie);
+      expect({ cookie, status: res.status }).toEqual({ cookie, status: 403 });
+      expect((await errorOf(res)).code).toBe("browser_request_rejected");
+    }
   });
 });
