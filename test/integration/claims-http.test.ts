@@ -1,4 +1,5 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { sql } from "drizzle-orm";
 import { upstreamAliases } from "../../src/config/load.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
@@ -119,6 +120,35 @@ describe("the browser rule's load-balancer cookies (docs/decisions.md)", () => {
       const res = await me(cookie);
       expect({ cookie, status: res.status }).toEqual({ cookie, status: 403 });
       expect((await errorOf(res)).code).toBe("browser_request_rejected");
+    }
+  });
+});
+
+describe("keys at rest (docs/decisions.md: only SHA-256 of the key and a display prefix are stored)", () => {
+  test("after a key is made and used, no row of any table holds its secret, nor more of it than the display prefix", async () => {
+    const org = await seedOrg(gw.database);
+    expect((await chat(org.serviceKey)).status).toBe(200);
+    expect((await fetch(`${gw.url}/v1/me`, { headers: bearer(org.personalKey) })).status).toBe(200);
+    await gw.quota.flush();
+    const tables = await gw.database.rows<{ name: string }>(
+      sql`select table_name as name from information_schema.tables where table_schema = current_schema() and table_type = 'BASE TABLE'`,
+    );
+    expect(tables.map((t) => t.name)).toContain("api_keys");
+    for (const key of [org.serviceKey, org.personalKey]) {
+      // The display prefix is sk-gw- and a few characters; the rest of the secret is never stored, in any form we could grep.
+      const tail = key.slice(-24);
+      const hits: string[] = [];
+      for (const { name } of tables) {
+        const rows = await gw.database.rows<{ row: string }>(sql`select row_to_json(t)::text as row from ${sql.identifier(name)} t`);
+        for (const r of rows) if (r.row.includes(tail)) hits.push(name);
+      }
+      expect(hits).toEqual([]);
+      const [stored] = await gw.database.rows<{ prefix: string; hash: string }>(
+        sql`select prefix, hash from api_keys where id = ${key === org.serviceKey ? org.serviceKeyId : org.personalKeyId}`,
+      );
+      expect(stored?.hash).toBe(new Bun.CryptoHasher("sha256").update(key).digest("hex"));
+      expect(key.startsWith(stored?.prefix ?? "none")).toBe(true);
+      expect((stored?.prefix ?? "").length).toBeLessThan(16);
     }
   });
 });
