@@ -4,6 +4,7 @@ import { upstreamAliases } from "../../src/config/load.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { eventually } from "../helpers/poll.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(90_000);
@@ -149,6 +150,61 @@ describe("keys at rest (docs/decisions.md: only SHA-256 of the key and a display
       expect(stored?.hash).toBe(new Bun.CryptoHasher("sha256").update(key).digest("hex"));
       expect(key.startsWith(stored?.prefix ?? "none")).toBe(true);
       expect((stored?.prefix ?? "").length).toBeLessThan(16);
+    }
+  });
+});
+
+describe("gateway_active_streams (docs/operations.md: streams in progress)", () => {
+  test("counts a stream while it is open, and falls back to 0 when the client reads it to the end, leaves mid-stream, or leaves at the headers; each such request is recorded", async () => {
+    const slow = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 20, completionTokens: 200 });
+    const g = await startTestGateway({ aliases: upstreamAliases(slow.url), quota: { flushMs: 600_000 } });
+    try {
+      const org = await seedOrg(g.database);
+      const active = async () => {
+        if (!g.metricsUrl) throw new Error("metrics are not served");
+        return sample(await (await fetch(g.metricsUrl)).text(), "gateway_active_streams");
+      };
+      const open = (signal?: AbortSignal) =>
+        fetch(`${g.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+          body: JSON.stringify({ model: "svc-fast", stream: true, messages: [{ role: "user", content: "hi" }] }),
+          ...(signal ? { signal } : {}),
+        });
+      const settledRequests = async () => {
+        await g.quota.flush();
+        const rows = await g.database.rows<{ n: number | string }>(sql`select coalesce(sum(requests), 0)::int as n from usage_events where org_id = ${org.orgId}`);
+        return Number(rows[0]?.n ?? 0);
+      };
+      expect(await active()).toBe(0);
+
+      // Open, read one chunk: 1. Left mid-stream: back to 0.
+      const first = new AbortController();
+      const res = await open(first.signal);
+      expect(res.status).toBe(200);
+      const reader = res.body?.getReader();
+      await reader?.read();
+      expect(await active()).toBe(1);
+      first.abort();
+      await eventually(active, (n) => n === 0, "the stream left mid-way no longer counted");
+
+      // Ten clients that leave as soon as the headers arrive, without reading a byte of the body.
+      for (let i = 0; i < 10; i++) {
+        const c = new AbortController();
+        const r = await open(c.signal);
+        expect(r.status).toBe(200);
+        c.abort();
+      }
+      await eventually(active, (n) => n === 0, "streams left at the headers no longer counted", 15_000);
+      // A stream read to the end.
+      const whole = await open();
+      expect((await whole.text()).endsWith("data: [DONE]\n\n")).toBe(true);
+      expect(await active()).toBe(0);
+      // Every one of the 12 was settled (a ticket never settled would hold its reservation and go unrecorded).
+      await eventually(settledRequests, (n) => n === 12, "all 12 streamed requests recorded", 15_000);
+    } finally {
+      await g.stop();
+      await slow.stop();
     }
   });
 });
