@@ -1,9 +1,11 @@
-import { existsSync } from "node:fs";
+import { existsSync, rmSync } from "node:fs";
+import { dirname, join, resolve } from "node:path";
 import { ForwardToServer, adminContext, socketPath } from "./admin-socket.ts";
 import { UsageError, type Out } from "./command.ts";
 import { loadConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
 import { type Database, DataDirLockedError, migrate, openDatabase } from "../db/client.ts";
+import { InputError } from "../lib/errors.ts";
 import { inStorableRange, parseInstantOrDate } from "../lib/time.ts";
 
 /** What the commands share: configuration, the database, output, and flag values. */
@@ -19,10 +21,26 @@ export async function config(values: { config?: string | undefined; "data-dir"?:
   });
 }
 
+/**
+ * What opening the embedded database in `dataDir` would create: the topmost
+ * missing directory of its path, or its `pg` directory. Removed again when
+ * the command is refused (exit 2: nothing written), so a refused command
+ * leaves no database behind, in a mistyped --data-dir least of all.
+ */
+function embeddedCreates(cfg: Config): string | undefined {
+  if (cfg.databaseUrl || cfg.dataDir.startsWith("memory://")) return undefined;
+  let dir = resolve(cfg.dataDir);
+  if (existsSync(dir)) return existsSync(join(dir, "pg")) ? undefined : join(dir, "pg");
+  while (!existsSync(dirname(dir)) && dirname(dir) !== dir) dir = dirname(dir);
+  return dir;
+}
+
 /** Open the database, bring its schema up to date (unless the command is `migrate` itself), run, close. */
 export async function withDb<T>(cfg: Config, fn: (db: Database) => Promise<T>, opts: { migrate: boolean } = { migrate: true }): Promise<T> {
   const served = adminContext.getStore();
   if (served) return fn(served.database);
+  const creates = embeddedCreates(cfg);
+  let refused = false;
   let database: Database;
   try {
     database = await openDatabase({ databaseUrl: cfg.databaseUrl, dataDir: cfg.dataDir, poolMax: 2 });
@@ -34,8 +52,12 @@ export async function withDb<T>(cfg: Config, fn: (db: Database) => Promise<T>, o
   try {
     if (opts.migrate) await migrate(database);
     return await fn(database);
+  } catch (e) {
+    refused = e instanceof InputError;
+    throw e;
   } finally {
     await database.close();
+    if (refused && creates) rmSync(creates, { recursive: true, force: true });
   }
 }
 
