@@ -1,0 +1,81 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { sql } from "drizzle-orm";
+import { upstreamAliases } from "../../src/config/load.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { type Gateway, startGateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { bearer, type SeededOrg, seedOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
+
+// Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(90_000);
+
+/**
+ * docs/operations.md, Stored responses: conversation content "is never written
+ * to the audit log or the access log" (decisions.md, Retention: it lives only
+ * in the `responses` table). secrets.test holds this for chat; this holds it
+ * for every Responses API operation, with the access log on and debug logging.
+ */
+
+let sim: Simulator;
+let gw: Gateway;
+let org: SeededOrg;
+const lines: string[] = [];
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 8 });
+  const config = await testConfig({ aliases: upstreamAliases(sim.url), responses: { enabled: true }, accessLog: true, logLevel: "debug" });
+  gw = await startGateway({ config, database: await sharedDatabase(), log: createLogger("debug", (l) => lines.push(l)) });
+  org = await seedOrg(gw.database);
+});
+afterAll(async () => {
+  await gw.stop();
+  await sim.stop();
+});
+
+describe("Responses API content stays in the responses table", () => {
+  test("input, instructions, metadata and output of stored, streamed, chained, listed and deleted responses: in no log line, audit event or usage row", async () => {
+    const INPUT = "the confidential input Quokka-77";
+    const INSTRUCTIONS = "the private instructions Narwhal-31";
+    const META = "metadata value Axolotl-58";
+    const FOLLOW = "a follow-up Pangolin-12";
+    const post = (body: Record<string, unknown>) =>
+      fetch(`${gw.url}/v1/responses`, { method: "POST", headers: bearer(org.serviceKey, { "content-type": "application/json" }), body: JSON.stringify(body) });
+
+    const first = await post({ model: "svc-fast", input: INPUT, instructions: INSTRUCTIONS, metadata: { note: META } });
+    expect(first.status).toBe(200);
+    const one = (await first.json()) as { id: string; output_text: string };
+    expect(one.output_text.length).toBeGreaterThan(0);
+    const streamed = await post({ model: "svc-fast", input: FOLLOW, previous_response_id: one.id, stream: true });
+    expect(streamed.status).toBe(200);
+    const events = await streamed.text();
+    expect(events).toContain("response.completed");
+    const id2 = /"id":"(resp_[^"]+)"/.exec(events)?.[1];
+    expect(id2).toBeDefined();
+    for (const path of [`/v1/responses/${one.id}`, `/v1/responses/${one.id}/input_items`]) {
+      const res = await fetch(`${gw.url}${path}`, { headers: bearer(org.serviceKey) });
+      expect(res.status).toBe(200);
+      // Retrieval gives the content back: it was stored.
+      expect(await res.text()).toContain(path.endsWith("input_items") ? INPUT : META);
+    }
+    expect((await fetch(`${gw.url}/v1/responses/${id2}`, { method: "DELETE", headers: bearer(org.serviceKey) })).status).toBe(200);
+    await gw.quota.flush();
+
+    const logs = lines.join("");
+    // The access log did run, for these routes.
+    expect(logs).toContain('"msg":"request"');
+    expect(logs).toContain("/v1/responses");
+    const audit = (await gw.database.rows<{ row: string }>(sql`select row_to_json(a)::text as row from audit_events a where org_id = ${org.orgId}`)).map((r) => r.row).join("\n");
+    const usage = (await gw.database.rows<{ row: string }>(sql`select row_to_json(u)::text as row from usage_events u where org_id = ${org.orgId}`)).map((r) => r.row).join("\n");
+    expect(usage).toContain("svc-fast");
+    // The model's words: the simulator answers with numbered tokens.
+    const output = one.output_text.trim();
+    for (const secret of [INPUT, INSTRUCTIONS, META, FOLLOW, output]) {
+      expect({ secret, inLogs: logs.includes(secret), inAudit: audit.includes(secret), inUsage: usage.includes(secret) }).toEqual({
+        secret,
+        inLogs: false,
+        inAudit: false,
+        inUsage: false,
+      });
+    }
+  });
+});
