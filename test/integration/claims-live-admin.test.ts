@@ -1,6 +1,7 @@
 import { afterAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { mkdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
+import { VERSION } from "../../src/lib/version.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { eventually } from "../helpers/poll.ts";
 import { cleanEnv, exitWithin, listeningUrl, onlyJson, removeScratch, runGateway, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
@@ -98,6 +99,18 @@ describe("every forwardable command group while serving on the embedded database
       expect(imported.stderr).toBe("");
       expect(imported.code).toBe(0);
       expect(onlyJson(imported.stdout)).toEqual({ imported: 1 });
+
+      // decisions.md, Origin of events: events made through the admin socket, and the gateway's own, are the host's.
+      const reader = onlyJson<{ key: string }>((await gw(["keys", "create", "--org", org.id, "--kind", "service", "--scopes", "audit:read", "--json"])).stdout).key;
+      const page = (await (await fetch(`${url}/v1/audit-events?limit=200`, { headers: { authorization: `Bearer ${reader}` } })).json()) as {
+        data: { action: string; origin: { ip_prefix: string; user_agent_summary: string } }[];
+      };
+      // billing.budget_exceeded too: a request brings it about, but it is the gateway's own (system actor), written once per period.
+      const own = page.data.filter((e) => e.action !== "member.invited");
+      expect(own.map((e) => e.action).sort()).toEqual(
+        ["api_key.created", "api_key.created", "api_key.rotated", "billing.budget_exceeded", "billing.quota_changed", "member.created", "org.created"].sort(),
+      );
+      for (const e of own) expect(e.origin).toEqual({ ip_prefix: "127.0.0.0/8", user_agent_summary: `gateway-cli/${VERSION}` });
     } finally {
       server.kill("SIGTERM");
       expect(await exitWithin(server, 30_000)).toBe(0);
