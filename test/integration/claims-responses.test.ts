@@ -1,5 +1,6 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
+import { createKey, revokeKey } from "../../src/admin/service.ts";
 import { upstreamAliases } from "../../src/config/load.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
@@ -77,5 +78,46 @@ describe("Responses API content stays in the responses table", () => {
         inUsage: false,
       });
     }
+  });
+});
+
+describe("the Responses API's checks are chat's (decisions.md, Responses API: On top of chat)", () => {
+  test("expired, revoked, missing and academy-only keys and browser requests on every Responses operation, each with its code", async () => {
+    const KNOWN = ["svc-fast", "svc-smart", "svc-bigthink", "svc-embed"];
+    const expired = await createKey(gw.database, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: KNOWN, tag: "gw", expiresAt: new Date(Date.now() - 1_000) });
+    const revoked = await createKey(gw.database, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: KNOWN, tag: "gw" });
+    await revokeKey(gw.database, revoked.id);
+    const academy = await seedOrg(gw.database, { academyOnly: true });
+    const made = await fetch(`${gw.url}/v1/responses`, {
+      method: "POST",
+      headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+      body: JSON.stringify({ model: "svc-fast", input: "hi" }),
+    });
+    expect(made.status).toBe(200);
+    const id = ((await made.json()) as { id: string }).id;
+    const operations: [string, string, unknown?][] = [
+      ["POST", "/v1/responses", { model: "svc-fast", input: "hi" }],
+      ["GET", `/v1/responses/${id}`],
+      ["GET", `/v1/responses/${id}/input_items`],
+      ["DELETE", `/v1/responses/${id}`],
+    ];
+    const callers: [string, Record<string, string>, number, string][] = [
+      ["expired", bearer(expired.key), 401, "key_expired"],
+      ["revoked", bearer(revoked.key), 401, "unauthorized"],
+      ["no key", {}, 401, "unauthorized"],
+      ["academy-only", bearer(academy.serviceKey), 403, "academy_only"],
+      ["Origin", bearer(org.serviceKey, { origin: "https://app.example" }), 403, "browser_request_rejected"],
+      ["Cookie", bearer(org.serviceKey, { cookie: "sid=1" }), 403, "browser_request_rejected"],
+      ["Sec-Fetch-Site", bearer(org.serviceKey, { "sec-fetch-site": "same-origin" }), 403, "browser_request_rejected"],
+    ];
+    for (const [method, path, body] of operations) {
+      for (const [who, headers, status, code] of callers) {
+        const res = await fetch(`${gw.url}${path}`, { method, headers: { ...headers, "content-type": "application/json" }, ...(body ? { body: JSON.stringify(body) } : {}) });
+        const err = ((await res.json()) as { error?: { code: string } }).error;
+        expect({ method, path, who, status: res.status, code: err?.code }).toEqual({ method, path, who, status, code });
+      }
+    }
+    // None of those touched the stored response: its owner still reads it.
+    expect((await fetch(`${gw.url}/v1/responses/${id}`, { headers: bearer(org.serviceKey) })).status).toBe(200);
   });
 });
