@@ -76,7 +76,7 @@ export function createMetrics() {
     activeStreams: new Gauge({ name: "gateway_active_streams", help: "Streamed responses in progress", registers }),
     upstreamAttempts: new HotCounter({
       name: "gateway_upstream_attempts_total",
-      help: "Upstream attempts by alias, target and outcome (ok, http_<status>, timeout, connect_error, breaker_open)",
+      help: "Upstream attempts by alias, target and outcome (ok, http_<status>, timeout, connect_error)",
       labelNames: ["alias", "target", "outcome"] as const,
       registers,
     }),

@@ -208,3 +208,52 @@ describe("gateway_active_streams (docs/operations.md: streams in progress)", () 
     }
   });
 });
+
+describe("gateway_upstream_attempts_total outcomes (docs/operations.md)", () => {
+  test("ok, http_<status>, timeout and connect_error, one per attempt; a target skipped for its open breaker is no attempt", async () => {
+    const failing = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 3 });
+    const hanging = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 3 });
+    failing.setFault({ kind: "status", status: 503 });
+    hanging.setFault({ kind: "hang" });
+    const alias = (baseUrl: string) => ({ kind: "chat", contextWindow: 128_000, capabilities: [], ownedBy: "gateway", targets: [{ baseUrl, model: "m", weight: 1 }] });
+    const g = await startTestGateway({
+      aliases: { "svc-fast": alias(failing.url), "svc-smart": alias(hanging.url), "svc-bigthink": alias("http://127.0.0.1:9/v1"), "svc-embed": alias(sim.url) },
+      upstream: { attempts: 1, backoffMs: 1, breakerFailures: 1, breakerCooldownMs: 600_000, timeouts: { connectMs: 2_000, firstByteMs: 300, idleMs: 10_000 } },
+    });
+    try {
+      const org = await seedOrg(g.database);
+      const ask = async (model: string) => {
+        const res = await fetch(`${g.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+          body: JSON.stringify({ model, messages: [{ role: "user", content: "hi" }] }),
+        });
+        await res.text();
+        return res.status;
+      };
+      const attempts = async () => {
+        if (!g.metricsUrl) throw new Error("metrics are not served");
+        const text = await (await fetch(g.metricsUrl)).text();
+        const seen: Record<string, number> = {};
+        for (const m of text.matchAll(/^gateway_upstream_attempts_total\{([^}]*)\} (\S+)$/gm)) {
+          const labels = Object.fromEntries([...(m[1] ?? "").matchAll(/(\w+)="([^"]*)"/g)].map((l) => [l[1], l[2]]));
+          seen[`${labels.alias} ${labels.outcome}`] = Number(m[2]);
+        }
+        return seen;
+      };
+      expect(await ask("svc-embed")).toBe(200);
+      expect(await ask("svc-fast")).toBe(503);
+      expect(await ask("svc-smart")).toBe(503);
+      expect(await ask("svc-bigthink")).toBe(503);
+      expect(await attempts()).toEqual({ "svc-embed ok": 1, "svc-fast http_503": 1, "svc-smart timeout": 1, "svc-bigthink connect_error": 1 });
+      // Each breaker opened on its one failure: the next requests are refused without an attempt.
+      for (const model of ["svc-fast", "svc-smart", "svc-bigthink"]) expect(await ask(model)).toBe(503);
+      expect(failing.stats.requests).toBe(1);
+      expect(await attempts()).toEqual({ "svc-embed ok": 1, "svc-fast http_503": 1, "svc-smart timeout": 1, "svc-bigthink connect_error": 1 });
+    } finally {
+      await g.stop();
+      await failing.stop();
+      await hanging.stop();
+    }
+  });
+});
