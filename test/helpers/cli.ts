@@ -1,3 +1,4 @@
+import { afterAll, beforeAll } from "bun:test";
 import { runCli } from "../../src/cli/index.ts";
 
 export interface CliResult {
@@ -18,4 +19,22 @@ export async function captureCli(args: string[]): Promise<CliResult> {
     },
   });
   return { code, ...r };
+}
+
+/**
+ * Keeps the named environment variables unset while the file's tests run
+ * (runCli reads process.env: a developer's own settings must not leak in),
+ * and gives them back afterwards. Call at the top level of a test file.
+ */
+export function withoutEnv(keys: readonly string[]): void {
+  const saved = new Map<string, string | undefined>();
+  beforeAll(() => {
+    for (const k of keys) {
+      saved.set(k, process.env[k]);
+      delete process.env[k];
+    }
+  });
+  afterAll(() => {
+    for (const [k, v] of saved) if (v !== undefined) process.env[k] = v;
+  });
 }

@@ -1,7 +1,7 @@
-import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { afterAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { existsSync, mkdirSync, readdirSync } from "node:fs";
 import { join } from "node:path";
-import { captureCli } from "../helpers/cli.ts";
+import { captureCli, withoutEnv } from "../helpers/cli.ts";
 import { removeScratch, scratchDir } from "../helpers/process.ts";
 
 // Each case opens (and migrates) an embedded database: seconds each on a busy 2-core machine.
@@ -15,17 +15,8 @@ setDefaultTimeout(300_000);
 
 // runCli reads process.env: keep a developer's own settings out of these tests.
 const SCRUB = ["DATABASE_URL", "GATEWAY_CONFIG", "GATEWAY_DATA_DIR", "LOG_LEVEL"];
-const saved = new Map<string, string | undefined>();
-beforeAll(() => {
-  for (const k of SCRUB) {
-    saved.set(k, process.env[k]);
-    delete process.env[k];
-  }
-});
-afterAll(() => {
-  for (const [k, v] of saved) if (v !== undefined) process.env[k] = v;
-  removeScratch();
-});
+withoutEnv(SCRUB);
+afterAll(removeScratch);
 
 const NO_ORG = "00000000-0000-4000-8000-000000000000";
 

@@ -1,4 +1,4 @@
-import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { afterAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { createKey } from "../../src/admin/service.ts";
@@ -6,7 +6,7 @@ import { loadConfig } from "../../src/config/load.ts";
 import { openDatabase } from "../../src/db/client.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
-import { captureCli } from "../helpers/cli.ts";
+import { captureCli, withoutEnv } from "../helpers/cli.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { onlyJson, removeScratch, scratchDir } from "../helpers/process.ts";
 
@@ -21,17 +21,8 @@ setDefaultTimeout(60_000);
 
 // runCli reads process.env: keep a developer's own settings out of these tests.
 const SCRUB = ["DATABASE_URL", "GATEWAY_CONFIG", "GATEWAY_DATA_DIR", "GATEWAY_CURSOR_SECRET", "LOG_LEVEL"];
-const saved = new Map<string, string | undefined>();
-beforeAll(() => {
-  for (const k of SCRUB) {
-    saved.set(k, process.env[k]);
-    delete process.env[k];
-  }
-});
-afterAll(() => {
-  for (const [k, v] of saved) if (v !== undefined) process.env[k] = v;
-  removeScratch();
-});
+withoutEnv(SCRUB);
+afterAll(removeScratch);
 
 const KNOWN_MODELS = ["svc-fast", "svc-smart", "svc-bigthink", "svc-embed"];
 

@@ -1,4 +1,4 @@
-import { afterAll, beforeAll, describe, expect, test, setDefaultTimeout } from "bun:test";
+import { afterAll, describe, expect, test, setDefaultTimeout } from "bun:test";
 import { readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { sql } from "drizzle-orm";
@@ -21,7 +21,7 @@ import {
 } from "../helpers/process.ts";
 import { VERSION } from "../../src/lib/version.ts";
 import { expectAuditPage, expectKeyInfo } from "../helpers/spec-types.ts";
-import { type CliResult, captureCli } from "../helpers/cli.ts";
+import { type CliResult, captureCli, withoutEnv } from "../helpers/cli.ts";
 
 // Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
 // runs (test/helpers/setup.ts), so files that spawn processes or open PGlite set
@@ -54,21 +54,11 @@ const SCRUB = [
   "GATEWAY_RATE_LIMIT_INSTANCES",
   "METRICS_LISTEN",
 ];
-const saved = new Map<string, string | undefined>();
+withoutEnv(SCRUB);
+afterAll(removeScratch);
 
 const work = scratchDir("gw-cli-");
 const dataDir = join(work, "data");
-
-beforeAll(() => {
-  for (const k of SCRUB) {
-    saved.set(k, process.env[k]);
-    delete process.env[k];
-  }
-});
-afterAll(() => {
-  for (const [k, v] of saved) if (v !== undefined) process.env[k] = v;
-  removeScratch();
-});
 
 type Result = CliResult;
 

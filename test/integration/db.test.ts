@@ -103,15 +103,7 @@ function suite(kind: Kind) {
   test("0005: keys without expiry get created_at + 365 days (at least 30 days from the upgrade) and expires_at becomes NOT NULL; search_text gets one field per line", async () => {
     const db = await fresh(kind);
     // The database as a gateway before 0005 left it.
-    const upTo = MIGRATIONS.findIndex((m) => m.tag === "0005_keys_expire_search_fields");
-    expect(upTo).toBeGreaterThan(0);
-    await db.db.transaction(async (tx) => {
-      await tx.execute(sql`create table gateway_migrations (tag text primary key, applied_at timestamptz not null default now())`);
-      for (const m of MIGRATIONS.slice(0, upTo)) {
-        for (const stmt of m.statements) await tx.execute(sql.raw(stmt));
-        await tx.execute(sql`insert into gateway_migrations (tag) values (${m.tag})`);
-      }
-    });
+    const upTo = await migrateUpTo(db, "0005_keys_expire_search_fields");
     const [org] = await db.rows<{ id: string }>(sql`insert into organizations (name, plan) values ('Old', 'Standard') returning id::text as id`);
     const key = (expires: string | null, created = "2024-02-28T10:00:00.123Z") => sql`
       insert into api_keys (org_id, kind, hash, prefix, scopes, expires_at, created_at)
