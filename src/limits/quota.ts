@@ -80,7 +80,11 @@ interface OrgState {
   lastTake: number;
   /** What the shared counter had left after our last lease or write (Infinity before the first). */
   sharedFree: number;
-  /** Lease held by other instances at our last lease (in use or not). */
+  /**
+   * Lease on the shared row at our last lease that may come free for us:
+   * other instances' (in use or not; they return the unused part when asked)
+   * and our own return not yet written (`returning`).
+   */
   othersHold: number;
   /** Lease converted or returned in a batch not yet written (still counted in the shared `leased`). */
   returning: number;
@@ -265,7 +269,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     s.granted += got.take;
     s.lastTake = got.take;
     s.sharedFree = got.left;
-    s.othersHold = Math.max(0, got.others);
+    // Our own return not yet written is still counted in the row's `leased`: what it frees is ours once it lands.
+    s.othersHold = Math.max(0, got.others) + s.returning;
     s.reservedSinceLease = 0;
     s.leasedAt = now();
     // Exhausted: the shared counter could not supply what was needed (or, for a refill ahead of need, anything).
@@ -377,7 +382,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
    * fresh lease before this one resumes; so it tries a few times. When the
    * counter is empty but other instances hold enough lease, it waits a few
    * flush intervals for them to return their unused part (they do at each
-   * flush once the counter is empty).
+   * flush once the counter is empty); likewise while a write of this
+   * instance's own return is under way (the row counts that lease until it lands).
    */
   async function reserve(s: OrgState, want: number, least: number): Promise<number | "spent" | "unavailable"> {
     let tries = 0;
