@@ -11,13 +11,19 @@ import { HotCounter, HotHistogram } from "./hot.ts";
 const LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300];
 
 /**
- * The route label of a request path: the path itself when the app serves it
- * (`paths`: the app's own route list), else "other", so scanners cannot grow
+ * The route label of a request: the route pattern that served it when it is
+ * one of the app's own (`paths`: its route list; `/v1/responses/:id`), or a
+ * path that names one exactly, with or without one trailing slash (Elysia
+ * serves `/v1/models/` as `/v1/models`); else "other", so scanners cannot grow
  * the label set.
  */
 export function routeLabeler(paths: Iterable<string>): (path: string) => string {
   const known = new Set(paths);
-  return (path) => (known.has(path) ? path : "other");
+  return (path) => {
+    if (known.has(path)) return path;
+    const trimmed = path.length > 1 && path.endsWith("/") ? path.slice(0, -1) : undefined;
+    return trimmed !== undefined && known.has(trimmed) ? trimmed : "other";
+  };
 }
 
 const KNOWN_METHODS = new Set(["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]);

@@ -87,6 +87,43 @@ describe("GET /metrics", () => {
     expect(after).not.toContain("PROPFIND");
   });
 
+  test("the route label is the route that served the request (a path with an id under its pattern, a trailing slash under its route), other for every unknown path", async () => {
+    const own = await startTestGateway({ aliases: upstreamAliases(sim.url), responses: { enabled: true } });
+    try {
+      const before = await (await fetch(metricsUrl(own))).text();
+      const get = async (path: string, init: RequestInit = {}) => {
+        const res = await fetch(`${own.url}${path}`, { ...init, headers: bearer(org.serviceKey, (init.headers as Record<string, string>) ?? {}) });
+        await res.text();
+        return res.status;
+      };
+      // Served under their patterns: each id was its own path, labelled other with the scanners' 404s.
+      expect(await get("/v1/responses/resp_one")).toBe(404);
+      expect(await get("/v1/responses/resp_two", { method: "DELETE" })).toBe(404);
+      expect(await get("/v1/responses/resp_one/input_items")).toBe(404);
+      // A trailing slash is served as the route without it (Elysia's default): it was labelled other.
+      expect(await get("/v1/models/")).toBe(200);
+      expect(await get("/v1/me/")).toBe(200);
+      // Refused before routing (the browser rule): labelled by the path it named.
+      expect(await get("/v1/me", { headers: { origin: "https://app.example" } })).toBe(403);
+      // Paths no route serves: other, never the path itself.
+      for (const path of ["/v1/models/no-such-model", "/v1//models", "/V1/models", "/wp-login.php", "/v1/me/x"]) expect(await get(path)).toBe(404);
+      const after = await (await fetch(metricsUrl(own))).text();
+      const moved = (labels: Record<string, string>) => sample(after, "gateway_http_requests_total", labels) - sample(before, "gateway_http_requests_total", labels);
+      expect({
+        retrieve: moved({ route: "/v1/responses/:id", method: "GET", status: "404" }),
+        del: moved({ route: "/v1/responses/:id", method: "DELETE", status: "404" }),
+        items: moved({ route: "/v1/responses/:id/input_items", method: "GET", status: "404" }),
+        models: moved({ route: "/v1/models", method: "GET", status: "200" }),
+        me: moved({ route: "/v1/me", method: "GET", status: "200" }),
+        browser: moved({ route: "/v1/me", method: "GET", status: "403" }),
+        other: moved({ route: "other", status: "404", code: "not_found" }),
+      }).toEqual({ retrieve: 1, del: 1, items: 1, models: 1, me: 1, browser: 1, other: 5 });
+      for (const raw of ["resp_one", "resp_two", "no-such-model", "wp-login", "/v1/models/", "/v1/me/"]) expect(after).not.toContain(raw);
+    } finally {
+      await own.stop();
+    }
+  });
+
   test("gateway_upstream_breaker_open is current on the scrape that reads it, the first one included", async () => {
     // The default aliases point at a closed port; one failure opens a target's breaker.
     const dead = await startTestGateway({ upstream: { breakerFailures: 1, attempts: 1, backoffMs: 0 } });
