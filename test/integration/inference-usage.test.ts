@@ -572,6 +572,51 @@ describe("an upstream that ignores max_tokens", () => {
     expect([row?.status, row?.completionTokens]).toEqual([200, 10]);
   });
 
+  test("streamed with n = 2, both choices in each event (whose choice cannot be told): the answer ends past n × max_tokens events, charged at most n × the bound", async () => {
+    const events: unknown[] = [chunkOf([deltaOf({ role: "assistant", content: "" }), deltaOf({ role: "assistant", content: "" }, 1)])];
+    for (let i = 0; i < 30; i++) events.push(chunkOf([deltaOf({ content: "a".repeat(40) }), deltaOf({ content: "b".repeat(40) }, 1)]));
+    events.push(chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }, { index: 1, delta: {}, finish_reason: "stop" }]));
+    scripted = { events, done: true };
+    const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), max_tokens: 5, n: 2, stream: true });
+    const data = sseData(await res.text());
+    expect(data.at(-1)).toBe("[DONE]");
+    // Ten events (n × max_tokens) relayed, each carrying both choices; the eleventh and the rest were not. Before
+    // the total was counted, such events were relayed for as long as the upstream sent them.
+    const { texts, finishes } = choicesOf(data);
+    expect(texts).toHaveLength(20);
+    expect(finishes).toEqual([
+      [0, "length"],
+      [1, "length"],
+    ]);
+    const [row] = await rows(o.orgId);
+    expect([row?.status, row?.completionTokens]).toEqual([200, 10]);
+  });
+
+  test("without a quota, the bound the client sent is held all the same: max_completion_tokens alone, or the larger of the two", async () => {
+    // No quota: the gateway adds no max_tokens, so the bound is only what the client sent (Upstream token counts:
+    // n × the larger of max_tokens and max_completion_tokens).
+    const endless = () => ({ events: [chunkOf([deltaOf({ role: "assistant", content: "" })]), ...Array.from({ length: 50 }, () => chunkOf([deltaOf({ content: "x".repeat(40) })]))], done: true });
+    for (const [bounds, bound] of [
+      [{ max_completion_tokens: 5 }, 5],
+      [{ max_tokens: 5, max_completion_tokens: 7 }, 7],
+      [{ max_tokens: 7, max_completion_tokens: 5 }, 7],
+    ] as const) {
+      scripted = endless();
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), ...bounds, stream: true, stream_options: { include_usage: true } });
+      const data = sseData(await res.text());
+      expect({ bounds, texts: choicesOf(data).texts.length, finishes: choicesOf(data).finishes }).toEqual({ bounds, texts: bound, finishes: [[0, "length"]] });
+      expect(rec(JSON.parse(data.at(-2) ?? "null")).usage).toMatchObject({ completion_tokens: bound });
+      const [row] = await rows(o.orgId);
+      expect([row?.status, row?.completionTokens]).toEqual([200, bound]);
+      // Not streamed: a count far past the bound is capped there.
+      scripted = { completion: { choices: [{ index: 0, message: { role: "assistant", content: "x".repeat(4_000) }, finish_reason: "stop" }], usage: { prompt_tokens: 9, completion_tokens: 1_000, total_tokens: 1_009 } } };
+      const json = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), ...bounds });
+      expect(rec(await json.json()).usage).toEqual({ prompt_tokens: 9, completion_tokens: bound, total_tokens: 9 + bound });
+    }
+  });
+
   test("Responses API: a stream cut at max_output_tokens ends with response.incomplete (max_output_tokens), charged the bound", async () => {
     const run = { endless: chunkOf([deltaOf({ content: "xxxx" })]), cancelled: false };
     scripted = run;
