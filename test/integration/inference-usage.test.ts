@@ -681,6 +681,24 @@ describe("an upstream that ignores max_tokens", () => {
   });
 });
 
+describe("the JSON answer's shape", () => {
+  afterEach(() => {
+    scripted = undefined;
+  });
+
+  test("choices[].logprobs and message.refusal are sent as null when the upstream's answer leaves them out; a refusal it sends passes through", async () => {
+    // The simulator sends logprobs: null as vLLM does; other servers (and older vLLM for refusal) leave the keys out.
+    scripted = { completion: { choices: [{ index: 0, message: { role: "assistant", content: "hi" }, finish_reason: "stop" }] } };
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", messages: userMessages() });
+    const [choice] = rec(await res.json()).choices as Record<string, unknown>[];
+    expect(choice).toEqual({ index: 0, message: { role: "assistant", content: "hi", refusal: null }, logprobs: null, finish_reason: "stop" });
+    scripted = { completion: { choices: [{ index: 0, message: { role: "assistant", content: null, refusal: "I can't help with that." }, finish_reason: "stop" }] } };
+    const refused = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", messages: userMessages() });
+    const [r] = rec(await refused.json()).choices as Record<string, unknown>[];
+    expect(rec(r?.message).refusal).toBe("I can't help with that.");
+  });
+});
+
 describe("usage rows", () => {
   test("requests of one key, alias, target and status in one write are one row that sums them; streamed ones another", async () => {
     usage = { prompt_tokens: 7, completion_tokens: 3, total_tokens: 10 };

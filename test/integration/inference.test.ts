@@ -372,6 +372,14 @@ describe("POST /v1/chat/completions: request rules (400 invalid_request_error wi
     const rounds = [user, calling("c1", "c2"), tool("c2"), tool("c1"), calling("c3"), tool("c3"), { role: "assistant", content: "done" }, user];
     expect((await chat({ model: "svc-fast", messages: rounds })).status).toBe(200);
     expect(rec(sim.stats.lastBody).messages).toEqual(rounds);
+    // Calls left unanswered are not refused (OpenAI refuses them; clients that cut a conversation's history would be).
+    for (const cut of [
+      [user, calling("c1", "c2"), tool("c2"), user],
+      [user, calling("c1"), user],
+      [user, calling("c1")],
+    ]) {
+      expect((await chat({ model: "svc-fast", messages: cut })).status).toBe(200);
+    }
   });
 
   test("temperature 0 to 2", async () => {
