@@ -1,5 +1,6 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
+import postgres from "postgres";
 import { createKey, revokeKey, setOrg } from "../../src/admin/service.ts";
 import { ANSWER_TIMEOUT_MS, type Database, IDLE_IN_TRANSACTION_MS, LISTEN_CHECK_MS, migrate, openDatabase } from "../../src/db/client.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
@@ -371,6 +372,41 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       expect(await gauge(metrics, "gateway_usage_pending_tokens")).toBe(0);
     } finally {
       proxy.thaw();
+      await gw.stop();
+      await db.close();
+    }
+  });
+
+  test("a usage write blocked on a lock is ended by the server after ANSWER_TIMEOUT_MS (statement_timeout), not left waiting; the usage lands once after", async () => {
+    // Straight to the database (no proxy): it answers, but the write waits on a lock another session holds.
+    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 4 });
+    const gw = await startTestGateway(
+      { plans: { Standard: { requestsPerMinute: 1_000_000 } }, upstream: upstreamSettings(), aliases: testAliases(sim.url), quota: { leaseTokens: 1_000, flushMs: 200 } },
+      db,
+    );
+    const admin = postgres(scratch.url, { max: 2, onnotice: () => {} });
+    try {
+      const org = await seedOrg(held);
+      const waiting = async () =>
+        admin<{ pid: number; since: string }[]>`
+          select pid, query_start::text as since from pg_stat_activity
+          where datname = current_database() and wait_event_type = 'Lock' and query ilike '%insert into usage_events%'`;
+      await admin.begin(async (tx) => {
+        await tx`lock table usage_events in access exclusive mode`;
+        await chatTokens(gw.url, org.serviceKey);
+        await until(async () => (await waiting()).length > 0, "the usage write waiting on the lock", 10_000, 50);
+        const [first] = await waiting();
+        // Before: the statement waited for the lock for as long as it was held (the gateway had given up on it
+        // at 5 s, but its connection stayed taken); now the server cancels it at 5 s and the connection is free.
+        // Later flushes retry and wait again: each on a statement of its own (another query_start).
+        const same = async () => (await waiting()).some((w) => w.pid === first?.pid && w.since === first?.since);
+        await until(async () => !(await same()), "the blocked statement ended by the server", ANSWER_TIMEOUT_MS + 5_000, 100);
+      });
+      await until(async () => (await written(org.orgId)).requests === 1, "the usage written once the lock is gone", 20_000, 100);
+      await gw.quota.flush();
+      expect((await written(org.orgId)).requests).toBe(1);
+    } finally {
+      await admin.end({ timeout: 5 });
       await gw.stop();
       await db.close();
     }
