@@ -383,7 +383,8 @@ describe("request translation (what the chat upstream receives)", () => {
     const sent = upstreamBody();
     expect(sent.moderation).toEqual(moderation);
     expect({ image: sent.image, access_programs: sent.access_programs }).toEqual({ image: undefined, access_programs: undefined });
-    for (const empty of [{ access_programs: {}, image: {}, moderation: null }, { access_programs: null, image: null }]) {
+    // prompt and conversation when null (what a client that copies the SDK's Response fields sends) are accepted too.
+    for (const empty of [{ access_programs: {}, image: {}, moderation: null }, { access_programs: null, image: null, prompt: null, conversation: null }]) {
       const ok = await create({ model: "svc-fast", input: "hi", store: false, ...empty });
       expect(ok.status).toBe(200);
       await ok.text();
