@@ -510,6 +510,8 @@ describe("an upstream that ignores max_tokens", () => {
       const [row] = await rows(o.orgId);
       expect([row?.status, row?.promptTokens, row?.completionTokens]).toEqual([200, promptEstimate, 5]);
       expect(ignoredWarnings().length).toBe(1);
+      // The warning names the target that ignored its bound.
+      expect(ignoredWarnings()[0]).toMatchObject({ alias: "svc-fast", target: expect.stringContaining(base), max_tokens: 5 });
     }
   });
 
