@@ -149,20 +149,23 @@ const response = fc.record({
   trailers: fc.array(fc.tuple(headerName, headerValue), { maxLength: 3 }),
   headers: fc.array(fc.tuple(headerName, headerValue), { maxLength: 12 }),
   interim: fc.constantFrom(0, 0, 1, 2),
+  /** Line ends: CRLF, or the bare LF RFC 9112 2.2 lets a recipient accept. */
+  eol: fc.constantFrom("\r\n", "\r\n", "\n"),
 });
 type Generated = typeof response extends fc.Arbitrary<infer T> ? T : never;
 
 /** The wire bytes of a generated response, and the body a correct client reads from them. */
 function render(r: Generated): { wire: Buffer; body: Buffer } {
   const body = r.status === 204 ? Buffer.alloc(0) : Buffer.from(r.body);
+  const e = r.eol;
   let head = "";
-  for (let i = 0; i < r.interim; i++) head += i === 0 ? "HTTP/1.1 100 Continue\r\n\r\n" : "HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n";
-  head += `HTTP/${r.version} ${r.status} Whatever\r\n`;
-  for (const [k, v] of r.headers) head += `${k}: ${v}\r\n`;
+  for (let i = 0; i < r.interim; i++) head += i === 0 ? `HTTP/1.1 100 Continue${e}${e}` : `HTTP/1.1 103 Early Hints${e}link: </x>${e}${e}`;
+  head += `HTTP/${r.version} ${r.status} Whatever${e}`;
+  for (const [k, v] of r.headers) head += `${k}: ${v}${e}`;
   const framing = r.status === 204 ? "none" : r.framing;
-  if (framing === "length") head += `content-length: ${body.byteLength}\r\n`;
-  if (framing === "chunked") head += "transfer-encoding: chunked\r\n";
-  head += "\r\n";
+  if (framing === "length") head += `content-length: ${body.byteLength}${e}`;
+  if (framing === "chunked") head += `transfer-encoding: chunked${e}`;
+  head += e;
   const parts: Buffer[] = [Buffer.from(head, "latin1")];
   if (framing === "length" || framing === "close") parts.push(body);
   if (framing === "chunked") {
@@ -171,12 +174,12 @@ function render(r: Generated): { wire: Buffer; body: Buffer } {
     while (at < body.byteLength) {
       const n = Math.min(r.chunkSizes[k++ % Math.max(1, r.chunkSizes.length)] ?? body.byteLength, body.byteLength - at);
       const hex = n.toString(16);
-      parts.push(Buffer.from(`${r.upperHex ? hex.toUpperCase() : hex}${r.extensions ? ';name="v"' : ""}\r\n`), body.subarray(at, at + n), Buffer.from("\r\n"));
+      parts.push(Buffer.from(`${r.upperHex ? hex.toUpperCase() : hex}${r.extensions ? ';name="v"' : ""}${e}`), body.subarray(at, at + n), Buffer.from(e));
       at += n;
     }
-    let end = "0\r\n";
-    for (const [k2, v] of r.trailers) end += `${k2}: ${v}\r\n`;
-    parts.push(Buffer.from(`${end}\r\n`, "latin1"));
+    let end = `0${e}`;
+    for (const [k2, v] of r.trailers) end += `${k2}: ${v}${e}`;
+    parts.push(Buffer.from(`${end}${e}`, "latin1"));
   }
   return { wire: Buffer.concat(parts), body };
 }
@@ -213,9 +216,10 @@ describe("fuzz: the upstream HTTP/1.1 parser", () => {
       trailers: [["x-t", "1"]],
       headers: [["content-type", "text/plain"]],
       interim: 1,
+      eol: "\r\n",
     };
-    for (const framing of ["chunked", "length"] as const) {
-      const { wire, body } = render({ ...r, framing });
+    for (const [framing, eol] of [["chunked", "\r\n"], ["length", "\r\n"], ["chunked", "\n"]] as const) {
+      const { wire, body } = render({ ...r, framing, eol });
       for (let at = 1; at < wire.byteLength; at++) {
         const o = await exchange({ pieces: [wire.subarray(0, at), wire.subarray(at)], gapMs: 2, end: true });
         expectConnectionError(o);

@@ -29,7 +29,27 @@ export interface ConnPool {
 /** `Bun.connect` for a connection's socket. */
 export type SocketOpener = (options: TCPSocketConnectOptions<Conn>) => Promise<Socket<Conn>>;
 
-const CRLF2 = Buffer.from("\r\n\r\n");
+const LFCRLF = Buffer.from("\n\r\n");
+const LFLF = Buffer.from("\n\n");
+
+/**
+ * Where the body after the head at the start of `b` starts (searching from
+ * `from`), or -1 when the head's empty line has not arrived. Lines end with
+ * CRLF or a bare LF (see parseHead); the first empty line of either kind ends
+ * the head.
+ */
+export function bodyStart(b: Buffer, from: number): number {
+  // "\r\n\r\n" holds "\n\r\n": one search finds the usual end; a bare "\n\n" can only end the head before it.
+  const crlf = b.indexOf(LFCRLF, from);
+  const lf = (crlf === -1 ? b : b.subarray(0, crlf + 1)).indexOf(LFLF, from);
+  return lf !== -1 ? lf + 2 : crlf === -1 ? -1 : crlf + 3;
+}
+
+/** Where the text of a head whose body starts at `start` ends: before its last line's end and its empty line. */
+export function headTextEnd(b: Buffer, start: number): number {
+  const lf = b[start - 2] === 0x0d ? start - 3 : start - 2;
+  return lf > 0 && b[lf - 1] === 0x0d ? lf - 1 : lf;
+}
 /**
  * A pooled connection that fails within this long after the request was
  * written, before any answer byte, was closed by the server before it read
@@ -40,7 +60,6 @@ const CRLF2 = Buffer.from("\r\n\r\n");
 export const STALE_RETRY_MS = 100;
 /** Interim (1xx) answers skipped before the real one; more is a server that never answers. */
 const MAX_INTERIM = 8;
-const CRLF = Buffer.from("\r\n");
 
 /** The value of a hex digit byte, or -1. */
 function hexDigit(c: number | undefined): number {
@@ -197,8 +216,8 @@ export class Conn {
         b = Buffer.concat([this.headBuf, b]);
       }
       this.headBuf = undefined;
-      const end = b.indexOf(CRLF2, from);
-      if (end === -1) {
+      const start = bodyStart(b, from);
+      if (start === -1) {
         if (b.byteLength > this.pool.maxHeaderBytes) {
           this.destroy(new UpstreamConnectionError("response head too large"));
           return;
@@ -206,12 +225,13 @@ export class Conn {
         this.headBuf = b;
         return;
       }
+      const end = headTextEnd(b, start);
       if (end > this.pool.maxHeaderBytes) {
         this.destroy(new UpstreamConnectionError("response head too large"));
         return;
       }
       const head = parseHead(b.toString("latin1", 0, end));
-      b = b.subarray(end + 4);
+      b = b.subarray(start);
       if (typeof head === "string") {
         this.destroy(new UpstreamConnectionError(head));
         return;
@@ -317,24 +337,19 @@ export class Conn {
               break;
             }
           }
-          let line: string;
-          if (this.line.endsWith("\r") && b[at] === 0x0a) {
-            // The CR ended the previous read, its LF starts this one.
-            line = this.line.slice(0, -1);
-            at += 1;
-          } else {
-            const nl = b.indexOf(CRLF, at);
-            if (nl === -1) {
-              this.line += b.toString("latin1", at);
-              if (this.line.length > 4096) {
-                this.destroy(new UpstreamConnectionError("chunk header too long"));
-                return;
-              }
+          // Lines end with CRLF or a bare LF (as in the head); a CR that ended the previous read is dropped with its LF here.
+          const nl = b.indexOf(0x0a, at);
+          if (nl === -1) {
+            this.line += b.toString("latin1", at);
+            if (this.line.length > 4096) {
+              this.destroy(new UpstreamConnectionError("chunk header too long"));
               return;
             }
-            line = this.line + b.toString("latin1", at, nl);
-            at = nl + 2;
+            return;
           }
+          let line = this.line + b.toString("latin1", at, nl);
+          at = nl + 1;
+          if (line.charCodeAt(line.length - 1) === 0x0d) line = line.slice(0, -1);
           this.line = "";
           if (this.chunk === Chunk.Trailers) {
             if (line === "") {
@@ -368,7 +383,13 @@ export class Conn {
           break;
         }
         case Chunk.DataEnd: {
-          // The CRLF after a chunk's data, possibly split across reads.
+          // The CRLF (or bare LF) after a chunk's data, possibly split across reads.
+          if (this.remaining === 2 && b[at] === 0x0a) {
+            at++;
+            this.remaining = 0;
+            this.chunk = Chunk.Size;
+            break;
+          }
           const want = this.remaining === 2 ? 0x0d : 0x0a;
           if (b[at] !== want) {
             this.destroy(new UpstreamConnectionError("missing CRLF after chunk data"));
