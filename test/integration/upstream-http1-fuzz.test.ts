@@ -151,6 +151,8 @@ const response = fc.record({
   interim: fc.constantFrom(0, 0, 1, 2),
   /** Line ends: CRLF, or the bare LF RFC 9112 2.2 lets a recipient accept. */
   eol: fc.constantFrom("\r\n", "\r\n", "\n"),
+  /** Leading zeros on chunk sizes (legal: chunk-size = 1*HEXDIG). */
+  zeros: fc.constantFrom(0, 0, 1, 12),
 });
 type Generated = typeof response extends fc.Arbitrary<infer T> ? T : never;
 
@@ -173,7 +175,7 @@ function render(r: Generated): { wire: Buffer; body: Buffer } {
     let k = 0;
     while (at < body.byteLength) {
       const n = Math.min(r.chunkSizes[k++ % Math.max(1, r.chunkSizes.length)] ?? body.byteLength, body.byteLength - at);
-      const hex = n.toString(16);
+      const hex = "0".repeat(r.zeros) + n.toString(16);
       parts.push(Buffer.from(`${r.upperHex ? hex.toUpperCase() : hex}${r.extensions ? ';name="v"' : ""}${e}`), body.subarray(at, at + n), Buffer.from(e));
       at += n;
     }
@@ -217,6 +219,7 @@ describe("fuzz: the upstream HTTP/1.1 parser", () => {
       headers: [["content-type", "text/plain"]],
       interim: 1,
       eol: "\r\n",
+      zeros: 1,
     };
     for (const [framing, eol] of [["chunked", "\r\n"], ["length", "\r\n"], ["chunked", "\n"]] as const) {
       const { wire, body } = render({ ...r, framing, eol });

@@ -108,6 +108,21 @@ describe("legal answers are read", () => {
     await expectAnswer(await chat());
   });
 
+  test("chunked: extensions, uppercase hex, leading zeros, trailers after the last chunk; the connection is reused", async () => {
+    const a = completion.slice(0, 26);
+    const b = completion.slice(26);
+    answer(
+      `HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\ntrailer: x-checksum\r\n\r\n` +
+        `1a;foo=bar;q="a b"\r\n${a}\r\n` +
+        `${b.length.toString(16).toUpperCase().padStart(20, "0")} ; ext\r\n${b}\r\n` +
+        `0000;last\r\nx-checksum: abc\r\nx-more: 1\r\n\r\n`,
+    );
+    expect(a.length).toBe(0x1a);
+    await expectAnswer(await chat());
+    await expectAnswer(await chat());
+    expect(reused()).toBe(true);
+  });
+
   test("LF-only line endings (RFC 9112 2.2 lets a recipient take a bare LF as a line end)", async () => {
     answer(`HTTP/1.1 200 OK\ncontent-type: application/json\ncontent-length: ${completion.length}\n\n${completion}`);
     await expectAnswer(await chat());
@@ -166,6 +181,7 @@ describe("broken answers are refused: failover, then 503", () => {
     ["obs-fold of the first header line", `HTTP/1.1 200 OK\r\n content-type: application/json\r\ncontent-length: ${n}\r\n\r\n${completion}`],
     ["a gzip-compressed answer", `HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\ncontent-length: ${Bun.gzipSync(completion).length}\r\n\r\n`],
     ["a chunk size that overflows", `HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n1${"0".repeat(16)}\r\n${completion}\r\n0\r\n\r\n`],
+    ["an absurdly long chunk-size line in one read", `HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n${n.toString(16)};${"x".repeat(30_000)}\r\n${completion}\r\n0\r\n\r\n`],
     ["a head over the size cap", `HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-big: ${"a".repeat(70 * 1024)}\r\ncontent-length: ${n}\r\n\r\n${completion}`],
   ];
   for (const [name, wire] of refused) {

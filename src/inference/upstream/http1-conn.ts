@@ -60,6 +60,14 @@ export function headTextEnd(b: Buffer, start: number): number {
 export const STALE_RETRY_MS = 100;
 /** Interim (1xx) answers skipped before the real one; more is a server that never answers. */
 const MAX_INTERIM = 8;
+/**
+ * The longest chunk-size line (size and extensions) accepted, however it
+ * arrives; extensions are ignored, so this is only a bound on what a server
+ * may make us hold.
+ */
+const MAX_CHUNK_LINE = 4096;
+/** Hex digits of a chunk size after its leading zeros: 8 is up to 4 GiB, more is a size no answer has. */
+const MAX_CHUNK_DIGITS = 8;
 
 /** The value of a hex digit byte, or -1. */
 function hexDigit(c: number | undefined): number {
@@ -341,7 +349,7 @@ export class Conn {
           const nl = b.indexOf(0x0a, at);
           if (nl === -1) {
             this.line += b.toString("latin1", at);
-            if (this.line.length > 4096) {
+            if (this.line.length > MAX_CHUNK_LINE) {
               this.destroy(new UpstreamConnectionError("chunk header too long"));
               return;
             }
@@ -363,8 +371,13 @@ export class Conn {
             }
             continue;
           }
-          const hex = (line.split(";", 1)[0] ?? "").trim();
-          if (!/^[0-9a-fA-F]{1,8}$/.test(hex)) {
+          if (line.length > MAX_CHUNK_LINE) {
+            this.destroy(new UpstreamConnectionError("chunk header too long"));
+            return;
+          }
+          // Extensions (after ";") are ignored; leading zeros are legal (chunk-size = 1*HEXDIG).
+          const hex = (line.split(";", 1)[0] ?? "").trim().replace(/^0+(?=.)/, "");
+          if (!/^[0-9a-fA-F]+$/.test(hex) || hex.length > MAX_CHUNK_DIGITS) {
             this.destroy(new UpstreamConnectionError(`invalid chunk size: ${JSON.stringify(hex.slice(0, 20))}`));
             return;
           }
