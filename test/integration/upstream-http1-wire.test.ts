@@ -132,9 +132,38 @@ describe("legal answers are read", () => {
     await expectAnswer(await chat());
   });
 
+  test("Content-Length as a list of one value repeated (`N, N`, or the field twice)", async () => {
+    const n = completion.length;
+    answer(`HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: ${n}, ${n}\r\n\r\n${completion}`);
+    await expectAnswer(await chat());
+    answer(`HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: ${n}\r\nContent-Length: ${n}\r\n\r\n${completion}`);
+    await expectAnswer(await chat());
+  });
+
+  test("an empty Content-Encoding (an empty list: no coding) or `identity`", async () => {
+    answer(json("content-encoding: \r\n"));
+    await expectAnswer(await chat());
+    answer(json("Content-Encoding: Identity\r\n"));
+    await expectAnswer(await chat());
+  });
 });
 
 describe("framing in doubt: read, and the connection is not reused", () => {
+  test("Transfer-Encoding chunked and Content-Length: chunked wins (RFC 9112 6.3); the connection is closed", async () => {
+    answer(`HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n${completion.length.toString(16)}\r\n${completion}\r\n0\r\n\r\n`);
+    await expectAnswer(await chat());
+    await until(() => served.at(-1)?.closed === true, "the connection closed");
+    await expectAnswer(await chat());
+    expect(reused()).toBe(false);
+  });
+
+  test("an HTTP/1.0 answer with Transfer-Encoding (RFC 9112 6.1: faulty framing) is read, and its connection closed even with keep-alive", async () => {
+    answer(`HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n${completion.length.toString(16)}\r\n${completion}\r\n0\r\n\r\n`);
+    await expectAnswer(await chat());
+    await expectAnswer(await chat());
+    expect(reused()).toBe(false);
+  });
+
   test("HTTP/1.0 and `connection: close` answers without a length end at the close; the connection is not reused", async () => {
     respond = (c) => {
       c.write(`HTTP/1.0 200 OK\r\ncontent-type: application/json\r\n\r\n${completion}`);

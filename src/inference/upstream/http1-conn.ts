@@ -96,6 +96,24 @@ export function hexValue(b: Buffer, from: number, to: number): number {
   return n;
 }
 
+/**
+ * A Content-Length value: one decimal number, or the same number repeated as
+ * a list (`42, 42`: a field sent twice, or joined by a proxy), which RFC 9110
+ * 8.6 lets a recipient read as that number. Different values, anything not a
+ * number, or a length past 2^53 (not a length any answer has) are undefined.
+ */
+export function contentLength(v: string): number | undefined {
+  let n: number | undefined;
+  for (const part of v.split(",")) {
+    const d = part.trim().replace(/^0+(?=.)/, "");
+    if (!/^\d{1,16}$/.test(d)) return undefined;
+    const x = Number(d);
+    if (!Number.isSafeInteger(x) || (n !== undefined && x !== n)) return undefined;
+    n = x;
+  }
+  return n;
+}
+
 enum Framing {
   None,
   Length,
@@ -252,20 +270,19 @@ export class Conn {
         }
         continue;
       }
-      // We ask for no encoding (no accept-encoding), so a compressed body is a server we cannot read.
+      // We ask for no encoding (accept-encoding: identity), so a compressed body is a server we cannot read.
       const ce = head.headers.get("content-encoding");
-      if (ce !== undefined && ce.toLowerCase() !== "identity") {
+      if (ce !== undefined && !/^(identity)?$/i.test(ce)) {
         this.destroy(new UpstreamConnectionError(`unsupported content-encoding: ${ce}`));
         return;
       }
       const te = head.headers.get("transfer-encoding");
       const cl = head.headers.get("content-length");
-      // Two framings: a proxy on the way may pick the other one (request smuggling); never guess.
-      if (te !== undefined && cl !== undefined) {
-        this.destroy(new UpstreamConnectionError("ambiguous framing: both transfer-encoding and content-length"));
-        return;
-      }
       this.keepAlive = head.keepAlive;
+      // Transfer-Encoding with Content-Length (a proxy on the way may have framed it by the other one), or in an
+      // HTTP/1.0 answer (RFC 9112 6.1): the body is read by Transfer-Encoding (RFC 9112 6.3), and the connection
+      // is closed after it, so no byte left in doubt is read as the next answer.
+      if (te !== undefined && (cl !== undefined || head.http10)) this.keepAlive = false;
       if (head.status === 204 || head.status === 304) this.framing = Framing.None;
       else if (te !== undefined) {
         if (te.trim().toLowerCase() !== "chunked") {
@@ -275,13 +292,17 @@ export class Conn {
         this.framing = Framing.Chunked;
         this.chunk = Chunk.Size;
         this.line = "";
+        if (cl !== undefined) head.headers.delete("content-length");
       } else if (cl !== undefined) {
-        if (!/^\d+$/.test(cl)) {
-          this.destroy(new UpstreamConnectionError(`invalid content-length: ${cl}`));
+        const n = contentLength(cl);
+        if (n === undefined) {
+          this.destroy(new UpstreamConnectionError(`invalid content-length: ${cl.slice(0, 80)}`));
           return;
         }
+        // The one value, for readers of the header (`10, 10` is 10).
+        head.headers.set("content-length", String(n));
         this.framing = Framing.Length;
-        this.remaining = Number(cl);
+        this.remaining = n;
       } else {
         this.framing = Framing.UntilClose;
         this.keepAlive = false;
