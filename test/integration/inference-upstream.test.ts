@@ -425,6 +425,7 @@ describe("what reaches the upstream", () => {
         host: `127.0.0.1:${a.port}`,
         "content-type": "application/json",
         accept: stream ? "text/event-stream" : "application/json",
+        "accept-encoding": "identity",
         "x-request-id": "client-req-1",
         "content-length": String(Buffer.byteLength(forwarded)),
       });
@@ -440,7 +441,7 @@ describe("what reaches the upstream", () => {
       if (first) first.apiKeyEnv = "TEST_UPSTREAM_KEY";
       const gw = await gateway(upstreamSettings(), { "svc-fast": withKey, "svc-smart": chatAlias([{ baseUrl: locked.url }]) });
       expect((await chat(gw)).status).toBe(200);
-      expect([...(locked.stats.lastHeaders?.keys() ?? [])].sort()).toEqual(["accept", "authorization", "content-length", "content-type", "host", "x-request-id"]);
+      expect([...(locked.stats.lastHeaders?.keys() ?? [])].sort()).toEqual(["accept", "accept-encoding", "authorization", "content-length", "content-type", "host", "x-request-id"]);
       expect(locked.stats.lastHeaders?.get("authorization")).toBe("Bearer upstream-secret");
       // Without a key the target refuses the gateway (401): an operator problem, reported as 503, never as the caller's 401.
       const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-smart", messages: userMessages() });

@@ -222,6 +222,11 @@ describe("broken answers are refused: failover, then 503", () => {
     });
   }
 
+  test("the gateway asks for no content coding (accept-encoding: identity)", async () => {
+    answer(json());
+    await expectAnswer(await chat());
+    expect(requests.at(-1)?.toLowerCase()).toContain("\r\naccept-encoding: identity\r\n");
+  });
 });
 
 /** The failover alias answers under its own name: checked, then shown as svc-fast for expectAnswer. */

@@ -74,6 +74,8 @@ export function createUpstream(deps: UpstreamDeps) {
     const h: Record<string, string> = {
       "content-type": "application/json",
       accept: stream ? "text/event-stream" : "application/json",
+      // No content coding: the client reads bodies as they come (see http1-conn); without this a server may pick one.
+      "accept-encoding": "identity",
       "x-request-id": ctx.requestId,
     };
     if (target.authorization) h.authorization = target.authorization;
