@@ -22,6 +22,8 @@ export type Db = PgDatabase<PgQueryResultHKT, typeof schema>;
 export interface Database {
   kind: "pglite" | "postgres";
   db: Db;
+  /** Connections of the pool (Postgres); the embedded database has none to run out of. */
+  poolMax?: number;
   /** Raw query returning rows, the same shape on both drivers. */
   rows<T = Record<string, unknown>>(query: SQL): Promise<T[]>;
   /**
@@ -332,6 +334,7 @@ function openPostgres(url: string, poolMax: number): Database {
   return {
     kind: "postgres",
     db,
+    poolMax,
     async rows<T>(query: SQL) {
       return (await db.execute(query)) as unknown as T[];
     },

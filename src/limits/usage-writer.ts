@@ -100,9 +100,18 @@ type Tx = Parameters<Parameters<Database["db"]["transaction"]>[0]>[0];
  * are outstanding no flush touches the database, so a database that stops
  * answering never has the writer take the whole pool. Two, not one: a single
  * dead connection (a NAT that dropped its flow) then delays the usage by one
- * flush, not until TCP gives up on it.
+ * flush, not until TCP gives up on it. A smaller pool leaves one connection
+ * to the request path (maxUnanswered): one with a pool of two, and one with a
+ * pool of one too (that write holds the only connection whatever the writer
+ * does, but no second one queues behind it ahead of key lookups).
  */
 const MAX_UNANSWERED = 2;
+
+/** The bound for a pool of `poolMax` connections: MAX_UNANSWERED, at most poolMax - 1, at least 1. */
+export function maxUnanswered(poolMax: number | undefined): number {
+  if (poolMax === undefined) return MAX_UNANSWERED;
+  return Math.max(1, Math.min(MAX_UNANSWERED, poolMax - 1));
+}
 
 /** Postgres ends a statement of a usage write that runs as long as we wait for its answer (blocked on a lock, say). */
 const STATEMENT_TIMEOUT = sql.raw(`set local statement_timeout = ${ANSWER_TIMEOUT_MS}`);
@@ -122,6 +131,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
   let unanswered = 0;
   /** The stop is under way: the pool is closed after it, so writes left unanswered no longer hold anything back. */
   let stopping = false;
+  const unansweredLimit = maxUnanswered(database.poolMax);
 
   /**
    * Runs one database call of a flush, waiting at most ANSWER_TIMEOUT_MS for
@@ -132,10 +142,10 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
    * source nothing, and whichever of it and the retry inserts the batch id
    * first applies the batch (the id is unique, inserted in the write's own
    * transaction: the other finds it and writes nothing). Until it settles it
-   * may hold its pool connection: at most MAX_UNANSWERED are left so.
+   * may hold its pool connection: at most maxUnanswered() are left so.
    */
   async function answered<T>(what: string, call: (live: () => boolean) => Promise<T>): Promise<T> {
-    if (unanswered >= MAX_UNANSWERED && !stopping) throw new DatabaseTimeout(`${what}: ${unanswered} earlier usage writes are still unanswered`);
+    if (unanswered >= unansweredLimit && !stopping) throw new DatabaseTimeout(`${what}: ${unanswered} earlier usage writes are still unanswered`);
     let givenUp = false;
     const running = call(() => !givenUp);
     try {

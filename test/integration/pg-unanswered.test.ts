@@ -272,6 +272,58 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
     });
   }
 
+  test("a pool of two: usage writes left unanswered never take both connections; key lookups and /readyz keep one", async () => {
+    // dbPoolMax 2: two writes left unanswered (each holding its connection until it settles) would take the whole pool.
+    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 2 });
+    // Usage is written only when the test flushes; cached keys never age out, so only new keys need the database.
+    const gw = await startTestGateway(
+      {
+        keyCache: { ttlMs: 600_000, ...KEY_CACHE },
+        plans: { Standard: { requestsPerMinute: 1_000_000 } },
+        upstream: upstreamSettings(),
+        aliases: testAliases(sim.url),
+        quota: { leaseTokens: 1_000, flushMs: 600_000 },
+      },
+      db,
+    );
+    const holds: ReturnType<FreezeProxy["holdWhen"]>[] = [];
+    try {
+      const org = await seedOrg(held);
+      const total = await chatTokens(gw.url, org.serviceKey);
+      const flushed = () =>
+        gw.quota.flush().then(
+          () => "written",
+          (e: Error) => e.message,
+        );
+      // The first write is held on its connection (a connection that died without a word) and given up on.
+      holds.push(proxy.holdWhen(/insert into usage_batches/i, "statement"));
+      const first = flushed();
+      await holds[0]?.held;
+      expect(await first).toContain("no answer from the database within");
+      // The retry: before, it was sent on the pool's other connection, held there too and given up on, the pool then all held.
+      holds.push(proxy.holdWhen(/insert into usage_batches/i, "statement"));
+      const second = await flushed();
+      expect({ second, unanswered: gw.quota.stats().unansweredWrites }).toEqual({ second: expect.stringContaining("still unanswered"), unanswered: 1 });
+
+      // The database answers on every other connection: a key not yet cached is looked up, /readyz is ready.
+      // Before: both 503 after waiting ANSWER_TIMEOUT_MS for a connection.
+      const fresh = await createKey(held, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" });
+      const lookup = await timed(`${gw.url}/v1/me`, { headers: bearer(fresh.key) });
+      const ready = await timed(`${gw.url}/readyz`);
+      expect({ lookup: lookup.status, ready: ready.status }).toEqual({ lookup: 200, ready: 200 });
+
+      // Let through: the held write lands, and the usage counts once.
+      for (const h of holds) h.release();
+      await until(() => gw.quota.stats().unansweredWrites === 0, "the held write to finish", 10_000, 20);
+      await gw.quota.flush();
+      expect(await written(org.orgId)).toEqual({ used: total, requests: 1 });
+    } finally {
+      for (const h of holds) h.release();
+      await gw.stop();
+      await db.close();
+    }
+  });
+
   test("a request that needs lease while this instance's own return of lease is being written waits for it, not 429 budget_exceeded", async () => {
     // quota-http's 'a quota lowered below the lease' failed once in CI (Postgres) this way: one request short of the quota.
     const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 4 });
