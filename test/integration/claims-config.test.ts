@@ -1,14 +1,17 @@
 import { afterAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import postgres from "postgres";
 import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { createKey } from "../../src/admin/service.ts";
 import { loadConfig } from "../../src/config/load.ts";
+import { mintKey } from "../../src/auth/keys.ts";
 import { openDatabase } from "../../src/db/client.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
 import { captureCli, withoutEnv } from "../helpers/cli.ts";
-import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, startTestGateway } from "../helpers/harness.ts";
-import { onlyJson, removeScratch, scratchDir } from "../helpers/process.ts";
+import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, startTestGateway, testConfig } from "../helpers/harness.ts";
+import { createScratchDatabase, onlyJson, removeScratch, scratchDir } from "../helpers/process.ts";
+import { until } from "../helpers/poll.ts";
 
 // PGlite start-ups and CLI runs on a busy 2-core machine take more than the default 5 s.
 setDefaultTimeout(60_000);
@@ -127,6 +130,47 @@ describe("cursorSecret", () => {
       await b.stop();
       await c.stop();
       await database.close();
+    }
+  });
+});
+
+describe.skipIf(!TEST_DATABASE_URL)("dbPoolMax", () => {
+  test("is the pool's size: under more concurrent key lookups than that, the gateway holds exactly dbPoolMax connections (above the default of 10)", async () => {
+    const scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "h2_pool");
+    // Two connections: one holds the lock, the other counts.
+    const admin = postgres(scratch.url, { max: 2, onnotice: () => {} });
+    const app = `gw_pool_${crypto.randomUUID().slice(0, 8)}`;
+    const url = new URL(scratch.url);
+    url.searchParams.set("application_name", app);
+    // The gateway opens its own database from the configuration, as `serve` does.
+    const g = await startGateway({ config: await testConfig({ databaseUrl: url.toString(), dbPoolMax: 12 }), log: createLogger("error") });
+    let locker: postgres.ReservedSql | undefined;
+    const waiting = async () => {
+      const [r] = await admin`select count(*)::int as n from pg_stat_activity where application_name = ${app} and wait_event_type = 'Lock'`;
+      return Number(r?.n);
+    };
+    try {
+      // Every key lookup waits on this lock, each on a connection of its own while the pool has one free.
+      locker = await admin.reserve();
+      await locker`begin`;
+      await locker`lock table api_keys in access exclusive mode`;
+      const lookups = Array.from({ length: 14 }, () => fetch(`${g.url}/v1/me`, { headers: bearer(mintKey("gw").key) }).then((r) => r.status));
+      // Were the option ignored, the pool would be the default 10 and the count would stop there (seen so).
+      await until(async () => (await waiting()) >= 12, "12 lookups waiting, each on its own connection", 20_000, 50);
+      expect(await waiting()).toBe(12);
+      await locker`rollback`;
+      locker.release();
+      locker = undefined;
+      // Unknown keys: 401 once looked up (503 for one whose lookup gave up waiting).
+      for (const status of await Promise.all(lookups)) expect([401, 503]).toContain(status);
+    } finally {
+      if (locker) {
+        await locker`rollback`.catch(() => {});
+        locker.release();
+      }
+      await g.stop();
+      await admin.end();
+      await scratch.drop();
     }
   });
 });
