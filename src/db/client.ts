@@ -432,11 +432,16 @@ export async function unknownMigrations(database: Database): Promise<UnknownMigr
   return { unknown, databaseNewest, gatewayNewest, message };
 }
 
-/** True when every embedded migration has been applied (readiness). */
+/**
+ * True when every embedded migration has been applied (readiness), matched by
+ * tag: a newer release's migrations the database also holds neither count
+ * for nor against it.
+ */
 export async function migrationsCurrent(database: Database): Promise<boolean> {
   try {
-    const rows = await answeredWithin(database.rows<{ n: number | string }>(sql`select count(*)::int as n from gateway_migrations`), ANSWER_TIMEOUT_MS, "migrations check");
-    return Number(rows[0]?.n ?? 0) >= MIGRATIONS.length;
+    const rows = await answeredWithin(database.rows<{ tag: string }>(sql`select tag from gateway_migrations`), ANSWER_TIMEOUT_MS, "migrations check");
+    const applied = new Set(rows.map((r) => r.tag));
+    return MIGRATIONS.every((m) => applied.has(m.tag));
   } catch {
     return false;
   }

@@ -219,6 +219,21 @@ function suite(kind: Kind) {
     expect(applied.map((r) => r.tag)).toEqual([...ALL_TAGS].sort());
   });
 
+  test("readiness needs every migration of ours by its tag: an unknown newer one does not make up for one missing", async () => {
+    const db = await fresh(kind);
+    await migrate(db);
+    expect(await migrationsCurrent(db)).toBe(true);
+    // As many rows as this binary has migrations, but not the same set.
+    const missing = ALL_TAGS[3] as string;
+    await db.rows(sql`delete from gateway_migrations where tag = ${missing}`);
+    await db.rows(sql`insert into gateway_migrations (tag) values ('9999_from_a_newer_release')`);
+    // Before: true (the rows were counted, not matched).
+    expect(await migrationsCurrent(db)).toBe(false);
+    // With it back it is current, the unknown one (a newer release's) notwithstanding.
+    await db.rows(sql`insert into gateway_migrations (tag) values (${missing})`);
+    expect(await migrationsCurrent(db)).toBe(true);
+  });
+
   test("migrations started concurrently apply each migration exactly once (advisory lock)", async () => {
     // Postgres: several instances (pools) on one fresh database, as when several
     // gateways start at once. PGlite: one process, several concurrent callers.
