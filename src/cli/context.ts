@@ -4,7 +4,7 @@ import { ForwardToServer, adminContext, socketPath } from "./admin-socket.ts";
 import { UsageError, type Out } from "./command.ts";
 import { loadConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
-import { type Database, DataDirLockedError, migrate, openDatabase } from "../db/client.ts";
+import { type Database, DataDirLockedError, migrate, openDatabase, unknownMigrations } from "../db/client.ts";
 import { InputError } from "../lib/errors.ts";
 import { inStorableRange, parseInstantOrDate } from "../lib/time.ts";
 
@@ -35,8 +35,14 @@ function embeddedCreates(cfg: Config): string | undefined {
   return dir;
 }
 
-/** Open the database, bring its schema up to date (unless the command is `migrate` itself), run, close. */
-export async function withDb<T>(cfg: Config, fn: (db: Database) => Promise<T>, opts: { migrate: boolean } = { migrate: true }): Promise<T> {
+/**
+ * Open the database, bring its schema up to date (unless the command is
+ * `migrate` itself), run, close. A database a newer release migrated gets the
+ * warning `migrate` prints, on stderr, before the command runs; the command
+ * and its exit code are unchanged (docs/decisions.md: Command line). A
+ * command forwarded to the running server says nothing: `serve` logged it.
+ */
+export async function withDb<T>(cfg: Config, out: Out, fn: (db: Database) => Promise<T>, opts: { migrate: boolean } = { migrate: true }): Promise<T> {
   const served = adminContext.getStore();
   if (served) return fn(served.database);
   const creates = embeddedCreates(cfg);
@@ -50,7 +56,11 @@ export async function withDb<T>(cfg: Config, fn: (db: Database) => Promise<T>, o
     throw e;
   }
   try {
-    if (opts.migrate) await migrate(database);
+    if (opts.migrate) {
+      await migrate(database);
+      const ahead = await unknownMigrations(database);
+      if (ahead) out.stderr(`warning: ${ahead.message}\n`);
+    }
     return await fn(database);
   } catch (e) {
     refused = e instanceof InputError;

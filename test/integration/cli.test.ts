@@ -226,6 +226,42 @@ describe("migrate", () => {
     expect(tags.map((t) => t.tag)).toEqual([...ALL_TAGS, "9000_newer_release", "9001_from_the_future"]);
   });
 
+  test("every other command that opens a database a newer release migrated prints the same warning on stderr; its output and exit code are unchanged", async () => {
+    const dir = join(work, "newer-commands");
+    expect((await cli("migrate", "--data-dir", dir)).code).toBe(0);
+    await inspect((db) => db.rows(sql`insert into gateway_migrations (tag) values ('9000_newer_release')`), dir);
+    const warning =
+      "warning: the database has 1 migration this gateway does not know (9000_newer_release): " +
+      `the newest it has is 9000_newer_release, the newest this gateway knows is ${ALL_TAGS.at(-1)}; ` +
+      "a newer release migrated it, and this one may fail on that schema\n";
+    const run = (...args: string[]) => cli(...args, "--json", "--data-dir", dir);
+    const seen: Record<string, { code: number; stderr: string }> = {};
+    const note = (name: string, r: Result) => {
+      seen[name] = { code: r.code, stderr: r.stderr };
+      return r;
+    };
+    const org = onlyJson<{ id: string }>(note("orgs create", await run("orgs", "create", "--name", "Newer")).stdout);
+    note("orgs set", await run("orgs", "set", "--id", org.id, "--quota-tokens", "1000"));
+    const user = onlyJson<{ id: string }>(note("users create", await run("users", "create", "--org", org.id, "--name", "Ada", "--email", "ada@newer.example")).stdout);
+    const key = onlyJson<{ id: string }>(note("keys create", await run("keys", "create", "--org", org.id, "--user", user.id, "--kind", "personal", "--scopes", "inference")).stdout);
+    note("keys list", await run("keys", "list", "--org", org.id));
+    const rotated = onlyJson<{ id: string }>(note("keys rotate", await run("keys", "rotate", key.id)).stdout);
+    note("keys revoke", await run("keys", "revoke", rotated.id));
+    note("usage report", await run("usage", "report", "--org", org.id));
+    const file = join(work, "newer-events.jsonl");
+    writeFileSync(
+      file,
+      `${JSON.stringify({ org_id: org.id, action: "member.invited", category: "member", actor: { type: "user", id: user.id, name: "Ada", email: "ada@newer.example" }, targets: [], details: {}, origin: { ip_prefix: "203.0.113.0/24", user_agent_summary: "Firefox/131.0" } })}\n`,
+    );
+    note("audit import", await run("audit", "import", file));
+    // A refused command keeps its exit code (2) and its own message after the warning.
+    const refused = note("keys revoke (no such key)", await run("keys", "revoke", MISSING_UUID));
+    const expected = Object.fromEntries(Object.keys(seen).map((k) => [k, k.includes("no such key") ? { code: 2, stderr: refused.stderr } : { code: 0, stderr: warning }]));
+    // Before: only `migrate` and `serve` said anything; every other command ran silently on the newer schema.
+    expect(seen).toEqual(expected);
+    expect(refused.stderr).toBe(`${warning}error: no key ${MISSING_UUID}\n`);
+  });
+
   test("the human form names what it applied", async () => {
     const r = await cli("migrate", "--data-dir", join(work, "other"));
     expect(r.code).toBe(0);

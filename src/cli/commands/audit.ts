@@ -20,7 +20,7 @@ const importCmd = defineCommand({
     if (forwarded === undefined && !(await f.exists())) throw new UsageError(`no such file: ${file}`);
     const cfg = await config(values);
     const text = forwarded ?? (await f.text());
-    const n = await withDb(cfg, (db) => importAudit(db, text)).catch((e: unknown) => {
+    const n = await withDb(cfg, out, (db) => importAudit(db, text)).catch((e: unknown) => {
       if (e instanceof ForwardToServer) e.input = text;
       throw e;
     });

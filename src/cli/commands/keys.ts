@@ -74,7 +74,7 @@ export const keysCreate = defineCommand({
       name: values.name ?? "",
       tag: cfg.keyTag,
     };
-    const key = await withDb(cfg, (db) => createKey(db, input));
+    const key = await withDb(cfg, out, (db) => createKey(db, input));
     warnIfPast(expiry, out);
     print(out, values.json, key, `created ${key.kind} key ${key.id}\n${key.key}\n(the key is shown only once; store it now)`);
     return 0;
@@ -92,7 +92,7 @@ const listCmd = defineCommand({
   examples: ["gateway keys list --org 7f8f3c2a-1b2c-4d5e-8f90-123456789abc --json"],
   async run({ values }, { out }) {
     const cfg = await config(values);
-    const rows = await withDb(cfg, (db) => listKeys(db, values.org));
+    const rows = await withDb(cfg, out, (db) => listKeys(db, values.org));
     const human = rows
       .map((k) => `${k.id}  ${k.prefix}…  ${k.kind.padEnd(8)}  ${k.scopes.join(",")}  ${k.revoked_at ? "revoked" : `expires ${k.expires_at}`}`)
       .join("\n");
@@ -111,7 +111,7 @@ const revoke = defineCommand({
   examples: ["gateway keys revoke 5b0e7c9e-2f4d-4c1a-9d8e-0f1a2b3c4d5e"],
   async run({ values, positionals: [id = ""] }, { out }) {
     const cfg = await config(values);
-    const k = await withDb(cfg, (db) => revokeKey(db, id));
+    const k = await withDb(cfg, out, (db) => revokeKey(db, id));
     print(out, values.json, k, `revoked key ${k.id}`);
     return 0;
   },
@@ -135,7 +135,7 @@ const rotate = defineCommand({
     if (graceMs === null) throw new UsageError("--grace takes a duration such as 24h, 30m, 0");
     const expiry = expiryFlags(values);
     const lifetime = keyLifetime(cfg.keys);
-    const k = await withDb(cfg, (db) => rotateKey(db, { id, graceMs, tag: cfg.keyTag, lifetime, ...(expiry ? { expiry } : {}) }));
+    const k = await withDb(cfg, out, (db) => rotateKey(db, { id, graceMs, tag: cfg.keyTag, lifetime, ...(expiry ? { expiry } : {}) }));
     warnIfPast(expiry, out);
     // The old key never outlives its own expiry: a grace longer than what it had left is not what it gets.
     const graceEnd = Date.parse(k.created_at) + graceMs;

@@ -15,7 +15,7 @@ export const migrate = defineCommand({
   async run({ values }, { out }) {
     const cfg = await config(values);
     // withDb must not migrate first here, or `migrate` would always report "up to date".
-    const { applied, ahead } = await withDb(cfg, async (db) => ({ applied: await applyMigrations(db), ahead: await unknownMigrations(db) }), { migrate: false });
+    const { applied, ahead } = await withDb(cfg, out, async (db) => ({ applied: await applyMigrations(db), ahead: await unknownMigrations(db) }), { migrate: false });
     // Exit 0 all the same: the units run `migrate` before `serve`, and an older release must still start (docs/decisions.md).
     if (ahead) out.stderr(`warning: ${ahead.message}\n`);
     print(out, values.json, { applied, unknown: ahead?.unknown ?? [] }, applied.length ? `applied: ${applied.join(", ")}` : "database is up to date");

@@ -19,7 +19,7 @@ const create = defineCommand({
   async run({ values }, { out }) {
     const cfg = await config(values);
         const quota = values["quota-tokens"] === undefined || values["quota-tokens"] === "none" ? null : int(values["quota-tokens"], "--quota-tokens");
-    const org = await withDb(cfg, (db) =>
+    const org = await withDb(cfg, out, (db) =>
       createOrg(db, {
         name: values.name,
         plan: values.plan ?? cfg.defaultPlan,
@@ -53,7 +53,7 @@ const set = defineCommand({
     const q = values["quota-tokens"];
     const academy = values["academy-only"];
     if (academy !== undefined && academy !== "true" && academy !== "false") throw new UsageError("--academy-only takes true or false");
-    const org = await withDb(cfg, (db) =>
+    const org = await withDb(cfg, out, (db) =>
       setOrg(db, {
         id: values.id,
         plans: Object.keys(cfg.plans),

@@ -15,7 +15,7 @@ const report = defineCommand({
   async run({ values }, { out }) {
     const cfg = await config(values);
     const since = values.since === undefined ? undefined : isoTime(values.since, "--since");
-    const rows = await withDb(cfg, (db) => usageReport(db, values.org, since));
+    const rows = await withDb(cfg, out, (db) => usageReport(db, values.org, since));
     const human = rows.map((r) => `${r.alias.padEnd(14)} ${r.key_id}  ${String(r.requests).padStart(8)} req  ${String(r.total_tokens).padStart(12)} tokens`).join("\n");
     print(out, values.json, rows, human || "no usage");
     return 0;

@@ -18,7 +18,7 @@ const create = defineCommand({
   async run({ values }, { out }) {
     const cfg = await config(values);
     const input = { orgId: values.org, name: values.name, email: values.email, academyOnly: values["academy-only"] ?? false };
-    const user = await withDb(cfg, (db) => createUser(db, input));
+    const user = await withDb(cfg, out, (db) => createUser(db, input));
     print(out, values.json, user, `created user ${user.id} (${user.email})`);
     return 0;
   },
