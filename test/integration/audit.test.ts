@@ -11,6 +11,8 @@ import type { Gateway } from "../../src/server.ts";
 import { VERSION } from "../../src/lib/version.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, startTestGateway, type SeededOrg } from "../helpers/harness.ts";
 import { expectAuditPage } from "../helpers/spec-types.ts";
+import { until } from "../helpers/poll.ts";
+import { AUTH_CHANNEL } from "../../src/auth/verify.ts";
 import { startSimulator } from "../../src/sim/index.ts";
 import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -858,6 +860,48 @@ describe("key lifecycle events", () => {
     expect(revoked.actor).toEqual({ type: "system", id: "00000000-0000-0000-0000-000000000000", name: "gateway-cli", email: "", key_id: null });
     const byAction = (await page(org.serviceKey, { action: "api_key.revoked" })).data;
     expect(byAction.map((e) => e.id)).toEqual([revoked.id]);
+  });
+});
+
+describe("an admin change, its audit event and its NOTIFY commit together", () => {
+  test("a change whose commit fails leaves no event and sends no NOTIFY; the next, committed, sends its own", async () => {
+    const fresh = await freshDatabase();
+    const org = await seedOrg(fresh);
+    const heard: string[] = [];
+    const stop = await fresh.listen(AUTH_CHANNEL, (p) => heard.push(p), () => {});
+    // Refused at COMMIT, after every statement of the change (its audit event, then its NOTIFY) has run:
+    // a deferred constraint trigger on the revoked key's row.
+    await fresh.rows(sql.raw(`create function h2_refuse_at_commit() returns trigger language plpgsql as $$ begin raise exception 'refused at commit'; end $$`));
+    await fresh.rows(
+      sql.raw(
+        `create constraint trigger h2_refuse_at_commit after update on api_keys deferrable initially deferred for each row when (new.id = '${org.personalKeyId}') execute function h2_refuse_at_commit()`,
+      ),
+    );
+    try {
+      const refused = await revokeKey(fresh, org.personalKeyId).then(
+        () => "committed",
+        (e: Error) => `${e.message} ${(e.cause as Error | undefined)?.message ?? ""}`,
+      );
+      expect(refused).toContain("refused at commit");
+      await revokeKey(fresh, org.serviceKeyId);
+      // NOTIFYs arrive in commit order: once the second change's is here, one sent by the first would be too.
+      await until(() => heard.includes(`key:${org.serviceKeyId}`), "the committed revocation's NOTIFY");
+      const events = await fresh.rows<{ key: string }>(
+        sql`select details->>'key_id' as key from audit_events where org_id = ${org.orgId} and action = 'api_key.revoked' order by created_at`,
+      );
+      const revoked = await fresh.rows<{ id: string }>(sql`select id from api_keys where org_id = ${org.orgId} and revoked_at is not null`);
+      // Were the NOTIFY sent outside the change's transaction, key:<personal> would be heard though nothing changed.
+      expect({ heard: heard.filter((p) => p.startsWith("key:")), events: events.map((e) => e.key), revoked: revoked.map((r) => r.id) }).toEqual({
+        heard: [`key:${org.serviceKeyId}`],
+        events: [org.serviceKeyId],
+        revoked: [org.serviceKeyId],
+      });
+    } finally {
+      await fresh.rows(sql.raw("drop trigger h2_refuse_at_commit on api_keys"));
+      await fresh.rows(sql.raw("drop function h2_refuse_at_commit()"));
+      await stop();
+      await fresh.close();
+    }
   });
 });
 
