@@ -11,6 +11,8 @@ import { type Gateway, startGateway } from "../../src/server.ts";
 import { captureCli, withoutEnv } from "../helpers/cli.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, startTestGateway, testConfig } from "../helpers/harness.ts";
 import { createScratchDatabase, onlyJson, removeScratch, scratchDir } from "../helpers/process.ts";
+import { startSimulator } from "../../src/sim/index.ts";
+import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 import { until } from "../helpers/poll.ts";
 
 // PGlite start-ups and CLI runs on a busy 2-core machine take more than the default 5 s.
@@ -171,6 +173,47 @@ describe.skipIf(!TEST_DATABASE_URL)("dbPoolMax", () => {
       await g.stop();
       await admin.end();
       await scratch.drop();
+    }
+  });
+});
+
+describe("idleTimeoutS (1–255 s, README)", () => {
+  test("0, 256, -1, 1.5 and a string are refused by `config check` (exit 2, the option named), as by serve's loader", async () => {
+    const work = scratchDir("gw-idle-");
+    for (const v of [0, 256, -1, 1.5, "60"]) {
+      const file = join(work, `idle-${String(v)}.json`);
+      writeFileSync(file, JSON.stringify({ idleTimeoutS: v }));
+      const r = await captureCli(["config", "check", "--config", file]);
+      // 0 would be Bun's "no idle timeout at all"; above 255 Bun.serve throws at start.
+      expect({ v, code: r.code, stdout: r.stdout, named: r.stderr.includes("  - /idleTimeoutS:") }).toEqual({ v, code: 2, stdout: "", named: true });
+      const loaded = await loadConfig({ env: {}, file }).then(
+        () => "accepted",
+        (e: Error) => e.message,
+      );
+      expect(loaded).toContain("/idleTimeoutS:");
+    }
+  });
+
+  test("the extremes 1 and 255 start a gateway that answers a chat completion (Bun.serve takes at most 255)", async () => {
+    const sim = await startSimulator({ port: 0, ttftMs: 1, interTokenMs: 0, completionTokens: 3 });
+    try {
+      for (const idleTimeoutS of [1, 255]) {
+        const g = await startTestGateway({ idleTimeoutS, upstream: upstreamSettings(), aliases: testAliases(sim.url) });
+        try {
+          const org = await seedOrg(g.database);
+          const res = await fetch(`${g.url}/v1/chat/completions`, {
+            method: "POST",
+            headers: { ...bearer(org.serviceKey), "content-type": "application/json" },
+            body: JSON.stringify({ model: "svc-fast", max_tokens: 5, messages: [{ role: "user", content: "hi" }] }),
+          });
+          expect({ idleTimeoutS, status: res.status }).toEqual({ idleTimeoutS, status: 200 });
+          await res.arrayBuffer();
+        } finally {
+          await g.stop();
+        }
+      }
+    } finally {
+      await sim.stop();
     }
   });
 });
