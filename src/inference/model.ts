@@ -520,23 +520,51 @@ export interface ToolAnswerProblem {
 }
 
 /**
+ * Up to this many calls in an assistant message, a tool message's id is found
+ * by a scan (no allocation: the common case); beyond it, in a Set of the
+ * calls' ids built once for that message, so a request of many calls and many
+ * answers is linear, not calls × answers.
+ */
+const CALL_SCAN_MAX = 16;
+
+function callIds(calls: readonly unknown[]): Set<unknown> {
+  const ids = new Set<unknown>();
+  for (const c of calls) if (isRecord(c)) ids.add(c.id);
+  return ids;
+}
+
+/**
  * OpenAI's rule for tool messages: each answers a call of the assistant
  * message just before it, with only other tool messages between (parallel
- * calls are answered in any order). One pass over the messages; the calls in
- * force are the last assistant message's, so nothing is allocated unless the
- * rule breaks. Whether every call is answered is not checked.
+ * calls are answered in any order). One pass over the messages, linear in
+ * their calls and answers; the calls in force are the last assistant
+ * message's, so nothing is allocated unless the rule breaks or that message
+ * has more than CALL_SCAN_MAX calls. Whether every call is answered is not
+ * checked.
  */
 export function toolAnswerProblem(messages: readonly ToolTurn[]): ToolAnswerProblem | undefined {
   let calls: readonly unknown[] | undefined;
+  let ids: Set<unknown> | undefined;
   for (let i = 0; i < messages.length; i++) {
     const m = messages[i] as ToolTurn;
     if (m.role !== "tool") {
       calls = m.role === "assistant" && Array.isArray(m.tool_calls) && m.tool_calls.length > 0 ? m.tool_calls : undefined;
+      ids = undefined;
       continue;
     }
     if (calls === undefined) return { index: i, kind: "orphan" };
+    if (calls.length > CALL_SCAN_MAX) {
+      ids ??= callIds(calls);
+      if (!ids.has(m.tool_call_id)) return { index: i, kind: "unknown_id" };
+      continue;
+    }
     let found = false;
-    for (const c of calls) if (isRecord(c) && c.id === m.tool_call_id) found = true;
+    for (const c of calls) {
+      if (isRecord(c) && c.id === m.tool_call_id) {
+        found = true;
+        break;
+      }
+    }
     if (!found) return { index: i, kind: "unknown_id" };
   }
   return undefined;
