@@ -123,8 +123,9 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
       // Calls of one turn share an assistant message (chat's shape for parallel calls).
       const last = messages[messages.length - 1];
       if (last?.role === "assistant") {
-        const calls = Array.isArray(last.tool_calls) ? last.tool_calls : [];
-        last.tool_calls = [...calls, call];
+        // Appended, not copied: a turn of many calls is linear. The array is always this translation's own.
+        if (Array.isArray(last.tool_calls)) last.tool_calls.push(call);
+        else last.tool_calls = [call];
         if (last.content === "") last.content = null;
       } else push({ role: "assistant", content: null, tool_calls: [call] }, from);
     } else if (type === "function_call_output") {

@@ -90,3 +90,26 @@ describe("chat: tool messages answering an assistant message with many tool_call
     expect(a.body.error?.message).toBe("Invalid parameter: 'tool_call_id' of 'nope' not found in 'tool_calls' of previous message.");
   });
 });
+
+describe("Responses: function_call items of one turn, and their outputs", () => {
+  const call = (id: string) => ({ type: "function_call", call_id: id, name: "f", arguments: "" });
+  const output = (id: string) => ({ type: "function_call_output", call_id: id, output: "" });
+
+  test("200,000 calls then an output answering none of them: 400 on that item", async () => {
+    // ~14 MB. Each call was added by copying the calls before it into a new array: 2·10^10 copies, 60 s here.
+    const N = 200_000;
+    const input = [{ role: "user", content: "go" }, ...ids(N).map(call), output("nope")];
+    const a = await post("/v1/responses", JSON.stringify({ model: "svc-fast", input, store: false }));
+    expect(a.status).toBe(400);
+    expect(a.body.error?.param).toBe(`input[${N + 1}]`);
+    expect(a.body.error?.message).toBe("No tool call found for function call output with call_id nope.");
+  });
+
+  test("100,000 calls, each answered: 200", async () => {
+    const N = 100_000;
+    const input = [{ role: "user", content: "go" }, ...ids(N).map(call), ...ids(N).map(output)];
+    const a = await post("/v1/responses", JSON.stringify({ model: "svc-fast", input, store: false }));
+    expect(a.status).toBe(200);
+    expect(a.body.object).toBe("response");
+  });
+});
