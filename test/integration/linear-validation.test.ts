@@ -113,3 +113,15 @@ describe("Responses: function_call items of one turn, and their outputs", () => 
     expect(a.body.object).toBe("response");
   });
 });
+
+describe("image URLs: a host name of many dots", () => {
+  test("15,000,000 dots before 'localhost': 400 on the URL (an internal host), at once", async () => {
+    // The trailing dots of a name were stripped by /\.+$/, which tries every run of dots to the end: n²/2 steps (160,000 dots took 29 s here).
+    const host = `x${".".repeat(15_000_000)}localhost`;
+    const image = { type: "image_url", image_url: { url: `http://${host}/cat.png` } };
+    const a = await post("/v1/chat/completions", JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: [image] }] }));
+    expect(a.status).toBe(400);
+    expect(a.body.error?.param).toBe("messages[0].content[0].image_url.url");
+    expect(a.body.error?.message).toBe(`The image URL names the host '${host}'; image URLs must name public hosts.`);
+  });
+});
