@@ -426,15 +426,26 @@ function intendedVariant(e: ValueError): TSchema | undefined {
 }
 
 /**
+ * How many of a value's errors are looked through for a wrong tag. TypeBox
+ * describes each error it lists (message, path: ~2 µs), and a body at the
+ * limit can hold millions (`[{},{},…]`): listing them all held the request
+ * thread for 12 s. A real client's mistakes are a handful.
+ */
+const ERRORS_SCANNED = 256;
+
+/**
  * The most useful of a value's errors: a wrong tag (`type`) before the fields
- * that tag would require, and inside a union the error of the intended
- * variant rather than "Expected union value", so `param` points at the field.
+ * that tag would require (among the first ERRORS_SCANNED), and inside a union
+ * the error of the intended variant rather than "Expected union value", so
+ * `param` points at the field.
  */
 function bestError(errors: Iterable<ValueError>): ValueError | undefined {
   let first: ValueError | undefined;
+  let scanned = 0;
   for (const e of errors) {
     first ??= e;
     if (e.type === ValueErrorType.Literal && e.path.endsWith("/type")) return e;
+    if (++scanned === ERRORS_SCANNED) break;
   }
   if (first?.type === ValueErrorType.Union) {
     const variant = intendedVariant(first);

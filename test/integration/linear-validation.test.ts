@@ -125,3 +125,23 @@ describe("image URLs: a host name of many dots", () => {
     expect(a.body.error?.message).toBe(`The image URL names the host '${host}'; image URLs must name public hosts.`);
   });
 });
+
+describe("bodies with millions of errors: the first is reported without listing the others", () => {
+  // ~16 MB of `{}`: every element is an error, and each was described (message, path) before the first was chosen: 12 s here.
+  const N = 5_500_000;
+  const empties = `[${Array(N).fill("{}").join(",")}]`;
+
+  test(`chat: ${N.toLocaleString("en")} messages without a role: 400 on messages[0].role`, async () => {
+    const a = await post("/v1/chat/completions", `{"model":"svc-fast","messages":${empties}}`);
+    expect(a.status).toBe(400);
+    expect(a.body.error?.param).toBe("messages[0].role");
+    expect(a.body.error?.message).toBe("Missing required parameter: 'messages[0].role'.");
+  });
+
+  test(`Responses: ${N.toLocaleString("en")} tools without a type: 400 on tools[0].type`, async () => {
+    const a = await post("/v1/responses", `{"model":"svc-fast","input":"go","tools":${empties}}`);
+    expect(a.status).toBe(400);
+    expect(a.body.error?.param).toBe("tools[0].type");
+    expect(a.body.error?.message).toBe("Missing required parameter: 'tools[0].type'.");
+  });
+});
