@@ -11,7 +11,7 @@ setDefaultTimeout(60_000);
  * a body near the limit (16 MiB) whose arrays are as long as that allows is
  * answered at once, not after the request thread spent minutes on it while
  * every other client waited. Each case is one request the old code kept busy
- * for more than 30 s (the commit that fixed it says how long).
+ * for seconds to hours (the commit that fixed it says how long).
  *
  * The gateway runs as a child process: a request that occupies its thread
  * must not freeze the test runner too, so the bound fails the test on time
