@@ -168,6 +168,50 @@ describe("upstream HTTP/1.1 client", () => {
     expect(srv.peers.length).toBe(1);
   });
 
+  test("a trailer field longer than a chunk-size line's 4 KB (trailers are bounded like a head) is read whether or not it arrives split", async () => {
+    const field = `x-signature: ${"a".repeat(6_000)}`;
+    const head = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n";
+    let held: Socket<PeerData> | undefined;
+    const { srv, ep } = setup((s, _req, i) => {
+      if (i === 0) {
+        // The body's data and 5,000 bytes of the trailer field; the rest once the client has read the data.
+        s.write(head + field.slice(0, 5_000));
+        held = s;
+      } else s.write(`${head}${field}\r\n\r\n`);
+    });
+    const res = await ep.request(post());
+    const first = await res.body.read();
+    expect(first.done ? "" : Buffer.from(first.value).toString()).toBe("hello");
+    held?.write(`${field.slice(5_000)}\r\n\r\n`);
+    expect(String(await res.body.read().then((r) => r.done, String))).toBe("true");
+    // The same trailer in one read.
+    expect(await (await ep.request(post())).text()).toBe("hello");
+    expect(srv.peers.length).toBe(1);
+  });
+
+  test("a chunk-size line of exactly 4 KB is read when a read ends at its CR, as in one read; one byte more is refused", async () => {
+    // Size and extension: 4,096 bytes before the CRLF.
+    const line = `5;${"e".repeat(4_094)}`;
+    const longer = `${line}e`;
+    let held: Socket<PeerData> | undefined;
+    const { srv, ep } = setup((s, _req, i) => {
+      if (i === 0) {
+        s.write(`HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n${line}\r`);
+        held = s;
+      } else s.write(`HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n${i === 1 ? line : longer}\r\nhello\r\n0\r\n\r\n`);
+    });
+    const res = await ep.request(post());
+    const first = await res.body.read();
+    expect(first.done ? "" : Buffer.from(first.value).toString()).toBe("hello");
+    held?.write("\nworld\r\n0\r\n\r\n");
+    const second = await res.body.read().catch(String);
+    expect(typeof second === "string" || second.done ? second : Buffer.from(second.value).toString()).toBe("world");
+    expect((await res.body.read()).done).toBe(true);
+    expect(await (await ep.request(post())).text()).toBe("hello");
+    expect(srv.peers.length).toBe(1);
+    expect(String(await rejectionOf((await ep.request(post())).text()))).toContain("chunk header too long");
+  });
+
   test("a chunked body whose events arrive together is read in one piece per arrival", async () => {
     const { ep } = setup((s) => {
       s.write("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n");

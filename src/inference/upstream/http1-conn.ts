@@ -370,9 +370,12 @@ export class Conn {
           const nl = b.indexOf(0x0a, at);
           if (nl === -1) {
             this.line += b.toString("latin1", at);
-            if (this.line.length > MAX_CHUNK_LINE) {
-              this.destroy(new UpstreamConnectionError("chunk header too long"));
-              return;
+            // The bound of the whole line (below), so a line is refused however it arrives: a chunk-size line's,
+            // or what is left of the trailers' (a trailer field may be longer than a size line; the empty line
+            // that ends them is not counted), and one byte for a CR whose LF is still to come.
+            const max = this.chunk === Chunk.Size ? MAX_CHUNK_LINE : Math.max(0, this.pool.maxHeaderBytes - this.trailerBytes - 2);
+            if (this.line.length > max + 1) {
+              this.destroy(new UpstreamConnectionError(this.chunk === Chunk.Size ? "chunk header too long" : "response trailers too large"));
             }
             return;
           }
