@@ -371,6 +371,30 @@ describe("upstream HTTP/1.1 client", () => {
     expect(String(await rejectionOf(ep.request(post())))).toContain("too large");
   });
 
+  test("a head of exactly the limit is read when a read ends inside its closing CRLF CRLF, as in one read; one byte more is refused", async () => {
+    // 1,000 bytes of head text before the CRLF CRLF.
+    const head = (n: number) => `HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-big: ${"a".repeat(n - 43)}`;
+    expect(head(1_000).length).toBe(1_000);
+    let n = 0;
+    const { srv, ep } = setup(
+      async (s) => {
+        const text = head(n++ === 2 ? 1_001 : 1_000);
+        // The first answer ends a read after "\r\n\r" (a pause between the writes, as in the one-byte-per-read test).
+        if (n === 1) {
+          s.write(`${text}\r\n\r`);
+          s.flush();
+          await Bun.sleep(50);
+          s.write("\nok");
+        } else s.write(`${text}\r\n\r\nok`);
+      },
+      { maxHeaderBytes: 1_000 },
+    );
+    expect(await (await ep.request(post())).text()).toBe("ok");
+    expect(await (await ep.request(post())).text()).toBe("ok");
+    expect(srv.peers.length).toBe(1);
+    expect(String(await rejectionOf(ep.request(post())))).toContain("too large");
+  });
+
   test("aborting before the answer rejects with the signal's reason and closes the connection", async () => {
     const { srv, ep } = setup(() => {});
     const ac = new AbortController();

@@ -244,7 +244,8 @@ export class Conn {
       this.headBuf = undefined;
       const start = bodyStart(b, from);
       if (start === -1) {
-        if (b.byteLength > this.pool.maxHeaderBytes) {
+        // The bound on the head's text (below), however it arrives: up to 3 bytes here may be the start of its "\r\n\r\n".
+        if (b.byteLength > this.pool.maxHeaderBytes + 3) {
           this.destroy(new UpstreamConnectionError("response head too large"));
           return;
         }
