@@ -366,6 +366,38 @@ describe("upstream HTTP/1.1 client", () => {
     expect(srv.peers.length).toBe(2);
   });
 
+  test("a 204 that says it has a body (transfer-encoding, or a content-length other than 0) has none, and its connection is not reused", async () => {
+    /** What the next request is answered with, and what its connection then sends late (before the next answer on it). */
+    let next: { answer: string; stray: string } | undefined;
+    const strays = new Map<Peer, string>();
+    const { srv, ep } = setup((s, _req, _i, peer) => {
+      const stray = strays.get(peer) ?? "";
+      strays.delete(peer);
+      if (next) {
+        s.write(next.answer);
+        strays.set(peer, next.stray);
+        next = undefined;
+      } else s.write(`${stray}${okResponse("next")}`);
+    });
+    const cases = [
+      { answer: "HTTP/1.1 204 No Content\r\ntransfer-encoding: chunked\r\n\r\n", stray: "0\r\n\r\n" },
+      { answer: "HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n", stray: "hello" },
+    ];
+    for (const c of cases) {
+      next = c;
+      const res = await ep.request(post());
+      expect(res.status).toBe(204);
+      expect(await res.text()).toBe("");
+      expect(await ep.request(post()).then((r) => r.text()).catch(String)).toBe("next");
+    }
+    expect(srv.peers.length).toBe(3);
+    // A plain 204 (content-length: 0 included) keeps its connection.
+    next = { answer: "HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n", stray: "" };
+    expect((await ep.request(post())).status).toBe(204);
+    expect(await (await ep.request(post())).text()).toBe("next");
+    expect(srv.peers.length).toBe(3);
+  });
+
   test("a response head larger than the limit fails", async () => {
     const { ep } = setup((s) => s.write(`HTTP/1.1 200 OK\r\nx-big: ${"a".repeat(2_000)}\r\n\r\n`), { maxHeaderBytes: 1_000 });
     expect(String(await rejectionOf(ep.request(post())))).toContain("too large");

@@ -284,8 +284,12 @@ export class Conn {
       // HTTP/1.0 answer (RFC 9112 6.1): the body is read by Transfer-Encoding (RFC 9112 6.3), and the connection
       // is closed after it, so no byte left in doubt is read as the next answer.
       if (te !== undefined && (cl !== undefined || head.http10)) this.keepAlive = false;
-      if (head.status === 204 || head.status === 304) this.framing = Framing.None;
-      else if (te !== undefined) {
+      if (head.status === 204 || head.status === 304) {
+        this.framing = Framing.None;
+        // A 204 has no body whatever its head says (RFC 9112 6.3), but one that announces a body (a server must not:
+        // RFC 9112 6.1, RFC 9110 8.6) may still send it: bytes in doubt, never read as the next answer.
+        if (head.status === 204 && (te !== undefined || (cl !== undefined && contentLength(cl) !== 0))) this.keepAlive = false;
+      } else if (te !== undefined) {
         if (te.trim().toLowerCase() !== "chunked") {
           this.destroy(new UpstreamConnectionError(`unsupported transfer-encoding: ${te}`));
           return;
