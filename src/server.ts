@@ -82,7 +82,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     if (ahead) log.warn(ahead.message, { unknown: ahead.unknown, database_newest: ahead.databaseNewest, gateway_newest: ahead.gatewayNewest });
     const secret = await cursorSecret(database, config.cursorSecret);
 
-    const verifier = createKeyVerifier(database, config.keyCache);
+    const verifier = createKeyVerifier(database, { ...config.keyCache, log });
     await verifier.start();
     started.push(() => verifier.stop());
     const security = createSecurityAuditor(database, log);

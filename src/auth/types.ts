@@ -31,6 +31,11 @@ export interface Principal {
    * keeps reading them.
    */
   keyRoot: string;
+  /**
+   * Why the key's row cannot be trusted (an inconsistent kind or owner, see
+   * principalOfRow): the key is refused, whatever else the row says.
+   */
+  damaged?: string;
 }
 
 /** The client presenting a key: read only when a rejected key is audited or a lookup is charged. */

@@ -1,7 +1,8 @@
-import { eq, sql } from "drizzle-orm";
+import { type AnyColumn, type SQL, eq, sql } from "drizzle-orm";
 import { ANSWER_TIMEOUT_MS, type Database, answeredWithin } from "../db/client.ts";
-import { apiKeys, organizations, users } from "../db/schema.ts";
-import { hashKey } from "./keys.ts";
+import { QUOTA_PERIODS, type QuotaPeriod, apiKeys, organizations, users } from "../db/schema.ts";
+import type { Logger } from "../lib/log.ts";
+import { type Scope, hashKey, isScope } from "./keys.ts";
 import { ipPrefix } from "./security.ts";
 import type { Principal } from "./types.ts";
 
@@ -29,6 +30,7 @@ export type Verdict =
   | { status: "valid"; principal: Principal }
   | { status: "expired"; principal: Principal }
   | { status: "revoked"; principal: Principal }
+  | { status: "damaged"; principal: Principal }
   | { status: "unknown" };
 
 export class AuthStoreUnavailable extends Error {}
@@ -84,6 +86,8 @@ export interface VerifierOptions {
   unknownPerMin?: number;
   /** How long a lookup (with its one retry) may wait for the database; ANSWER_TIMEOUT_MS by default. */
   lookupTimeoutMs?: number;
+  /** Where rows read past the gateway's rules are reported (once per row and problem). */
+  log?: Logger;
   /** Reads a key's row; `lookupKey` unless a test substitutes one it can pause. */
   lookup?: (hash: string) => Promise<Principal | null>;
 }
@@ -104,6 +108,7 @@ export interface KeyVerifier {
 }
 
 const UNKNOWN: Verdict = { status: "unknown" };
+const MAX_REPORTED = 10_000;
 
 /**
  * Revocation is never scheduled: a set `revoked_at` is a revocation, whatever
@@ -112,12 +117,129 @@ const UNKNOWN: Verdict = { status: "unknown" };
  * by a host whose clock ran ahead working until our clock caught up.
  */
 export function judge(p: Principal, now: number): Verdict {
+  if (p.damaged) return { status: "damaged", principal: p };
   if (p.revokedAt) return { status: "revoked", principal: p };
   if (p.expiresAt && p.expiresAt.getTime() <= now) return { status: "expired", principal: p };
   return { status: "valid", principal: p };
 }
 
-export async function lookupKey(database: Database, hash: string): Promise<Principal | null> {
+/** The earliest and latest instants a key's row is read with: what RFC 3339 text (and `/v1/me`) can show, years 0001–9999. */
+const EARLIEST_MS = Date.parse("0001-01-01T00:00:00.000Z");
+const LATEST_MS = Date.parse("9999-12-31T23:59:59.999Z");
+/** More model aliases than any configuration has: a longer list is a damaged row (and would cost every request a long scan). */
+export const MAX_KEY_MODELS = 1_000;
+
+/** A timestamp column read as epoch milliseconds (float8: ±Infinity for ±infinity, finite past JavaScript's date range). */
+const epochOf = (column: SQL.Aliased | AnyColumn) => sql<number | null>`(extract(epoch from ${column}) * 1000)::float8`;
+
+/** What one lookup reads: the key's row, its organisation's and its user's (left-joined: the user may be missing). */
+export interface KeyRow {
+  keyId: string;
+  orgId: string;
+  userId: string | null;
+  kind: string;
+  scopes: readonly (string | null)[];
+  models: readonly (string | null)[] | null;
+  /** Epoch ms, as read (may be ±Infinity or out of JavaScript's date range). */
+  expiresMs: number | string | null;
+  revokedMs: number | string | null;
+  orgAcademyOnly: boolean;
+  userAcademyOnly: boolean | null;
+  plan: string;
+  quotaTokens: number | null;
+  quotaWindow: string;
+  keyName: string;
+  /** The joined user's own id and organisation: null when the row is gone. */
+  joinedUserId: string | null;
+  userOrgId: string | null;
+  userName: string | null;
+  userEmail: string | null;
+  rotatedFrom: string | null;
+}
+
+/** A row the gateway read past its own rules: what was wrong, and whose row it was. */
+export interface RowProblem {
+  table: "api_keys" | "organizations";
+  id: string;
+  problem: string;
+}
+
+const clampMs = (ms: number) => Math.min(LATEST_MS, Math.max(EARLIEST_MS, ms));
+
+/**
+ * A key's rows as a principal, checked (docs/decisions.md, "Rows read from the
+ * database"): validated once, when loaded, so the cached verdict costs nothing
+ * per request. Values the gateway never writes are read the safe way and
+ * reported in `problems`: scopes it does not know (and nulls, repeats) are
+ * dropped; an expiry before year 1 (-infinity) is expired, one past 9999
+ * (infinity) reads as 9999-12-31T23:59:59.999Z; a quota window it does not
+ * know is a month, a negative quota 0, one past 2^53 − 1 that. A row whose
+ * kind or owner is inconsistent (a kind other than personal or service, a
+ * personal key without its user or with another organisation's, a service
+ * key with a user) or whose model list is absurdly long is `damaged`: the
+ * key is refused, never guessed at.
+ */
+export function principalOfRow(r: KeyRow): { principal: Principal; problems: RowProblem[] } {
+  const problems: RowProblem[] = [];
+  const key = (problem: string) => problems.push({ table: "api_keys", id: r.keyId, problem });
+  const org = (problem: string) => problems.push({ table: "organizations", id: r.orgId, problem });
+  let damaged: string | undefined;
+
+  const scopes = [...new Set(r.scopes.filter((s): s is Scope => typeof s === "string" && isScope(s)))];
+  if (scopes.length !== r.scopes.length) key(`scopes ${JSON.stringify(r.scopes.slice(0, 20))}: unknown, null or repeated values dropped`);
+  let models: string[] | null = null;
+  if (r.models !== null) {
+    models = [...new Set(r.models.filter((m): m is string => typeof m === "string"))];
+    if (models.length !== r.models.length) key("models: null or repeated values dropped");
+    if (models.length > MAX_KEY_MODELS) damaged = `its models list holds ${models.length} aliases (at most ${MAX_KEY_MODELS})`;
+  }
+  if (r.kind !== "personal" && r.kind !== "service") damaged = `its kind ${JSON.stringify(r.kind.slice(0, 40))} is neither personal nor service`;
+  else if (r.kind === "personal" && r.userId === null) damaged = "it is a personal key without a user";
+  else if (r.kind === "personal" && r.joinedUserId === null) damaged = `its user ${r.userId} does not exist`;
+  else if (r.kind === "personal" && r.userOrgId !== r.orgId) damaged = `its user ${r.userId} belongs to another organisation`;
+  else if (r.kind === "service" && r.userId !== null) damaged = "it is a service key with a user";
+  if (damaged) key(`refused: ${damaged}`);
+
+  // float8 arrives as a number (PGlite, postgres.js); Number() also reads the text a driver might give.
+  const expiresMs = r.expiresMs === null ? Number.NEGATIVE_INFINITY : Number(r.expiresMs);
+  const expiresAt = new Date(Number.isNaN(expiresMs) ? EARLIEST_MS : clampMs(expiresMs));
+  if (!(expiresMs >= EARLIEST_MS && expiresMs <= LATEST_MS)) key(`expires_at ${expiresMs} ms is outside years 0001-9999: read as ${expiresAt.toISOString()}`);
+  const revokedAt = r.revokedMs === null ? null : new Date(clampMs(Number(r.revokedMs) || 0));
+
+  let quotaTokens = r.quotaTokens === null ? null : Number(r.quotaTokens);
+  if (quotaTokens !== null && !(quotaTokens >= 0 && quotaTokens <= Number.MAX_SAFE_INTEGER)) {
+    const read = quotaTokens > 0 ? Number.MAX_SAFE_INTEGER : 0;
+    org(`quota_tokens ${r.quotaTokens} is outside 0 to 2^53 - 1: read as ${read}`);
+    quotaTokens = read;
+  } else if (quotaTokens !== null && !Number.isInteger(quotaTokens)) quotaTokens = Math.floor(quotaTokens);
+  let quotaPeriod = r.quotaWindow as QuotaPeriod;
+  if (!(QUOTA_PERIODS as readonly string[]).includes(r.quotaWindow)) {
+    org(`quota_window ${JSON.stringify(r.quotaWindow.slice(0, 40))} is not one of ${QUOTA_PERIODS.join(", ")}: read as month`);
+    quotaPeriod = "month";
+  }
+
+  const principal: Principal = {
+    keyId: r.keyId,
+    orgId: r.orgId,
+    userId: r.userId,
+    kind: r.kind === "personal" ? "personal" : "service",
+    scopes,
+    models,
+    expiresAt,
+    revokedAt,
+    academyOnly: r.orgAcademyOnly || (r.userAcademyOnly ?? false),
+    plan: r.plan,
+    quotaTokens,
+    quotaPeriod,
+    actorName: r.userName ?? r.keyName,
+    actorEmail: r.userEmail ?? "",
+    keyRoot: r.keyId,
+    ...(damaged ? { damaged } : {}),
+  };
+  return { principal, problems };
+}
+
+export async function lookupKey(database: Database, hash: string, report?: (p: RowProblem) => void): Promise<Principal | null> {
   const rows = await database.db
     .select({
       keyId: apiKeys.id,
@@ -126,14 +248,16 @@ export async function lookupKey(database: Database, hash: string): Promise<Princ
       kind: apiKeys.kind,
       scopes: apiKeys.scopes,
       models: apiKeys.models,
-      expiresAt: apiKeys.expiresAt,
-      revokedAt: apiKeys.revokedAt,
+      expiresMs: epochOf(apiKeys.expiresAt),
+      revokedMs: epochOf(apiKeys.revokedAt),
       orgAcademyOnly: organizations.academyOnly,
       userAcademyOnly: users.academyOnly,
       plan: organizations.plan,
       quotaTokens: organizations.quotaTokens,
       quotaWindow: organizations.quotaWindow,
       keyName: apiKeys.name,
+      joinedUserId: users.id,
+      userOrgId: users.orgId,
       userName: users.name,
       userEmail: users.email,
       rotatedFrom: apiKeys.rotatedFrom,
@@ -145,23 +269,10 @@ export async function lookupKey(database: Database, hash: string): Promise<Princ
     .limit(1);
   const r = rows[0];
   if (!r) return null;
-  return {
-    keyId: r.keyId,
-    orgId: r.orgId,
-    userId: r.userId,
-    kind: r.kind,
-    scopes: r.scopes,
-    models: r.models,
-    expiresAt: r.expiresAt,
-    revokedAt: r.revokedAt,
-    academyOnly: r.orgAcademyOnly || (r.userAcademyOnly ?? false),
-    plan: r.plan,
-    quotaTokens: r.quotaTokens,
-    quotaPeriod: r.quotaWindow,
-    actorName: r.userName ?? r.keyName,
-    actorEmail: r.userEmail ?? "",
-    keyRoot: r.rotatedFrom === null ? r.keyId : await lineageRoot(database, r.keyId),
-  };
+  const { principal, problems } = principalOfRow(r);
+  for (const p of problems) report?.(p);
+  if (r.rotatedFrom !== null) principal.keyRoot = await lineageRoot(database, r.keyId);
+  return principal;
 }
 
 /** Walks `rotated_from` back to the first key (bounded: a corrupt cycle cannot loop). Runs only on a cache miss of a rotated key. */
@@ -178,7 +289,19 @@ async function lineageRoot(database: Database, keyId: string): Promise<string> {
 
 export function createKeyVerifier(database: Database, opts: VerifierOptions): KeyVerifier {
   const now = opts.now ?? Date.now;
-  const lookup = opts.lookup ?? ((hash: string) => lookupKey(database, hash));
+  /** Row problems already logged: each once per process (bounded; when full, forgotten and logged again). */
+  const reported = new Set<string>();
+  const report = (p: RowProblem) => {
+    const k = `${p.table}|${p.id}|${p.problem}`;
+    if (reported.has(k)) return;
+    if (reported.size >= MAX_REPORTED) reported.clear();
+    reported.add(k);
+    opts.log?.warn(`${p.table === "api_keys" ? "an API key row" : "an organization row"} breaks the gateway's rules`, {
+      [p.table === "api_keys" ? "key_id" : "org_id"]: p.id,
+      problem: p.problem,
+    });
+  };
+  const lookup = opts.lookup ?? ((hash: string) => lookupKey(database, hash, report));
   const cache = new Map<string, Entry>();
   const negative = new Map<string, number>();
   const inflight = new Map<string, Promise<Principal | null>>();

@@ -1,0 +1,149 @@
+import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { type SQL, sql } from "drizzle-orm";
+import type { Database } from "../../src/db/client.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { type Gateway, startGateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { type SeededOrg, bearer, errorOf, sharedDatabase, testConfig } from "../helpers/harness.ts";
+import { TEST_PLANS, post, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+
+setDefaultTimeout(30_000);
+
+/**
+ * Rows read from the database are hostile until checked (docs/decisions.md,
+ * "Rows read from the database"): an operator may hand-edit them, another
+ * version may have written them, a restore may be partial. Each case writes an
+ * odd row with SQL, past the application's own rules (not past a constraint
+ * of the schema), and asks through real HTTP: that record alone fails, with a
+ * clear answer, logged once with its id; never a 500 for everyone, a crash, a
+ * hang or a grant of access the row does not give.
+ */
+
+let sim: Simulator;
+let gw: Gateway;
+let db: Database;
+const logged: string[] = [];
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 4 });
+  db = await sharedDatabase();
+  const config = await testConfig({ aliases: testAliases(sim.url), plans: TEST_PLANS, upstream: upstreamSettings(), responses: { enabled: true } });
+  gw = await startGateway({ config, database: db, log: createLogger("warn", (line) => logged.push(line)) });
+});
+afterEach(() => sim.reset());
+afterAll(async () => {
+  await gw.stop();
+  await sim.stop();
+});
+
+const get = (path: string, key: string) => fetch(`${gw.url}${path}`, { headers: bearer(key) });
+const chat = (key: string, extra: Record<string, unknown> = {}) =>
+  post(gw, "/v1/chat/completions", key, { model: "svc-fast", messages: [{ role: "user", content: "hi" }], ...extra });
+
+async function failure(res: Response): Promise<{ status: number; code: string; message: string }> {
+  const err = await errorOf(res);
+  return { status: res.status, code: err.code, message: err.message };
+}
+
+/** Log lines (parsed) whose message contains `msg` and that name `id` anywhere. */
+function linesAbout(msg: string, id: string): Record<string, unknown>[] {
+  return logged
+    .filter((l) => l.includes(id))
+    .map((l) => JSON.parse(l) as Record<string, unknown>)
+    .filter((l) => String(l.msg).includes(msg));
+}
+
+/** A fresh organisation whose personal key's row is then changed by `set` (before the key is first used, so nothing is cached). */
+async function withKeyRow(set: SQL, which: "personal" | "service" = "personal"): Promise<SeededOrg> {
+  const org = await seedTestOrg(db);
+  await db.rows(sql`update api_keys set ${set} where id = ${which === "personal" ? org.personalKeyId : org.serviceKeyId}`);
+  return org;
+}
+
+describe("api_keys rows", () => {
+  // Seen failing before: -infinity and dates before year 1 read as Invalid Date, whose comparison with now is
+  // false, so the key was valid (200 on /v1/me and chat); infinity and years past 275760 made /v1/me 500.
+  test("an expiry out of JavaScript's range: before it (-infinity, 4713 BC) is expired; after it (infinity, year 294276) reads as 9999-12-31", async () => {
+    for (const past of ["-infinity", "4713-01-01 BC"]) {
+      const org = await withKeyRow(sql`expires_at = ${past}::timestamptz`);
+      expect(await failure(await get("/v1/me", org.personalKey))).toMatchObject({ status: 401, code: "key_expired" });
+      expect(await failure(await chat(org.personalKey))).toMatchObject({ status: 401, code: "key_expired" });
+    }
+    for (const future of ["infinity", "294276-01-01"]) {
+      const org = await withKeyRow(sql`expires_at = ${future}::timestamptz`);
+      const me = await get("/v1/me", org.personalKey);
+      expect(me.status).toBe(200);
+      expect(((await me.json()) as { key: { expires_at: string } }).key.expires_at).toBe("9999-12-31T23:59:59.999Z");
+    }
+  });
+
+  test("a set revoked_at is a revocation, whatever its value (infinity, the future, 4713 BC)", async () => {
+    for (const at of ["infinity", "-infinity", "2999-01-01", "4713-01-01 BC"]) {
+      const org = await withKeyRow(sql`revoked_at = ${at}::timestamptz`);
+      expect(await failure(await get("/v1/me", org.personalKey))).toMatchObject({ status: 401, code: "unauthorized" });
+    }
+  });
+
+  // Seen failing before: /v1/me answered scopes ["inference", null, "inference", "bogus"] (postgres.js: "NULL").
+  test("scopes: unknown, null and repeated values are dropped; none left is 403 scope_missing everywhere", async () => {
+    const org = await withKeyRow(sql`scopes = '{inference,NULL,inference,bogus,"audit:read"}'::text[]`);
+    const me = await get("/v1/me", org.personalKey);
+    expect(me.status).toBe(200);
+    // audit:read stays listed (a personal key's audit:read opens nothing: the audit log takes service keys only).
+    expect(((await me.json()) as { key: { scopes: string[] } }).key.scopes).toEqual(["inference", "audit:read"]);
+    expect(await failure(await get("/v1/audit-events", org.personalKey))).toMatchObject({ status: 403, code: "scope_missing" });
+    expect(linesAbout("API key row", org.personalKeyId)).toHaveLength(1);
+
+    const none = await withKeyRow(sql`scopes = '{bogus}'::text[]`);
+    expect(await failure(await get("/v1/me", none.personalKey))).toMatchObject({ status: 403, code: "scope_missing" });
+    expect(await failure(await chat(none.personalKey))).toMatchObject({ status: 403, code: "scope_missing" });
+    const empty = await withKeyRow(sql`scopes = '{}'::text[]`);
+    expect(await failure(await get("/v1/me", empty.personalKey))).toMatchObject({ status: 403, code: "scope_missing" });
+  });
+
+  // Seen failing before: each of these keys was served (200 on /v1/me, "kind": "admin" for the first).
+  test("a key whose kind or owner is inconsistent is refused alone (401, logged once with its id); its organisation's other keys still work", async () => {
+    const other = await seedTestOrg(db);
+    const cases: [string, SeededOrg][] = [
+      ["kind", await withKeyRow(sql`kind = 'admin'`)],
+      ["personal key without a user", await withKeyRow(sql`user_id = null`)],
+      ["user of another organisation", await withKeyRow(sql`user_id = ${other.userId}`)],
+      ["service key with a user", await withKeyRow(sql`user_id = (select user_id from api_keys k where k.org_id = api_keys.org_id and k.kind = 'personal')`, "service")],
+    ];
+    const gone = await seedTestOrg(db);
+    // The foreign key forbids it; a partial restore without constraints (replica mode) does not.
+    await db.db.transaction(async (tx) => {
+      await tx.execute(sql`set local session_replication_role = replica`);
+      await tx.execute(sql`delete from users where id = ${gone.userId}`);
+    });
+    cases.push(["user row gone", gone]);
+    for (const [what, org] of cases) {
+      const key = what === "service key with a user" ? org.serviceKey : org.personalKey;
+      const keyId = what === "service key with a user" ? org.serviceKeyId : org.personalKeyId;
+      for (let i = 0; i < 2; i++) {
+        const f = await failure(await get("/v1/me", key));
+        expect({ what, ...f }).toMatchObject({ what, status: 401, code: "unauthorized" });
+        expect(f.message).toContain("record is damaged");
+      }
+      expect({ what, lines: linesAbout("API key row", keyId).length }).toEqual({ what, lines: 1 });
+      const sibling = what === "service key with a user" ? org.personalKey : org.serviceKey;
+      if (what !== "user row gone") expect({ what, status: (await get("/v1/me", sibling)).status }).toEqual({ what, status: 200 });
+    }
+  });
+
+  test("models: an unknown alias matches nothing, nulls and repeats are dropped; an empty list opens no model; a list past 1,000 entries is refused", async () => {
+    const org = await withKeyRow(sql`models = '{svc-fast,NULL,svc-fast,no-such-alias}'::text[]`);
+    expect((await chat(org.personalKey)).status).toBe(200);
+    expect(await failure(await chat(org.personalKey, { model: "svc-smart" }))).toMatchObject({ status: 404, code: "model_not_found" });
+    const listed = (await (await get("/v1/models", org.personalKey)).json()) as { data: { id: string }[] };
+    expect(listed.data.map((m) => m.id)).toEqual(["svc-fast"]);
+
+    const empty = await withKeyRow(sql`models = '{}'::text[]`);
+    expect(await failure(await chat(empty.personalKey))).toMatchObject({ status: 404, code: "model_not_found" });
+
+    const huge = await withKeyRow(sql`models = array_append((select array_agg('m' || g) from generate_series(1, 100000) g), 'svc-fast')`);
+    const f = await failure(await chat(huge.personalKey));
+    expect(f).toMatchObject({ status: 401, code: "unauthorized" });
+    expect(f.message).toContain("record is damaged");
+  });
+});
