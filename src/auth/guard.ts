@@ -30,8 +30,8 @@ export interface GuardDeps {
   verifier: KeyVerifier;
   limiter: Limiter;
   keyTag: string;
-  /** requests per minute for a plan name */
-  planLimit: (plan: string) => number;
+  /** Requests per minute for an organisation's plan name (the organisation named for a log line when the plan is unknown). */
+  planLimit: (plan: string, orgId: string) => number;
   security: SecurityAuditor;
   now?: () => number;
 }
@@ -121,7 +121,7 @@ export function createGuard(deps: GuardDeps) {
     if ((req.platformOnly ?? true) && p.academyOnly) {
       throw new AppError("academy_only", "This account has access to the academy only, not to the platform API.");
     }
-    const decision = deps.limiter.check(p.orgId, deps.planLimit(p.plan), now());
+    const decision = deps.limiter.check(p.orgId, deps.planLimit(p.plan, p.orgId), now());
     const headers = rateLimitHeaders(decision);
     if (!decision.allowed) {
       throw new AppError(

@@ -237,6 +237,25 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
 
   const available = (s: OrgState) => s.granted - s.pending - s.inflight;
 
+  /** Counters already reported as negative, once per organisation, period and column (bounded). */
+  const reportedCounters = new Set<string>();
+  /** A usage_counters figure as counted: a negative one (or one that is not a number) is 0, logged once. */
+  function counted(s: OrgState, column: "used" | "leased", raw: unknown): number {
+    const n = Number(raw);
+    if (n >= 0) return n;
+    const k = `${s.orgId}|${s.start}|${column}`;
+    if (!reportedCounters.has(k)) {
+      if (reportedCounters.size >= 10_000) reportedCounters.clear();
+      reportedCounters.add(k);
+      log.warn("a usage_counters row breaks the gateway's rules", {
+        org_id: s.orgId,
+        window_start: new Date(s.start).toISOString(),
+        problem: `${column} ${String(raw)} is negative (or not a number): set to 0`,
+      });
+    }
+    return 0;
+  }
+
   /** Take up to one lease from the shared row: one short transaction. */
   async function lease(s: OrgState): Promise<void> {
     // What the requests waiting now lack: a lease smaller than that would refuse them while tokens remain.
@@ -250,9 +269,14 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         await tx.execute(sql`select used, leased from usage_counters where org_id = ${s.orgId} and window_start = ${ws} for update`),
       );
       if (!row) throw new Error("usage counter row missing after insert");
-      // bigint columns arrive as numbers (PGlite) or strings (postgres.js).
-      const used = Number(row.used);
-      const leased = Number(row.leased);
+      // bigint columns arrive as numbers (PGlite) or strings (postgres.js). A negative figure (hand-edited:
+      // the gateway only adds usage, and its returns stop leased at 0) is set to 0 in the row, under this
+      // lock, so it never counts as quota; leases added to it from now on count in full.
+      const used = counted(s, "used", row.used);
+      const leased = counted(s, "leased", row.leased);
+      if (used !== Number(row.used) || leased !== Number(row.leased)) {
+        await tx.execute(sql`update usage_counters set used = ${used}, leased = ${leased} where org_id = ${s.orgId} and window_start = ${ws}`);
+      }
       const free = s.quota - used - leased;
       // A share of what remains, so instances split a small quota (or the end of a large one); at least what is needed now.
       const take = Math.max(0, Math.min(free, Math.max(need, Math.min(wanted, Math.ceil(free * LEASE_SHARE)))));
@@ -483,7 +507,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     observed(d, row) {
       const s = states.get(key(d.orgId, d.start));
       // Another instance asked for lease recently: the next flush returns our unused part.
-      if (s) s.sharedFree = row.wanted ? 0 : s.quota - row.used - row.leased;
+      if (s) s.sharedFree = row.wanted ? 0 : s.quota - Math.max(0, row.used) - Math.max(0, row.leased);
     },
     landed(d) {
       const s = states.get(key(d.orgId, d.start));

@@ -147,3 +147,70 @@ describe("api_keys rows", () => {
     expect(f.message).toContain("record is damaged");
   });
 });
+
+/** A fresh organisation (plan Test, never rate limited) whose row is then changed by `set`. */
+async function withOrgRow(set: SQL, opts: Parameters<typeof seedTestOrg>[1] = {}): Promise<SeededOrg> {
+  const org = await seedTestOrg(db, opts);
+  await db.rows(sql`update organizations set ${set} where id = ${org.orgId}`);
+  return org;
+}
+
+describe("organizations rows", () => {
+  // Seen failing before: the limit was the default plan's, but nothing said why (no log line).
+  test("a plan not in the configuration is rate limited as the default plan (documented), logged once with the organisation's id", async () => {
+    for (const plan of ["Gold", "__proto__", "constructor", "toString", ""]) {
+      const org = await withOrgRow(sql`plan = ${plan}`);
+      for (let i = 0; i < 2; i++) {
+        const res = await get("/v1/me", org.serviceKey);
+        expect({ plan, status: res.status, limit: res.headers.get("x-ratelimit-limit-requests") }).toEqual({ plan, status: 200, limit: "60" });
+      }
+      expect({ plan, lines: linesAbout("organization row", org.orgId).length }).toEqual({ plan, lines: 1 });
+    }
+  });
+
+  // Seen failing before: the refusal said "a usage quota of 100 tokens per fortnight", and "of -5 tokens".
+  test("a quota window not hour, day or month is a month; a negative quota is 0; one past 2^53 is unlimited in practice", async () => {
+    const fortnight = await withOrgRow(sql`quota_window = 'fortnight'`, { quotaTokens: 100 });
+    const f = await failure(await chat(fortnight.personalKey, { max_tokens: 1_000 }));
+    expect(f).toMatchObject({ status: 429, code: "budget_exceeded" });
+    expect(f.message).toContain("100 tokens per month");
+    expect(linesAbout("organization row", fortnight.orgId)).toHaveLength(1);
+
+    const negative = await withOrgRow(sql`quota_tokens = -5`);
+    const n = await failure(await chat(negative.personalKey));
+    expect(n).toMatchObject({ status: 429, code: "budget_exceeded" });
+    expect(n.message).toContain("quota of 0 tokens");
+
+    const huge = await withOrgRow(sql`quota_tokens = 9223372036854775807`);
+    for (let i = 0; i < 2; i++) expect((await chat(huge.personalKey)).status).toBe(200);
+  });
+});
+
+describe("usage_counters rows", () => {
+  const monthStart = () => new Date(Date.UTC(new Date().getUTCFullYear(), new Date().getUTCMonth(), 1)).toISOString();
+
+  // Seen failing before: used = -10^12 counted as 10^12 tokens free, and two requests using 905 tokens each of a 1,000 quota were served.
+  test("a negative used or leased is set to 0 (logged once): it never adds to the quota", async () => {
+    for (const column of ["used", "leased"]) {
+      const org = await seedTestOrg(db, { quotaTokens: 1_000 });
+      await db.rows(sql`insert into usage_counters (org_id, window_start, used, leased) values (${org.orgId}, ${monthStart()}, ${column === "used" ? -1e12 : 0}, ${column === "leased" ? -1e12 : 0})`);
+      // Each reserves and uses about 905 tokens (the simulator answers up to max_tokens): the first fits the quota, the second does not.
+      await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ completionTokens: 100_000 }) });
+      expect((await chat(org.personalKey, { max_tokens: 900 })).status).toBe(200);
+      const f = await failure(await chat(org.personalKey, { max_tokens: 900 }));
+      expect({ column, ...f }).toMatchObject({ column, status: 429, code: "budget_exceeded" });
+      expect((await chat(org.personalKey, { max_tokens: 50 })).status).toBe(200);
+      expect(linesAbout("usage_counters row", org.orgId)).toHaveLength(1);
+    }
+  });
+
+  test("used beyond the quota refuses; a window starting in the future does not count", async () => {
+    const spent = await seedTestOrg(db, { quotaTokens: 1_000 });
+    await db.rows(sql`insert into usage_counters (org_id, window_start, used) values (${spent.orgId}, ${monthStart()}, 9223372036854775807)`);
+    expect(await failure(await chat(spent.personalKey, { max_tokens: 10 }))).toMatchObject({ status: 429, code: "budget_exceeded" });
+
+    const future = await seedTestOrg(db, { quotaTokens: 1_000 });
+    await db.rows(sql`insert into usage_counters (org_id, window_start, used, leased) values (${future.orgId}, ${new Date(Date.now() + 40 * 86_400_000).toISOString()}, 5000, 5000)`);
+    expect((await chat(future.personalKey, { max_tokens: 100 })).status).toBe(200);
+  });
+});
