@@ -162,9 +162,9 @@ export function createResponses(deps: ResponsesDeps) {
     return responsesTransform(meta, (final) => (inputItems ? save(p, meta, inputItems, final) : undefined));
   }
 
-  function owned(p: Principal, id: string) {
+  function owned(p: Principal, id: string, part: "response" | "input_items" = "response") {
     if (!store || !ID.test(id)) throw notFound(id);
-    return store.get(p, id).then((r) => {
+    return store.get(p, id, part).then((r) => {
       if (!r) throw notFound(id);
       return r;
     });
@@ -221,7 +221,7 @@ export function createResponses(deps: ResponsesDeps) {
         )
         .get(
           "/v1/responses/:id/input_items",
-          async ({ principal, params, query }) => listItems((await owned(principal, params.id)).inputItems, query),
+          async ({ principal, params, query }) => listItems((await owned(principal, params.id, "input_items")).inputItems, query),
           { auth: { scope: "inference" } },
         ),
   };

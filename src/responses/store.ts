@@ -57,6 +57,14 @@ interface PendingSave {
 
 /** Conversations longer than this many responses are replayed from their newest part only. */
 const MAX_CHAIN = 1_000;
+/**
+ * A stored row (input items and Response together) larger than this is not
+ * read at all: far beyond what one request and its answer hold, so it was
+ * written by hand or damaged, and reading it could take the process's memory.
+ */
+export const MAX_ROW_BYTES = 64 * 1024 * 1024;
+/** Rows already reported as unreadable: each once per process (bounded; when full, forgotten and reported again). */
+const MAX_REPORTED = 10_000;
 /** Rows deleted per statement by the sweep, so it never holds many locks or a long transaction. */
 const SWEEP_BATCH = 500;
 const SWEEP_EVERY_MS = 10 * 60_000;
@@ -253,19 +261,40 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
     }
   }
 
-  async function get(p: Principal, id: string): Promise<StoredResponse | undefined> {
-    const rows = await read<{ input_items: string; response: string }>(
+  const reported = new Set<string>();
+  /** A stored row that cannot be served as it is: logged once per row and problem (docs/decisions.md, Rows read from the database). */
+  function unreadable(id: string, problem: string): void {
+    const k = `${id}|${problem}`;
+    if (reported.has(k)) return;
+    if (reported.size >= MAX_REPORTED) reported.clear();
+    reported.add(k);
+    log.error("a stored response is unreadable", { response_id: id, problem });
+  }
+
+  /** A stored response; for `input_items` its Response need only be a JSON object (its items are what is listed). */
+  async function get(p: Principal, id: string, part: "response" | "input_items" = "response"): Promise<StoredResponse | undefined> {
+    const rows = await read<{ input_items: string | null; response: string | null; bytes: number | string }>(
       "retrieve",
       sql`
-      select input_items, response from responses
+      select case when t.bytes <= ${MAX_ROW_BYTES} then input_items end as input_items,
+        case when t.bytes <= ${MAX_ROW_BYTES} then response end as response, t.bytes
+      from responses, lateral (select octet_length(input_items)::bigint + octet_length(response)::bigint as bytes) t
       where id = ${id} and org_id = ${p.orgId} and ${owner(p)} and expires_at > now()`,
     );
     const row = rows[0];
     if (!row) return undefined;
+    // Nothing to answer with: reported, and to the caller as gone.
+    if (row.response === null) {
+      unreadable(id, `the row holds ${row.bytes} bytes (at most ${MAX_ROW_BYTES} are read)`);
+      return undefined;
+    }
     const response = parse(row.response);
     if (!isRecord(response)) {
-      // Nothing to answer with: reported, and to the caller as gone.
-      log.error("a stored response is unreadable", { response_id: id });
+      unreadable(id, "the Response is not a JSON object");
+      return undefined;
+    }
+    if (part === "response" && (response.id !== id || response.object !== "response")) {
+      unreadable(id, "the Response is not this response (its id or object differ)");
       return undefined;
     }
     return { response, inputItems: parseArray(row.input_items).filter((i): i is StoredItem => typeof i.id === "string" && typeof i.type === "string") };
@@ -290,24 +319,30 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
    * that no more than that is ever read.
    */
   async function conversation(p: Principal, id: string): Promise<InputItem[] | undefined> {
-    const rows = await read<{ input_items: string; response: string }>(
+    const rows = await read<{ id: string; input_items: string | null; response: string | null }>(
       "previous_response_id",
       sql`
-      with recursive chain(id, previous_response_id, input_items, response, depth, total) as (
-        select id, previous_response_id, input_items, response, 0, octet_length(input_items)::bigint + octet_length(response)::bigint
+      with recursive chain(id, previous_response_id, input_items, response, depth, total, path) as (
+        select id, previous_response_id, input_items, response, 0, octet_length(input_items)::bigint + octet_length(response)::bigint, array[id]
         from responses
         where id = ${id} and org_id = ${p.orgId} and ${owner(p)} and expires_at > now()
         union all
         select r.id, r.previous_response_id, r.input_items, r.response, c.depth + 1,
-          c.total + octet_length(r.input_items)::bigint + octet_length(r.response)::bigint
+          c.total + octet_length(r.input_items)::bigint + octet_length(r.response)::bigint, c.path || r.id
         from responses r join chain c on r.id = c.previous_response_id
         where r.org_id = ${p.orgId} and r.expires_at > now() and c.depth < ${MAX_CHAIN - 1} and c.total <= ${opts.maxReplayBytes}
+          and r.id <> all(c.path)
       )
-      select input_items, response from chain where depth = 0 or total <= ${opts.maxReplayBytes} order by depth desc`,
+      select id, case when total - coalesce(lag(total) over (order by depth), 0) <= ${MAX_ROW_BYTES} then input_items end as input_items,
+        case when total - coalesce(lag(total) over (order by depth), 0) <= ${MAX_ROW_BYTES} then response end as response
+      from chain where depth = 0 or total <= ${opts.maxReplayBytes} order by depth desc`,
     );
     if (rows.length === 0) return undefined;
     const items: InputItem[] = [];
     for (const row of rows) {
+      // A link that was edited to point back into the chain ends it (each response is replayed once); one
+      // past MAX_ROW_BYTES (only ever the newest: older ones stop at maxReplayBytes) is left out, as a damaged row.
+      if (row.response === null) unreadable(row.id, `the row is larger than ${MAX_ROW_BYTES} bytes: left out of a replay`);
       for (const item of parseArray(row.input_items)) if (isReplayable(item)) items.push(item);
       const response = parse(row.response);
       if (isRecord(response) && Array.isArray(response.output)) for (const item of response.output) if (isReplayable(item)) items.push(item);

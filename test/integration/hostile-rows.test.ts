@@ -214,3 +214,125 @@ describe("usage_counters rows", () => {
     expect((await chat(future.personalKey, { max_tokens: 100 })).status).toBe(200);
   });
 });
+
+describe("responses rows", () => {
+  const create = (key: string, body: Record<string, unknown>) => post(gw, "/v1/responses", key, { model: "svc-fast", ...body });
+  async function made(key: string, body: Record<string, unknown>): Promise<string> {
+    const res = await create(key, body);
+    expect(res.status).toBe(200);
+    return String(((await res.json()) as { id: string }).id);
+  }
+  const upstreamMessages = () => (sim.stats.lastBody as { messages: { role: string; content: unknown }[] }).messages;
+
+  // Seen failing before: the replay went round the cycle until the depth bound (1,000 responses: a, b, a, b, …).
+  test("a previous_response_id chain with a cycle (A -> B -> A) is replayed once round, each response once", async () => {
+    const org = await seedTestOrg(db);
+    const a = await made(org.personalKey, { input: "a" });
+    const b = await made(org.personalKey, { input: "b", previous_response_id: a });
+    await db.rows(sql`update responses set previous_response_id = ${b} where id = ${a}`);
+    expect((await create(org.personalKey, { input: "c", previous_response_id: b })).status).toBe(200);
+    const users = upstreamMessages().filter((m) => m.role === "user");
+    const text = (c: unknown) => (typeof c === "string" ? c : (c as { text: string }[]).map((p) => p.text).join(""));
+    expect(users.map((m) => text(m.content))).toEqual(["a", "b", "c"]);
+    expect((await get(`/v1/responses/${a}`, org.personalKey)).status).toBe(200);
+  });
+
+  // Seen failing before: GET answered 200 with the other id's body, or with {"object": "list"}.
+  test("a stored Response of the wrong shape (another id, not a response) is 404 on retrieve, logged once with its id; its input items and the caller's other responses still read", async () => {
+    const org = await seedTestOrg(db);
+    const kept = await made(org.personalKey, { input: "kept" });
+    for (const body of [`{"id":"resp_someone_else","object":"response","output":[]}`, `{"object":"list","data":[]}`]) {
+      const id = await made(org.personalKey, { input: "x" });
+      await db.rows(sql`update responses set response = ${body} where id = ${id}`);
+      for (let i = 0; i < 2; i++) expect(await failure(await get(`/v1/responses/${id}`, org.personalKey))).toMatchObject({ status: 404, code: "not_found" });
+      // Its input items are readable, and listed.
+      expect((await get(`/v1/responses/${id}/input_items`, org.personalKey)).status).toBe(200);
+      expect(linesAbout("stored response", id)).toHaveLength(1);
+    }
+    expect((await get(`/v1/responses/${kept}`, org.personalKey)).status).toBe(200);
+  });
+
+  // Seen failing before: the 65 MiB row was read and answered whole (200), and replayed whole.
+  test("a stored row past 64 MiB is not read: 404 on retrieve and input items, left out of a replay", async () => {
+    const org = await seedTestOrg(db);
+    const id = await made(org.personalKey, { input: "big" });
+    await db.rows(
+      sql`update responses set response = '{"id":"' || id || '","object":"response","output":[],"pad":"' || repeat('x', 65 * 1024 * 1024) || '"}' where id = ${id}`,
+    );
+    expect(await failure(await get(`/v1/responses/${id}`, org.personalKey))).toMatchObject({ status: 404, code: "not_found" });
+    expect(await failure(await get(`/v1/responses/${id}/input_items`, org.personalKey))).toMatchObject({ status: 404, code: "not_found" });
+    expect((await create(org.personalKey, { input: "next", previous_response_id: id })).status).toBe(200);
+    expect(upstreamMessages()).toEqual([{ role: "user", content: "next" }]);
+    expect(linesAbout("stored response", id).length).toBeGreaterThanOrEqual(1);
+  });
+});
+
+/** An audit row written past recordAudit's rules: `targets` and `details` as given (JSON text). */
+async function oddAuditRow(orgId: string, action: string, targets: string, details: string): Promise<string> {
+  const [row] = await db.rows<{ id: string }>(sql`
+    insert into audit_events (org_id, action, category, actor_type, actor_id, actor_name, actor_email, targets, details, origin_ip_prefix, origin_user_agent_summary, search_text)
+    values (${orgId}, ${action}, 'org', 'system', gen_random_uuid(), 'gateway', '', ${targets}::jsonb, ${details}::jsonb, '', '', ${action}) returning id`);
+  return String(row?.id);
+}
+
+describe("audit_events rows", () => {
+  // Seen failing before: the whole page was 503 service_unavailable (targets.map of an object), and a page
+  // answered details as an array or a string where the spec has an object.
+  test("targets or details of an unexpected shape: the row is listed with what is readable, every page still reads", async () => {
+    const org = await seedTestOrg(db);
+    const odd: [string, string][] = [
+      ["{}", "[]"],
+      ['"text"', '"text"'],
+      ['[null, 5, {"key": 1, "kind": "api_key", "id": "x"}]', "null"],
+      ['[{"key":"key_id","kind":"api_key","id":"k","name":"n","email":"e"}]', "42"],
+    ];
+    const ids: string[] = [];
+    for (const [i, [targets, details]] of odd.entries()) ids.push(await oddAuditRow(org.orgId, `org.odd_${i}`, targets, details));
+    const seen: { id: string; targets: unknown[]; details: unknown }[] = [];
+    let cursor = "";
+    for (let pages = 0; pages < 20; pages++) {
+      const res = await get(`/v1/audit-events?limit=1${cursor ? `&cursor=${cursor}` : ""}`, org.serviceKey);
+      expect(res.status).toBe(200);
+      const page = (await res.json()) as { data: { id: string; targets: unknown[]; details: unknown }[]; next_cursor: string };
+      seen.push(...page.data);
+      cursor = page.next_cursor;
+      if (!cursor) break;
+    }
+    const byId = new Map(seen.map((e) => [e.id, e]));
+    for (const id of ids) {
+      const e = byId.get(id);
+      expect(e).toBeDefined();
+      expect(Array.isArray(e?.targets)).toBe(true);
+      expect(typeof e?.details === "object" && e?.details !== null && !Array.isArray(e?.details)).toBe(true);
+      expect(linesAbout("audit event row", id)).toHaveLength(1);
+    }
+    expect(byId.get(ids[2] as string)?.targets).toEqual([{ key: "", kind: "api_key", id: "x", name: "", email: "" }]);
+    expect(byId.get(ids[3] as string)?.targets).toEqual([{ key: "key_id", kind: "api_key", id: "k", name: "n", email: "e" }]);
+  });
+});
+
+describe("settings rows", () => {
+  // Seen failing before: with an empty secret every page that had a next one was 500 (encodeCursor threw).
+  test("a malformed cursor secret (empty, too short) is replaced at start, logged; audit paging works", async () => {
+    const org = await seedTestOrg(db);
+    for (let i = 0; i < 3; i++) await oddAuditRow(org.orgId, `org.page_${i}`, "[]", "{}");
+    for (const value of ["", "short"]) {
+      await db.rows(sql`insert into settings (key, value) values ('cursor_secret', ${value}) on conflict (key) do update set value = excluded.value`);
+      const lines: string[] = [];
+      const config = await testConfig({ aliases: testAliases(sim.url), plans: TEST_PLANS });
+      const second = await startGateway({ config, database: db, log: createLogger("warn", (line) => lines.push(line)) });
+      try {
+        const first = await fetch(`${second.url}/v1/audit-events?limit=1`, { headers: bearer(org.serviceKey) });
+        expect({ value, status: first.status }).toEqual({ value, status: 200 });
+        const cursor = ((await first.json()) as { next_cursor: string }).next_cursor;
+        expect(cursor).not.toBe("");
+        expect((await fetch(`${second.url}/v1/audit-events?limit=1&cursor=${cursor}`, { headers: bearer(org.serviceKey) })).status).toBe(200);
+        expect(lines.filter((l) => l.includes("cursor_secret"))).toHaveLength(1);
+        const [row] = await db.rows<{ value: string }>(sql`select value from settings where key = 'cursor_secret'`);
+        expect(row?.value.length).toBeGreaterThanOrEqual(32);
+      } finally {
+        await second.stop();
+      }
+    }
+  });
+});
