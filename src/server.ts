@@ -1,5 +1,5 @@
 import { randomBytes } from "node:crypto";
-import { eq } from "drizzle-orm";
+import { and, eq } from "drizzle-orm";
 import { createGuard } from "./auth/guard.ts";
 import { createSecurityAuditor } from "./auth/security.ts";
 import { type KeyVerifier, createKeyVerifier } from "./auth/verify.ts";
@@ -50,13 +50,25 @@ export interface StartOptions {
 }
 
 /** The cursor HMAC secret: configured, or generated once and kept in the database (shared by instances). */
-async function cursorSecret(database: Database, configured: string | undefined): Promise<string> {
+/** A stored cursor secret is used when it has this many characters (the config's `cursorSecret` has at least 32). */
+const SECRET_CHARS = { min: 32, max: 1024 };
+
+async function cursorSecret(database: Database, configured: string | undefined, log: Logger): Promise<string> {
   if (configured) return configured;
   const fresh = randomBytes(32).toString("base64url");
   await database.db.insert(settings).values({ key: "cursor_secret", value: fresh }).onConflictDoNothing();
   const [row] = await database.db.select().from(settings).where(eq(settings.key, "cursor_secret"));
   if (!row) throw new Error("cursor secret missing after insert");
-  return row.value;
+  if (row.value.length >= SECRET_CHARS.min && row.value.length <= SECRET_CHARS.max) return row.value;
+  // Empty (every audit page with a next one failed), short (guessable) or huge (hashed on every page):
+  // replaced only if no other instance replaced it meanwhile, so all instances agree on the one they read.
+  await database.db.update(settings).set({ value: fresh }).where(and(eq(settings.key, "cursor_secret"), eq(settings.value, row.value)));
+  const [current] = await database.db.select().from(settings).where(eq(settings.key, "cursor_secret"));
+  log.warn("the settings row cursor_secret breaks the gateway's rules: replaced (audit cursors issued before no longer page)", {
+    problem: `${row.value.length} characters, not ${SECRET_CHARS.min} to ${SECRET_CHARS.max}`,
+  });
+  if (!current || current.value.length < SECRET_CHARS.min) throw new Error("cursor secret missing after replacing it");
+  return current.value;
 }
 
 export async function startGateway(opts: StartOptions): Promise<Gateway> {
@@ -80,7 +92,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     // Served all the same: in a rolling deploy the first new instance migrates while the old ones still run and restart.
     const ahead = await unknownMigrations(database);
     if (ahead) log.warn(ahead.message, { unknown: ahead.unknown, database_newest: ahead.databaseNewest, gateway_newest: ahead.gatewayNewest });
-    const secret = await cursorSecret(database, config.cursorSecret);
+    const secret = await cursorSecret(database, config.cursorSecret, log);
 
     const verifier = createKeyVerifier(database, { ...config.keyCache, log });
     await verifier.start();

@@ -44,6 +44,16 @@ export interface AuditReadDeps {
   log?: Logger;
 }
 
+/** Audit rows already reported as odd: each once per process (bounded; when full, forgotten and reported again). */
+const reported = new Set<string>();
+function reportRow(log: Logger | undefined, id: string, problem: string): void {
+  const k = `${id}|${problem}`;
+  if (reported.has(k)) return;
+  if (reported.size >= 10_000) reported.clear();
+  reported.add(k);
+  log?.warn("an audit event row breaks the gateway's rules", { event_id: id, problem });
+}
+
 /** The whole read: validate, check the cursor, query, mint the next cursor. */
 export async function readAuditEvents(deps: AuditReadDeps, orgId: string, search: string): Promise<AuditPage> {
   const { filter, cursor, limit } = parseAuditQuery(search);
@@ -57,7 +67,7 @@ export async function readAuditEvents(deps: AuditReadDeps, orgId: string, search
   }
   let result: Awaited<ReturnType<typeof listAuditEvents>>;
   try {
-    result = await listAuditEvents(deps.database.db, orgId, filter, position, limit);
+    result = await listAuditEvents(deps.database.db, orgId, filter, position, limit, (id, problem) => reportRow(deps.log, id, problem));
   } catch (e) {
     // Input is fully validated above, so a failing query means the database is
     // unreachable or overloaded; the caller should retry with backoff.

@@ -1,6 +1,7 @@
 import { type SQL, and, eq, gte, lte, sql } from "drizzle-orm";
 import type { Db } from "../db/client.ts";
 import { type AuditTarget, auditEvents } from "../db/schema.ts";
+import { isRecord } from "../lib/guards.ts";
 import type { CursorPosition } from "./cursor.ts";
 import type { AuditFilter } from "./params.ts";
 
@@ -25,15 +26,45 @@ export function likePattern(q: string): string {
 
 type Row = typeof auditEvents.$inferSelect;
 
-function view(r: Row): AuditEventView {
+/** Where a row read past recordAudit's rules is reported: its id and what was wrong. */
+export type AuditRowReport = (id: string, problem: string) => void;
+
+const text = (v: unknown) => (typeof v === "string" ? v : "");
+
+/**
+ * A row as the spec's event. `targets` and `details` are jsonb, which the
+ * schema does not shape: a row written past recordAudit (by hand, by another
+ * version) is listed with what is readable (targets that are not objects
+ * dropped, their fields that are not strings empty; details that are not an
+ * object empty) and reported, never failing its page.
+ */
+function view(r: Row, report?: AuditRowReport): AuditEventView {
+  const raw: unknown = r.targets;
+  const targets: AuditTarget[] = [];
+  let odd = !Array.isArray(raw);
+  for (const t of Array.isArray(raw) ? raw : []) {
+    if (!isRecord(t)) {
+      odd = true;
+      continue;
+    }
+    const target = { key: text(t.key), kind: text(t.kind), id: text(t.id), name: text(t.name), email: text(t.email) };
+    if (target.key !== t.key || target.kind !== t.kind || target.id !== t.id || target.name !== t.name || target.email !== t.email) odd = true;
+    targets.push(target);
+  }
+  const details = isRecord(r.details) ? r.details : {};
+  const problems = [
+    ...(odd ? ["targets is not an array of {key, kind, id, name, email} strings: listed with what is readable"] : []),
+    ...(details !== r.details ? ["details is not a JSON object: listed as {}"] : []),
+  ];
+  if (problems.length > 0) report?.(r.id, problems.join("; "));
   return {
     id: r.id,
     created_at: r.createdAt.toISOString(),
     action: r.action,
     category: r.category,
     actor: { type: r.actorType, id: r.actorId, name: r.actorName, email: r.actorEmail, key_id: r.actorKeyId },
-    targets: r.targets.map((t) => ({ key: t.key, kind: t.kind, id: t.id, name: t.name, email: t.email })),
-    details: r.details,
+    targets,
+    details,
     origin: { ip_prefix: r.originIpPrefix, user_agent_summary: r.originUserAgentSummary },
   };
 }
@@ -74,6 +105,7 @@ export async function listAuditEvents(
   filter: AuditFilter,
   cursor: CursorPosition | null,
   limit: number,
+  report?: AuditRowReport,
 ): Promise<{ events: AuditEventView[]; next: CursorPosition | null }> {
   const t = auditEvents;
   const where: SQL[] = [eq(t.orgId, orgId)];
@@ -124,6 +156,6 @@ export async function listAuditEvents(
   const page = rows.slice(0, limit);
   const last = page[page.length - 1];
   const next = rows.length > limit && last ? { createdAt: last.createdAt.toISOString(), id: last.id } : null;
-  return { events: page.map(view), next };
+  return { events: page.map((r) => view(r, report)), next };
 }
 
