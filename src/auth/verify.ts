@@ -211,7 +211,7 @@ export function principalOfRow(r: KeyRow): { principal: Principal; problems: Row
     const read = quotaTokens > 0 ? Number.MAX_SAFE_INTEGER : 0;
     org(`quota_tokens ${r.quotaTokens} is outside 0 to 2^53 - 1: read as ${read}`);
     quotaTokens = read;
-  } else if (quotaTokens !== null && !Number.isInteger(quotaTokens)) quotaTokens = Math.floor(quotaTokens);
+  }
   let quotaPeriod = r.quotaWindow as QuotaPeriod;
   if (!(QUOTA_PERIODS as readonly string[]).includes(r.quotaWindow)) {
     org(`quota_window ${JSON.stringify(r.quotaWindow.slice(0, 40))} is not one of ${QUOTA_PERIODS.join(", ")}: read as month`);
