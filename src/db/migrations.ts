@@ -15,6 +15,7 @@ import m0007 from "../../drizzle/0007_responses.sql" with { type: "text" };
 import m0008 from "../../drizzle/0008_usage_events_requests.sql" with { type: "text" };
 import m0009 from "../../drizzle/0009_responses_output_item_ids.sql" with { type: "text" };
 import m0010 from "../../drizzle/0010_audit_search_fold.sql" with { type: "text" };
+import m0011 from "../../drizzle/0011_responses_item_ids_no_pending_list.sql" with { type: "text" };
 
 const SQL: Record<string, string> = {
   "0000_extensions": m0000,
@@ -28,6 +29,7 @@ const SQL: Record<string, string> = {
   "0008_usage_events_requests": m0008,
   "0009_responses_output_item_ids": m0009,
   "0010_audit_search_fold": m0010,
+  "0011_responses_item_ids_no_pending_list": m0011,
 };
 
 export interface Migration {

@@ -218,5 +218,5 @@ export const responses = pgTable(
     createdAt: createdAt(),
     expiresAt: ts("expires_at").notNull(),
   },
-  (t) => [index("responses_expires_idx").on(t.expiresAt), index("responses_output_item_ids_idx").using("gin", t.outputItemIds)],
+  (t) => [index("responses_expires_idx").on(t.expiresAt), index("responses_output_item_ids_idx").using("gin", t.outputItemIds).with({ fastupdate: false })],
 );

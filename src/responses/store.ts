@@ -360,16 +360,25 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
    */
   async function items(p: Principal, ids: readonly string[]): Promise<ReferencedItems> {
     const wanted = pgArray(ids);
+    // One probe of the GIN index on output_item_ids per id asked (in order: u.n), then the rows hit: linear
+    // in both. The lateral subquery is a fence (offset 0) holding only the probe, so no plan can scan the
+    // caller's rows once per id (what an unanalyzed table got without it) or read another index per probe.
+    // Each row counts at its first id asked. Migration 0011 keeps the index without a pending list.
     const rows = await read<{ response: string | null; output_item_ids: string }>(
       "item_reference",
       sql`
       select case when total <= ${opts.maxReplayBytes} then response end as response, array_to_string(output_item_ids, ',') as output_item_ids from (
-        select response, output_item_ids, sum(octet_length(response)::bigint) over (order by pos, id) as total from (
-          select id, response, output_item_ids,
-            (select min(u.n) from unnest(${wanted}::text[]) with ordinality as u(v, n) where u.v = any(output_item_ids)) as pos
-          from responses
-          where org_id = ${p.orgId} and ${owner(p)} and expires_at > now() and output_item_ids && ${wanted}::text[]
+        select r.response, r.output_item_ids, sum(octet_length(r.response)::bigint) over (order by hits.pos, hits.id) as total
+        from (
+          select hit.id, min(u.n) as pos
+          from unnest(${wanted}::text[]) with ordinality as u(v, n)
+          cross join lateral (
+            select id, org_id, owner_user_id, owner_key_id, expires_at from responses where output_item_ids @> array[u.v] offset 0
+          ) hit
+          where org_id = ${p.orgId} and ${owner(p)} and expires_at > now()
+          group by hit.id
         ) hits
+        join responses r on r.id = hits.id
       ) counted`,
     );
     const found = new Map<string, InputItem>();
