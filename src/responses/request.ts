@@ -374,6 +374,30 @@ export function isReplayable(item: unknown): item is InputItem {
   }
 }
 
+/**
+ * The most different items one request may reference (item_reference). Each is
+ * looked up in the stored responses; OpenAI documents no bound. Far above what
+ * a client sends (the Vercel AI SDK references each earlier turn's output
+ * items: a few per turn), far below the ~1,000,000 a 16 MiB body can carry.
+ */
+export const MAX_ITEM_REFERENCES = 10_000;
+
+function checkInput(input: Record<string, unknown>[]): void {
+  let referenced: Set<unknown> | undefined;
+  for (const [j, item] of input.entries()) {
+    checkItem(item, j);
+    if (itemType(item) !== "item_reference") continue;
+    referenced ??= new Set();
+    referenced.add(item.id);
+    if (referenced.size > MAX_ITEM_REFERENCES) {
+      throw invalid(
+        `input[${j}]`,
+        `A request may reference at most ${MAX_ITEM_REFERENCES} different items (item_reference); 'input[${j}]' is one more. Send the items themselves, or use previous_response_id.`,
+      );
+    }
+  }
+}
+
 function checkTools(tools: Record<string, unknown>[]): void {
   for (const [i, tool] of tools.entries()) {
     if (tool.type !== "function") {
@@ -423,7 +447,7 @@ export function parseResponsesBody(raw: unknown): ResponsesBody {
     );
   }
   if (raw.background === true) throw invalid("background", "Background responses are not supported by this gateway; send the request without background (streaming keeps long answers alive).");
-  if (Array.isArray(raw.input)) for (const [j, item] of raw.input.entries()) checkItem(item as Record<string, unknown>, j);
+  if (Array.isArray(raw.input)) checkInput(raw.input as Record<string, unknown>[]);
   if (Array.isArray(raw.tools)) checkTools(raw.tools as Record<string, unknown>[]);
   const choice = raw.tool_choice;
   if (isRecord(choice) && choice.type !== "function") {

@@ -473,6 +473,16 @@ describe("item_reference: many references", () => {
     expect(messages.length).toBe(2 * ROWS + 1);
     expect(rec(messages[0])).toEqual({ role: "assistant", content: "x" });
   });
+
+  test(`${(MAX + 1).toLocaleString("en")} different references: 400 on the first beyond ${MAX.toLocaleString("en")}; nothing goes upstream`, async () => {
+    const input = [{ role: "user", content: "x" }, ...references(MAX / 2), ...references(MAX / 2), ...references(MAX + 1)];
+    const res = await create({ model: "svc-fast", input }, caller.personalKey);
+    const err = await errorOf(res);
+    // Repeated ids count once: the first reference beyond the bound is the last item.
+    expect({ status: res.status, code: err.code, param: err.param }).toEqual({ status: 400, code: "invalid_request_error", param: `input[${input.length - 1}]` });
+    expect(err.message).toContain(`${MAX}`);
+    expect(sim.stats.requests).toBe(0);
+  });
 });
 
 describe("ownership", () => {
