@@ -62,6 +62,25 @@ async function notFound(res: Response, param: string | null = null): Promise<voi
 
 const upstreamMessages = () => arr(rec(sim.stats.lastBody).messages);
 
+/** The principal of an organisation's personal key, as the store sees a caller. */
+const principalOf = (o: SeededOrg): Principal => ({
+  keyId: o.personalKeyId,
+  keyRoot: o.personalKeyId,
+  orgId: o.orgId,
+  userId: o.userId,
+  kind: "personal",
+  scopes: ["inference"],
+  models: null,
+  expiresAt: null,
+  revokedAt: null,
+  academyOnly: false,
+  plan: "free",
+  quotaTokens: null,
+  quotaPeriod: "month",
+  actorName: "Test",
+  actorEmail: "test@example.com",
+});
+
 describe("retrieve, delete, input items", () => {
   test("a stored response reads back as answered; delete removes it; then 404", async () => {
     const r = await made({ input: "hello", metadata: { a: "1" } });
@@ -403,23 +422,6 @@ describe("item_reference: many references", () => {
   const MAX = 10_000;
   const ROWS = 1_000;
   const PER_ROW = 100;
-  const principalOf = (o: SeededOrg): Principal => ({
-    keyId: o.personalKeyId,
-    keyRoot: o.personalKeyId,
-    orgId: o.orgId,
-    userId: o.userId,
-    kind: "personal",
-    scopes: ["inference"],
-    models: null,
-    expiresAt: null,
-    revokedAt: null,
-    academyOnly: false,
-    plan: "free",
-    quotaTokens: null,
-    quotaPeriod: "month",
-    actorName: "Test",
-    actorEmail: "test@example.com",
-  });
   // Unique per run: a Postgres test database keeps the rows of earlier runs.
   const run = crypto.randomUUID().slice(0, 8);
   const itemId = (r: number, m: number) => `msg_many${run}x${r}x${m}`;
@@ -586,23 +588,7 @@ describe("responses.store: false", () => {
 });
 
 describe("the save queue", () => {
-  const principal = (): Principal => ({
-    keyId: org.personalKeyId,
-    keyRoot: org.personalKeyId,
-    orgId: org.orgId,
-    userId: org.userId,
-    kind: "personal",
-    scopes: ["inference"],
-    models: null,
-    expiresAt: null,
-    revokedAt: null,
-    academyOnly: false,
-    plan: "free",
-    quotaTokens: null,
-    quotaPeriod: "month",
-    actorName: "Test",
-    actorEmail: "test@example.com",
-  });
+  const principal = (): Principal => principalOf(org);
   const saveInput = (id: string) => ({ id, principal: principal(), previousResponseId: null, inputItems: [], response: { id, object: "response", output: [] } });
   const storeOf = () => createResponseStore(gw.database, { retentionDays: 30, log: createLogger("silent"), maxReplayBytes: 1 << 20 });
   const ids = (n: number) => Array.from({ length: n }, () => `resp_${crypto.randomUUID().replaceAll("-", "")}`);
