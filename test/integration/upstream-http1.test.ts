@@ -3,6 +3,7 @@ import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { Socket, TCPSocketListener } from "bun";
+import type { SocketOpener } from "../../src/inference/upstream/http1-conn.ts";
 import { createHttp1Client, type Http1Client, type Http1ClientOptions, UpstreamConnectionError } from "../../src/inference/upstream/http1.ts";
 import { rejectionOf } from "../helpers/harness.ts";
 
@@ -425,6 +426,41 @@ describe("upstream HTTP/1.1 client", () => {
     expect(await (await ep.request(post())).text()).toBe("ok");
     expect(srv.peers.length).toBe(1);
     expect(String(await rejectionOf(ep.request(post())))).toContain("too large");
+  });
+
+  test("a large head arriving one byte per read is read in linear time (no copy of all that arrived on every read)", async () => {
+    // The socket hands each arrival to the connection one byte per read, as a slow (or hostile) upstream would.
+    // A head of 1 MB (the limit raised to it): a parser that re-copies all it holds on every read copies ~550 GB
+    // (35 s measured); one that copies each byte about once reads it in ~0.2 s. Past the generous bound (10 s)
+    // the feeding stops and the connection is cut, so a quadratic parser fails here instead of hanging.
+    const size = 1024 * 1024;
+    const text = `HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-big: ${"a".repeat(size - 43)}`;
+    expect(text.length).toBe(size);
+    let fed = 0;
+    let cut = false;
+    let deadline = Number.POSITIVE_INFINITY;
+    const connect: SocketOpener = (o) =>
+      Bun.connect({
+        ...o,
+        socket: {
+          ...o.socket,
+          data(s, d) {
+            if (deadline === Number.POSITIVE_INFINITY) deadline = performance.now() + 10_000;
+            for (let i = 0; i < d.byteLength && !cut; i++) {
+              o.socket.data?.(s, d.subarray(i, i + 1));
+              fed++;
+              if (performance.now() > deadline) {
+                cut = true;
+                s.data.destroy(new UpstreamConnectionError(`head still unread after 10 s, ${fed} bytes fed one per read`));
+              }
+            }
+          },
+        },
+      });
+    const { ep } = setup((s) => s.write(`${text}\r\n\r\nok`), { maxHeaderBytes: size, connect });
+    const res = await ep.request(post());
+    expect(await res.text()).toBe("ok");
+    expect(fed).toBe(size + 6);
   });
 
   test("aborting before the answer rejects with the signal's reason and closes the connection", async () => {

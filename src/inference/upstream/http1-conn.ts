@@ -140,7 +140,13 @@ export class Conn {
   /** When the current request was written. */
   sentAt = 0;
   private opened: { resolve: () => void; reject: (e: Error) => void } | undefined;
+  /**
+   * A head still arriving: its bytes so far are the first `headLen` of this
+   * buffer, whose capacity doubles as it fills, so a head sent in many small
+   * reads is copied O(n) times in all, not once per read.
+   */
   private headBuf: Buffer | undefined;
+  private headLen = 0;
   private framing = Framing.None;
   private remaining = 0;
   private chunk = Chunk.Size;
@@ -192,6 +198,7 @@ export class Conn {
     this.ex = ex;
     ex.conn = this;
     this.headBuf = undefined;
+    this.headLen = 0;
     this.framing = Framing.None;
     this.keepAlive = false;
     this.interim = 0;
@@ -238,10 +245,10 @@ export class Conn {
     while (ex.headPending) {
       let from = 0;
       if (this.headBuf) {
-        from = Math.max(0, this.headBuf.byteLength - 3);
-        b = Buffer.concat([this.headBuf, b]);
+        // Only the new bytes are searched, and the 3 before them (where a "\n\r\n" ending in them may start).
+        from = Math.max(0, this.headLen - 3);
+        b = this.holdHead(b);
       }
-      this.headBuf = undefined;
       const start = bodyStart(b, from);
       if (start === -1) {
         // The bound on the head's text (below), however it arrives: up to 3 bytes here may be the start of its "\r\n\r\n".
@@ -249,9 +256,12 @@ export class Conn {
           this.destroy(new UpstreamConnectionError("response head too large"));
           return;
         }
-        this.headBuf = b;
+        if (!this.headBuf) this.holdHead(b);
         return;
       }
+      // The held bytes now belong to the head and body read from `b`; the next head, if any, is held anew.
+      this.headBuf = undefined;
+      this.headLen = 0;
       const end = headTextEnd(b, start);
       if (end > this.pool.maxHeaderBytes) {
         this.destroy(new UpstreamConnectionError("response head too large"));
@@ -321,6 +331,22 @@ export class Conn {
     }
     if (this.ex !== ex) return; // the head's receiver cancelled the body
     this.body(ex, b);
+  }
+
+  /** Appends `b` to the head held so far (growing its buffer by doubling), and returns all of it. */
+  private holdHead(b: Buffer): Buffer {
+    const len = this.headLen + b.byteLength;
+    let held = this.headBuf;
+    if (!held || held.byteLength < len) {
+      // Never more room than a head may take (and a byte for the check that refuses it), unless one read brings more.
+      const room = Math.min(Math.max(2 * (held?.byteLength ?? 0), 1024), this.pool.maxHeaderBytes + 4);
+      const grown = Buffer.allocUnsafe(Math.max(len, room));
+      if (held) held.copy(grown, 0, 0, this.headLen);
+      held = this.headBuf = grown;
+    }
+    b.copy(held, this.headLen);
+    this.headLen = len;
+    return held.subarray(0, len);
   }
 
   private body(ex: Exchange, b: Buffer): void {
