@@ -37,11 +37,20 @@ const B64URL_RE = /^[A-Za-z0-9_-]+$/;
 const PG_SEPARATOR = 10;
 
 /**
+ * A row time outside years 0001–9999 as search.ts reads it for the cursor:
+ * `infinity`, `-infinity`, or UTC text with a four- to six-digit year,
+ * microseconds and the era, which Postgres reads back exactly.
+ */
+const ODD_TIME = /^(?:-?infinity|\d{4,6}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12]\d|3[01])T(?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d\.\d{6}Z (?:AD|BC))$/;
+
+/**
  * A row's timestamp as stored and printed: Date#toISOString or Postgres'
  * timestamptz text, in the one time grammar (src/lib/time.ts) with the seconds
- * given and at most microseconds, what Postgres keeps.
+ * given and at most microseconds, what Postgres keeps; or a time outside
+ * years 0001–9999 (ODD_TIME).
  */
 function isValidTimestamp(s: string): boolean {
+  if (ODD_TIME.test(s)) return true;
   const iso = s.charAt(PG_SEPARATOR) === " " ? `${s.slice(0, PG_SEPARATOR)}T${s.slice(PG_SEPARATOR + 1)}` : s;
   const t = parseInstant(iso);
   return t?.seconds === true && t.fractionDigits <= 6;

@@ -1,7 +1,8 @@
-import { type SQL, and, eq, gte, lte, sql } from "drizzle-orm";
+import { type AnyColumn, type SQL, and, eq, getTableColumns, gte, lte, sql } from "drizzle-orm";
 import type { Db } from "../db/client.ts";
 import { type AuditTarget, auditEvents } from "../db/schema.ts";
 import { isRecord } from "../lib/guards.ts";
+import { MAX_TIME, MIN_TIME } from "../lib/time.ts";
 import type { CursorPosition } from "./cursor.ts";
 import type { AuditFilter } from "./params.ts";
 
@@ -24,12 +25,46 @@ export function likePattern(q: string): string {
   return `%${q.replace(/[\\%_]/g, (c) => `\\${c}`)}%`;
 }
 
-type Row = typeof auditEvents.$inferSelect;
+/**
+ * A row's time, read in SQL rather than from the driver's Date, which
+ * misreads what Postgres prints for some times: years 0001–0099 as 19xx or
+ * 20xx, and Invalid Date for years past 9999, BC, ±infinity and offsets in
+ * seconds (a server TimeZone's local mean time before ~1900).
+ * - `createdMs`: epoch milliseconds (float8, ±Infinity for ±infinity; within
+ *   0.02 ms for years 0001–9999, so rounding gives the stored millisecond).
+ *   date_part, not extract: extract's numeric costs ten times as much, and
+ *   Postgres computes these for every row a sort takes (the trigram path).
+ * - `oddKey`: only for a time outside years 0001–9999 (written by hand or by a
+ *   partial restore), which RFC 3339 text cannot show: text Postgres reads
+ *   back as exactly the stored value (`infinity`, or
+ *   `10000-01-01T00:00:00.001000Z AD`). Such a row is listed with its time
+ *   clamped, and its cursor holds this text: the keyset moves on from the
+ *   stored value, never from the clamped one (which would list again, or
+ *   skip, the rows between the two).
+ * Computed in the outermost query only (not in the q fast path's head).
+ */
+function timeColumns(c: AnyColumn) {
+  return {
+    createdMs: sql<number | string>`date_part('epoch', ${c}) * 1000`.as("created_ms"),
+    oddKey: sql<string | null>`case when ${c} < '0001-01-01T00:00:00Z'::timestamptz or ${c} >= '10000-01-01T00:00:00Z'::timestamptz then
+      case when isfinite(${c}) then to_char(${c} at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z" BC') else ${c}::text end end`.as("odd_key"),
+  };
+}
+
+type Row = typeof auditEvents.$inferSelect & { createdMs: number | string; oddKey: string | null };
 
 /** Where a row read past recordAudit's rules is reported: its id and what was wrong. */
 export type AuditRowReport = (id: string, problem: string) => void;
 
 const text = (v: unknown) => (typeof v === "string" ? v : "");
+
+/** The row's time as RFC 3339 text; one outside years 0001–9999 clamped to them. */
+function timeOf(r: Row): string {
+  // float8 arrives as a number (PGlite, postgres.js); Number() also reads the text a driver might give.
+  const ms = Math.round(Number(r.createdMs));
+  if (r.oddKey === null && ms >= MIN_TIME && ms <= MAX_TIME) return new Date(ms).toISOString();
+  return new Date(ms > MAX_TIME ? MAX_TIME : MIN_TIME).toISOString();
+}
 
 /**
  * A row as the spec's event. `targets` and `details` are jsonb, which the
@@ -56,10 +91,12 @@ function view(r: Row, report?: AuditRowReport): AuditEventView {
     ...(odd ? ["targets is not an array of {key, kind, id, name, email} strings: listed with what is readable"] : []),
     ...(details !== r.details ? ["details is not a JSON object: listed as {}"] : []),
   ];
+  const createdAt = timeOf(r);
+  if (r.oddKey !== null) problems.push(`created_at ${r.oddKey} is outside years 0001-9999: listed as ${createdAt}`);
   if (problems.length > 0) report?.(r.id, problems.join("; "));
   return {
     id: r.id,
-    created_at: r.createdAt.toISOString(),
+    created_at: createdAt,
     action: r.action,
     category: r.category,
     actor: { type: r.actorType, id: r.actorId, name: r.actorName, email: r.actorEmail, key_id: r.actorKeyId },
@@ -120,10 +157,11 @@ export async function listAuditEvents(
   // order (it does not infer it from NOT NULL) and sorts the whole org instead.
   const newestFirst = [sql`${t.createdAt} desc nulls last`, sql`${t.id} desc nulls last`];
 
+  const columns = { ...getTableColumns(t), ...timeColumns(t.createdAt) };
   let rows: Row[];
   if (!filter.q) {
     rows = await db
-      .select()
+      .select(columns)
       .from(t)
       .where(and(...where))
       .orderBy(...newestFirst)
@@ -138,15 +176,16 @@ export async function listAuditEvents(
       .orderBy(...newestFirst)
       .limit(Q_SCAN_FACTOR * (limit + 1))
       .as("head");
+    const headColumns = Object.fromEntries(Object.keys(getTableColumns(t)).map((k) => [k, head[k as keyof Row & keyof typeof head]]));
     rows = await db
-      .select()
+      .select({ ...(headColumns as typeof head._.selectedFields), ...timeColumns(head.createdAt) })
       .from(head)
       .where(sql`${head.searchText} ilike ${pattern}`)
       .orderBy(sql`${head.createdAt} desc nulls last`, sql`${head.id} desc nulls last`)
       .limit(limit + 1);
     if (rows.length <= limit) {
       rows = await db
-        .select()
+        .select(columns)
         .from(t)
         .where(and(...where, sql`${t.searchText} ilike ${pattern}`))
         .orderBy(sql`${t.createdAt} + interval '0 ms' desc`, sql`${t.id} desc`)
@@ -155,7 +194,7 @@ export async function listAuditEvents(
   }
   const page = rows.slice(0, limit);
   const last = page[page.length - 1];
-  const next = rows.length > limit && last ? { createdAt: last.createdAt.toISOString(), id: last.id } : null;
+  const next = rows.length > limit && last ? { createdAt: last.oddKey ?? timeOf(last), id: last.id } : null;
   return { events: page.map((r) => view(r, report)), next };
 }
 

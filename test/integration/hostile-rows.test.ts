@@ -267,11 +267,11 @@ describe("responses rows", () => {
   });
 });
 
-/** An audit row written past recordAudit's rules: `targets` and `details` as given (JSON text). */
-async function oddAuditRow(orgId: string, action: string, targets: string, details: string): Promise<string> {
+/** An audit row written past recordAudit's rules: `targets` and `details` as given (JSON text), `created_at` as given (Postgres text) or now. */
+async function oddAuditRow(orgId: string, action: string, targets: string, details: string, createdAt?: string): Promise<string> {
   const [row] = await db.rows<{ id: string }>(sql`
-    insert into audit_events (org_id, action, category, actor_type, actor_id, actor_name, actor_email, targets, details, origin_ip_prefix, origin_user_agent_summary, search_text)
-    values (${orgId}, ${action}, 'org', 'system', gen_random_uuid(), 'gateway', '', ${targets}::jsonb, ${details}::jsonb, '', '', ${action}) returning id`);
+    insert into audit_events (org_id, created_at, action, category, actor_type, actor_id, actor_name, actor_email, targets, details, origin_ip_prefix, origin_user_agent_summary, search_text)
+    values (${orgId}, coalesce(${createdAt ?? null}::timestamptz, now()), ${action}, 'org', 'system', gen_random_uuid(), 'gateway', '', ${targets}::jsonb, ${details}::jsonb, '', '', ${action}) returning id`);
   return String(row?.id);
 }
 
@@ -308,6 +308,58 @@ describe("audit_events rows", () => {
     }
     expect(byId.get(ids[2] as string)?.targets).toEqual([{ key: "", kind: "api_key", id: "x", name: "", email: "" }]);
     expect(byId.get(ids[3] as string)?.targets).toEqual([{ key: "key_id", kind: "api_key", id: "k", name: "n", email: "e" }]);
+  });
+
+  // Seen failing before: every page holding such a row was 503 service_unavailable (the time could be neither
+  // shown nor put in a cursor), and so was every page after it: the rest of the log could not be read.
+  test("a created_at outside years 0001-9999 (±infinity, year 10000 or 294276, BC): listed clamped, logged once; paging lists every row exactly once", async () => {
+    const org = await seedTestOrg(db);
+    const late = "9999-12-31T23:59:59.999Z";
+    const early = "0001-01-01T00:00:00.000Z";
+    // Newest first, as stored; two rows share some odd instants so the id tie-break is crossed too. Year 1 is
+    // in range but was misread too (the driver's Date reads "0001-01-01 00:00:00+00" as 2001).
+    const expected: { id: string; shown: string; odd: boolean }[] = [];
+    for (const [i, [stored, shown]] of (
+      [
+        ["infinity", late],
+        ["infinity", late],
+        ["294276-12-31 23:59:59.999Z", late],
+        ["10000-01-01 00:00:00.001Z", late],
+        ["10000-01-01 00:00:00.001Z", late],
+        ["9999-12-31 23:59:59.999Z", late],
+        ["2024-05-01 12:00:00.123Z", "2024-05-01T12:00:00.123Z"],
+        ["0001-01-01 00:00:00Z", early],
+        ["0001-12-31 23:59:59.999Z BC", early],
+        ["0001-12-31 23:59:59.999Z BC", early],
+        ["4714-11-24 00:00:00Z BC", early],
+        ["-infinity", early],
+        ["-infinity", early],
+      ] as const
+    ).entries()) {
+      expected.push({ id: await oddAuditRow(org.orgId, `org.time_${i}`, "[]", "{}", stored), shown, odd: !stored.startsWith(shown.slice(0, 10)) });
+    }
+    const sorted = (await db.rows<{ id: string }>(sql`select id from audit_events where org_id = ${org.orgId} order by created_at desc, id desc`)).map((r) => r.id);
+    const shownOf = new Map(expected.map((e) => [e.id, e.shown]));
+    for (const query of ["", "&q=org.time"]) {
+      for (const limit of [1, 2, 5]) {
+        const seen: { id: string; created_at: string }[] = [];
+        let cursor = "";
+        for (let pages = 0; pages < 30; pages++) {
+          const res = await get(`/v1/audit-events?limit=${limit}${query}${cursor ? `&cursor=${cursor}` : ""}`, org.serviceKey);
+          expect({ query, limit, pages, status: res.status }).toEqual({ query, limit, pages, status: 200 });
+          const page = (await res.json()) as { data: { id: string; created_at: string }[]; next_cursor: string };
+          seen.push(...page.data);
+          cursor = page.next_cursor;
+          if (!cursor) break;
+        }
+        // Every row once, in stored order; q leaves out the organisation's own events from seeding.
+        const want = query ? sorted.filter((id) => shownOf.has(id)) : sorted;
+        expect({ query, limit, ids: seen.map((e) => e.id) }).toEqual({ query, limit, ids: want });
+        const ours = seen.filter((e) => shownOf.has(e.id));
+        expect(ours.map((e) => e.created_at)).toEqual(ours.map((e) => shownOf.get(e.id) ?? ""));
+      }
+    }
+    for (const { id, odd } of expected) expect({ id, lines: linesAbout("audit event row", id).length }).toEqual({ id, lines: odd ? 1 : 0 });
   });
 });
 

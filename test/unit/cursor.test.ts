@@ -37,6 +37,12 @@ describe("round trip", () => {
       "2024-02-29T00:00:00Z", // leap day
       "2000-12-31T00:00:00.000Z",
       new Date(1_714_566_896_789).toISOString(),
+      // A row time outside years 0001-9999, as the audit query reads it for the cursor (src/audit/search.ts).
+      "infinity",
+      "-infinity",
+      "10000-01-01T00:00:00.001000Z AD",
+      "294276-12-31T23:59:59.999000Z AD",
+      "4714-11-24T00:00:00.000000Z BC",
     ];
     for (const createdAt of stamps) {
       const pos = { createdAt, id: POS.id };
@@ -83,6 +89,13 @@ describe("encode validation", () => {
       { createdAt: "2024-05-01T12:34:56.1234567Z", id: POS.id },
       { createdAt: "2024-05-01T12:34:56.789Z|x", id: POS.id },
       { createdAt: " 2024-05-01T12:34:56.789Z", id: POS.id },
+      { createdAt: "Infinity", id: POS.id },
+      { createdAt: "+infinity", id: POS.id },
+      { createdAt: "10000-01-01T00:00:00.001Z AD", id: POS.id }, // the odd form has microseconds
+      { createdAt: "1000000-01-01T00:00:00.000000Z AD", id: POS.id },
+      { createdAt: "10000-13-01T00:00:00.000000Z AD", id: POS.id },
+      { createdAt: "10000-01-01T00:00:00.000000Z", id: POS.id },
+      { createdAt: "10000-01-01T00:00:00.000000Z AD'", id: POS.id },
     ];
     for (const pos of bad) expect(() => encodeCursor(pos, BINDING, SECRET)).toThrow(TypeError);
   });
