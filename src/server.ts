@@ -20,6 +20,7 @@ import { createLimiter, type Limiter } from "./limits/store.ts";
 import { createInference } from "./inference/routes.ts";
 import type { HostLookup } from "./inference/image-url.ts";
 import { createResponses } from "./responses/routes.ts";
+import { firstSeen } from "./lib/once.ts";
 
 export interface Gateway {
   url: string;
@@ -107,12 +108,10 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     const fallbackLimit = config.plans[config.defaultPlan]?.requestsPerMinute ?? 60;
     // A plan the configuration does not name (hand-edited, or a newer instance's config) is limited as the
     // default plan, what a new organisation gets; logged once per organisation (docs/decisions.md, Rows read from the database).
-    const unknownPlanOrgs = new Set<string>();
+    const firstUnknownPlan = firstSeen();
     const planLimit = (plan: string, orgId: string): number => {
       if (Object.hasOwn(config.plans, plan)) return config.plans[plan]?.requestsPerMinute ?? fallbackLimit;
-      if (!unknownPlanOrgs.has(`${orgId}|${plan}`)) {
-        if (unknownPlanOrgs.size >= 10_000) unknownPlanOrgs.clear();
-        unknownPlanOrgs.add(`${orgId}|${plan}`);
+      if (firstUnknownPlan(`${orgId}|${plan}`)) {
         log.warn("an organization row breaks the gateway's rules", {
           org_id: orgId,
           problem: `plan ${JSON.stringify(plan.slice(0, 40))} is not in the configuration's plans: limited as the default plan ${config.defaultPlan} (${fallbackLimit} requests a minute)`,

@@ -4,6 +4,7 @@ import type { Logger } from "../lib/log.ts";
 import { type CursorPosition, decodeCursor, encodeCursor } from "./cursor.ts";
 import { type AuditFilter, invalid, parseAuditQuery } from "./params.ts";
 import { type AuditEventView, listAuditEvents } from "./search.ts";
+import { firstSeen } from "../lib/once.ts";
 
 /**
  * Reading the audit log (spec 4.5): validate the parameters (params.ts), check
@@ -44,13 +45,10 @@ export interface AuditReadDeps {
   log?: Logger;
 }
 
-/** Audit rows already reported as odd: each once per process (bounded; when full, forgotten and reported again). */
-const reported = new Set<string>();
+/** Audit rows already reported as odd: each once per process and problem. */
+const firstReport = firstSeen();
 function reportRow(log: Logger | undefined, id: string, problem: string): void {
-  const k = `${id}|${problem}`;
-  if (reported.has(k)) return;
-  if (reported.size >= 10_000) reported.clear();
-  reported.add(k);
+  if (!firstReport(`${id}|${problem}`)) return;
   log?.warn("an audit event row breaks the gateway's rules", { event_id: id, problem });
 }
 

@@ -2,6 +2,8 @@ import { type AnyColumn, type SQL, eq, sql } from "drizzle-orm";
 import { ANSWER_TIMEOUT_MS, type Database, answeredWithin } from "../db/client.ts";
 import { QUOTA_PERIODS, type QuotaPeriod, apiKeys, organizations, users } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
+import { firstSeen } from "../lib/once.ts";
+import { MAX_TIME, MIN_TIME } from "../lib/time.ts";
 import { type Scope, hashKey, isScope } from "./keys.ts";
 import { ipPrefix } from "./security.ts";
 import type { Principal } from "./types.ts";
@@ -108,7 +110,6 @@ export interface KeyVerifier {
 }
 
 const UNKNOWN: Verdict = { status: "unknown" };
-const MAX_REPORTED = 10_000;
 
 /**
  * Revocation is never scheduled: a set `revoked_at` is a revocation, whatever
@@ -123,9 +124,6 @@ export function judge(p: Principal, now: number): Verdict {
   return { status: "valid", principal: p };
 }
 
-/** The earliest and latest instants a key's row is read with: what RFC 3339 text (and `/v1/me`) can show, years 0001–9999. */
-const EARLIEST_MS = Date.parse("0001-01-01T00:00:00.000Z");
-const LATEST_MS = Date.parse("9999-12-31T23:59:59.999Z");
 /** More model aliases than any configuration has: a longer list is a damaged row (and would cost every request a long scan). */
 export const MAX_KEY_MODELS = 1_000;
 
@@ -164,7 +162,8 @@ export interface RowProblem {
   problem: string;
 }
 
-const clampMs = (ms: number) => Math.min(LATEST_MS, Math.max(EARLIEST_MS, ms));
+/** A key's instants are read within what RFC 3339 text (and `/v1/me`) can show, years 0001–9999. */
+const clampMs = (ms: number) => Math.min(MAX_TIME, Math.max(MIN_TIME, ms));
 
 /**
  * A key's rows as a principal, checked (docs/decisions.md, "Rows read from the
@@ -202,8 +201,8 @@ export function principalOfRow(r: KeyRow): { principal: Principal; problems: Row
 
   // float8 arrives as a number (PGlite, postgres.js); Number() also reads the text a driver might give.
   const expiresMs = r.expiresMs === null ? Number.NEGATIVE_INFINITY : Number(r.expiresMs);
-  const expiresAt = new Date(Number.isNaN(expiresMs) ? EARLIEST_MS : clampMs(expiresMs));
-  if (!(expiresMs >= EARLIEST_MS && expiresMs <= LATEST_MS)) key(`expires_at ${expiresMs} ms is outside years 0001-9999: read as ${expiresAt.toISOString()}`);
+  const expiresAt = new Date(Number.isNaN(expiresMs) ? MIN_TIME : clampMs(expiresMs));
+  if (!(expiresMs >= MIN_TIME && expiresMs <= MAX_TIME)) key(`expires_at ${expiresMs} ms is outside years 0001-9999: read as ${expiresAt.toISOString()}`);
   const revokedAt = r.revokedMs === null ? null : new Date(clampMs(Number(r.revokedMs) || 0));
 
   let quotaTokens = r.quotaTokens === null ? null : Number(r.quotaTokens);
@@ -289,13 +288,10 @@ async function lineageRoot(database: Database, keyId: string): Promise<string> {
 
 export function createKeyVerifier(database: Database, opts: VerifierOptions): KeyVerifier {
   const now = opts.now ?? Date.now;
-  /** Row problems already logged: each once per process (bounded; when full, forgotten and logged again). */
-  const reported = new Set<string>();
+  /** Row problems are logged once per process each. */
+  const firstReport = firstSeen();
   const report = (p: RowProblem) => {
-    const k = `${p.table}|${p.id}|${p.problem}`;
-    if (reported.has(k)) return;
-    if (reported.size >= MAX_REPORTED) reported.clear();
-    reported.add(k);
+    if (!firstReport(`${p.table}|${p.id}|${p.problem}`)) return;
     opts.log?.warn(`${p.table === "api_keys" ? "an API key row" : "an organization row"} breaks the gateway's rules`, {
       [p.table === "api_keys" ? "key_id" : "org_id"]: p.id,
       problem: p.problem,

@@ -9,6 +9,7 @@ import { type Metering, type RequestOutcome, type Ticket, type UsageReport, clam
 import { budgetExceeded, recordBudgetExceeded } from "./budget.ts";
 import { type QuotaPeriod, periodEnd, periodStart } from "./period.ts";
 import { type CounterDelta, type CounterSource, createUsageWriter } from "./usage-writer.ts";
+import { firstSeen } from "../lib/once.ts";
 
 /**
  * The organisation token quota, shared by all instances through Postgres,
@@ -237,16 +238,13 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
 
   const available = (s: OrgState) => s.granted - s.pending - s.inflight;
 
-  /** Counters already reported as negative, once per organisation, period and column (bounded). */
-  const reportedCounters = new Set<string>();
+  /** Counters already reported as negative: once per organisation, period and column. */
+  const firstReport = firstSeen();
   /** A usage_counters figure as counted: a negative one (or one that is not a number) is 0, logged once. */
   function counted(s: OrgState, column: "used" | "leased", raw: unknown): number {
     const n = Number(raw);
     if (n >= 0) return n;
-    const k = `${s.orgId}|${s.start}|${column}`;
-    if (!reportedCounters.has(k)) {
-      if (reportedCounters.size >= 10_000) reportedCounters.clear();
-      reportedCounters.add(k);
+    if (firstReport(`${s.orgId}|${s.start}|${column}`)) {
       log.warn("a usage_counters row breaks the gateway's rules", {
         org_id: s.orgId,
         window_start: new Date(s.start).toISOString(),

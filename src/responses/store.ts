@@ -8,6 +8,7 @@ import { isRecord } from "../lib/guards.ts";
 import { AppError } from "../lib/errors.ts";
 import { type InputItem, isReplayable } from "./request.ts";
 import type { StoredItem } from "./translate.ts";
+import { firstSeen } from "../lib/once.ts";
 
 /**
  * Stored responses (table `responses`, migration 0007): conversation content,
@@ -63,8 +64,6 @@ const MAX_CHAIN = 1_000;
  * written by hand or damaged, and reading it could take the process's memory.
  */
 export const MAX_ROW_BYTES = 64 * 1024 * 1024;
-/** Rows already reported as unreadable: each once per process (bounded; when full, forgotten and reported again). */
-const MAX_REPORTED = 10_000;
 /** Rows deleted per statement by the sweep, so it never holds many locks or a long transaction. */
 const SWEEP_BATCH = 500;
 const SWEEP_EVERY_MS = 10 * 60_000;
@@ -261,13 +260,10 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
     }
   }
 
-  const reported = new Set<string>();
+  const firstReport = firstSeen();
   /** A stored row that cannot be served as it is: logged once per row and problem (docs/decisions.md, Rows read from the database). */
   function unreadable(id: string, problem: string): void {
-    const k = `${id}|${problem}`;
-    if (reported.has(k)) return;
-    if (reported.size >= MAX_REPORTED) reported.clear();
-    reported.add(k);
+    if (!firstReport(`${id}|${problem}`)) return;
     log.error("a stored response is unreadable", { response_id: id, problem });
   }
 
