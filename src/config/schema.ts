@@ -52,6 +52,9 @@ export const Alias = T.Object(
   {
     kind: T.Union([T.Literal("chat"), T.Literal("embedding")]),
     contextWindow: T.Optional(Int({ minimum: 1 })),
+    imageTokens: T.Optional(
+      Int({ minimum: 1, description: "The most prompt tokens one image can cost on this model; the quota reserves this per image (default 2048)" }),
+    ),
     capabilities: T.Array(Capability, { default: [] }),
     ownedBy: T.String({ default: "gateway" }),
     dimensions: T.Optional(Int({ minimum: 1 })),

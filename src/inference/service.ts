@@ -9,7 +9,16 @@ import type { ImageUrlCheck } from "./image-url.ts";
 import { type EndStream, relayStream } from "./stream.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
 import { type UsageBounds, countUsage } from "./usage.ts";
-import { charsToTokens, choiceCount, completionLimit, embeddingTokenBound, estimateEmbeddingTokens, estimatePromptTokens } from "./tokens.ts";
+import {
+  DEFAULT_IMAGE_TOKENS,
+  charsToTokens,
+  choiceCount,
+  completionLimit,
+  embeddingTokenBound,
+  estimateEmbeddingTokens,
+  estimatePromptTokens,
+  promptTokenBound,
+} from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream/index.ts";
 import { isRecord } from "../lib/guards.ts";
 
@@ -236,16 +245,20 @@ export function createInferenceService(deps: ServiceDeps) {
     // The default bound leaves the prompt its room in the context window: vLLM
     // refuses a request whose prompt plus max_tokens exceeds it.
     const room = alias.contextWindow === undefined ? Number.POSITIVE_INFINITY : alias.contextWindow - promptEstimate;
-    const reservation = promptEstimate + choices * (limit ?? Math.max(1, Math.min(config.quota.defaultMaxTokens, room)));
+    // The prompt is reserved at the most it can be (its bytes, the template's allowances, each image at the
+    // alias's imageTokens, at most the context window), never at the estimate: a prompt that tokenizes
+    // denser than the estimate (CJK text, code, images) would overshoot the quota by the difference.
+    const promptReserve = Math.max(promptEstimate, promptTokenBound(body, alias.imageTokens ?? DEFAULT_IMAGE_TOKENS, alias.contextWindow));
+    const reservation = promptReserve + choices * (limit ?? Math.max(1, Math.min(config.quota.defaultMaxTokens, room)));
     // A caller who set a bound gets it or a refusal. Without one the request
     // can run with less: down to one completion token per choice. Either way,
     // under a quota no request goes upstream unbounded: max_tokens becomes
     // each choice's share of what the quota granted beyond the prompt, so the
     // answer stays within its reservation and the quota cannot be overshot by
     // a completion.
-    const least = limit === undefined ? promptEstimate + choices : undefined;
+    const least = limit === undefined ? promptReserve + choices : undefined;
     const ticket = metering.admitNow(principal, reservation, least) ?? (await metering.admit(principal, reservation, least));
-    if (limit === undefined && principal.quotaTokens !== null) body.max_tokens = Math.floor((ticket.reserved - promptEstimate) / choices);
+    if (limit === undefined && principal.quotaTokens !== null) body.max_tokens = Math.floor((ticket.reserved - promptReserve) / choices);
     // The reserved bound is max_completion_tokens when set (as vLLM and OpenAI take it); a server
     // that knows only max_tokens, or takes it first, gets the same bound there.
     else if (principal.quotaTokens !== null && body.max_completion_tokens != null) body.max_tokens = body.max_completion_tokens;
@@ -379,7 +392,9 @@ export function createInferenceService(deps: ServiceDeps) {
   async function runEmbeddings(principal: Principal, body: EmbeddingsBody, alias: AliasConfig, ctx: RequestMeta, start: number): Promise<Served> {
     const name = body.model;
     const estimate = estimateEmbeddingTokens(body);
-    const ticket = metering.admitNow(principal, estimate) ?? (await metering.admit(principal, estimate));
+    // Reserved at the most the inputs can be (as chat's prompt), so no request overshoots the quota.
+    const bound = embeddingTokenBound(body);
+    const ticket = metering.admitNow(principal, bound) ?? (await metering.admit(principal, bound));
     const payloadFor = (t: Target) => {
       body.model = t.cfg.model;
       return JSON.stringify(body);
@@ -397,7 +412,7 @@ export function createInferenceService(deps: ServiceDeps) {
       const counted = countUsage(
         isRecord(parsed.usage) ? parsed.usage : undefined,
         { promptTokens: estimate, completionTokens: 0 },
-        { promptTokens: embeddingTokenBound(body), completionTokens: Number.POSITIVE_INFINITY },
+        { promptTokens: bound, completionTokens: Number.POSITIVE_INFINITY },
       );
       if (counted.rejected) implausibleUsage(name, res.target, { prompt_tokens: counted.rejected.prompt_tokens }, ctx.requestId);
       const promptTokens = counted.promptTokens;

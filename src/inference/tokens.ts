@@ -42,6 +42,58 @@ export function estimatePromptTokens(body: ChatBody): number {
   return tokens;
 }
 
+/**
+ * What a chat template may add beyond the messages' own text, in tokens: once
+ * per request (a BOS token, the generation prompt, fixed text such as a date
+ * line or a default system prompt), per message (role markers, separators),
+ * and when tools are sent (a tool-calling template's instructions around the
+ * tool definitions, which it may also render with indentation: counted twice).
+ */
+const BOUND_PER_REQUEST = 512;
+const BOUND_PER_MESSAGE = 16;
+const BOUND_TOOLS = 512;
+
+/** What one image may cost when the alias does not say (`imageTokens`): a 1024×1024 image on most open VLMs. */
+export const DEFAULT_IMAGE_TOKENS = 2_048;
+
+const utf8 = (s: string): number => Buffer.byteLength(s, "utf8");
+const maybe = (s: unknown): number => (typeof s === "string" ? utf8(s) : 0);
+
+/**
+ * The most prompt tokens a chat request can be, which the quota reserves so
+ * that no request overshoots it: no tokenizer makes more than one token per
+ * byte of text (byte-level BPE falls back to bytes; other schemes' pieces are
+ * whole characters), plus the template's allowances above, plus `imageTokens`
+ * per image; and never more than the context window, since a longer prompt is
+ * refused upstream. The estimate (estimatePromptTokens) stays what is charged
+ * when the upstream reports no count.
+ */
+export function promptTokenBound(body: ChatBody, imageTokens: number, contextWindow: number | undefined): number {
+  let bound = BOUND_PER_REQUEST;
+  for (const m of body.messages) {
+    bound += BOUND_PER_MESSAGE + maybe(m.name);
+    const c = m.content;
+    if (typeof c === "string") bound += utf8(c);
+    else if (Array.isArray(c)) {
+      for (const p of c) {
+        const part = p as { type: string; text?: unknown; refusal?: unknown };
+        if (part.type === "image_url") bound += imageTokens;
+        else bound += maybe(part.text) + maybe(part.refusal);
+      }
+    }
+    if (m.role === "tool") bound += utf8(m.tool_call_id);
+    else if (m.role === "assistant") {
+      bound += maybe(m.refusal) + maybe(m.reasoning_content) + maybe(m.reasoning);
+      if (m.function_call) bound += BOUND_PER_MESSAGE + utf8(m.function_call.name) + utf8(m.function_call.arguments);
+      if (m.tool_calls) {
+        for (const t of m.tool_calls) bound += BOUND_PER_MESSAGE + utf8(t.id) + utf8(t.function.name) + utf8(t.function.arguments);
+      }
+    }
+  }
+  if (body.tools) bound += 2 * utf8(JSON.stringify(body.tools)) + BOUND_TOOLS;
+  return contextWindow === undefined ? bound : Math.min(bound, contextWindow);
+}
+
 /** The completion bound the caller set, if any (max_completion_tokens wins, as in vLLM and OpenAI). */
 export function completionLimit(body: ChatBody): number | undefined {
   return body.max_completion_tokens ?? body.max_tokens ?? undefined;

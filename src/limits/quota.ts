@@ -424,7 +424,10 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         // given our lease back since): lease again rather than refuse.
         s.exhausted = false;
       } else if (s.exhausted) {
-        if (s.othersHold < least - avail) return "spent";
+        // What may still come free: other instances' lease, and what this instance's own requests in
+        // flight reserved beyond what they will use (a reservation is the prompt's bound, often several
+        // times its count). Refusing before they settle would be a budget_exceeded while tokens remain.
+        if (s.othersHold + s.inflight < least - avail) return "spent";
         waitUntil ??= now() + shareWaitMs;
         if (now() >= waitUntil) return "spent";
         await Bun.sleep(Math.max(20, Math.floor(opts.flushMs / 4)));

@@ -192,9 +192,10 @@ describe("usage_counters rows", () => {
   // Seen failing before: used = -10^12 counted as 10^12 tokens free, and two requests using 905 tokens each of a 1,000 quota were served.
   test("a negative used or leased is set to 0 (logged once): it never adds to the quota", async () => {
     for (const column of ["used", "leased"]) {
-      const org = await seedTestOrg(db, { quotaTokens: 1_000 });
+      const org = await seedTestOrg(db, { quotaTokens: 2_000 });
       await db.rows(sql`insert into usage_counters (org_id, window_start, used, leased) values (${org.orgId}, ${monthStart()}, ${column === "used" ? -1e12 : 0}, ${column === "leased" ? -1e12 : 0})`);
-      // Each reserves and uses about 905 tokens (the simulator answers up to max_tokens): the first fits the quota, the second does not.
+      // Each reserves about 1,430 tokens (the prompt's bound and 900) and uses about 905 (the simulator answers up to
+      // max_tokens): the first fits the quota, the second does not.
       await fetch(`${sim.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ completionTokens: 100_000 }) });
       expect((await chat(org.personalKey, { max_tokens: 900 })).status).toBe(200);
       const f = await failure(await chat(org.personalKey, { max_tokens: 900 }));

@@ -753,10 +753,11 @@ describe("gateway limits on the inference endpoints", () => {
   });
 
   test("429 budget_exceeded once the organisation's quota is spent", async () => {
-    // Exactly one request's reservation: prompt estimate 8 ("hi") + max_tokens 5 (a request is admitted only on its whole reservation).
-    const poor = await seedTestOrg(gw.database, { quotaTokens: 13, quotaWindow: "month" });
+    // Exactly one request's reservation: the prompt's bound 530 ("hi": 512 + 16 + 2 bytes) + max_tokens 5 (a request is admitted
+    // only on its whole reservation); it is charged its count (8 + 5), and what remains (522) is less than any request's bound.
+    const poor = await seedTestOrg(gw.database, { quotaTokens: 535, quotaWindow: "month" });
     expect((await chat({ model: "svc-fast", max_tokens: 5, messages: userMessages() }, poor.personalKey)).status).toBe(200);
-    for (const res of [await chat({ model: "svc-fast", messages: userMessages() }, poor.personalKey), await embed({ model: "svc-embed", input: "x" }, poor.personalKey)]) {
+    for (const res of [await chat({ model: "svc-fast", messages: userMessages() }, poor.personalKey), await embed({ model: "svc-embed", input: "x".repeat(600) }, poor.personalKey)]) {
       expect(res.status).toBe(429);
       const err = await errorOf(res);
       expect(err.code).toBe("budget_exceeded");

@@ -18,8 +18,9 @@ setDefaultTimeout(60_000);
 
 /**
  * The quota bound through HTTP (README "Quota"): a request is admitted only
- * against tokens granted from the shared counter, reserving its prompt
- * estimate plus max_tokens (or plus quota.defaultMaxTokens when unset, and
+ * against tokens granted from the shared counter, reserving the most its
+ * prompt can be (one token per byte, the template's allowances, each image at
+ * the alias's imageTokens) plus max_tokens (or plus quota.defaultMaxTokens when unset, and
  * then sent upstream as its max_tokens). When less remains, a request with
  * max_tokens is refused (429 budget_exceeded) and one without goes upstream
  * with max_tokens lowered to what remains after the prompt.
@@ -30,6 +31,11 @@ setDefaultTimeout(60_000);
 /** 40 characters: the gateway's prompt estimate (and the simulator's count) is 3 + 4 + 40/4 = 17 tokens. */
 const PROMPT = "x".repeat(40);
 const PROMPT_TOKENS = 17;
+/**
+ * What the quota reserves for that prompt: the most it can be (src/inference/tokens.ts, promptTokenBound):
+ * one token per byte (40), 16 for the message's template markers, 512 for the template's fixed text.
+ */
+const PROMPT_RESERVE = 512 + 16 + 40;
 /** quota.defaultMaxTokens's default. */
 const DEFAULT_RESERVE = 4_096;
 
@@ -90,7 +96,7 @@ async function flushAll(): Promise<void> {
   }
 }
 
-describe("the reservation is the prompt estimate plus max_tokens (or plus quota.defaultMaxTokens)", () => {
+describe("the reservation is the prompt's bound plus max_tokens (or plus quota.defaultMaxTokens)", () => {
   test("max_tokens far beyond the quota: 429 budget_exceeded, nothing sent upstream, nothing used", async () => {
     const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 1_000, quotaWindow: "day" });
     const before = sim.stats.requests;
@@ -127,16 +133,16 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus quota.
     expect({ max_tokens: sent.max_tokens, max_completion_tokens: sent.max_completion_tokens }).toEqual({ max_tokens: 5_000, max_completion_tokens: 40 });
   });
 
-  test("a quota of exactly estimate + max_tokens admits; one token less refuses", async () => {
+  test("a quota of exactly the prompt's bound + max_tokens admits; one token less refuses", async () => {
     const maxTokens = 300;
-    const exact = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + maxTokens, quotaWindow: "day" });
+    const exact = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_RESERVE + maxTokens, quotaWindow: "day" });
     const res = await chat(gwA, exact.serviceKey, { max_tokens: maxTokens });
     expect(res.status).toBe(200);
     const body = (await res.json()) as { usage: { prompt_tokens: number; completion_tokens: number } };
     expect(body.usage).toMatchObject({ prompt_tokens: PROMPT_TOKENS, completion_tokens: maxTokens });
     expect(forwardedMaxTokens()).toBe(maxTokens);
 
-    const short = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + maxTokens - 1, quotaWindow: "day" });
+    const short = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_RESERVE + maxTokens - 1, quotaWindow: "day" });
     const refused = await chat(gwA, short.serviceKey, { max_tokens: maxTokens });
     expect(refused.status).toBe(429);
     expect((await errorOf(refused)).code).toBe("budget_exceeded");
@@ -147,7 +153,7 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus quota.
 
   test("without max_tokens: bounded by the default reservation, else lowered to what remains; no quota, sent as is", async () => {
     // The simulator would generate 200,000 tokens: only the forwarded bound keeps the answer within the reservation.
-    const roomy = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10 * (PROMPT_TOKENS + DEFAULT_RESERVE), quotaWindow: "day" });
+    const roomy = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10 * (PROMPT_RESERVE + DEFAULT_RESERVE), quotaWindow: "day" });
     for (const stream of [false, true]) {
       sim.reset();
       const res = await chat(gwA, roomy.serviceKey, { stream });
@@ -167,21 +173,22 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus quota.
     expect(forwardedMaxTokens()).toBeUndefined();
 
     for (const stream of [false, true]) {
-      const tight = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + DEFAULT_RESERVE - 1, quotaWindow: "day" });
+      const tight = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_RESERVE + DEFAULT_RESERVE - 1, quotaWindow: "day" });
       const r = await chat(gwA, tight.serviceKey, { stream });
       expect(r.status).toBe(200);
       await r.arrayBuffer();
       expect(forwardedMaxTokens()).toBe(DEFAULT_RESERVE - 1);
       await flushAll();
+      // Charged what the upstream counted: the prompt's 17 tokens, not its bound.
       expect((await used(tight.orgId)).used).toBe(PROMPT_TOKENS + DEFAULT_RESERVE - 1);
-      // Nothing is left for a completion now.
+      // Less than the prompt's bound is left now: no request can be sure to fit.
       const nothingLeft = await chat(gwA, tight.serviceKey, { stream });
       expect(nothingLeft.status).toBe(429);
       expect((await errorOf(nothingLeft)).code).toBe("budget_exceeded");
     }
 
-    // Only the prompt fits: no completion is possible, so 429 rather than max_tokens 0.
-    const promptOnly = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS, quotaWindow: "day" });
+    // Only the prompt's bound fits: no completion is possible, so 429 rather than max_tokens 0.
+    const promptOnly = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_RESERVE, quotaWindow: "day" });
     const r0 = await chat(gwA, promptOnly.serviceKey);
     expect(r0.status).toBe(429);
     expect((await errorOf(r0)).code).toBe("budget_exceeded");
@@ -203,7 +210,7 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus quota.
   });
 
   test("an unset max_tokens is lowered by what earlier requests used, on either instance", async () => {
-    const quota = 2_000;
+    const quota = 2_500;
     const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
     let received = 0;
     for (let i = 0; i < 8; i++) {
@@ -214,14 +221,14 @@ describe("the reservation is the prompt estimate plus max_tokens (or plus quota.
       received += usage.total_tokens;
     }
     expect(received).toBe(8 * (PROMPT_TOKENS + 200));
-    // 264 tokens remain, fewer than the default reservation: the completion is bounded by what this instance can still get.
+    // 764 tokens remain, fewer than the prompt's bound and the default reservation: the completion is bounded by what this instance can still get.
     const res = await chat(gwB, org.serviceKey);
     expect(res.status).toBe(200);
     const last = ((await res.json()) as { usage: { total_tokens: number } }).usage.total_tokens;
     const lowered = forwardedMaxTokens();
     expect(typeof lowered).toBe("number");
     expect(lowered as number).toBeGreaterThan(0);
-    expect(lowered as number).toBeLessThanOrEqual(quota - received - PROMPT_TOKENS);
+    expect(lowered as number).toBeLessThanOrEqual(quota - received - PROMPT_RESERVE);
     expect(last).toBe(PROMPT_TOKENS + (lowered as number));
     received += last;
     await flushAll();
@@ -237,14 +244,14 @@ describe("n choices: each may run to the completion bound, so the reservation co
     const maxTokens = 100;
     for (const stream of [false, true]) {
       // Room for one choice of 100 tokens, not eight: the upstream would generate 800.
-      const short = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + maxTokens, quotaWindow: "day" });
+      const short = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_RESERVE + maxTokens, quotaWindow: "day" });
       const before = sim.stats.requests;
       const refused = await chat(gwA, short.serviceKey, { n, max_tokens: maxTokens, stream });
       expect(refused.status).toBe(429);
       expect((await errorOf(refused)).code).toBe("budget_exceeded");
       expect(sim.stats.requests).toBe(before);
 
-      const exact = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + n * maxTokens, quotaWindow: "day" });
+      const exact = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_RESERVE + n * maxTokens, quotaWindow: "day" });
       const res = await chat(gwA, exact.serviceKey, { n, max_tokens: maxTokens, stream });
       expect(res.status).toBe(200);
       await res.arrayBuffer();
@@ -259,14 +266,14 @@ describe("n choices: each may run to the completion bound, so the reservation co
     const n = 8;
     for (const stream of [false, true]) {
       // Plenty of quota: each choice gets the default bound, and all of them are reserved.
-      const roomy = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 2 * (PROMPT_TOKENS + n * DEFAULT_RESERVE), quotaWindow: "day" });
+      const roomy = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 2 * (PROMPT_RESERVE + n * DEFAULT_RESERVE), quotaWindow: "day" });
       const r1 = await chat(gwA, roomy.serviceKey, { n, stream });
       expect(r1.status).toBe(200);
       await r1.arrayBuffer();
       expect(forwardedMaxTokens()).toBe(DEFAULT_RESERVE);
 
-      // 800 completion tokens remain: 100 for each of the eight choices.
-      const quota = PROMPT_TOKENS + 800;
+      // 800 completion tokens remain beyond the prompt's bound: 100 for each of the eight choices.
+      const quota = PROMPT_RESERVE + 800;
       const tight = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
       const r2 = await chat(gwA, tight.serviceKey, { n, stream });
       expect(r2.status).toBe(200);
@@ -274,7 +281,7 @@ describe("n choices: each may run to the completion bound, so the reservation co
       expect(forwardedMaxTokens()).toBe(100);
 
       // Seven completion tokens remain: not one for each choice.
-      const tiny = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + n - 1, quotaWindow: "day" });
+      const tiny = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_RESERVE + n - 1, quotaWindow: "day" });
       const before = sim.stats.requests;
       const r3 = await chat(gwA, tiny.serviceKey, { n, stream });
       expect(r3.status).toBe(429);
@@ -283,7 +290,8 @@ describe("n choices: each may run to the completion bound, so the reservation co
 
       await flushAll();
       expect((await used(roomy.orgId)).used).toBe(PROMPT_TOKENS + n * DEFAULT_RESERVE);
-      expect((await used(tight.orgId)).used).toBe(quota);
+      // Charged the prompt's count, not its bound: the quota is not reached, and never passed.
+      expect((await used(tight.orgId)).used).toBe(PROMPT_TOKENS + 800);
       expect((await used(tiny.orgId)).used).toBe(0);
     }
   });
@@ -339,7 +347,8 @@ describe("a quota lowered below the lease an instance holds", () => {
     expect((await used(org.orgId)).used).toBe(received);
     // Before: requests were admitted against the lease held before the change (11,858 used of a 1,000 quota in one run).
     expect(received).toBeLessThanOrEqual(1_000);
-    expect(received).toBeGreaterThan(1_000 - (PROMPT_TOKENS + 60));
+    // Refused once less than a request's reservation (the prompt's bound and 60) remained.
+    expect(received).toBeGreaterThan(1_000 - (PROMPT_RESERVE + 60));
   });
 });
 
@@ -415,7 +424,7 @@ describe("two instances, one quota, completions far larger than the quota", () =
 
 describe("budget exceeded over HTTP", () => {
   test("x-should-retry false, no retry-after for a day window; /v1/me, /v1/models and the audit log still answer", async () => {
-    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_TOKENS + 10, quotaWindow: "day" });
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: PROMPT_RESERVE + 10, quotaWindow: "day" });
     const ok = await chat(gwA, org.serviceKey, { max_tokens: 10 });
     expect(ok.status).toBe(200);
     await ok.arrayBuffer();

@@ -18,7 +18,8 @@ setDefaultTimeout(60_000);
 
 /** 3 + 4 + 40 / 4 = 17 prompt tokens (the estimate and the simulator agree). */
 const PROMPT = "q".repeat(40);
-const PROMPT_TOKENS = 17;
+/** What the quota reserves for it: its bound, 512 + 16 + 40 (src/inference/tokens.ts, promptTokenBound); it is charged 17. */
+const PROMPT_RESERVE = 512 + 16 + 40;
 const HOUR = 3_600_000;
 
 let sim: Simulator;
@@ -49,7 +50,7 @@ describe("retry-after on budget_exceeded, over HTTP", () => {
         { now },
       );
       try {
-        const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: PROMPT_TOKENS + 10, quotaWindow: "hour" });
+        const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: PROMPT_RESERVE + 10, quotaWindow: "hour" });
         const chat = (maxTokens: number) =>
           fetch(`${gw.url}/v1/chat/completions`, {
             method: "POST",

@@ -25,7 +25,8 @@ setDefaultTimeout(120_000);
 /** 3 + 4 + 40/4 = 17 prompt tokens (the gateway's estimate and the simulator's count agree). */
 const PROMPT = "y".repeat(40);
 const MAX_TOKENS = 40;
-const RESERVATION = 17 + MAX_TOKENS;
+/** The prompt is reserved at its bound (512 + 16 + 40, src/inference/tokens.ts) and charged 17. */
+const RESERVATION = 512 + 16 + 40 + MAX_TOKENS;
 const CLIENTS_PER_INSTANCE = 6;
 
 let sim: Simulator;

@@ -1,7 +1,7 @@
 import { describe, expect, test } from "bun:test";
 import { AppError } from "../../src/lib/errors.ts";
 import { firstImage, paramOf, parseChatBody, parseEmbeddingsBody } from "../../src/inference/model.ts";
-import { estimateEmbeddingTokens, estimatePromptTokens } from "../../src/inference/tokens.ts";
+import { estimateEmbeddingTokens, estimatePromptTokens, promptTokenBound } from "../../src/inference/tokens.ts";
 
 function paramFor(f: () => unknown): string | null {
   try {
@@ -90,5 +90,42 @@ describe("token estimates", () => {
     expect(estimatePromptTokens(body)).toBe(3 + 4 + 100 + 85);
     expect(estimateEmbeddingTokens(parseEmbeddingsBody({ model: "e", input: ["abcd", "abcdefgh"] }))).toBe(3);
     expect(estimateEmbeddingTokens(parseEmbeddingsBody({ model: "e", input: [[1, 2, 3], [4]] }))).toBe(4);
+  });
+});
+
+describe("the prompt's bound (what the quota reserves)", () => {
+  test("a token per UTF-8 byte, 16 per message, 512 per request, images at imageTokens", () => {
+    const body = parseChatBody({
+      model: "m",
+      messages: [
+        { role: "system", content: "sé" },
+        { role: "user", content: [{ type: "text", text: "漢😀" }, { type: "image_url", image_url: { url: "https://a/b.png" } }], name: "ann" },
+      ],
+    });
+    // "sé" is 3 bytes; "漢😀" 7; "ann" 3.
+    expect(promptTokenBound(body, 1_000, undefined)).toBe(512 + 16 + 3 + 16 + 3 + 7 + 1_000);
+  });
+
+  test("tool calls, their ids and answers, echoed reasoning and tools (twice their JSON) are counted", () => {
+    const tools = [{ type: "function", function: { name: "f", parameters: { type: "object" } } }];
+    const body = parseChatBody({
+      model: "m",
+      messages: [
+        { role: "user", content: "hi" },
+        { role: "assistant", content: null, reasoning_content: "think", tool_calls: [{ id: "c1", type: "function", function: { name: "f", arguments: "{}" } }] },
+        { role: "tool", tool_call_id: "c1", content: "42" },
+      ],
+      tools,
+    });
+    const toolsBytes = JSON.stringify(body.tools).length;
+    expect(promptTokenBound(body, 1, undefined)).toBe(512 + (16 + 2) + (16 + 5 + 16 + 2 + 1 + 2) + (16 + 2 + 2) + 2 * toolsBytes + 512);
+  });
+
+  test("never more than the context window, and never less than the text's bytes", () => {
+    const body = parseChatBody({ model: "m", messages: [{ role: "user", content: "漢".repeat(10_000) }] });
+    expect(promptTokenBound(body, 1, 8_192)).toBe(8_192);
+    expect(promptTokenBound(body, 1, undefined)).toBeGreaterThanOrEqual(30_000);
+    // The estimate would have been ~2,500: the bound is what a byte-level tokenizer could count.
+    expect(estimatePromptTokens(body)).toBeLessThan(3_000);
   });
 });
