@@ -294,6 +294,7 @@ function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaM
     seenHits = v.hits;
     seenMisses = v.misses;
     seenThrottled = v.throttled;
+    metrics.keyLookupsUnanswered.set(v.unansweredLookups);
     const q = quota.stats();
     metrics.usageBuffered.set(q.bufferedEvents);
     metrics.usagePendingTokens.set(q.pendingTokens);

@@ -1,5 +1,5 @@
 import { type AnyColumn, type SQL, eq, sql } from "drizzle-orm";
-import { ANSWER_TIMEOUT_MS, type Database, answeredWithin } from "../db/client.ts";
+import { ANSWER_TIMEOUT_MS, type Database, DatabaseTimeout, answeredWithin } from "../db/client.ts";
 import { QUOTA_PERIODS, type QuotaPeriod, apiKeys, organizations, users } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
 import { firstSeen } from "../lib/once.ts";
@@ -106,7 +106,25 @@ export interface KeyVerifier {
   flushLastUsed(): Promise<void>;
   start(): Promise<void>;
   stop(): Promise<void>;
-  stats(): { entries: number; negative: number; hits: number; misses: number; lookups: number; throttled: number };
+  stats(): { entries: number; negative: number; hits: number; misses: number; lookups: number; throttled: number; unansweredLookups: number };
+}
+
+/**
+ * Key lookups that may be out at once, each holding (or queued for) a pool
+ * connection: half the pool, at least one. A lookup the caller gave up on
+ * (no answer within lookupTimeoutMs) cannot be taken back and keeps its
+ * connection until the database answers it, so without a bound a flood of
+ * distinct keys not in the cache, while lookups hang (a lock on api_keys, an
+ * overloaded or partitioned server), took every connection: the usage
+ * writer (at most maxUnanswered() + 1 = 3 of the default 10), quota leases,
+ * audit and /readyz then got none. Half the pool leaves the other half to
+ * them; a healthy database answers a lookup in about a millisecond, so five
+ * at a time still verify thousands of new keys a second. The embedded
+ * database (no pool) is not bounded.
+ */
+export function maxKeyLookups(poolMax: number | undefined): number {
+  if (poolMax === undefined) return Number.POSITIVE_INFINITY;
+  return Math.max(1, Math.floor(poolMax / 2));
 }
 
 const UNKNOWN: Verdict = { status: "unknown" };
@@ -316,6 +334,16 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
   let created = 0;
   let unlisten: (() => Promise<void>) | undefined;
   let flushTimer: ReturnType<typeof setInterval> | undefined;
+  const lookupLimit = maxKeyLookups(database.poolMax);
+  const lookupTimeoutMs = opts.lookupTimeoutMs ?? ANSWER_TIMEOUT_MS;
+  /** Lookups out (started, not settled): each may hold a pool connection. */
+  let lookupsOut = 0;
+  /** Of those, the ones their caller gave up on. */
+  let unansweredLookups = 0;
+  /** Lookups waiting for one out to settle (lookupsOut at lookupLimit), first come first started. */
+  const lookupQueue: (() => void)[] = [];
+  /** A last_used_at update given up on has not settled yet: the next flush waits for it. */
+  let lastUsedUnanswered = false;
 
   function remember(hash: string, principal: Principal | null, t: number) {
     if (principal) {
@@ -337,6 +365,63 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
   }
 
   /**
+   * Reads a key's row (with one immediate retry: a pooled connection the
+   * server dropped fails once, then the driver reconnects), waiting at most
+   * lookupTimeoutMs in all, a wait for a turn included: a database that stops
+   * answering must not hold the request. At most lookupLimit lookups are out
+   * at once; the others wait their turn without a connection. A lookup given
+   * up on stays out until the database answers it (it still holds its
+   * connection), and while lookupLimit are out so, a new one is refused at
+   * once rather than made to wait for nothing.
+   */
+  function boundedLookup(hash: string): Promise<Principal | null> {
+    if (unansweredLookups >= lookupLimit) {
+      return Promise.reject(new DatabaseTimeout(`key lookup: ${unansweredLookups} earlier key lookups are still unanswered`));
+    }
+    return new Promise<Principal | null>((resolve, reject) => {
+      let running: Promise<Principal | null> | undefined;
+      /** The caller has its answer (or its timeout). */
+      let over = false;
+      let givenUp = false;
+      const start = () => {
+        lookupsOut++;
+        const q = lookup(hash).catch(() => lookup(hash));
+        running = q;
+        const settled = () => {
+          lookupsOut--;
+          if (givenUp) unansweredLookups--;
+          lookupQueue.shift()?.();
+        };
+        q.then(settled, settled);
+        const answer = (give: () => void) => {
+          if (over) return;
+          over = true;
+          clearTimeout(timer);
+          give();
+        };
+        q.then(
+          (v) => answer(() => resolve(v)),
+          (e: unknown) => answer(() => reject(e)),
+        );
+      };
+      const timer = setTimeout(() => {
+        if (over) return;
+        over = true;
+        if (running) {
+          givenUp = true;
+          unansweredLookups++;
+        } else {
+          const at = lookupQueue.indexOf(start);
+          if (at >= 0) lookupQueue.splice(at, 1);
+        }
+        reject(new DatabaseTimeout(`key lookup: no answer from the database within ${lookupTimeoutMs} ms`));
+      }, lookupTimeoutMs);
+      if (lookupsOut < lookupLimit) start();
+      else lookupQueue.push(start);
+    });
+  }
+
+  /**
    * One lookup per hash at a time. Its result is cached only if no
    * invalidation arrived while it was out: a row read before a revocation (or
    * a "no such key" read before a creation) committed must not outlive the
@@ -353,13 +438,7 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
       lookups++;
       const startedAt = generation;
       const createdAt = created;
-      // One immediate retry: a pooled connection the server dropped fails once, then the driver reconnects.
-      // Both within ANSWER_TIMEOUT_MS: a database that stops answering must not hold the request.
-      const running: Promise<Principal | null> = answeredWithin(
-        lookup(hash).catch(() => lookup(hash)),
-        opts.lookupTimeoutMs ?? ANSWER_TIMEOUT_MS,
-        "key lookup",
-      )
+      const running: Promise<Principal | null> = boundedLookup(hash)
         .then((principal) => {
           if (generation === startedAt && (principal !== null || created === createdAt)) remember(hash, principal, now());
           return principal;
@@ -501,20 +580,25 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
     },
 
     async flushLastUsed() {
-      if (used.size === 0) return;
+      // One update left unanswered may hold a connection until it settles; a second would hold another.
+      if (used.size === 0 || lastUsedUnanswered) return;
       const batch = [...used];
       used.clear();
       const values = sql.join(
         batch.map(([id, t]) => sql`(${id}::uuid, ${new Date(t).toISOString()}::timestamptz)`),
         sql`, `,
       );
+      const update = database.db.execute(sql`update api_keys as k set last_used_at = greatest(k.last_used_at, v.t) from (values ${values}) as v(id, t) where k.id = v.id`);
       try {
-        await answeredWithin(
-          database.db.execute(sql`update api_keys as k set last_used_at = greatest(k.last_used_at, v.t) from (values ${values}) as v(id, t) where k.id = v.id`),
-          ANSWER_TIMEOUT_MS,
-          "last_used_at update",
-        );
-      } catch {
+        await answeredWithin(update, ANSWER_TIMEOUT_MS, "last_used_at update");
+      } catch (e) {
+        if (e instanceof DatabaseTimeout) {
+          lastUsedUnanswered = true;
+          const settled = () => {
+            lastUsedUnanswered = false;
+          };
+          update.then(settled, settled);
+        }
         // Best effort: keep the newest times for the next attempt.
         for (const [id, t] of batch) if ((used.get(id) ?? 0) < t) used.set(id, t);
       }
@@ -538,7 +622,7 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
     },
 
     stats() {
-      return { entries: cache.size, negative: negative.size, hits, misses, lookups, throttled };
+      return { entries: cache.size, negative: negative.size, hits, misses, lookups, throttled, unansweredLookups };
     },
   };
 }

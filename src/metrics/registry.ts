@@ -111,6 +111,11 @@ export function createMetrics() {
       help: "Usage writes given up on without an answer from the database that have not settled yet (each may hold a database connection)",
       registers,
     }),
+    keyLookupsUnanswered: new Gauge({
+      name: "gateway_key_lookups_unanswered",
+      help: "Key lookups given up on without an answer from the database that have not settled yet (each may hold a database connection)",
+      registers,
+    }),
     keyCache: new Counter({
       name: "gateway_key_cache_total",
       help: "Key verifications served from the cache (hit), the database (miss), or refused without a lookup (throttled)",

@@ -7,6 +7,7 @@ import { AUTH_CHANNEL, type KeyVerifier, createKeyVerifier, lookupKey } from "..
 import type { Database } from "../../src/db/client.ts";
 import { apiKeys } from "../../src/db/schema.ts";
 import { seedOrg, sharedDatabase } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
 
 setDefaultTimeout(30_000);
 
@@ -166,6 +167,79 @@ describe("revocation racing a lookup", () => {
     } finally {
       l.release();
       await note.stop();
+      await verifier.stop();
+    }
+  });
+});
+
+/**
+ * Lookups out at once (docs/decisions.md: key lookups while the database does
+ * not answer), with a pool of four (two lookups): the verifier is the real
+ * one, its lookup one the test holds or lets through.
+ */
+describe("key lookups out at once", () => {
+  const options = { ttlMs: 60_000, max: 1_000, negativeTtlMs: 60_000, negativeMax: 1_000, lookupTimeoutMs: 300 };
+  const outcome = (p: Promise<{ status: string }>) =>
+    p.then(
+      (v) => v.status,
+      (e: Error) => e.constructor.name,
+    );
+
+  test("two at a time; given up on, they still count until they settle, and a new one is refused at once meanwhile", async () => {
+    const gates: (() => void)[] = [];
+    let started = 0;
+    const hanging = async (): Promise<Principal | null> => {
+      started++;
+      await new Promise<void>((r) => gates.push(r));
+      return null;
+    };
+    const verifier = createKeyVerifier({ ...db, poolMax: 4 }, { ...options, lookup: hanging });
+    try {
+      // Five at once: two start, three wait their turn, all five give up after 300 ms.
+      const first = await Promise.all(Array.from({ length: 5 }, () => outcome(verifier.verify(mintKey("gw").key))));
+      expect({ first, started, unanswered: verifier.stats().unansweredLookups }).toEqual({
+        first: Array(5).fill("AuthStoreUnavailable"),
+        started: 2,
+        unanswered: 2,
+      });
+      const t = performance.now();
+      expect(await outcome(verifier.verify(mintKey("gw").key))).toBe("AuthStoreUnavailable");
+      expect({ started, ms: performance.now() - t < 200 }).toEqual({ started: 2, ms: true });
+
+      // One settles: the count goes down, and the next lookup starts.
+      gates.shift()?.();
+      await until(() => verifier.stats().unansweredLookups === 1, "the count to go down");
+      const next = outcome(verifier.verify(mintKey("gw").key));
+      await until(() => started === 3, "the next lookup to start");
+      gates.pop()?.(); // its own
+      expect(await next).toBe("unknown");
+    } finally {
+      for (const g of gates) g();
+      await verifier.stop();
+    }
+  });
+
+  test("a healthy database: twenty new keys at once are all verified, two lookups at a time", async () => {
+    const orgs = await Promise.all(Array.from({ length: 5 }, () => seedOrg(db)));
+    const known = orgs.flatMap((o) => [o.personalKey, o.serviceKey]);
+    let out = 0;
+    let most = 0;
+    const slow = async (hash: string): Promise<Principal | null> => {
+      out++;
+      most = Math.max(most, out);
+      try {
+        await Bun.sleep(10);
+        return await lookupKey(db, hash);
+      } finally {
+        out--;
+      }
+    };
+    const verifier = createKeyVerifier({ ...db, poolMax: 4 }, { ...options, lookupTimeoutMs: 5_000, lookup: slow });
+    try {
+      const unknown = Array.from({ length: 10 }, () => mintKey("gw").key);
+      const got = await Promise.all([...known, ...unknown].map((k) => outcome(verifier.verify(k))));
+      expect({ got, most }).toEqual({ got: [...Array(10).fill("valid"), ...Array(10).fill("unknown")], most: 2 });
+    } finally {
       await verifier.stop();
     }
   });

@@ -3,6 +3,8 @@ import { createHash } from "node:crypto";
 import { validateKeyInput } from "../../src/admin/service.ts";
 import { keysCreate } from "../../src/cli/commands/keys.ts";
 import { SCOPES, SECRET_LENGTH, bearerToken, createKeyMatcher, displayPrefix, hashKey, isScope, mintKey, parseDuration } from "../../src/auth/keys.ts";
+import { maxKeyLookups } from "../../src/auth/verify.ts";
+import { maxUnanswered } from "../../src/limits/usage-writer.ts";
 import { FieldError, InputError } from "../../src/lib/errors.ts";
 
 describe("key format", () => {
@@ -163,5 +165,21 @@ describe("key input validation (before anything is written)", () => {
   test("every listed scope is recognised", () => {
     for (const s of SCOPES) expect(isScope(s)).toBe(true);
     expect(isScope("Inference")).toBe(false);
+  });
+});
+
+describe("key lookups out at once (maxKeyLookups)", () => {
+  test("half the pool, at least one; the embedded database (no pool) is not bounded", () => {
+    expect([1, 2, 3, 4, 5, 10, 11, 200].map(maxKeyLookups)).toEqual([1, 1, 1, 2, 2, 5, 5, 100]);
+    expect(maxKeyLookups(undefined)).toBe(Number.POSITIVE_INFINITY);
+  });
+
+  test("key lookups leave a connection to the rest from two on; with the usage writer's given-up writes, from five on", () => {
+    for (let pool = 2; pool <= 200; pool++) {
+      expect(maxKeyLookups(pool)).toBeLessThan(pool);
+      if (pool >= 5) expect(maxKeyLookups(pool) + maxUnanswered(pool)).toBeLessThan(pool);
+    }
+    // The default pool: 5 lookups and 2 writes given up on (3 with the writer's current one) leave 2.
+    expect(10 - maxKeyLookups(10) - maxUnanswered(10) - 1).toBe(2);
   });
 });

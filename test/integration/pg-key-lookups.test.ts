@@ -1,0 +1,231 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { randomBytes } from "node:crypto";
+import { sql } from "drizzle-orm";
+import postgres from "postgres";
+import { createKeyVerifier } from "../../src/auth/verify.ts";
+import { ANSWER_TIMEOUT_MS, type Database, migrate, openDatabase } from "../../src/db/client.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
+import { until } from "../helpers/poll.ts";
+import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
+
+setDefaultTimeout(60_000);
+
+/**
+ * Key lookups the gateway gave up on must not take the pool (docs/decisions.md:
+ * key lookups while the database does not answer). The keys table is locked
+ * by another session, so every lookup of a key not in the cache waits on the
+ * server while the rest of the database answers: a flood of distinct unknown
+ * keys then held every connection of the pool (dbPoolMax 10), and the usage
+ * writer could not get one.
+ */
+
+/** dbPoolMax: the default. */
+const POOL = 10;
+/** Key lookups that may hold a connection at once: half the pool (maxKeyLookups). */
+const BOUND = 5;
+const FLOOD = 200;
+const DEADLINE_MS = 20_000;
+
+function randomKey(): string {
+  const alphabet = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
+  return `sk-gw-${[...randomBytes(43)].map((b) => alphabet[b % 62]).join("")}`;
+}
+
+describe.skipIf(!TEST_DATABASE_URL)("key lookups that wait on a locked keys table", () => {
+  let scratch: ScratchPostgres;
+  let held: Database;
+  let sim: Simulator;
+
+  beforeAll(async () => {
+    scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "h1_lookups");
+    held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 2 });
+    await migrate(held);
+    sim = await startSimulator({ port: 0, ttftMs: 1, interTokenMs: 0, completionTokens: 5 });
+  });
+  afterAll(async () => {
+    await sim?.stop();
+    await held?.close();
+    await scratch?.drop();
+  });
+
+  /** The gateway's sessions whose current statement is a key lookup waiting on the lock. */
+  async function lookupsWaiting(): Promise<number> {
+    const [r] = await held.rows<{ n: number }>(
+      sql`select count(*)::int as n from pg_stat_activity
+          where datname = current_database() and wait_event_type = 'Lock' and query like '%from "api_keys"%' and query like '%"api_keys"."hash" = %'`,
+    );
+    return r?.n ?? -1;
+  }
+
+  async function me(url: string, key: string): Promise<{ status: number; code: string | null; ms: number }> {
+    const t = Date.now();
+    try {
+      const res = await fetch(`${url}/v1/me`, { headers: bearer(key), signal: AbortSignal.timeout(DEADLINE_MS) });
+      if (res.status >= 400) return { status: res.status, code: (await errorOf(res)).code, ms: Date.now() - t };
+      await res.arrayBuffer();
+      return { status: res.status, code: null, ms: Date.now() - t };
+    } catch (e) {
+      return { status: 0, code: (e as Error).name, ms: Date.now() - t };
+    }
+  }
+
+  /** Another session locks the keys table: every statement that reads or writes it waits on the server; nothing else does. */
+  async function lockKeys(): Promise<{ unlock(): Promise<void> }> {
+    const locker = postgres(scratch.url, { max: 1, onnotice: () => {} });
+    let release = () => {};
+    const gate = new Promise<void>((r) => {
+      release = r;
+    });
+    let onLocked = () => {};
+    const isLocked = new Promise<void>((r) => {
+      onLocked = r;
+    });
+    const locked = locker.begin(async (tx) => {
+      await tx`lock table api_keys in access exclusive mode`;
+      onLocked();
+      await gate;
+    });
+    await Promise.race([isLocked, locked]);
+    let done: Promise<void> | undefined;
+    return {
+      unlock() {
+        release();
+        done ??= locked.then(
+          () => locker.end({ timeout: 1 }),
+          () => locker.end({ timeout: 1 }),
+        );
+        return done;
+      },
+    };
+  }
+
+  async function gauge(metricsUrl: string, name: string): Promise<number> {
+    const text = await (await fetch(metricsUrl, { signal: AbortSignal.timeout(DEADLINE_MS) })).text();
+    const line = text.split("\n").find((l) => l.startsWith(`${name} `));
+    return line === undefined ? Number.NaN : Number(line.slice(name.length + 1));
+  }
+
+  test("a flood of unknown keys holds at most half the pool; a cached key still gets 200 and its usage is written", async () => {
+    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    const gw = await startTestGateway(
+      {
+        keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
+        plans: { Standard: { requestsPerMinute: 1_000_000 } },
+        upstream: upstreamSettings(),
+        aliases: testAliases(sim.url),
+        // Usage is written when the test flushes.
+        quota: { flushMs: 600_000 },
+      },
+      db,
+    );
+    let lock: { unlock(): Promise<void> } | undefined;
+    try {
+      const org = await seedOrg(held);
+      expect((await me(gw.url, org.serviceKey)).status).toBe(200); // cached from now on
+      lock = await lockKeys();
+
+      let most = 0;
+      let flooding = true;
+      const sampler = (async () => {
+        while (flooding) {
+          most = Math.max(most, await lookupsWaiting());
+          await Bun.sleep(50);
+        }
+      })();
+      const flood = await Promise.all(Array.from({ length: FLOOD }, () => me(gw.url, randomKey())));
+      flooding = false;
+      await sampler;
+      const codes = new Map<string, number>();
+      for (const r of flood) codes.set(`${r.status} ${r.code}`, (codes.get(`${r.status} ${r.code}`) ?? 0) + 1);
+      // (a) The lookups given up on still wait on the server, each on its connection: at most the bound, and at it.
+      // Before: all ten connections (the whole pool) waited on key lookups.
+      expect({ most, now: await lookupsWaiting(), codes: Object.fromEntries(codes) }).toEqual({
+        most: BOUND,
+        now: BOUND,
+        codes: { "503 service_unavailable": FLOOD },
+      });
+      for (const r of flood) expect(r.ms).toBeLessThan(12_000);
+
+      // While they are out, a new unknown key is refused at once, without a lookup.
+      const more = await Promise.all(Array.from({ length: 20 }, () => me(gw.url, randomKey())));
+      expect(more.map((r) => `${r.status} ${r.code}`)).toEqual(Array(20).fill("503 service_unavailable"));
+      for (const r of more) expect(r.ms).toBeLessThan(1_000);
+      expect(await lookupsWaiting()).toBe(BOUND);
+
+      // (b) A cached key is served, and its usage is written: a connection is left to the usage writer.
+      // Before: the flush waited for a connection and failed after 5 s ("no answer from the database").
+      expect((await me(gw.url, org.serviceKey)).status).toBe(200);
+      const res = await fetch(`${gw.url}/v1/chat/completions`, {
+        method: "POST",
+        headers: { ...bearer(org.serviceKey), "content-type": "application/json" },
+        body: JSON.stringify({ model: "svc-fast", max_tokens: 20, messages: [{ role: "user", content: "hello" }] }),
+        signal: AbortSignal.timeout(DEADLINE_MS),
+      });
+      expect(res.status).toBe(200);
+      const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+      const flushed = await gw.quota.flush().then(
+        () => "written",
+        (e: Error) => e.message,
+      );
+      const [row] = await held.rows<{ requests: number; tokens: number }>(
+        sql`select coalesce(sum(requests), 0)::int as requests, coalesce(sum(prompt_tokens + completion_tokens), 0)::int as tokens from usage_events where org_id = ${org.orgId}`,
+      );
+      expect({ flushed, row }).toEqual({ flushed: "written", row: { requests: 1, tokens: usage.total_tokens } });
+      expect(await gauge(gw.metricsUrl as string, "gateway_key_lookups_unanswered")).toBe(BOUND);
+
+      // The lock goes: the lookups settle, the count goes down, and unknown keys are looked up again.
+      await lock.unlock();
+      await until(async () => (await gauge(gw.metricsUrl as string, "gateway_key_lookups_unanswered")) === 0, "the given-up lookups to settle", 10_000, 50);
+      expect(await me(gw.url, randomKey())).toMatchObject({ status: 401, code: "unauthorized" });
+      expect(await lookupsWaiting()).toBe(0);
+    } finally {
+      await lock?.unlock();
+      await gw.stop();
+      await db.close();
+    }
+  });
+
+  test("a last_used_at update left unanswered is not followed by another while it is out", async () => {
+    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    // Flushed only when the test says so.
+    const verifier = createKeyVerifier(db, { ttlMs: 60_000, max: 100, negativeTtlMs: 5_000, negativeMax: 100, lastUsedFlushMs: 600_000 });
+    let lock: { unlock(): Promise<void> } | undefined;
+    const updatesWaiting = async () => {
+      const [r] = await held.rows<{ n: number }>(
+        sql`select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock' and query like 'update api_keys%last_used_at%'`,
+      );
+      return r?.n ?? -1;
+    };
+    try {
+      const org = await seedOrg(held);
+      lock = await lockKeys();
+      verifier.markUsed(org.serviceKeyId);
+      const t = Date.now();
+      await verifier.flushLastUsed(); // given up on after ANSWER_TIMEOUT_MS; still waiting on the server
+      expect(Date.now() - t).toBeGreaterThanOrEqual(ANSWER_TIMEOUT_MS - 100);
+      verifier.markUsed(org.personalKeyId);
+      await verifier.flushLastUsed();
+      // Before: the second update was sent on a second connection and waited there too (2).
+      expect(await updatesWaiting()).toBe(1);
+      await lock.unlock();
+      // The first settles; the next flush writes what the skipped one kept.
+      await until(async () => (await updatesWaiting()) === 0, "the held update to settle", 10_000, 20);
+      await until(
+        async () => {
+          await verifier.flushLastUsed();
+          const [r] = await held.rows<{ n: number }>(sql`select count(*)::int as n from api_keys where org_id = ${org.orgId} and last_used_at is not null`);
+          return r?.n === 2;
+        },
+        "both keys' last_used_at written",
+        10_000,
+        50,
+      );
+    } finally {
+      await lock?.unlock();
+      await verifier.stop();
+      await db.close();
+    }
+  });
+});
