@@ -52,6 +52,9 @@ export const serve = defineCommand({
       }
     }
     const gw = await startGateway({ config: cfg });
+    // From the moment it listens, SIGTERM/SIGINT are a graceful stop: handled now, before the awaits
+    // below (the demo's seeding), not after them, when the signal's default action killed it (exit 143).
+    const signalled = waitForSignal();
     gw.log.info("listening", { url: gw.url, metrics_url: gw.metricsUrl ?? null, database: gw.database.kind, demo: values.demo ?? false, version: VERSION });
     // The allocator reads its setting only at start (src/lib/runtime-env.ts): say what is missing, once.
     const allocator = runtimeEnvWarning();
@@ -60,7 +63,7 @@ export const serve = defineCommand({
     if (values.demo) out.stdout(await seedDemo(gw));
     const embeddedOnDisk = gw.database.kind === "pglite" && !cfg.dataDir.startsWith("memory://");
     const stopAdmin = embeddedOnDisk ? serveAdminSocket(cfg.dataDir, gw.database, cfg, runCli) : undefined;
-    const sig = await waitForSignal();
+    const sig = await signalled;
     gw.log.info("shutting down", { signal: sig, drain_ms: cfg.drainMs });
     stopAdmin?.();
     await gw.stop();
