@@ -82,6 +82,44 @@ describe("deploy/ systemd units", () => {
     await expect(loadConfig({ env })).rejects.toThrow("/reusePort");
   });
 
+  test("docs/operations.md of gateway.service: a dynamic user, state in /var/lib/gateway, settings from /etc/gateway/gateway.env, the allocator setting", () => {
+    const text = unitText("gateway.service");
+    expect({ user: setting(text, "DynamicUser"), state: setting(text, "StateDirectory"), file: setting(text, "EnvironmentFile") }).toEqual({
+      user: "yes",
+      state: "gateway",
+      // "-": the unit starts without the file too (then `serve` says no upstream is configured, exit 2, no restart loop).
+      file: "-/etc/gateway/gateway.env",
+    });
+    // "sets MIMALLOC_PURGE_HOLES=0" (the template's environment is held above); nothing else is set in the unit itself.
+    expect(environmentOf(text, "")).toEqual({ MIMALLOC_PURGE_HOLES: "0" });
+    // The template reads the same file, each instance with a state directory of its own.
+    const tpl = unitText("gateway@.service");
+    expect({ user: setting(tpl, "DynamicUser"), state: setting(tpl, "StateDirectory"), file: setting(tpl, "EnvironmentFile") }).toEqual({
+      user: "yes",
+      state: "gateway-9465",
+      file: "/etc/gateway/gateway.env",
+    });
+    // "run the CLI as the service's user instead (systemd-run … as the unit's comment shows)": the comment's properties are the unit's.
+    const comment = text
+      .split("\n")
+      .filter((l) => l.startsWith("#"))
+      .join("\n");
+    expect(comment).toContain(`systemd-run --pty -p DynamicUser=${setting(text, "DynamicUser")} -p StateDirectory=${setting(text, "StateDirectory")}`);
+  });
+
+  test("with docs/operations.md's gateway.env, the single-instance unit serves on 127.0.0.1:8080 (its curl line), every alias at that upstream, metrics on 127.0.0.1:9464", async () => {
+    const ops = readFileSync(join(ROOT, "docs", "operations.md"), "utf8");
+    // echo 'UPSTREAM_BASE_URL=…' | sudo tee /etc/gateway/gateway.env
+    const line = /echo '([A-Z_]+=[^']*)' \| sudo tee \/etc\/gateway\/gateway\.env/.exec(ops)?.[1];
+    expect(line).toBeDefined();
+    const [name = "", ...value] = (line ?? "").split("=");
+    const cfg = await loadConfig({ env: { ...environmentOf(unitText("gateway.service"), ""), [name]: value.join("=") } });
+    expect(ops).toContain(`curl -s http://${cfg.host}:${cfg.port}/readyz`);
+    expect(Object.keys(cfg.aliases).sort()).toEqual(["svc-bigthink", "svc-embed", "svc-fast", "svc-smart"]);
+    for (const a of Object.values(cfg.aliases)) expect(a.targets.map((t) => t.baseUrl)).toEqual([value.join("=")]);
+    expect(cfg.metrics).toEqual({ enabled: true, listen: "127.0.0.1:9464" });
+  });
+
   test("the single-instance unit keeps metrics on loopback and does not share its port", async () => {
     const env = environmentOf(unitText("gateway.service"), "");
     const cfg = await loadConfig({ env });
