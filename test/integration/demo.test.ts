@@ -146,3 +146,52 @@ describe("every demo starts clean (serve --demo, as processes)", () => {
     expect(snapshot(leftover)).toEqual(before);
   });
 });
+
+describe("the demo's upstream (README: the built-in simulator, or the one configured)", () => {
+  test("with UPSTREAM_BASE_URL set, the demo's chat goes to that server; without it, to the built-in simulator", async () => {
+    const seen: string[] = [];
+    const upstream = Bun.serve({
+      port: 0,
+      hostname: "127.0.0.1",
+      async fetch(req) {
+        const body = (await req.json()) as { model: string };
+        seen.push(body.model);
+        return Response.json({
+          id: "chatcmpl-own",
+          object: "chat.completion",
+          created: 1,
+          model: body.model,
+          choices: [{ index: 0, message: { role: "assistant", content: "from the configured upstream" }, finish_reason: "stop" }],
+          usage: { prompt_tokens: 3, completion_tokens: 4, total_tokens: 7 },
+        });
+      },
+    });
+    try {
+      const chat = async (demo: Demo) => {
+        const res = await fetch(`${demo.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: { authorization: `Bearer ${demo.personal}`, "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-fast", max_tokens: 5, messages: [{ role: "user", content: "Hello!" }] }),
+        });
+        expect(res.status).toBe(200);
+        return ((await res.json()) as { choices: { message: { content: string } }[] }).choices[0]?.message.content;
+      };
+      const configured = await startDemo([], { cwd: scratchDir(), env: cleanEnv({ LOG_LEVEL: "info", UPSTREAM_BASE_URL: `http://127.0.0.1:${upstream.port}/v1` }) });
+      try {
+        expect(await chat(configured)).toBe("from the configured upstream");
+        expect(seen).toEqual(["svc-fast"]);
+      } finally {
+        await stopDemo(configured);
+      }
+      const simulated = await startDemo([], { cwd: scratchDir(), env: cleanEnv({ LOG_LEVEL: "info" }) });
+      try {
+        expect(await chat(simulated)).not.toBe("from the configured upstream");
+        expect(seen).toEqual(["svc-fast"]);
+      } finally {
+        await stopDemo(simulated);
+      }
+    } finally {
+      upstream.stop(true);
+    }
+  });
+});
