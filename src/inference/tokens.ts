@@ -46,12 +46,14 @@ export function estimatePromptTokens(body: ChatBody): number {
  * What a chat template may add beyond the messages' own text, in tokens: once
  * per request (a BOS token, the generation prompt, fixed text such as a date
  * line or a default system prompt), per message (role markers, separators),
- * and when tools are sent (a tool-calling template's instructions around the
- * tool definitions, which it may also render with indentation: counted twice).
+ * and when tools or a response format are sent (a template's instructions
+ * around them).
  */
 const BOUND_PER_REQUEST = 512;
 const BOUND_PER_MESSAGE = 16;
 const BOUND_TOOLS = 512;
+/** The wrapper `tojson` puts around one part of a tool result sent as parts (`{"type": "text", "text": …}`). */
+const BOUND_PER_PART = 32;
 
 /** What one image may cost when the alias does not say (`imageTokens`): a 1024×1024 image on most open VLMs. */
 export const DEFAULT_IMAGE_TOKENS = 2_048;
@@ -60,19 +62,89 @@ const utf8 = (s: string): number => Buffer.byteLength(s, "utf8");
 const maybe = (s: unknown): number => (typeof s === "string" ? utf8(s) : 0);
 
 /**
+ * The most bytes a string takes in any JSON rendering a template makes of it,
+ * quotes included: each UTF-16 unit outside ASCII and each of < > & ' at
+ * most 6 (`\u00e9`: Python's json.dumps escapes non-ASCII by default,
+ * Jinja's own `tojson` also the HTML-special characters); a control character
+ * 2 (\n, \t, \r, \b, \f) or 6; " and \ 2 (escaped); and , and : 2 as well
+ * (text that is itself JSON, a tool call's arguments, is parsed and
+ * re-serialised with Python's ", " and ": "). Never less than the string's
+ * UTF-8 bytes (at most 3 a unit).
+ */
+function jsonTextBytes(s: string): number {
+  let n = 2;
+  for (let i = 0; i < s.length; i++) {
+    const c = s.charCodeAt(i);
+    if (c >= 0x80 || c === 0x3c || c === 0x3e || c === 0x26 || c === 0x27) n += 6;
+    else if (c < 0x20) n += c === 0x0a || c === 0x09 || c === 0x0d || c === 0x08 || c === 0x0c ? 2 : 6;
+    else n += c === 0x22 || c === 0x5c || c === 0x2c || c === 0x3a ? 2 : 1;
+  }
+  return n;
+}
+
+/** Indentation a template may render structured values with (Llama 3.1: `tojson(indent=4)`). */
+const INDENT = 4;
+
+/**
+ * The most bytes a JSON value takes as a template renders it: indented by
+ * INDENT at `depth` (each element on its own line, ": " after each key), its
+ * strings as jsonTextBytes counts them. Indentation grows with depth: an enum
+ * of numbers five levels deep renders at 27 bytes a number, not 2. Counted,
+ * not rendered: linear in the value, and allocates nothing (a rendering of a
+ * deep value could be hundreds of times its size).
+ */
+function renderedBytes(v: unknown, depth: number): number {
+  if (typeof v === "string") return jsonTextBytes(v);
+  if (Array.isArray(v)) {
+    if (v.length === 0) return 2;
+    // Brackets, and the closing bracket's own line; per element a line (newline, indent, comma).
+    let n = 3 + INDENT * depth;
+    for (const x of v) n += 2 + INDENT * (depth + 1) + renderedBytes(x, depth + 1);
+    return n;
+  }
+  if (v !== null && typeof v === "object") {
+    let n = 3 + INDENT * depth;
+    let members = 0;
+    const o = v as Record<string, unknown>;
+    for (const k in o) {
+      n += 2 + INDENT * (depth + 1) + jsonTextBytes(k) + 2 + renderedBytes(o[k], depth + 1);
+      members++;
+    }
+    return members === 0 ? 2 : n;
+  }
+  // Numbers, booleans, null; a number may render a little longer elsewhere (Python's 1e-07 for 1e-7).
+  return String(v).length + 2;
+}
+
+/**
  * The most prompt tokens a chat request can be, which the quota reserves so
  * that no request overshoots it: no tokenizer makes more than one token per
  * byte of text (byte-level BPE falls back to bytes; other schemes' pieces are
  * whole characters), plus the template's allowances above, plus `imageTokens`
  * per image; and never more than the context window, since a longer prompt is
- * refused upstream. The estimate (estimatePromptTokens) stays what is charged
- * when the upstream reports no count.
+ * refused upstream. Text a template may render as JSON (tool definitions,
+ * legacy functions, a response format's schema, tool call arguments, tool
+ * results, which Llama 3.1's template passes through `tojson`) is counted as
+ * its largest JSON rendering (renderedBytes, jsonTextBytes), not its bytes.
+ * The estimate (estimatePromptTokens) stays what is charged when the upstream
+ * reports no count.
  */
 export function promptTokenBound(body: ChatBody, imageTokens: number, contextWindow: number | undefined): number {
   let bound = BOUND_PER_REQUEST;
   for (const m of body.messages) {
     bound += BOUND_PER_MESSAGE + maybe(m.name);
     const c = m.content;
+    if (m.role === "tool") {
+      bound += jsonTextBytes(m.tool_call_id);
+      if (typeof c === "string") bound += jsonTextBytes(c);
+      else if (Array.isArray(c)) {
+        for (const p of c) {
+          const text = (p as { text?: unknown }).text;
+          bound += BOUND_PER_PART + (typeof text === "string" ? jsonTextBytes(text) : 0);
+        }
+      }
+      continue;
+    }
     if (typeof c === "string") bound += utf8(c);
     else if (Array.isArray(c)) {
       for (const p of c) {
@@ -81,16 +153,20 @@ export function promptTokenBound(body: ChatBody, imageTokens: number, contextWin
         else bound += maybe(part.text) + maybe(part.refusal);
       }
     }
-    if (m.role === "tool") bound += utf8(m.tool_call_id);
-    else if (m.role === "assistant") {
+    if (m.role === "assistant") {
       bound += maybe(m.refusal) + maybe(m.reasoning_content) + maybe(m.reasoning);
-      if (m.function_call) bound += BOUND_PER_MESSAGE + utf8(m.function_call.name) + utf8(m.function_call.arguments);
+      if (m.function_call) bound += BOUND_PER_MESSAGE + jsonTextBytes(m.function_call.name) + jsonTextBytes(m.function_call.arguments);
       if (m.tool_calls) {
-        for (const t of m.tool_calls) bound += BOUND_PER_MESSAGE + utf8(t.id) + utf8(t.function.name) + utf8(t.function.arguments);
+        for (const t of m.tool_calls) bound += BOUND_PER_MESSAGE + jsonTextBytes(t.id) + jsonTextBytes(t.function.name) + jsonTextBytes(t.function.arguments);
       }
     }
   }
-  if (body.tools) bound += 2 * utf8(JSON.stringify(body.tools)) + BOUND_TOOLS;
+  if (body.tools || body.functions) bound += BOUND_TOOLS + renderedBytes(body.tools ?? [], 0) + renderedBytes(body.functions ?? [], 0);
+  // A named tool or function to call ("auto", "none" and "required" are within the request's allowance).
+  if (typeof body.tool_choice === "object") bound += renderedBytes(body.tool_choice, 0);
+  if (typeof body.function_call === "object") bound += renderedBytes(body.function_call, 0);
+  // A server may inject the response format, a json_schema's schema above all, into the prompt (gpt-oss's harmony format does).
+  if (body.response_format && body.response_format.type !== "text") bound += BOUND_TOOLS + renderedBytes(body.response_format, 0);
   return contextWindow === undefined ? bound : Math.min(bound, contextWindow);
 }
 

@@ -18,23 +18,46 @@ setDefaultTimeout(60_000);
  * ~510 tokens and charged 6,000+ against a quota of 5,000.
  *
  * The upstream here is the worst tokenizer the bound allows: one token per
- * UTF-8 byte of every text, 8 per message for the template, and each image
- * at IMAGE_COST (a VLM that counts an image far above OpenAI's 85).
+ * UTF-8 byte of every text, 8 per message for the template, each image at
+ * IMAGE_COST (a VLM that counts an image far above OpenAI's 85), and tools,
+ * legacy functions, a response format's schema and tool call arguments
+ * rendered as real chat templates render them (countPrompt).
  */
 
 const IMAGE_COST = 900;
 const utf8 = (s: string) => Buffer.byteLength(s, "utf8");
 
-function countPrompt(messages: unknown[]): number {
+/** Python's json.dumps with its default separators (", ", ": "): how HF's `tojson` renders a value without indent. */
+function pyDumps(v: unknown): string {
+  if (Array.isArray(v)) return `[${v.map(pyDumps).join(", ")}]`;
+  if (v !== null && typeof v === "object") return `{${Object.entries(v).map(([k, x]) => `${JSON.stringify(k)}: ${pyDumps(x)}`).join(", ")}}`;
+  return JSON.stringify(v);
+}
+
+/**
+ * Structured text as real templates render it: each tool (and legacy function)
+ * as Llama 3.1's `t | tojson(indent=4)`; a json_schema response format injected
+ * into the prompt the same way (gpt-oss's harmony format has a "# Response
+ * Formats" section); a tool call's arguments parsed into a dict (as vLLM does
+ * for the template) and re-serialised by `tojson`; a tool result through
+ * `tojson` too (Llama 3.1).
+ */
+function countPrompt(body: Record<string, unknown>): number {
   let n = 0;
-  for (const m of messages as { content?: unknown }[]) {
+  for (const m of body.messages as { role: string; content?: unknown; tool_calls?: { function: { name: string; arguments: string } }[] }[]) {
     n += 8;
     const c = m.content;
-    if (typeof c === "string") n += utf8(c);
+    // Llama 3.1 renders a tool result with `tojson` (a string is iterable in Jinja): quoted and escaped.
+    if (m.role === "tool") n += utf8(JSON.stringify(c));
+    else if (typeof c === "string") n += utf8(c);
     else if (Array.isArray(c)) {
       for (const p of c as { type: string; text?: string }[]) n += p.type === "image_url" ? IMAGE_COST : utf8(p.text ?? "");
     }
+    for (const t of m.tool_calls ?? []) n += utf8(t.function.name) + utf8(pyDumps(JSON.parse(t.function.arguments)));
   }
+  for (const t of [...((body.tools as unknown[]) ?? []), ...((body.functions as unknown[]) ?? [])]) n += utf8(JSON.stringify(t, null, 4));
+  const format = body.response_format as { type: string; json_schema?: { schema?: unknown } } | undefined;
+  if (format?.type === "json_schema") n += utf8(JSON.stringify(format.json_schema?.schema ?? {}, null, 4));
   return n;
 }
 
@@ -60,7 +83,7 @@ beforeAll(async () => {
         });
       }
       const completion = Math.min(Number(body.max_tokens ?? 5), 5);
-      const prompt = countPrompt(body.messages as unknown[]);
+      const prompt = countPrompt(body);
       return Response.json({
         id: "chatcmpl-x",
         object: "chat.completion",
@@ -82,6 +105,7 @@ beforeAll(async () => {
     plans: TEST_PLANS,
     upstream: upstreamSettings({ attempts: 1 }),
     quota: { leaseTokens: 20_000, flushMs: 100, maxBuffered: 100_000 },
+    responses: { enabled: true },
   });
 });
 afterAll(async () => {
@@ -170,5 +194,106 @@ describe("a prompt that tokenizes denser than the estimate", () => {
       }),
       { numRuns: 15, seed: 17 },
     );
+  });
+});
+
+/**
+ * What a chat template renders from the request's structured fields, as real
+ * templates render it. Before, tools were reserved at twice their compact
+ * JSON (Llama 3.1 indents them: an enum of 1,000 numbers five levels deep
+ * renders at 27 bytes a number, not 2), legacy `functions` and a json_schema
+ * `response_format` not at all, and tool call arguments at their own bytes
+ * (re-serialised with Python's separators they grow by half).
+ */
+describe("structured fields as templates render them", () => {
+  async function overshoot(quota: number, roomy: number, body: Record<string, unknown>, before: string) {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
+    const res = await post("/v1/chat/completions", org.serviceKey, { model: "svc-fast", max_tokens: 5, ...body });
+    const text = await res.text();
+    // `before` says what the old code did.
+    expect({ status: res.status, used: await used(org.orgId), before }).toEqual({ status: 429, used: 0, before });
+    expect(text).toContain("budget_exceeded");
+
+    // With room for its bound it is served and charged what the upstream counted.
+    const big = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: roomy, quotaWindow: "day" });
+    const ok = await post("/v1/chat/completions", big.serviceKey, { model: "svc-fast", max_tokens: 5, ...body });
+    expect(ok.status).toBe(200);
+    const usage = ((await ok.json()) as { usage: { prompt_tokens: number; total_tokens: number } }).usage;
+    expect(usage.prompt_tokens).toBeGreaterThan(quota);
+    expect(await used(big.orgId)).toBe(usage.total_tokens);
+  }
+
+  const ask = [{ role: "user", content: "Which?" }];
+
+  test("tools rendered with indentation (Llama 3.1's tojson(indent=4))", async () => {
+    const tools = [
+      {
+        type: "function",
+        function: { name: "pick", parameters: { type: "object", properties: { x: { type: "integer", enum: new Array(1_000).fill(0) } } } },
+      },
+    ];
+    // Compact, the tools are 2,100 bytes: reserved at ~5,300. Rendered, 27,000+.
+    await overshoot(20_000, 60_000, { messages: ask, tools }, "200, used 27,1xx of 20,000");
+  });
+
+  test("legacy functions are rendered like tools", async () => {
+    const functions = [{ name: "pick", parameters: { type: "object", description: "d".repeat(5_000) } }];
+    await overshoot(4_000, 30_000, { messages: ask, functions }, "200, used 5,1xx of 4,000 (functions not counted)");
+  });
+
+  test("a json_schema response format, injected into the prompt", async () => {
+    const response_format = { type: "json_schema", json_schema: { name: "answer", schema: { type: "object", description: "d".repeat(5_000) } } };
+    await overshoot(4_000, 30_000, { messages: ask, response_format }, "200, used 5,1xx of 4,000 (response_format not counted)");
+  });
+
+  test("tool call arguments re-serialised with Python's separators", async () => {
+    const args = JSON.stringify({ v: new Array(3_000).fill(0) });
+    const messages = [
+      ...ask,
+      { role: "assistant", content: null, tool_calls: [{ id: "c1", type: "function", function: { name: "pick", arguments: args } }] },
+      { role: "tool", tool_call_id: "c1", content: "ok" },
+    ];
+    // The arguments are 6,008 bytes, reserved as such; rendered, 9,006.
+    await overshoot(8_000, 30_000, { messages }, "200, used 9,0xx of 8,000");
+  });
+
+  test("the Responses API goes through the same reservation: instructions, tools, function calls and outputs, text.format", async () => {
+    const enumOf = new Array(300).fill(0);
+    const input = [
+      { role: "user", content: "Which?" },
+      { type: "function_call", call_id: "c1", name: "pick", arguments: JSON.stringify({ v: enumOf }) },
+      { type: "function_call_output", call_id: "c1", output: "\n".repeat(1_000) },
+    ];
+    const body = {
+      model: "svc-fast",
+      max_output_tokens: 16,
+      instructions: "Be brief.",
+      input,
+      tools: [{ type: "function", name: "pick", parameters: { type: "object", properties: { x: { type: "integer", enum: enumOf } } } }],
+      text: { format: { type: "json_schema", name: "answer", schema: { type: "object", properties: { x: { enum: enumOf } } } } },
+    };
+    // Rendered: the tool ~8,100 bytes, the schema ~6,900, the arguments 903, the output 2,002: ~18,000.
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 15_000, quotaWindow: "day" });
+    const res = await post("/v1/responses", org.serviceKey, body);
+    expect(res.status).toBe(429);
+    expect(await res.text()).toContain("budget_exceeded");
+    expect(await used(org.orgId)).toBe(0);
+
+    const big = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "day" });
+    const ok = await post("/v1/responses", big.serviceKey, body);
+    expect(ok.status).toBe(200);
+    const usage = ((await ok.json()) as { usage: { input_tokens: number; total_tokens: number } }).usage;
+    expect(usage.input_tokens).toBeGreaterThan(15_000);
+    expect(await used(big.orgId)).toBe(usage.total_tokens);
+  });
+
+  test("a tool result rendered by tojson (Llama 3.1): quoted, each newline escaped", async () => {
+    const messages = [
+      ...ask,
+      { role: "assistant", content: null, tool_calls: [{ id: "c1", type: "function", function: { name: "pick", arguments: "{}" } }] },
+      { role: "tool", tool_call_id: "c1", content: "\n".repeat(5_000) },
+    ];
+    // 5,000 bytes, reserved as such; rendered, 10,002.
+    await overshoot(8_000, 30_000, { messages }, "200, used 10,0xx of 8,000");
   });
 });

@@ -1,4 +1,5 @@
 import { describe, expect, test } from "bun:test";
+import fc from "fast-check";
 import { AppError } from "../../src/lib/errors.ts";
 import { firstImage, paramOf, parseChatBody, parseEmbeddingsBody } from "../../src/inference/model.ts";
 import { estimateEmbeddingTokens, estimatePromptTokens, promptTokenBound } from "../../src/inference/tokens.ts";
@@ -106,7 +107,7 @@ describe("the prompt's bound (what the quota reserves)", () => {
     expect(promptTokenBound(body, 1_000, undefined)).toBe(512 + 16 + 3 + 16 + 3 + 7 + 1_000);
   });
 
-  test("tool calls, their ids and answers, echoed reasoning and tools (twice their JSON) are counted", () => {
+  test("tool calls, their ids and answers, echoed reasoning and tools are counted", () => {
     const tools = [{ type: "function", function: { name: "f", parameters: { type: "object" } } }];
     const body = parseChatBody({
       model: "m",
@@ -117,8 +118,82 @@ describe("the prompt's bound (what the quota reserves)", () => {
       ],
       tools,
     });
-    const toolsBytes = JSON.stringify(body.tools).length;
-    expect(promptTokenBound(body, 1, undefined)).toBe(512 + (16 + 2) + (16 + 5 + 16 + 2 + 1 + 2) + (16 + 2 + 2) + 2 * toolsBytes + 512);
+    // Strings count as quoted JSON (2 more), the tools as rendered with indent 4 (below).
+    const toolsRendered = Buffer.byteLength(JSON.stringify(body.tools, null, 4));
+    const bound = promptTokenBound(body, 1, undefined);
+    expect(bound).toBeGreaterThanOrEqual(512 + (16 + 2) + (16 + 5 + 16 + 4 + 3 + 4) + (16 + 4 + 4) + toolsRendered + 512);
+    expect(bound).toBeLessThan(512 + (16 + 2) + (16 + 5 + 16 + 4 + 3 + 4) + (16 + 4 + 4) + toolsRendered + 512 + 64);
+  });
+
+  /**
+   * How chat templates render structured values (HF's `tojson`: Python's
+   * json.dumps, optionally indented; Jinja's own `tojson` escapes non-ASCII
+   * and < > & '), to hold the bound to the largest of them.
+   */
+  function render(v: unknown, o: { indent?: number; ascii?: boolean; html?: boolean }, depth = 0): string {
+    const pad = (d: number) => (o.indent === undefined ? "" : `\n${" ".repeat(o.indent * d)}`);
+    const sep = o.indent === undefined ? ", " : ",";
+    if (typeof v === "string") {
+      let s = JSON.stringify(v);
+      const u = (c: string) => `\\u${c.charCodeAt(0).toString(16).padStart(4, "0")}`;
+      if (o.ascii) s = s.replace(/[\u0080-\uffff]/g, u);
+      if (o.html) s = s.replace(/[<>&']/g, u);
+      return s;
+    }
+    if (Array.isArray(v)) {
+      if (v.length === 0) return "[]";
+      return `[${v.map((x) => pad(depth + 1) + render(x, o, depth + 1)).join(sep)}${pad(depth)}]`;
+    }
+    if (v !== null && typeof v === "object") {
+      const entries = Object.entries(v);
+      if (entries.length === 0) return "{}";
+      return `{${entries.map(([k, x]) => `${pad(depth + 1)}${render(k, o)}: ${render(x, o, depth + 1)}`).join(sep)}${pad(depth)}}`;
+    }
+    return JSON.stringify(v);
+  }
+  const RENDERINGS = [{}, { indent: 4 }, { ascii: true }, { indent: 4, ascii: true, html: true }, { ascii: true, html: true }];
+  const bytes = (s: string) => Buffer.byteLength(s, "utf8");
+  const ask = [{ role: "user", content: "x" }];
+
+  test("tools, functions and a response format's schema: at least as many bytes as any template renders them (indented, escaped)", () => {
+    const base = promptTokenBound(parseChatBody({ model: "m", messages: ask }), 1, undefined);
+    fc.assert(
+      fc.property(fc.jsonValue({ maxDepth: 6 }), fc.string({ unit: "binary" }), (value, text) => {
+        const parameters = { x: value, d: text };
+        const tools = [{ type: "function", function: { name: "f", description: text, parameters } }];
+        const withTools = promptTokenBound(parseChatBody({ model: "m", messages: ask, tools }), 1, undefined) - base;
+        const functions = [{ name: "f", description: text, parameters }];
+        const withFunctions = promptTokenBound(parseChatBody({ model: "m", messages: ask, functions }), 1, undefined) - base;
+        const format = { type: "json_schema", json_schema: { name: "f", schema: parameters } };
+        const withFormat = promptTokenBound(parseChatBody({ model: "m", messages: ask, response_format: format }), 1, undefined) - base;
+        for (const o of RENDERINGS) {
+          // The whole list, and each tool alone (Llama 3.1 renders `t | tojson(indent=4)` per tool).
+          expect(withTools).toBeGreaterThanOrEqual(bytes(render(tools, o)) + 512);
+          expect(withTools).toBeGreaterThanOrEqual(bytes(render(tools[0], o)) + 512);
+          expect(withFunctions).toBeGreaterThanOrEqual(bytes(render(functions, o)) + 512);
+          expect(withFormat).toBeGreaterThanOrEqual(bytes(render(format.json_schema.schema, o)) + 512);
+        }
+      }),
+      { numRuns: 300, seed: 7 },
+    );
+  });
+
+  test("tool call arguments and tool results: at least as many bytes as tojson makes of them", () => {
+    fc.assert(
+      fc.property(fc.jsonValue({ maxDepth: 4 }), fc.string({ unit: "binary" }), (args, result) => {
+        const call = (a: string) => ({ role: "assistant", content: null, tool_calls: [{ id: "c", type: "function", function: { name: "f", arguments: a } }] });
+        const bodyOf = (a: string, r: string) => parseChatBody({ model: "m", messages: [...ask, call(a), { role: "tool", tool_call_id: "c", content: r }] });
+        const base = promptTokenBound(bodyOf("", ""), 1, undefined);
+        const text = JSON.stringify(args) ?? "null";
+        const counted = promptTokenBound(bodyOf(text, result), 1, undefined) - base;
+        for (const o of RENDERINGS) {
+          // vLLM parses the arguments for the template, which re-serialises them; Llama 3.1 passes a tool result through tojson.
+          expect(counted).toBeGreaterThanOrEqual(bytes(render(args, { ...o, indent: undefined })) + bytes(render(result, o)) - 4);
+          expect(counted).toBeGreaterThanOrEqual(bytes(render(text, o)) + bytes(render(result, o)) - 4);
+        }
+      }),
+      { numRuns: 300, seed: 11 },
+    );
   });
 
   test("never more than the context window, and never less than the text's bytes", () => {
