@@ -38,14 +38,18 @@ import { firstSeen } from "../lib/once.ts";
  * split a small quota, or the end of a large one, instead of one taking it
  * all. Once an instance learns that the shared counter is empty, it returns
  * its unused lease at every flush; an instance that finds the counter empty
- * while others hold lease waits a few flush intervals for it before refusing.
+ * while others hold lease, or while its own requests in flight hold
+ * reservations that could cover the rest, waits a few flush intervals before
+ * refusing.
  *
  * Bound on overshoot: every admitted token was granted from the shared row, so
  * the quota can be exceeded only by what requests consume beyond their
  * reservation — at most the sum over requests in flight at exhaustion of
- * (actual − reserved). A chat request's reservation is its prompt estimate plus
- * max_tokens (as sent upstream, lowered when needed) for each of its `n`
- * choices, so the excess is the prompt estimate's error. (docs/decisions.md
+ * (actual − reserved). A chat request's reservation is the most its prompt
+ * can be (src/inference/tokens.ts, promptTokenBound) plus max_tokens (as sent
+ * upstream, lowered when needed) for each of its `n` choices, so there is no
+ * excess unless a prompt breaks the bound's assumptions (an image above the
+ * alias's imageTokens, a template beyond its allowances). (docs/decisions.md
  * "Quota" states this bound; test/integration/quota*.test.ts checks it.)
  *
  * A crashed instance strands at most one lease (leaseSize) per organisation,
