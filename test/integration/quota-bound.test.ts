@@ -5,6 +5,7 @@ import type { Database } from "../../src/db/client.ts";
 import { usageCounters } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
 import { TEST_PLANS, chatAlias, embedAlias, upstreamSettings } from "./inference-fixtures.ts";
 
 setDefaultTimeout(60_000);
@@ -61,6 +62,8 @@ function countPrompt(body: Record<string, unknown>): number {
   return n;
 }
 
+let releaseSlow: () => void = () => {};
+let slowArrived = false;
 let upstream: ReturnType<typeof Bun.serve>;
 let gw: Gateway;
 let db: Database;
@@ -81,6 +84,12 @@ beforeAll(async () => {
           data: inputs.map((_, i) => ({ object: "embedding", index: i, embedding: [0.1, 0.2] })),
           usage: { prompt_tokens: prompt, total_tokens: prompt },
         });
+      }
+      // A request held until the test lets it go: a reservation in flight.
+      if ((body.messages as { content?: unknown }[])[0]?.content === "slow") {
+        const held = new Promise<void>((resolve) => (releaseSlow = resolve));
+        slowArrived = true;
+        await held;
       }
       const completion = Math.min(Number(body.max_tokens ?? 5), 5);
       const prompt = countPrompt(body);
@@ -295,5 +304,59 @@ describe("structured fields as templates render them", () => {
     ];
     // 5,000 bytes, reserved as such; rendered, 10,002.
     await overshoot(8_000, 30_000, { messages }, "200, used 10,0xx of 8,000");
+  });
+});
+
+/**
+ * Reservations are several times what requests use, so a request that finds
+ * too little waits (up to the share wait) for the instance's own requests in
+ * flight to settle; one that would not fit even if all of them came free is
+ * refused at once (docs/decisions.md, Quota: sharing between instances).
+ */
+describe("waiting for the instance's own requests in flight", () => {
+  test("a request that fits once they settle waits and is served; one that never could is refused at once", async () => {
+    // The default flush interval: a share wait of 3,250 ms, far from "at once".
+    const slowGw = await startTestGateway({
+      aliases: { "svc-fast": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }]) },
+      plans: TEST_PLANS,
+      upstream: upstreamSettings({ attempts: 1 }),
+      quota: { leaseTokens: 20_000, flushMs: 1_000, maxBuffered: 100_000 },
+    });
+    try {
+      const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10_000, quotaWindow: "day" });
+      const send = (content: string, max_tokens: number) =>
+        fetch(`${slowGw.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: { authorization: `Bearer ${org.serviceKey}`, "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content }], max_tokens }),
+        });
+      // 14 used (8 + 1 + 5).
+      expect((await send("x", 5)).status).toBe(200);
+      // In flight: reserved 512 + 16 + 4 + 4,000 = 4,532; it will use 17.
+      slowArrived = false;
+      const slow = send("slow", 4_000);
+      await until(() => slowArrived, "the slow request at the upstream");
+
+      // 529 + 9,461 = 9,990 > the 9,986 left even if the slow request used nothing: refused at once.
+      let t = performance.now();
+      const never = await send("x", 9_461);
+      expect(never.status).toBe(429);
+      expect((await errorOf(never)).code).toBe("budget_exceeded");
+      expect(performance.now() - t).toBeLessThan(1_500);
+
+      // 529 + 9,400 = 9,929 fits once the slow request settles at 17: it waits for that.
+      t = performance.now();
+      const waiting = send("x", 9_400);
+      await Bun.sleep(300);
+      releaseSlow();
+      expect((await slow).status).toBe(200);
+      const served = await waiting;
+      expect(served.status).toBe(200);
+      await served.arrayBuffer();
+      expect(performance.now() - t).toBeGreaterThanOrEqual(300);
+    } finally {
+      releaseSlow();
+      await slowGw.stop();
+    }
   });
 });
