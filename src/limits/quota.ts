@@ -377,13 +377,21 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     // Demand of the requests waiting sizes the next lease, so a burst of
     // thousands of requests is served by a few refills, not thousands.
     s.demand += want;
-    let got: number | "spent" | "unavailable";
+    let got: number | "spent" | "held" | "unavailable";
     try {
       got = await reserve(s, want, least);
     } finally {
       s.demand -= want;
     }
     if (got === "spent") throw exceeded(s, t, least);
+    if (got === "held") {
+      throw new AppError(
+        "service_unavailable",
+        "The rest of the organisation's usage quota is reserved by requests in flight; retry shortly.",
+        null,
+        { "retry-after": "1" },
+      );
+    }
     if (got === "unavailable") {
       // Without a lease we cannot know the budget: refuse honestly, not as budget_exceeded.
       throw new AppError(
@@ -411,7 +419,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
    * flush once the counter is empty); likewise while a write of this
    * instance's own return is under way (the row counts that lease until it lands).
    */
-  async function reserve(s: OrgState, want: number, least: number): Promise<number | "spent" | "unavailable"> {
+  async function reserve(s: OrgState, want: number, least: number): Promise<number | "spent" | "held" | "unavailable"> {
     let tries = 0;
     let waitUntil: number | undefined;
     for (;;) {
@@ -433,7 +441,10 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         // times its count). Refusing before they settle would be a budget_exceeded while tokens remain.
         if (s.othersHold + s.inflight < least - avail) return "spent";
         waitUntil ??= now() + shareWaitMs;
-        if (now() >= waitUntil) return "spent";
+        // Still held after the wait (in use by requests in flight, here or on another instance): the
+        // quota is not known to be spent, so not budget_exceeded ("retrying does not help", spec 7 rule 1),
+        // but a 503 to retry; once what is held could no longer cover the request, the check above refuses.
+        if (now() >= waitUntil) return "held";
         await Bun.sleep(Math.max(20, Math.floor(opts.flushMs / 4)));
         s.exhausted = false;
         tries = 0;

@@ -338,7 +338,8 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       await gw.quota.flush();
       // Lowered below the lease this instance holds: the excess is revoked, and with the shared counter now empty
       // the next write gives back the rest of the unused lease too.
-      await setOrg(held, { id: org.orgId, plans: ["Standard", "Ultra"], quotaTokens: 300 });
+      // 700: above what this request reserves (its prompt's bound, 533, and max_tokens 20), below the lease held.
+      await setOrg(held, { id: org.orgId, plans: ["Standard", "Ultra"], quotaTokens: 700 });
       await until(async () => {
         const r = await timed(`${gw.url}/v1/chat/completions`, {
           method: "POST",
@@ -351,7 +352,7 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       hold = proxy.holdWhen(/insert into usage_counters/i, "statement", /insert into usage_batches/i);
       const writing = gw.quota.flush().catch(() => {});
       await hold.held;
-      // 300 - first tokens remain; this request's reservation fits them.
+      // 700 - first tokens remain; this request's reservation fits them.
       const t = Date.now();
       const next = chatTokens(gw.url, org.serviceKey).then(
         (n) => `200 (${n} tokens)`,

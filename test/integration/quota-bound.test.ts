@@ -354,6 +354,31 @@ describe("waiting for the instance's own requests in flight", () => {
       expect(served.status).toBe(200);
       await served.arrayBuffer();
       expect(performance.now() - t).toBeGreaterThanOrEqual(300);
+
+      // Held past the share wait (3.25 s here): the quota is not spent, so a 503 to retry, not budget_exceeded
+      // ("retrying does not help"). Before: 429 budget_exceeded with x-should-retry false while 4,500 tokens remained.
+      const org2 = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10_000, quotaWindow: "day" });
+      const send2 = (max_tokens: number) =>
+        fetch(`${slowGw.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: { authorization: `Bearer ${org2.serviceKey}`, "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: max_tokens === 4_000 ? "slow" : "x" }], max_tokens }),
+        });
+      slowArrived = false;
+      const slow2 = send2(4_000);
+      await until(() => slowArrived, "the second slow request at the upstream");
+      t = performance.now();
+      const heldOut = await send2(5_000);
+      expect(heldOut.status).toBe(503);
+      expect((await errorOf(heldOut)).code).toBe("service_unavailable");
+      expect(heldOut.headers.get("retry-after")).toBe("1");
+      expect(performance.now() - t).toBeGreaterThanOrEqual(3_000);
+      releaseSlow();
+      expect((await slow2).status).toBe(200);
+      // Now it fits: served.
+      const after = await send2(5_000);
+      expect(after.status).toBe(200);
+      await after.arrayBuffer();
     } finally {
       releaseSlow();
       await slowGw.stop();
