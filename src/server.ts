@@ -9,6 +9,7 @@ import { listenAddress } from "./config/load.ts";
 import type { Config } from "./config/schema.ts";
 import { type Database, migrate, migrationsCurrent, openDatabase, unknownMigrations } from "./db/client.ts";
 import { settings } from "./db/schema.ts";
+import { type Bound, createBound, maxOutAtOnce } from "./db/bounded.ts";
 import { createApp } from "./http/app.ts";
 import { errorBody } from "./http/errors.ts";
 import { openApiDocument } from "./http/openapi.ts";
@@ -126,8 +127,19 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       security,
       planLimit,
     });
+    // Each kind of database work given up on holds at most a quarter of the pool (docs/decisions.md:
+    // database work given up on); key lookups and usage writes have bounds of their own.
+    const outAtOnce = maxOutAtOnce(database.poolMax);
+    const bounds: Record<string, Bound> = {
+      lease: createBound("quota lease", outAtOnce, log),
+      budget_audit: createBound("budget_exceeded audit write", outAtOnce, log),
+      audit_read: createBound("audit-log read", outAtOnce, log),
+      response_read: createBound("stored-response read", outAtOnce, log),
+    };
     const quota = createQuota(database, log, {
       ...config.quota,
+      leaseBound: bounds.lease,
+      budgetAuditBound: bounds.budget_audit,
       ...(opts.now ? { now: opts.now } : {}),
       // The embedded database runs in its own thread (src/db/pglite-worker.ts),
       // so a batch's insert no longer pauses request handling; it still runs
@@ -146,11 +158,11 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     started.push(() => inference.stop());
 
     // Off by default: the spec's v1 surface is chat, embeddings and models (docs/decisions.md: Responses API).
-    const responsesApi = config.responses.enabled ? createResponses({ config, database, log, chat: inference }) : undefined;
+    const responsesApi = config.responses.enabled ? createResponses({ config, database, log, chat: inference, readBound: bounds.response_read }) : undefined;
     responsesApi?.start();
     started.push(() => responsesApi?.stop());
 
-    observeInternals(metrics, verifier, quota, limiter, database);
+    observeInternals(metrics, verifier, quota, limiter, database, bounds);
     const app = createApp({
       metrics,
       openapi: openApiDocument(VERSION, { responses: responsesApi !== undefined }),
@@ -165,7 +177,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
         metrics.dbUp.set(up ? 1 : 0);
         return up && (await migrationsCurrent(database));
       },
-      modules: [meRoutes, auditRoutes({ database, cursorSecret: secret, log }), inference.routes, ...(responsesApi ? [responsesApi.routes] : [])],
+      modules: [meRoutes, auditRoutes({ database, cursorSecret: secret, log, bound: bounds.audit_read }), inference.routes, ...(responsesApi ? [responsesApi.routes] : [])],
     });
 
     app.listen({
@@ -281,7 +293,7 @@ function serveMetrics(listen: string, metrics: Metrics): ReturnType<typeof Bun.s
 }
 
 /** Gauges and counters read from components' own counters at scrape time (nothing on the hot path). */
-function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager, limiter: Limiter, database: Database) {
+function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager, limiter: Limiter, database: Database, bounds: Record<string, Bound>) {
   let seenHits = 0;
   let seenTransactions = 0;
   let seenMisses = 0;
@@ -300,6 +312,7 @@ function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaM
     metrics.usagePendingTokens.set(q.pendingTokens);
     metrics.usageFlushFailures.set(q.flushFailures);
     metrics.usageUnanswered.set(q.unansweredWrites);
+    for (const [work, b] of Object.entries(bounds)) metrics.dbUnanswered.set({ work }, b.unanswered());
     metrics.rateLimitOrgs.set(limiter.size());
     if (database.transactions) {
       const t = database.transactions();

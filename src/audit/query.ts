@@ -1,4 +1,5 @@
 import type { Database } from "../db/client.ts";
+import { type Bound, BoundFull } from "../db/bounded.ts";
 import { AppError } from "../lib/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import { type CursorPosition, decodeCursor, encodeCursor } from "./cursor.ts";
@@ -43,6 +44,12 @@ export interface AuditReadDeps {
   cursorSecret: string;
   /** Where a failed query is reported; the caller only sees 503. */
   log?: Logger;
+  /**
+   * Reads out at once, and how long one may wait for the database
+   * (docs/decisions.md: audit-log reads while the database does not answer);
+   * none: unbounded, as a tool reading the log on the host.
+   */
+  bound?: Bound;
 }
 
 /** Audit rows already reported as odd: each once per process and problem. */
@@ -65,8 +72,11 @@ export async function readAuditEvents(deps: AuditReadDeps, orgId: string, search
   }
   let result: Awaited<ReturnType<typeof listAuditEvents>>;
   try {
-    result = await listAuditEvents(deps.database.db, orgId, filter, position, limit, (id, problem) => reportRow(deps.log, id, problem));
+    const read = () => listAuditEvents(deps.database.db, orgId, filter, position, limit, (id, problem) => reportRow(deps.log, id, problem));
+    result = await (deps.bound ? deps.bound.run(read) : read());
   } catch (e) {
+    // Refused at once while earlier reads are unanswered: the bound logged that once.
+    if (e instanceof BoundFull) throw new AppError("service_unavailable", "The audit log is temporarily unavailable; retry with backoff.");
     // Input is fully validated above, so a failing query means the database is
     // unreachable or overloaded; the caller should retry with backoff.
     // drizzle wraps the driver's error (message = the SQL); the cause says what went wrong.

@@ -17,26 +17,46 @@ export interface SpentPeriod {
   start: number;
 }
 
-/** budget_exceeded, once per org and period in the audit log (usage_counters.exceeded_at decides across instances). */
-export async function recordBudgetExceeded(database: Database, s: SpentPeriod, now: number): Promise<void> {
+/** The period's counter row was not marked by this transaction: its audit row is rolled back. */
+class NotMarked extends Error {}
+
+/**
+ * budget_exceeded, once per org and period in the audit log
+ * (usage_counters.exceeded_at decides across instances). The audit row is
+ * inserted before the counter row is marked, so a write that waits on
+ * audit_events (locked by another session, say) holds no lock on the counter
+ * row, which leases and usage writes need; a transaction that finds the row
+ * marked already (another instance, another attempt) rolls its audit row back.
+ * True when the row is marked now (by this call or before): nothing more is
+ * to be done for the period; false when it has no counter row yet.
+ */
+export async function recordBudgetExceeded(database: Database, s: SpentPeriod, now: number): Promise<boolean> {
   const ws = new Date(s.start);
-  await database.db.transaction(async (tx) => {
-    const marked = await tx
-      .update(usageCounters)
-      .set({ exceededAt: new Date(now) })
-      .where(and(eq(usageCounters.orgId, s.orgId), eq(usageCounters.windowStart, ws), sql`${usageCounters.exceededAt} is null`))
-      .returning({ orgId: usageCounters.orgId });
-    if (marked.length === 0) return;
-    await recordAudit(tx, {
-      orgId: s.orgId,
-      action: "billing.budget_exceeded",
-      category: "billing",
-      actor: { type: "system", id: SYSTEM_ACTOR_ID, name: "gateway", email: "", keyId: null },
-      targets: [{ key: "org_id", kind: "organization", id: s.orgId, name: "", email: "" }],
-      // Field names as operators know them (the column and CLI flag say quota window).
-      details: { quota_tokens: s.quota, window: s.period, window_start: ws.toISOString() },
+  const row = and(eq(usageCounters.orgId, s.orgId), eq(usageCounters.windowStart, ws));
+  try {
+    await database.db.transaction(async (tx) => {
+      await recordAudit(tx, {
+        orgId: s.orgId,
+        action: "billing.budget_exceeded",
+        category: "billing",
+        actor: { type: "system", id: SYSTEM_ACTOR_ID, name: "gateway", email: "", keyId: null },
+        targets: [{ key: "org_id", kind: "organization", id: s.orgId, name: "", email: "" }],
+        // Field names as operators know them (the column and CLI flag say quota window).
+        details: { quota_tokens: s.quota, window: s.period, window_start: ws.toISOString() },
+      });
+      const marked = await tx
+        .update(usageCounters)
+        .set({ exceededAt: new Date(now) })
+        .where(and(row, sql`${usageCounters.exceededAt} is null`))
+        .returning({ orgId: usageCounters.orgId });
+      if (marked.length === 0) throw new NotMarked();
     });
-  });
+    return true;
+  } catch (e) {
+    if (!(e instanceof NotMarked)) throw e;
+  }
+  const [counter] = await database.db.select({ at: usageCounters.exceededAt }).from(usageCounters).where(row);
+  return counter?.at != null;
 }
 
 /** The refusal of a request needing `want` tokens at `t`: retry hints only when the period resets within a minute. */

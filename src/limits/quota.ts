@@ -1,12 +1,13 @@
 import { and, inArray, sql } from "drizzle-orm";
 import type { Principal } from "../auth/types.ts";
-import { ANSWER_TIMEOUT_MS, type Database, answeredWithin } from "../db/client.ts";
+import type { Database } from "../db/client.ts";
+import { type Bound, BoundFull, createBound, maxOutAtOnce } from "../db/bounded.ts";
 import { epochMs, rowsOf } from "../db/raw.ts";
 import { usageCounters } from "../db/schema.ts";
 import { AppError } from "../lib/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import { type Metering, type RequestOutcome, type Ticket, type UsageReport, clampTokens } from "./metering.ts";
-import { budgetExceeded, recordBudgetExceeded } from "./budget.ts";
+import { type SpentPeriod, budgetExceeded, recordBudgetExceeded } from "./budget.ts";
 import { type QuotaPeriod, periodEnd, periodStart } from "./period.ts";
 import { type CounterDelta, type CounterSource, createUsageWriter } from "./usage-writer.ts";
 import { firstSeen } from "../lib/once.ts";
@@ -97,6 +98,8 @@ interface OrgState {
   revoked: number;
   leasedAt: number;
   refill: Promise<void> | undefined;
+  /** A lease given up on (no answer in time) has not settled: no other is sent for this state until it does. */
+  leaseUnanswered: boolean;
   lastUsed: number;
 }
 
@@ -116,6 +119,10 @@ export interface QuotaOptions {
   eventsPerBatch?: number;
   /** Called once per settled request (token metrics). */
   onSettle?: (alias: string, promptTokens: number, completionTokens: number) => void;
+  /** Lease transactions out at once (default: maxOutAtOnce of the pool). */
+  leaseBound?: Bound;
+  /** budget_exceeded audit writes out at once (default: maxOutAtOnce of the pool). */
+  budgetAuditBound?: Bound;
 }
 
 export interface QuotaManager extends Metering {
@@ -124,7 +131,17 @@ export interface QuotaManager extends Metering {
   flush(): Promise<void>;
   /** Flush and return unused leases. */
   stop(): Promise<void>;
-  stats(): { orgs: number; bufferedEvents: number; pendingTokens: number; droppedEvents: number; flushFailures: number; deadLettered: number; unansweredWrites: number };
+  stats(): {
+    orgs: number;
+    bufferedEvents: number;
+    pendingTokens: number;
+    droppedEvents: number;
+    flushFailures: number;
+    deadLettered: number;
+    unansweredWrites: number;
+    unansweredLeases: number;
+    unansweredBudgetWrites: number;
+  };
 }
 
 class TicketImpl implements Ticket {
@@ -141,6 +158,11 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   const now = opts.now ?? Date.now;
   const states = new Map<string, OrgState>();
   const unmetered = new Map<string, Unmetered>();
+  const leases = opts.leaseBound ?? createBound("quota lease", maxOutAtOnce(database.poolMax), log);
+  const budgetWrites = opts.budgetAuditBound ?? createBound("budget_exceeded audit write", maxOutAtOnce(database.poolMax), log);
+  /** Organisation periods whose budget_exceeded write is out, or done (the row says so): no other is sent. Bounded. */
+  const budgetOut = new Set<string>();
+  const budgetDone = new Set<string>();
 
   const key = (orgId: string, start: number) => `${orgId}|${start}`;
   /** Each organisation's state for its current period, for the request path: no key string or date math per request. */
@@ -232,6 +254,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         revoked: 0,
         leasedAt: t,
         refill: undefined,
+        leaseUnanswered: false,
         lastUsed: t,
       };
       states.set(k, s);
@@ -318,18 +341,37 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     return Math.ceil(Math.max(opts.leaseTokens, 2 * s.demand, Math.min(fiveSeconds, cap)));
   }
 
+  /**
+   * At most maxOutAtOnce(dbPoolMax) lease transactions are out at once, given
+   * up on or not (src/db/bounded.ts), and one per organisation and period: a
+   * lease given up on (no answer within ANSWER_TIMEOUT_MS) keeps its
+   * connection until the database answers it, and while it has not settled
+   * no other is sent for that organisation; its requests are refused (503)
+   * at once. A lease that commits after all is still counted when its answer
+   * comes (lease() adds it to `granted`).
+   */
   function refill(s: OrgState): Promise<void> {
+    if (s.refill) return s.refill;
+    if (s.leaseUnanswered) {
+      s.leaseError = true;
+      return Promise.resolve();
+    }
     // One immediate retry: a pooled connection that the server dropped fails once, then postgres.js reconnects.
-    // Both within ANSWER_TIMEOUT_MS: requests wait on this, and a database that stops answering would hold
-    // them for good. A lease that commits after all is still counted when its answer comes.
-    s.refill ??= answeredWithin(
-      lease(s).catch(() => lease(s)),
-      ANSWER_TIMEOUT_MS,
-      "quota lease",
-    )
+    s.refill = leases
+      .run(
+        () => lease(s).catch(() => lease(s)),
+        (running) => {
+          s.leaseUnanswered = true;
+          const settled = () => {
+            s.leaseUnanswered = false;
+          };
+          running.then(settled, settled);
+        },
+      )
       .catch((e: Error) => {
         s.leaseError = true;
-        log.warn("quota lease failed", { org_id: s.orgId, err: e.message });
+        // Refused at once while earlier leases are unanswered: the bound logged that once.
+        if (!(e instanceof BoundFull)) log.warn("quota lease failed", { org_id: s.orgId, err: e.message });
       })
       .finally(() => {
         s.refill = undefined;
@@ -337,9 +379,45 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     return s.refill;
   }
 
+  /**
+   * The period's budget_exceeded audit row, written in the background: at
+   * most one write at a time per organisation and period, none once one has
+   * been written or found written (recordBudgetExceeded marks the counter
+   * row), and at most maxOutAtOnce(dbPoolMax) at once in all. A write given up
+   * on stays out, and keeps its place, until the database answers it.
+   */
+  function recordExceeded(spent: SpentPeriod): void {
+    const k = key(spent.orgId, spent.start);
+    if (budgetOut.has(k) || budgetDone.has(k)) return;
+    if (budgetOut.size >= 10_000) return;
+    budgetOut.add(k);
+    const done = (marked: boolean) => {
+      budgetOut.delete(k);
+      if (!marked) return; // no counter row yet: a later refusal (after a lease made one) tries again
+      if (budgetDone.size >= 10_000) budgetDone.clear();
+      budgetDone.add(k);
+    };
+    /** Given up on: the write runs on and keeps its place until the database answers it. */
+    let stillOut = false;
+    budgetWrites
+      .run(
+        () => recordBudgetExceeded(database, spent, now()),
+        (running) => {
+          stillOut = true;
+          running.then(done, () => budgetOut.delete(k));
+        },
+      )
+      .then(done, (e: Error) => {
+        // Refused at once while earlier writes are unanswered: the bound logged that once.
+        if (!(e instanceof BoundFull)) log.warn("budget_exceeded audit write failed", { org_id: spent.orgId, err: e.message });
+        // Refused or failed: the next refusal tries again.
+        if (!stillOut) budgetOut.delete(k);
+      });
+  }
+
   function exceeded(s: OrgState, t: number, want: number): AppError {
     const spent = { orgId: s.orgId, quota: s.quota, period: s.period, start: s.start };
-    void recordBudgetExceeded(database, spent, now()).catch((e: Error) => log.warn("budget_exceeded audit write failed", { org_id: s.orgId, err: e.message }));
+    recordExceeded(spent);
     return budgetExceeded(spent, t, want);
   }
 
@@ -552,6 +630,6 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     start: writer.start,
     flush: writer.flush,
     stop: writer.stop,
-    stats: () => ({ orgs: states.size, ...writer.stats() }),
+    stats: () => ({ orgs: states.size, ...writer.stats(), unansweredLeases: leases.unanswered(), unansweredBudgetWrites: budgetWrites.unanswered() }),
   };
 }

@@ -111,6 +111,12 @@ export function createMetrics() {
       help: "Usage writes given up on without an answer from the database that have not settled yet (each may hold a database connection)",
       registers,
     }),
+    dbUnanswered: new Gauge({
+      name: "gateway_database_unanswered",
+      help: "Database work given up on without an answer that has not settled yet, by kind (each may hold a database connection)",
+      labelNames: ["work"] as const,
+      registers,
+    }),
     keyLookupsUnanswered: new Gauge({
       name: "gateway_key_lookups_unanswered",
       help: "Key lookups given up on without an answer from the database that have not settled yet (each may hold a database connection)",

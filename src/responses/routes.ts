@@ -12,6 +12,7 @@ import { responsesTransform } from "./events.ts";
 import { listItems } from "./list.ts";
 import { type ResponseMeta, responseFromChat } from "./output.ts";
 import { type InputItem, isItemReference, parseResponsesBody, type ResponsesBody } from "./request.ts";
+import type { Bound } from "../db/bounded.ts";
 import { createResponseStore, type ResponseStore, writeSpacingFor } from "./store.ts";
 import { type Translation, newItemId, responsesError, toChat } from "./translate.ts";
 
@@ -27,6 +28,8 @@ export interface ResponsesDeps {
   database: Database;
   log: Logger;
   chat: ChatService;
+  /** Stored-response reads out at once (default: a quarter of the pool). */
+  readBound?: Bound;
 }
 
 const ID = /^resp_[A-Za-z0-9_-]{1,100}$/;
@@ -46,6 +49,7 @@ export function createResponses(deps: ResponsesDeps) {
         log,
         maxReplayBytes: config.bodyLimitBytes,
         writeSpacingMs: writeSpacingFor(deps.database.kind),
+        ...(deps.readBound ? { readBound: deps.readBound } : {}),
       })
     : undefined;
 

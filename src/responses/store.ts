@@ -1,6 +1,7 @@
 import { sql } from "drizzle-orm";
 import type { Principal } from "../auth/types.ts";
 import type { Database } from "../db/client.ts";
+import { type Bound, BoundFull, createBound, maxOutAtOnce } from "../db/bounded.ts";
 import { pgArray } from "../db/arrays.ts";
 import { isDataError } from "../db/errors.ts";
 import type { Logger } from "../lib/log.ts";
@@ -118,6 +119,8 @@ export interface StoreOptions {
    * arrive meanwhile wait and share the next statement. See writeSpacingFor.
    */
   writeSpacingMs?: number;
+  /** Reads out at once, and how long one may wait (default: maxOutAtOnce of the pool, ANSWER_TIMEOUT_MS). */
+  readBound?: Bound;
 }
 
 /**
@@ -136,6 +139,7 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
   const spacing = opts.writeSpacingMs ?? 0;
   let timer: ReturnType<typeof setInterval> | undefined;
   let sweeping: Promise<number> | undefined;
+  const reads = opts.readBound ?? createBound("stored-response read", maxOutAtOnce(database.poolMax), log);
 
   /**
    * Rows waiting to be written, and the flush writing them. Responses that end
@@ -248,12 +252,16 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
   /**
    * A read the request needs: input is validated before it runs, so a failure
    * means the database is unreachable or overloaded, a 503 to retry (as the
-   * audit log's), never a 500.
+   * audit log's), never a 500. At most maxOutAtOnce(dbPoolMax) are out at
+   * once, each waiting at most ANSWER_TIMEOUT_MS (docs/decisions.md:
+   * stored-response reads while the database does not answer).
    */
   async function read<T>(what: string, query: ReturnType<typeof sql>): Promise<T[]> {
     try {
-      return await database.rows<T>(query);
+      return await reads.run(() => database.rows<T>(query));
     } catch (e) {
+      // Refused at once while earlier reads are unanswered: the bound logged that once.
+      if (e instanceof BoundFull) throw new AppError("service_unavailable", "The response store is temporarily unavailable; retry with backoff.");
       const cause = e instanceof Error && e.cause instanceof Error ? e.cause : e;
       log.error(`reading stored responses failed (${what})`, { err: cause instanceof Error ? cause.message : String(cause) });
       throw new AppError("service_unavailable", "The response store is temporarily unavailable; retry with backoff.");
@@ -425,6 +433,8 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
     conversation,
     items,
     sweep,
+    /** Reads given up on that have not settled (each may hold a connection). */
+    unansweredReads: () => reads.unanswered(),
     start() {
       void sweep();
       timer = setInterval(() => void sweep(), SWEEP_EVERY_MS);

@@ -1,0 +1,109 @@
+import { ANSWER_TIMEOUT_MS, DatabaseTimeout } from "./client.ts";
+import type { Logger } from "../lib/log.ts";
+
+/**
+ * Database work of one kind that may be out at once (each holding, or queued
+ * for, a pool connection): a quarter of the pool, at least one. Work given up
+ * on (no answer within ANSWER_TIMEOUT_MS) cannot be taken back and keeps its
+ * connection until the database answers it, so without a bound each kind
+ * (quota leases, budget_exceeded audit writes, audit-log reads, stored-response
+ * reads) could take every connection while a table it needs is locked or
+ * the server hangs: key lookups (half the pool, maxKeyLookups), the usage
+ * writer (at most three) and /readyz then got none. A quarter of the
+ * default ten is two; a healthy database answers each in a few milliseconds.
+ * The embedded database (no pool) is not bounded.
+ */
+export function maxOutAtOnce(poolMax: number | undefined): number {
+  if (poolMax === undefined) return Number.POSITIVE_INFINITY;
+  return Math.max(1, Math.floor(poolMax / 4));
+}
+
+/** Refused at once: as many earlier calls of the kind are given up on and still unanswered as may be out. */
+export class BoundFull extends DatabaseTimeout {}
+
+export interface Bound {
+  /**
+   * Runs `call` when fewer than the limit are out, waiting for a turn
+   * otherwise; the wait and the call together get `timeoutMs`, then the
+   * caller gets a DatabaseTimeout. A call given up on stays out (it may hold
+   * its connection) until it settles; `givenUp` is told of it. While the
+   * limit's worth are out so, a new call is refused at once (BoundFull).
+   */
+  run<T>(call: () => Promise<T>, givenUp?: (running: Promise<T>) => void): Promise<T>;
+  /** Calls given up on that have not settled. */
+  unanswered(): number;
+}
+
+export function createBound(what: string, limit: number, log?: Logger, timeoutMs = ANSWER_TIMEOUT_MS): Bound {
+  let out = 0;
+  let unanswered = 0;
+  const queue: (() => void)[] = [];
+  /** The refusals of this episode (the limit reached) were logged. */
+  let logged = false;
+
+  return {
+    run<T>(call: () => Promise<T>, givenUp?: (running: Promise<T>) => void): Promise<T> {
+      if (unanswered >= limit) {
+        if (!logged) {
+          logged = true;
+          log?.warn(`${what}: refused at once while earlier ones are unanswered`, { unanswered, limit });
+        }
+        return Promise.reject(new BoundFull(`${what}: ${unanswered} earlier ones are still unanswered by the database`));
+      }
+      return new Promise<T>((resolve, reject) => {
+        let running: Promise<T> | undefined;
+        let over = false;
+        let abandoned = false;
+        const start = () => {
+          out++;
+          let q: Promise<T>;
+          try {
+            q = call();
+          } catch (e) {
+            q = Promise.reject(e);
+          }
+          running = q;
+          const settled = () => {
+            out--;
+            if (abandoned) {
+              unanswered--;
+              if (unanswered < limit) logged = false;
+            }
+            queue.shift()?.();
+          };
+          q.then(settled, settled);
+          q.then(
+            (v) => {
+              if (over) return;
+              over = true;
+              clearTimeout(timer);
+              resolve(v);
+            },
+            (e: unknown) => {
+              if (over) return;
+              over = true;
+              clearTimeout(timer);
+              reject(e);
+            },
+          );
+        };
+        const timer = setTimeout(() => {
+          if (over) return;
+          over = true;
+          if (running) {
+            abandoned = true;
+            unanswered++;
+            givenUp?.(running);
+          } else {
+            const at = queue.indexOf(start);
+            if (at >= 0) queue.splice(at, 1);
+          }
+          reject(new DatabaseTimeout(`${what}: no answer from the database within ${timeoutMs} ms`));
+        }, timeoutMs);
+        if (out < limit) start();
+        else queue.push(start);
+      });
+    },
+    unanswered: () => unanswered,
+  };
+}

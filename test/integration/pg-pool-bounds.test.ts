@@ -1,0 +1,304 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { sql } from "drizzle-orm";
+import postgres from "postgres";
+import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import type { Gateway } from "../../src/server.ts";
+import { TEST_DATABASE_URL, bearer, errorOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
+import { until } from "../helpers/poll.ts";
+import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
+
+setDefaultTimeout(60_000);
+
+/**
+ * Database work the gateway gives up on must not take the pool
+ * (docs/decisions.md: quota leases, budget_exceeded audit writes, audit-log
+ * and stored-response reads while the database does not answer). Another
+ * session locks one table; every statement of the gateway's that touches it
+ * waits on the server, each on its own pool connection, while the rest of the
+ * database answers. Before, each kind of such work could take every
+ * connection of the pool (dbPoolMax 10): /readyz, key lookups and usage
+ * writes for other tables then got none.
+ */
+
+/** dbPoolMax: the default. */
+const POOL = 10;
+/** Leases, audit-log reads, stored-response reads that may be out at once: a quarter of the pool (maxOutAtOnce). */
+const QUARTER = 2;
+const DEADLINE_MS = 12_000;
+
+describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a bounded part of the pool", () => {
+  let scratch: ScratchPostgres;
+  let held: Database;
+  let sim: Simulator;
+
+  beforeAll(async () => {
+    scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "h3_bounds");
+    held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 2 });
+    await migrate(held);
+    sim = await startSimulator({ port: 0, ttftMs: 1, interTokenMs: 0, completionTokens: 5 });
+  });
+  afterAll(async () => {
+    await sim?.stop();
+    await held?.close();
+    await scratch?.drop();
+  });
+
+  /** The gateway's sessions waiting on a lock whose statement matches `like`. */
+  async function waiting(like: string): Promise<number> {
+    const [r] = await held.rows<{ n: number }>(
+      sql`select count(*)::int as n from pg_stat_activity
+          where datname = current_database() and wait_event_type = 'Lock' and query ilike ${like}`,
+    );
+    return r?.n ?? -1;
+  }
+
+  /** Samples `waiting(like)` until stopped; the most seen. */
+  function sampler(like: string) {
+    let most = 0;
+    let on = true;
+    const done = (async () => {
+      while (on) {
+        most = Math.max(most, await waiting(like));
+        await Bun.sleep(50);
+      }
+    })();
+    return {
+      async stop() {
+        on = false;
+        await done;
+        return most;
+      },
+    };
+  }
+
+  /** Another session locks `table`: every statement that reads or writes it waits on the server; nothing else does. */
+  async function lock(table: string): Promise<{ unlock(): Promise<void> }> {
+    const locker = postgres(scratch.url, { max: 1, onnotice: () => {} });
+    let release = () => {};
+    const gate = new Promise<void>((r) => {
+      release = r;
+    });
+    let onLocked = () => {};
+    const isLocked = new Promise<void>((r) => {
+      onLocked = r;
+    });
+    const locked = locker.begin(async (tx) => {
+      await tx.unsafe(`lock table ${table} in access exclusive mode`);
+      onLocked();
+      await gate;
+    });
+    await Promise.race([isLocked, locked]);
+    let done: Promise<void> | undefined;
+    return {
+      unlock() {
+        release();
+        done ??= locked.then(
+          () => locker.end({ timeout: 1 }),
+          () => locker.end({ timeout: 1 }),
+        );
+        return done;
+      },
+    };
+  }
+
+  interface Outcome {
+    status: number;
+    code: string | null;
+    ms: number;
+  }
+  async function call(url: string, init: RequestInit = {}): Promise<Outcome> {
+    const t = Date.now();
+    try {
+      const res = await fetch(url, { ...init, signal: AbortSignal.timeout(DEADLINE_MS) });
+      if (res.status >= 400) return { status: res.status, code: (await errorOf(res)).code, ms: Date.now() - t };
+      await res.arrayBuffer();
+      return { status: res.status, code: null, ms: Date.now() - t };
+    } catch (e) {
+      return { status: 0, code: (e as Error).name, ms: Date.now() - t };
+    }
+  }
+  const chat = (url: string, key: string, maxTokens = 5) =>
+    call(`${url}/v1/chat/completions`, {
+      method: "POST",
+      headers: { ...bearer(key), "content-type": "application/json" },
+      body: JSON.stringify({ model: "svc-fast", max_tokens: maxTokens, messages: [{ role: "user", content: "hello" }] }),
+    });
+  const tally = (rs: Outcome[]) => {
+    const m: Record<string, number> = {};
+    for (const r of rs) m[`${r.status} ${r.code}`] = (m[`${r.status} ${r.code}`] ?? 0) + 1;
+    return m;
+  };
+  const unknownKey = () => `sk-gw-${"A".repeat(10)}${crypto.randomUUID().replaceAll("-", "").slice(0, 33)}`;
+
+  /** The rest of the pool still works: /readyz, a key lookup (another table), a usage write. */
+  async function poolStillServes(gw: Gateway, metered: SeededOrg): Promise<Record<string, unknown>> {
+    const ready = await call(`${gw.url}/readyz`);
+    const lookup = await call(`${gw.url}/v1/me`, { headers: bearer(unknownKey()) });
+    const used = await chat(gw.url, metered.serviceKey);
+    const flushed = await gw.quota.flush().then(
+      () => "written",
+      (e: Error) => e.message,
+    );
+    return { ready: ready.status, lookup: `${lookup.status} ${lookup.code}`, used: used.status, flushed };
+  }
+  const SERVES = { ready: 200, lookup: "401 unauthorized", used: 200, flushed: "written" };
+
+  async function gateway(db: Database, over: Record<string, unknown> = {}): Promise<Gateway> {
+    return startTestGateway(
+      {
+        keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
+        plans: { Standard: { requestsPerMinute: 1_000_000 } },
+        upstream: upstreamSettings(),
+        aliases: testAliases(sim.url),
+        quota: { flushMs: 600_000 },
+        ...over,
+      },
+      db,
+    );
+  }
+
+  test("quota leases waiting on a locked usage_counters hold at most a quarter of the pool; /readyz and key lookups still get a connection", async () => {
+    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    const gw = await gateway(db);
+    let locked: { unlock(): Promise<void> } | undefined;
+    try {
+      const orgs = await Promise.all(Array.from({ length: 30 }, () => seedOrg(held, { quotaTokens: 1_000_000, quotaWindow: "day" })));
+      const free = await seedOrg(held, { quotaTokens: null });
+      for (const o of [...orgs, free]) expect((await call(`${gw.url}/v1/me`, { headers: bearer(o.serviceKey) })).status).toBe(200);
+      locked = await lock("usage_counters");
+      const s = sampler("%usage_counters%");
+      const first = await Promise.all(orgs.map((o) => chat(gw.url, o.serviceKey)));
+      // A second wave after the first was given up on: before, each organisation started another lease.
+      const second = await Promise.all(orgs.map((o) => chat(gw.url, o.serviceKey)));
+      const most = await s.stop();
+      const now = await waiting("%usage_counters%");
+      // Before: all ten connections waited on lease transactions (most 10), and /readyz got 503 (no connection for its ping).
+      expect({ most, now, first: tally(first), second: tally(second) }).toEqual({
+        most: QUARTER,
+        now: QUARTER,
+        first: { "503 service_unavailable": orgs.length },
+        second: { "503 service_unavailable": orgs.length },
+      });
+      for (const r of [...first, ...second]) expect(r.ms).toBeLessThan(8_000);
+      // The second wave is refused at once: the given-up leases still hold their places.
+      for (const r of second) expect(r.ms).toBeLessThan(1_000);
+      const ready = await call(`${gw.url}/readyz`);
+      const lookup = await call(`${gw.url}/v1/me`, { headers: bearer(unknownKey()) });
+      expect({ ready: ready.status, lookup: `${lookup.status} ${lookup.code}` }).toEqual({ ready: 200, lookup: "401 unauthorized" });
+      await locked.unlock();
+      // The lock gone, the leases settle and organisations are served again.
+      await until(async () => (await chat(gw.url, (orgs[0] as SeededOrg).serviceKey)).status === 200, "leases again", 10_000, 100);
+      expect(tally(await Promise.all(orgs.map((o) => chat(gw.url, o.serviceKey))))).toEqual({ "200 null": orgs.length });
+    } finally {
+      await locked?.unlock();
+      await gw.stop();
+      await db.close();
+    }
+  });
+
+  test("budget_exceeded refusals while audit_events is locked: one audit write at a time per organisation and period", async () => {
+    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    const gw = await gateway(db);
+    let locked: { unlock(): Promise<void> } | undefined;
+    try {
+      const org = await seedOrg(held, { quotaTokens: 1_000, quotaWindow: "day" });
+      const other = await seedOrg(held, { quotaTokens: null });
+      expect((await chat(gw.url, org.serviceKey)).status).toBe(200); // its counter row exists from now on
+      expect((await call(`${gw.url}/v1/me`, { headers: bearer(other.serviceKey) })).status).toBe(200);
+      locked = await lock("audit_events");
+      const s = sampler("%");
+      // More than the whole quota: refused at once, each refusal asking for the period's audit row.
+      const refused = await Promise.all(Array.from({ length: 50 }, () => chat(gw.url, org.serviceKey, 5_000)));
+      await Bun.sleep(500);
+      const most = await s.stop();
+      expect(tally(refused)).toEqual({ "429 budget_exceeded": 50 });
+      // Before: every connection of the pool waited (the first on audit_events, the rest on its counter row), and the flush below failed.
+      expect({ most, now: await waiting("%") }).toEqual({ most: 1, now: 1 });
+      expect(await poolStillServes(gw, other)).toEqual(SERVES);
+      await locked.unlock();
+      await until(async () => (await waiting("%")) === 0, "the audit write to settle", 10_000, 50);
+      const [row] = await held.rows<{ n: number }>(
+        sql`select count(*)::int as n from audit_events where org_id = ${org.orgId} and action = 'billing.budget_exceeded'`,
+      );
+      expect(row?.n).toBe(1);
+    } finally {
+      await locked?.unlock();
+      await gw.stop();
+      await db.close();
+    }
+  });
+
+  test("audit-log reads waiting on a locked audit_events hold at most a quarter of the pool and get 503", async () => {
+    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    const gw = await gateway(db);
+    let locked: { unlock(): Promise<void> } | undefined;
+    try {
+      const org = await seedOrg(held);
+      const other = await seedOrg(held, { quotaTokens: null });
+      expect((await call(`${gw.url}/v1/audit-events`, { headers: bearer(org.serviceKey) })).status).toBe(200);
+      expect((await call(`${gw.url}/v1/me`, { headers: bearer(other.serviceKey) })).status).toBe(200);
+      locked = await lock("audit_events");
+      const s = sampler("%audit_events%");
+      const reads = await Promise.all(Array.from({ length: 30 }, () => call(`${gw.url}/v1/audit-events`, { headers: bearer(org.serviceKey) })));
+      const most = await s.stop();
+      // Before: no answer at all (the client gave up after 12 s) while all ten connections waited on the lock.
+      expect({ most, now: await waiting("%audit_events%"), reads: tally(reads) }).toEqual({
+        most: QUARTER,
+        now: QUARTER,
+        reads: { "503 service_unavailable": 30 },
+      });
+      for (const r of reads) expect(r.ms).toBeLessThan(8_000);
+      const again = await call(`${gw.url}/v1/audit-events`, { headers: bearer(org.serviceKey) });
+      expect(again).toMatchObject({ status: 503, code: "service_unavailable" });
+      expect(again.ms).toBeLessThan(1_000);
+      expect(await poolStillServes(gw, other)).toEqual(SERVES);
+      await locked.unlock();
+      await until(
+        async () => (await call(`${gw.url}/v1/audit-events`, { headers: bearer(org.serviceKey) })).status === 200,
+        "audit reads again",
+        10_000,
+        100,
+      );
+    } finally {
+      await locked?.unlock();
+      await gw.stop();
+      await db.close();
+    }
+  });
+
+  test("stored-response reads waiting on a locked responses table hold at most a quarter of the pool and get 503", async () => {
+    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    const gw = await gateway(db, { responses: { enabled: true } });
+    let locked: { unlock(): Promise<void> } | undefined;
+    try {
+      const org = await seedOrg(held);
+      const other = await seedOrg(held, { quotaTokens: null });
+      const get = () => call(`${gw.url}/v1/responses/resp_nothere`, { headers: bearer(org.serviceKey) });
+      expect(await get()).toMatchObject({ status: 404 });
+      expect((await call(`${gw.url}/v1/me`, { headers: bearer(other.serviceKey) })).status).toBe(200);
+      locked = await lock("responses");
+      const s = sampler("%responses%");
+      const reads = await Promise.all(Array.from({ length: 30 }, get));
+      const most = await s.stop();
+      // Before: no answer at all (the client gave up after 12 s) while all ten connections waited on the lock.
+      expect({ most, now: await waiting("%responses%"), reads: tally(reads) }).toEqual({
+        most: QUARTER,
+        now: QUARTER,
+        reads: { "503 service_unavailable": 30 },
+      });
+      for (const r of reads) expect(r.ms).toBeLessThan(8_000);
+      const again = await get();
+      expect(again).toMatchObject({ status: 503, code: "service_unavailable" });
+      expect(again.ms).toBeLessThan(1_000);
+      expect(await poolStillServes(gw, other)).toEqual(SERVES);
+      await locked.unlock();
+      await until(async () => (await get()).status === 404, "stored-response reads again", 10_000, 100);
+    } finally {
+      await locked?.unlock();
+      await gw.stop();
+      await db.close();
+    }
+  });
+});
