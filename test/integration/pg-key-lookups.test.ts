@@ -1,11 +1,11 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { randomBytes } from "node:crypto";
 import { sql } from "drizzle-orm";
-import postgres from "postgres";
 import { createKeyVerifier } from "../../src/auth/verify.ts";
 import { ANSWER_TIMEOUT_MS, type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, bearer, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { gaugeOf, lockTable, sessionsWaiting, timedCall } from "../helpers/pg-locks.ts";
 import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
 import { until } from "../helpers/poll.ts";
 import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
@@ -51,61 +51,11 @@ describe.skipIf(!TEST_DATABASE_URL)("key lookups that wait on a locked keys tabl
   });
 
   /** The gateway's sessions whose current statement is a key lookup waiting on the lock. */
-  async function lookupsWaiting(): Promise<number> {
-    const [r] = await held.rows<{ n: number }>(
-      sql`select count(*)::int as n from pg_stat_activity
-          where datname = current_database() and wait_event_type = 'Lock' and query like '%from "api_keys"%' and query like '%"api_keys"."hash" = %'`,
-    );
-    return r?.n ?? -1;
-  }
-
-  async function me(url: string, key: string): Promise<{ status: number; code: string | null; ms: number }> {
-    const t = Date.now();
-    try {
-      const res = await fetch(`${url}/v1/me`, { headers: bearer(key), signal: AbortSignal.timeout(DEADLINE_MS) });
-      if (res.status >= 400) return { status: res.status, code: (await errorOf(res)).code, ms: Date.now() - t };
-      await res.arrayBuffer();
-      return { status: res.status, code: null, ms: Date.now() - t };
-    } catch (e) {
-      return { status: 0, code: (e as Error).name, ms: Date.now() - t };
-    }
-  }
-
+  const lookupsWaiting = () => sessionsWaiting(held, '%from "api_keys"%"api_keys"."hash" = %');
+  const me = (url: string, key: string) => timedCall(`${url}/v1/me`, { headers: bearer(key) }, DEADLINE_MS);
   /** Another session locks the keys table: every statement that reads or writes it waits on the server; nothing else does. */
-  async function lockKeys(): Promise<{ unlock(): Promise<void> }> {
-    const locker = postgres(scratch.url, { max: 1, onnotice: () => {} });
-    let release = () => {};
-    const gate = new Promise<void>((r) => {
-      release = r;
-    });
-    let onLocked = () => {};
-    const isLocked = new Promise<void>((r) => {
-      onLocked = r;
-    });
-    const locked = locker.begin(async (tx) => {
-      await tx`lock table api_keys in access exclusive mode`;
-      onLocked();
-      await gate;
-    });
-    await Promise.race([isLocked, locked]);
-    let done: Promise<void> | undefined;
-    return {
-      unlock() {
-        release();
-        done ??= locked.then(
-          () => locker.end({ timeout: 1 }),
-          () => locker.end({ timeout: 1 }),
-        );
-        return done;
-      },
-    };
-  }
-
-  async function gauge(metricsUrl: string, name: string): Promise<number> {
-    const text = await (await fetch(metricsUrl, { signal: AbortSignal.timeout(DEADLINE_MS) })).text();
-    const line = text.split("\n").find((l) => l.startsWith(`${name} `));
-    return line === undefined ? Number.NaN : Number(line.slice(name.length + 1));
-  }
+  const lockKeys = () => lockTable(scratch.url, "api_keys");
+  const gauge = (metricsUrl: string, name: string) => gaugeOf(metricsUrl, name, DEADLINE_MS);
 
   test("a flood of unknown keys holds at most half the pool; a cached key still gets 200 and its usage is written", async () => {
     const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });

@@ -1,10 +1,10 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
-import postgres from "postgres";
 import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import type { Gateway } from "../../src/server.ts";
-import { TEST_DATABASE_URL, bearer, errorOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, bearer, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { type Outcome, lockTable, sessionsWaiting, timedCall } from "../helpers/pg-locks.ts";
 import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
 import { until } from "../helpers/poll.ts";
 import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
@@ -45,14 +45,7 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
     await scratch?.drop();
   });
 
-  /** The gateway's sessions waiting on a lock whose statement matches `like`. */
-  async function waiting(like: string): Promise<number> {
-    const [r] = await held.rows<{ n: number }>(
-      sql`select count(*)::int as n from pg_stat_activity
-          where datname = current_database() and wait_event_type = 'Lock' and query ilike ${like}`,
-    );
-    return r?.n ?? -1;
-  }
+  const waiting = (like: string) => sessionsWaiting(held, like);
 
   /** Samples `waiting(like)` until stopped; the most seen. */
   function sampler(like: string) {
@@ -73,52 +66,8 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
     };
   }
 
-  /** Another session locks `table`: every statement that reads or writes it waits on the server; nothing else does. */
-  async function lock(table: string): Promise<{ unlock(): Promise<void> }> {
-    const locker = postgres(scratch.url, { max: 1, onnotice: () => {} });
-    let release = () => {};
-    const gate = new Promise<void>((r) => {
-      release = r;
-    });
-    let onLocked = () => {};
-    const isLocked = new Promise<void>((r) => {
-      onLocked = r;
-    });
-    const locked = locker.begin(async (tx) => {
-      await tx.unsafe(`lock table ${table} in access exclusive mode`);
-      onLocked();
-      await gate;
-    });
-    await Promise.race([isLocked, locked]);
-    let done: Promise<void> | undefined;
-    return {
-      unlock() {
-        release();
-        done ??= locked.then(
-          () => locker.end({ timeout: 1 }),
-          () => locker.end({ timeout: 1 }),
-        );
-        return done;
-      },
-    };
-  }
-
-  interface Outcome {
-    status: number;
-    code: string | null;
-    ms: number;
-  }
-  async function call(url: string, init: RequestInit = {}): Promise<Outcome> {
-    const t = Date.now();
-    try {
-      const res = await fetch(url, { ...init, signal: AbortSignal.timeout(DEADLINE_MS) });
-      if (res.status >= 400) return { status: res.status, code: (await errorOf(res)).code, ms: Date.now() - t };
-      await res.arrayBuffer();
-      return { status: res.status, code: null, ms: Date.now() - t };
-    } catch (e) {
-      return { status: 0, code: (e as Error).name, ms: Date.now() - t };
-    }
-  }
+  const lock = (table: string) => lockTable(scratch.url, table);
+  const call = (url: string, init: RequestInit = {}) => timedCall(url, init, DEADLINE_MS);
   const chat = (url: string, key: string, maxTokens = 5) =>
     call(`${url}/v1/chat/completions`, {
       method: "POST",

@@ -1,0 +1,77 @@
+import { sql } from "drizzle-orm";
+import postgres from "postgres";
+import type { Database } from "../../src/db/client.ts";
+import { errorOf } from "./harness.ts";
+
+/**
+ * What the Postgres-only "the database does not answer" tests share
+ * (pg-key-lookups, pg-pool-bounds): a table locked by another session, a
+ * count of the sessions waiting on a lock, a request timed with its error
+ * code, and a gauge read off /metrics.
+ */
+
+/** Another session locks `table`: every statement that reads or writes it waits on the server; nothing else does. */
+export async function lockTable(url: string, table: string): Promise<{ unlock(): Promise<void> }> {
+  const locker = postgres(url, { max: 1, onnotice: () => {} });
+  let release = () => {};
+  const gate = new Promise<void>((r) => {
+    release = r;
+  });
+  let onLocked = () => {};
+  const isLocked = new Promise<void>((r) => {
+    onLocked = r;
+  });
+  const locked = locker.begin(async (tx) => {
+    await tx.unsafe(`lock table ${table} in access exclusive mode`);
+    onLocked();
+    await gate;
+  });
+  await Promise.race([isLocked, locked]);
+  let done: Promise<void> | undefined;
+  return {
+    unlock() {
+      release();
+      done ??= locked.then(
+        () => locker.end({ timeout: 1 }),
+        () => locker.end({ timeout: 1 }),
+      );
+      return done;
+    },
+  };
+}
+
+/** Sessions of this database waiting on a lock whose statement matches `like` (ILIKE). */
+export async function sessionsWaiting(db: Database, like: string): Promise<number> {
+  const [r] = await db.rows<{ n: number }>(
+    sql`select count(*)::int as n from pg_stat_activity
+        where datname = current_database() and wait_event_type = 'Lock' and query ilike ${like}`,
+  );
+  return r?.n ?? -1;
+}
+
+export interface Outcome {
+  status: number;
+  /** The error body's code; null for a success; the exception's name when no answer came. */
+  code: string | null;
+  ms: number;
+}
+
+/** One request, its status, error code and time; an abort after `deadlineMs` is status 0. */
+export async function timedCall(url: string, init: RequestInit, deadlineMs: number): Promise<Outcome> {
+  const t = Date.now();
+  try {
+    const res = await fetch(url, { ...init, signal: AbortSignal.timeout(deadlineMs) });
+    if (res.status >= 400) return { status: res.status, code: (await errorOf(res)).code, ms: Date.now() - t };
+    await res.arrayBuffer();
+    return { status: res.status, code: null, ms: Date.now() - t };
+  } catch (e) {
+    return { status: 0, code: (e as Error).name, ms: Date.now() - t };
+  }
+}
+
+/** A metric's value on a /metrics page (a line `name value`, no labels); NaN when absent. */
+export async function gaugeOf(metricsUrl: string, name: string, deadlineMs: number): Promise<number> {
+  const text = await (await fetch(metricsUrl, { signal: AbortSignal.timeout(deadlineMs) })).text();
+  const line = text.split("\n").find((l) => l.startsWith(`${name} `));
+  return line === undefined ? Number.NaN : Number(line.slice(name.length + 1));
+}
