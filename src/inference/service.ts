@@ -21,6 +21,7 @@ import {
 } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream/index.ts";
 import { isRecord } from "../lib/guards.ts";
+import { firstSeen } from "../lib/once.ts";
 
 /**
  * Chat completions and embeddings: validate, resolve the alias, admit against
@@ -217,6 +218,22 @@ export function createInferenceService(deps: ServiceDeps) {
   }
 
   /** An upstream reported token counts no model produces: its figures were replaced by our estimate. */
+  const overBoundSeen = firstSeen(1_000);
+  /**
+   * The upstream counted more prompt tokens than the request reserved: charged in full (its count is
+   * within the context window), but the quota could be passed by the difference. Only an image above the
+   * alias's imageTokens (or a template beyond the bound's allowances) does that: said once per alias.
+   */
+  function promptOverReserve(name: string, promptTokens: number, reserved: number, requestId: string): void {
+    if (promptTokens <= reserved || !overBoundSeen(name)) return;
+    log.warn("upstream counted a prompt above what was reserved for it; raise the alias's imageTokens if it sends images", {
+      alias: name,
+      prompt_tokens: promptTokens,
+      reserved_prompt_tokens: reserved,
+      request_id: requestId,
+    });
+  }
+
   function implausibleUsage(name: string, target: Target, rejected: Record<string, string | undefined>, requestId: string): void {
     log.warn("upstream sent implausible usage; counted the gateway's estimate instead", { alias: name, target: target.label, ...rejected, request_id: requestId });
   }
@@ -292,6 +309,7 @@ export function createInferenceService(deps: ServiceDeps) {
         const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionChars) }, bounds);
         if (counted.rejected) implausibleUsage(name, res.target, counted.rejected, ctx.requestId);
         const { promptTokens, completionTokens } = counted;
+        promptOverReserve(name, promptTokens, promptReserve, ctx.requestId);
         shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens };
         // Serialised before settling: an answer that cannot be is a failure, settled once as one.
         const reply = JSON.stringify(shaped.out);
@@ -310,7 +328,7 @@ export function createInferenceService(deps: ServiceDeps) {
     }
     // A bound was sent: an upstream that streams past it is cut there (stream.ts).
     const generation = told > 0 ? { maxTokens: told, choices } : undefined;
-    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, bounds, generation, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform, beforeClose: ctx.beforeClose });
+    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, promptReserve, bounds, generation, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform, beforeClose: ctx.beforeClose });
   }
 
   /**
@@ -326,6 +344,8 @@ export function createInferenceService(deps: ServiceDeps) {
       alias: AliasConfig;
       clientWantsUsage: boolean;
       promptEstimate: number;
+      /** The prompt tokens the quota reserved (its bound). */
+      promptReserve: number;
       bounds: UsageBounds;
       generation: { maxTokens: number; choices: number } | undefined;
       ticket: Ticket;
@@ -360,6 +380,7 @@ export function createInferenceService(deps: ServiceDeps) {
         // either way never past the bound the upstream was sent (usage.ts): that is all that was reserved.
         const counted = end.usage ?? { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) };
         const usage = { promptTokens: counted.promptTokens, completionTokens: Math.min(counted.completionTokens, r.bounds.completionTokens) };
+        promptOverReserve(name, usage.promptTokens, r.promptReserve, r.requestId);
         // "ended" (cut at shutdown) is a 503 like an upstream failure: the client got the same error event.
         // "bound" (ended at the bound the upstream ignored) ended as a complete answer does.
         const status = end.outcome === "done" || end.outcome === "bound" ? 200 : end.outcome === "client_gone" ? 499 : 503;

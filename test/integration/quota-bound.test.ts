@@ -4,7 +4,9 @@ import fc from "fast-check";
 import type { Database } from "../../src/db/client.ts";
 import { usageCounters } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
-import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { startGateway } from "../../src/server.ts";
+import { errorOf, seedOrg, sharedDatabase, startTestGateway, testConfig } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
 import { TEST_PLANS, chatAlias, embedAlias, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -93,6 +95,16 @@ beforeAll(async () => {
       }
       const completion = Math.min(Number(body.max_tokens ?? 5), 5);
       const prompt = countPrompt(body);
+      if (body.stream === true) {
+        const chunk = (o: Record<string, unknown>) => `data: ${JSON.stringify({ id: "chatcmpl-x", object: "chat.completion.chunk", created: 1, model: body.model, ...o })}\n\n`;
+        return new Response(
+          chunk({ choices: [{ index: 0, delta: { role: "assistant", content: "hello" }, finish_reason: null }] }) +
+            chunk({ choices: [{ index: 0, delta: {}, finish_reason: "length" }] }) +
+            chunk({ choices: [], usage: { prompt_tokens: prompt, completion_tokens: completion, total_tokens: prompt + completion } }) +
+            "data: [DONE]\n\n",
+          { headers: { "content-type": "text/event-stream" } },
+        );
+      }
       return Response.json({
         id: "chatcmpl-x",
         object: "chat.completion",
@@ -382,6 +394,45 @@ describe("waiting for the instance's own requests in flight", () => {
     } finally {
       releaseSlow();
       await slowGw.stop();
+    }
+  });
+});
+
+describe("a prompt counted above what was reserved", () => {
+  test("is charged in full, and the operator is told once per alias to raise imageTokens", async () => {
+    const lines: string[] = [];
+    const gw2 = await startGateway({
+      config: await testConfig({
+        aliases: { "svc-lowimg": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }], { imageTokens: 100 }) },
+        plans: TEST_PLANS,
+        upstream: upstreamSettings({ attempts: 1 }),
+        quota: { leaseTokens: 20_000, flushMs: 100, maxBuffered: 100_000 },
+      }),
+      database: db,
+      log: createLogger("warn", (l) => lines.push(l)),
+    });
+    try {
+      const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "day" });
+      const content = [{ type: "image_url", image_url: { url: "data:image/png;base64,AAAA" } }];
+      for (const stream of [false, true, false]) {
+        const res = await fetch(`${gw2.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: { authorization: `Bearer ${org.serviceKey}`, "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-lowimg", messages: [{ role: "user", content }], max_tokens: 5, stream }),
+        });
+        expect(res.status).toBe(200);
+        await res.arrayBuffer();
+      }
+      for (let i = 0; i < 2; i++) await gw2.quota.flush();
+      const rows = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, org.orgId));
+      // The upstream's 908 prompt tokens each time, not the 100 + 528 reserved.
+      expect(rows.reduce((a, r) => a + r.used, 0)).toBe(3 * (IMAGE_COST + 8 + 5));
+      const warned = lines.map((l) => JSON.parse(l) as Record<string, unknown>).filter((l) => String(l.msg).includes("above what was reserved"));
+      // Before: nothing said (the overshoot went unnoticed).
+      expect(warned).toHaveLength(1);
+      expect(warned[0]).toMatchObject({ alias: "svc-lowimg", prompt_tokens: IMAGE_COST + 8, reserved_prompt_tokens: 512 + 16 + 100 });
+    } finally {
+      await gw2.stop();
     }
   });
 });
