@@ -500,6 +500,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   async function reserve(s: OrgState, want: number, least: number): Promise<number | "spent" | "held" | "unavailable"> {
     let tries = 0;
     let waitUntil: number | undefined;
+    /** Other instances' lease when the wait began: one that moves is in use, not stranded. */
+    let othersAtStart = 0;
     for (;;) {
       const avail = available(s);
       const take = avail >= want ? want : s.exhausted && avail >= least ? avail : 0;
@@ -518,11 +520,16 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         // flight reserved beyond what they will use (a reservation is the prompt's bound, often several
         // times its count). Refusing before they settle would be a budget_exceeded while tokens remain.
         if (s.othersHold + s.inflight < least - avail) return "spent";
-        waitUntil ??= now() + shareWaitMs;
-        // Still held after the wait (in use by requests in flight, here or on another instance): the
-        // quota is not known to be spent, so not budget_exceeded ("retrying does not help", spec 7 rule 1),
-        // but a 503 to retry; once what is held could no longer cover the request, the check above refuses.
-        if (now() >= waitUntil) return "held";
+        if (waitUntil === undefined) {
+          waitUntil = now() + shareWaitMs;
+          othersAtStart = s.othersHold;
+        }
+        // Still held after the wait by requests in flight (this instance's own, or another live instance's,
+        // whose lease moved meanwhile as it wrote usage): the quota is not known to be spent, so not
+        // budget_exceeded ("retrying does not help", spec 7 rule 1) but a 503 to retry. Lease that did not
+        // move in all that time (an instance that died with it, or that keeps it idle) is not coming back:
+        // budget_exceeded, as before.
+        if (now() >= waitUntil) return s.inflight >= least - avail || s.othersHold !== othersAtStart ? "held" : "spent";
         await Bun.sleep(Math.max(20, Math.floor(opts.flushMs / 4)));
         s.exhausted = false;
         tries = 0;
