@@ -217,15 +217,14 @@ export function createInferenceService(deps: ServiceDeps) {
     return target && e instanceof RangeError ? badUpstreamAnswer(name, target) : e;
   }
 
-  /** An upstream reported token counts no model produces: its figures were replaced by our estimate. */
   const overBoundSeen = firstSeen(1_000);
   /**
    * The upstream counted more prompt tokens than the request reserved: charged in full (its count is
    * within the context window), but the quota could be passed by the difference. Only an image above the
    * alias's imageTokens (or a template beyond the bound's allowances) does that: said once per alias.
    */
-  function promptOverReserve(name: string, promptTokens: number, reserved: number, requestId: string): void {
-    if (promptTokens <= reserved || !overBoundSeen(name)) return;
+  function promptOverReserve(name: string, promptTokens: number, reserved: number | undefined, requestId: string): void {
+    if (reserved === undefined || promptTokens <= reserved || !overBoundSeen(name)) return;
     log.warn("upstream counted a prompt above what was reserved for it; raise the alias's imageTokens if it sends images", {
       alias: name,
       prompt_tokens: promptTokens,
@@ -234,6 +233,7 @@ export function createInferenceService(deps: ServiceDeps) {
     });
   }
 
+  /** An upstream reported token counts no model produces: its figures were replaced by our estimate. */
   function implausibleUsage(name: string, target: Target, rejected: Record<string, string | undefined>, requestId: string): void {
     log.warn("upstream sent implausible usage; counted the gateway's estimate instead", { alias: name, target: target.label, ...rejected, request_id: requestId });
   }
@@ -265,7 +265,9 @@ export function createInferenceService(deps: ServiceDeps) {
     // The prompt is reserved at the most it can be (its bytes, the template's allowances, each image at the
     // alias's imageTokens, at most the context window), never at the estimate: a prompt that tokenizes
     // denser than the estimate (CJK text, code, images) would overshoot the quota by the difference.
-    const promptReserve = Math.max(promptEstimate, promptTokenBound(body, alias.imageTokens ?? DEFAULT_IMAGE_TOKENS, alias.contextWindow));
+    // Without a quota nothing is reserved: the bound (a pass over the whole body) is not computed.
+    const metered = principal.quotaTokens !== null;
+    const promptReserve = metered ? Math.max(promptEstimate, promptTokenBound(body, alias.imageTokens ?? DEFAULT_IMAGE_TOKENS, alias.contextWindow)) : promptEstimate;
     const reservation = promptReserve + choices * (limit ?? Math.max(1, Math.min(config.quota.defaultMaxTokens, room)));
     // A caller who set a bound gets it or a refusal. Without one the request
     // can run with less: down to one completion token per choice. Either way,
@@ -309,7 +311,7 @@ export function createInferenceService(deps: ServiceDeps) {
         const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionChars) }, bounds);
         if (counted.rejected) implausibleUsage(name, res.target, counted.rejected, ctx.requestId);
         const { promptTokens, completionTokens } = counted;
-        promptOverReserve(name, promptTokens, promptReserve, ctx.requestId);
+        promptOverReserve(name, promptTokens, metered ? promptReserve : undefined, ctx.requestId);
         shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens };
         // Serialised before settling: an answer that cannot be is a failure, settled once as one.
         const reply = JSON.stringify(shaped.out);
@@ -328,7 +330,7 @@ export function createInferenceService(deps: ServiceDeps) {
     }
     // A bound was sent: an upstream that streams past it is cut there (stream.ts).
     const generation = told > 0 ? { maxTokens: told, choices } : undefined;
-    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, promptReserve, bounds, generation, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform, beforeClose: ctx.beforeClose });
+    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, promptReserve: metered ? promptReserve : undefined, bounds, generation, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform, beforeClose: ctx.beforeClose });
   }
 
   /**
@@ -344,8 +346,8 @@ export function createInferenceService(deps: ServiceDeps) {
       alias: AliasConfig;
       clientWantsUsage: boolean;
       promptEstimate: number;
-      /** The prompt tokens the quota reserved (its bound). */
-      promptReserve: number;
+      /** The prompt tokens the quota reserved (its bound); undefined without a quota. */
+      promptReserve: number | undefined;
       bounds: UsageBounds;
       generation: { maxTokens: number; choices: number } | undefined;
       ticket: Ticket;

@@ -412,8 +412,18 @@ describe("a prompt counted above what was reserved", () => {
       log: createLogger("warn", (l) => lines.push(l)),
     });
     try {
-      const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "day" });
       const content = [{ type: "image_url", image_url: { url: "data:image/png;base64,AAAA" } }];
+      // Without a quota nothing is reserved, so nothing is said.
+      const free = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: null });
+      const unmetered = await fetch(`${gw2.url}/v1/chat/completions`, {
+        method: "POST",
+        headers: { authorization: `Bearer ${free.serviceKey}`, "content-type": "application/json" },
+        body: JSON.stringify({ model: "svc-lowimg", messages: [{ role: "user", content }], max_tokens: 5 }),
+      });
+      expect(unmetered.status).toBe(200);
+      await unmetered.arrayBuffer();
+      expect(lines.filter((l) => l.includes("above what was reserved"))).toHaveLength(0);
+      const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "day" });
       for (const stream of [false, true, false]) {
         const res = await fetch(`${gw2.url}/v1/chat/completions`, {
           method: "POST",
