@@ -167,11 +167,18 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
       expect({ most, now: await waiting("%") }).toEqual({ most: 1, now: 1 });
       expect(await poolStillServes(gw, other)).toEqual(SERVES);
       await locked.unlock();
-      await until(async () => (await waiting("%")) === 0, "the audit write to settle", 10_000, 50);
-      const [row] = await held.rows<{ n: number }>(
-        sql`select count(*)::int as n from audit_events where org_id = ${org.orgId} and action = 'billing.budget_exceeded'`,
-      );
-      expect(row?.n).toBe(1);
+      // No longer waiting on the lock is not yet committed: poll for the row (CI once read 0 right after the wait ended).
+      const audited = async () =>
+        Number(
+          (
+            await held.rows<{ n: number }>(
+              sql`select count(*)::int as n from audit_events where org_id = ${org.orgId} and action = 'billing.budget_exceeded'`,
+            )
+          )[0]?.n,
+        );
+      await until(async () => (await waiting("%")) === 0 && (await audited()) > 0, "the audit write to settle", 10_000, 50);
+      await Bun.sleep(200);
+      expect(await audited()).toBe(1);
     } finally {
       await locked?.unlock();
       await gw.stop();
