@@ -1,5 +1,6 @@
 import { type AnyColumn, type SQL, eq, sql } from "drizzle-orm";
 import { ANSWER_TIMEOUT_MS, type Database, DatabaseTimeout, answeredWithin } from "../db/client.ts";
+import { createBound } from "../db/bounded.ts";
 import { QUOTA_PERIODS, type QuotaPeriod, apiKeys, organizations, users } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
 import { firstSeen } from "../lib/once.ts";
@@ -334,14 +335,8 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
   let created = 0;
   let unlisten: (() => Promise<void>) | undefined;
   let flushTimer: ReturnType<typeof setInterval> | undefined;
-  const lookupLimit = maxKeyLookups(database.poolMax);
-  const lookupTimeoutMs = opts.lookupTimeoutMs ?? ANSWER_TIMEOUT_MS;
-  /** Lookups out (started, not settled): each may hold a pool connection. */
-  let lookupsOut = 0;
-  /** Of those, the ones their caller gave up on. */
-  let unansweredLookups = 0;
-  /** Lookups waiting for one out to settle (lookupsOut at lookupLimit), first come first started. */
-  const lookupQueue: (() => void)[] = [];
+  /** Key lookups out at once, each holding (or queued for) a pool connection. */
+  const lookupBound = createBound("key lookup", maxKeyLookups(database.poolMax), undefined, opts.lookupTimeoutMs ?? ANSWER_TIMEOUT_MS);
   /** A last_used_at update given up on has not settled yet: the next flush waits for it. */
   let lastUsedUnanswered = false;
 
@@ -368,57 +363,13 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
    * Reads a key's row (with one immediate retry: a pooled connection the
    * server dropped fails once, then the driver reconnects), waiting at most
    * lookupTimeoutMs in all, a wait for a turn included: a database that stops
-   * answering must not hold the request. At most lookupLimit lookups are out
-   * at once; the others wait their turn without a connection. A lookup given
-   * up on stays out until the database answers it (it still holds its
-   * connection), and while lookupLimit are out so, a new one is refused at
-   * once rather than made to wait for nothing.
+   * answering must not hold the request. At most maxKeyLookups are out at
+   * once (src/db/bounded.ts); a lookup given up on stays out until the
+   * database answers it, and while that many are out so, a new one is refused
+   * at once rather than made to wait for nothing.
    */
   function boundedLookup(hash: string): Promise<Principal | null> {
-    if (unansweredLookups >= lookupLimit) {
-      return Promise.reject(new DatabaseTimeout(`key lookup: ${unansweredLookups} earlier key lookups are still unanswered`));
-    }
-    return new Promise<Principal | null>((resolve, reject) => {
-      let running: Promise<Principal | null> | undefined;
-      /** The caller has its answer (or its timeout). */
-      let over = false;
-      let givenUp = false;
-      const start = () => {
-        lookupsOut++;
-        const q = lookup(hash).catch(() => lookup(hash));
-        running = q;
-        const settled = () => {
-          lookupsOut--;
-          if (givenUp) unansweredLookups--;
-          lookupQueue.shift()?.();
-        };
-        q.then(settled, settled);
-        const answer = (give: () => void) => {
-          if (over) return;
-          over = true;
-          clearTimeout(timer);
-          give();
-        };
-        q.then(
-          (v) => answer(() => resolve(v)),
-          (e: unknown) => answer(() => reject(e)),
-        );
-      };
-      const timer = setTimeout(() => {
-        if (over) return;
-        over = true;
-        if (running) {
-          givenUp = true;
-          unansweredLookups++;
-        } else {
-          const at = lookupQueue.indexOf(start);
-          if (at >= 0) lookupQueue.splice(at, 1);
-        }
-        reject(new DatabaseTimeout(`key lookup: no answer from the database within ${lookupTimeoutMs} ms`));
-      }, lookupTimeoutMs);
-      if (lookupsOut < lookupLimit) start();
-      else lookupQueue.push(start);
-    });
+    return lookupBound.run(() => lookup(hash).catch(() => lookup(hash)));
   }
 
   /**
@@ -622,7 +573,7 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
     },
 
     stats() {
-      return { entries: cache.size, negative: negative.size, hits, misses, lookups, throttled, unansweredLookups };
+      return { entries: cache.size, negative: negative.size, hits, misses, lookups, throttled, unansweredLookups: lookupBound.unanswered() };
     },
   };
 }
