@@ -75,13 +75,14 @@ export async function readAuditEvents(deps: AuditReadDeps, orgId: string, search
     const read = () => listAuditEvents(deps.database.db, orgId, filter, position, limit, (id, problem) => reportRow(deps.log, id, problem));
     result = await (deps.bound ? deps.bound.run(read) : read());
   } catch (e) {
-    // Refused at once while earlier reads are unanswered: the bound logged that once.
-    if (e instanceof BoundFull) throw new AppError("service_unavailable", "The audit log is temporarily unavailable; retry with backoff.");
     // Input is fully validated above, so a failing query means the database is
     // unreachable or overloaded; the caller should retry with backoff.
     // drizzle wraps the driver's error (message = the SQL); the cause says what went wrong.
-    const cause = e instanceof Error && e.cause instanceof Error ? e.cause : e;
-    deps.log?.error("audit query failed", { org_id: orgId, err: cause instanceof Error ? cause.message : String(cause) });
+    // Refused at once while earlier reads are unanswered: the bound logged that once.
+    if (!(e instanceof BoundFull)) {
+      const cause = e instanceof Error && e.cause instanceof Error ? e.cause : e;
+      deps.log?.error("audit query failed", { org_id: orgId, err: cause instanceof Error ? cause.message : String(cause) });
+    }
     throw new AppError("service_unavailable", "The audit log is temporarily unavailable; retry with backoff.");
   }
   return {

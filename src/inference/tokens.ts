@@ -203,10 +203,10 @@ const SPECIAL_TOKENS_PER_INPUT = 16;
  */
 export function embeddingTokenBound(body: EmbeddingsBody): number {
   const input = body.input;
-  if (typeof input === "string") return Buffer.byteLength(input) + SPECIAL_TOKENS_PER_INPUT;
+  if (typeof input === "string") return utf8(input) + SPECIAL_TOKENS_PER_INPUT;
   // A flat list of numbers is one input of token ids.
   if (input.length > 0 && typeof input[0] === "number") return input.length + SPECIAL_TOKENS_PER_INPUT;
   let bound = 0;
-  for (const item of input) bound += (typeof item === "string" ? Buffer.byteLength(item) : typeof item === "number" ? 1 : item.length) + SPECIAL_TOKENS_PER_INPUT;
+  for (const item of input) bound += (typeof item === "string" ? utf8(item) : typeof item === "number" ? 1 : item.length) + SPECIAL_TOKENS_PER_INPUT;
   return bound;
 }

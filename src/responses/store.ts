@@ -261,9 +261,10 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
       return await reads.run(() => database.rows<T>(query));
     } catch (e) {
       // Refused at once while earlier reads are unanswered: the bound logged that once.
-      if (e instanceof BoundFull) throw new AppError("service_unavailable", "The response store is temporarily unavailable; retry with backoff.");
-      const cause = e instanceof Error && e.cause instanceof Error ? e.cause : e;
-      log.error(`reading stored responses failed (${what})`, { err: cause instanceof Error ? cause.message : String(cause) });
+      if (!(e instanceof BoundFull)) {
+        const cause = e instanceof Error && e.cause instanceof Error ? e.cause : e;
+        log.error(`reading stored responses failed (${what})`, { err: cause instanceof Error ? cause.message : String(cause) });
+      }
       throw new AppError("service_unavailable", "The response store is temporarily unavailable; retry with backoff.");
     }
   }
