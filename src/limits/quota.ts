@@ -92,6 +92,14 @@ interface OrgState {
    * and our own return not yet written (`returning`).
    */
   othersHold: number;
+  /**
+   * Other instances' lease alone at our last lease, when it could be told
+   * exactly: -1 when a write of ours that moves `leased` was out (it may
+   * have committed before `landed` ran, so the row and `returning` can
+   * disagree by it). A request waiting on other instances' lease tells a
+   * live instance (its lease moves) from a dead one's stranded lease by it.
+   */
+  othersExact: number;
   /** Lease converted or returned in a batch not yet written (still counted in the shared `leased`). */
   returning: number;
   /** Lease taken back after the quota was lowered below it (changeQuota): no longer ours to admit against, returned at the next write. */
@@ -250,6 +258,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         lastTake: 0,
         sharedFree: Number.POSITIVE_INFINITY,
         othersHold: 0,
+        othersExact: -1,
         returning: 0,
         revoked: 0,
         leasedAt: t,
@@ -306,6 +315,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       // A share of what remains, so instances split a small quota (or the end of a large one); at least what is needed now.
       const take = Math.max(0, Math.min(free, Math.max(need, Math.min(wanted, Math.ceil(free * LEASE_SHARE)))));
       const others = leased - s.granted - s.returning - s.revoked;
+      // Exact only with no write of ours out: between its commit and landed() the row has our return and `returning` still counts it.
+      const exact = s.returning === 0;
       // Short while other instances hold lease: ask them for their unused part (they look at every flush).
       const asking = take < need && others > 0;
       if (take > 0 || asking) {
@@ -313,13 +324,14 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
           sql`update usage_counters set leased = leased + ${take}${asking ? sql`, wanted_at = now()` : sql``} where org_id = ${s.orgId} and window_start = ${ws}`,
         );
       }
-      return { take, left: free - take, others };
+      return { take, left: free - take, others, exact };
     });
     s.granted += got.take;
     s.lastTake = got.take;
     s.sharedFree = got.left;
     // Our own return not yet written is still counted in the row's `leased`: what it frees is ours once it lands.
     s.othersHold = Math.max(0, got.others) + s.returning;
+    s.othersExact = got.exact ? Math.max(0, got.others) : -1;
     s.reservedSinceLease = 0;
     s.leasedAt = now();
     // Exhausted: the shared counter could not supply what was needed (or, for a refill ahead of need, anything).
@@ -500,8 +512,9 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   async function reserve(s: OrgState, want: number, least: number): Promise<number | "spent" | "held" | "unavailable"> {
     let tries = 0;
     let waitUntil: number | undefined;
-    /** Other instances' lease when the wait began: one that moves is in use, not stranded. */
-    let othersAtStart = 0;
+    /** Other instances' lease at the first exact look of the wait (-1: none yet): lease that moves is in use, not stranded. */
+    let othersFirst = -1;
+    let othersMoved = false;
     for (;;) {
       const avail = available(s);
       const take = avail >= want ? want : s.exhausted && avail >= least ? avail : 0;
@@ -520,16 +533,19 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         // flight reserved beyond what they will use (a reservation is the prompt's bound, often several
         // times its count). Refusing before they settle would be a budget_exceeded while tokens remain.
         if (s.othersHold + s.inflight < least - avail) return "spent";
-        if (waitUntil === undefined) {
-          waitUntil = now() + shareWaitMs;
-          othersAtStart = s.othersHold;
+        waitUntil ??= now() + shareWaitMs;
+        // Only exact looks count: this instance's own return, written at every flush while the counter is
+        // empty and taken again by this loop, is not another instance's lease moving (CI, quota-crash).
+        if (s.othersExact >= 0) {
+          if (othersFirst < 0) othersFirst = s.othersExact;
+          else if (s.othersExact !== othersFirst) othersMoved = true;
         }
         // Still held after the wait by requests in flight (this instance's own, or another live instance's,
         // whose lease moved meanwhile as it wrote usage): the quota is not known to be spent, so not
         // budget_exceeded ("retrying does not help", spec 7 rule 1) but a 503 to retry. Lease that did not
         // move in all that time (an instance that died with it, or that keeps it idle) is not coming back:
         // budget_exceeded, as before.
-        if (now() >= waitUntil) return s.inflight >= least - avail || s.othersHold !== othersAtStart ? "held" : "spent";
+        if (now() >= waitUntil) return s.inflight >= least - avail || othersMoved ? "held" : "spent";
         await Bun.sleep(Math.max(20, Math.floor(opts.flushMs / 4)));
         s.exhausted = false;
         tries = 0;

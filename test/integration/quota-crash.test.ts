@@ -5,7 +5,12 @@ import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { usageCounters } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { TEST_DATABASE_URL, errorOf, startTestGateway } from "../helpers/harness.ts";
+import type { Principal } from "../../src/auth/types.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { createQuota } from "../../src/limits/quota.ts";
+import { periodStart } from "../../src/limits/period.ts";
+import { TEST_DATABASE_URL, errorOf, rejectionOf, startTestGateway } from "../helpers/harness.ts";
+import { lockTable } from "../helpers/pg-locks.ts";
 import { eventually } from "../helpers/poll.ts";
 import { type Proc, type ScratchPostgres, cleanEnv, createScratchDatabase, exitWithin, listeningUrl, startGatewayProcess } from "../helpers/process.ts";
 import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
@@ -174,5 +179,50 @@ describe.skipIf(!TEST_DATABASE_URL)("a SIGKILLed instance (Postgres)", () => {
       expect(c.used + lost).toBeLessThanOrEqual(QUOTA);
       expect(c.used + lost).toBeGreaterThan(QUOTA - reservation);
     }
+  });
+
+  /**
+   * CI caught the survivor above answering 503 instead of budget_exceeded.
+   * An instance whose shared counter is empty gives its unused lease back
+   * at every write and takes it again while a request waits; while such a
+   * return is being written, its own lease was counted among "other
+   * instances' lease", so that lease seemed to move, as a live instance's
+   * does, and the stranded one was answered "retry shortly" for good. Here
+   * the return is held in flight (usage_batches locked) for the whole wait.
+   */
+  test("a stranded lease ends in budget_exceeded even while this instance's own lease return is being written", async () => {
+    const o = await createOrg(db, { name: "stranded", plan: "Standard", plans: ["Standard"], quotaTokens: QUOTA, quotaWindow: "day" });
+    const p: Principal = {
+      keyId: crypto.randomUUID(),
+      orgId: o.id,
+      userId: null,
+      kind: "service",
+      scopes: ["inference"],
+      models: null,
+      expiresAt: null,
+      revokedAt: null,
+      academyOnly: false,
+      plan: "Standard",
+      quotaTokens: QUOTA,
+      quotaPeriod: "day",
+      actorName: "",
+      actorEmail: "",
+      keyRoot: crypto.randomUUID(),
+    };
+    // A dead instance's lease of 1,000 on a counter with 100 left.
+    await db.db.insert(usageCounters).values({ orgId: o.id, windowStart: new Date(periodStart("day", Date.now())), used: QUOTA - LEASE - 100, leased: LEASE });
+    const q = createQuota(db, createLogger("silent"), { leaseTokens: LEASE, flushMs: 50, maxBuffered: 1000 });
+    q.start();
+    const batches = await lockTable(scratch.url, "usage_batches");
+    try {
+      // 150 wanted, 100 left: the lease falls short, the request waits for the stranded lease; the 100 this
+      // instance took goes back at the next flush and stays in flight, as usage_batches is locked.
+      const refused = await rejectionOf(q.admit(p, 150));
+      expect(refused).toMatchObject({ code: "budget_exceeded" });
+    } finally {
+      await batches.unlock();
+      await q.stop();
+    }
+    expect(await counter(o.id)).toEqual({ used: QUOTA - LEASE - 100, leased: LEASE });
   });
 });
