@@ -218,6 +218,42 @@ describe("quota leases", () => {
     expect(delivered - quotaTokens).toBeLessThanOrEqual(errorInFlight);
   });
 
+  test("the rest of the quota held by another live instance's requests in flight: 503 with retry-after, then budget_exceeded once they used it", async () => {
+    // docs/decisions.md "Quota": after the wait, tokens still held by requests in flight on an instance whose
+    // lease moved meanwhile are not "spent" (spec 7: budget_exceeded means retrying does not help).
+    const db = await sharedDatabase();
+    const p = await org(1_000);
+    const a = createQuota(db, log, { leaseTokens: 100, flushMs: 100, maxBuffered: 1000 });
+    const b = createQuota(db, log, { leaseTokens: 100, flushMs: 100, maxBuffered: 1000 });
+    a.start();
+    b.start();
+    try {
+      // Instance a: nine requests of 100 under way, holding 900 of the 1,000.
+      const tickets = [];
+      for (let i = 0; i < 9; i++) tickets.push(await a.admit(p, 100));
+      // They finish one every 150 ms, each using all it reserved: a's lease moves at every write.
+      const settling = (async () => {
+        for (const t of tickets) {
+          await Bun.sleep(150);
+          a.settle(t, { promptTokens: 100, completionTokens: 0 }, outcome);
+        }
+      })();
+      // Instance b wants 200: at most 100 is free, the rest is a's, in use.
+      const held = await rejectionOf(b.admit(p, 200));
+      expect(held).toBeInstanceOf(AppError);
+      expect((held as AppError).code).toBe("service_unavailable");
+      expect((held as AppError).headers["retry-after"]).toBe("1");
+      await settling;
+      await a.flush();
+      // All 900 used: 100 left, less than 200, whatever anyone waits for.
+      expect(await rejectionOf(b.admit(p, 200))).toMatchObject({ code: "budget_exceeded" });
+    } finally {
+      await a.stop();
+      await b.stop();
+    }
+    expect((await counters(p.orgId)).used).toBe(900);
+  });
+
   test("one flush writes what was waiting; requests settled during the write wait for the next interval", async () => {
     // Regression: under load every write found new records and the flush loop
     // wrote back to back (100 transactions in 15 s instead of 15).
