@@ -393,6 +393,7 @@ describe("two instances, one quota, completions far larger than the quota", () =
       const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
       let received = 0;
       let refused = 0;
+      let held = 0;
       const client = async (i: number) => {
         const gw = i % 2 === 0 ? gwA : gwB;
         for (;;) {
@@ -405,12 +406,21 @@ describe("two instances, one quota, completions far larger than the quota", () =
             continue;
           }
           const err = await errorOf(res);
+          // docs/decisions.md "Quota": the rest held by requests in flight (on either instance) is a 503 to
+          // retry, not budget_exceeded; once they settle, what is left decides.
+          if (res.status === 503 && err.code === "service_unavailable" && res.headers.get("retry-after") === "1") {
+            held++;
+            await Bun.sleep(50);
+            continue;
+          }
           expect(`${res.status} ${err.code} ${err.message}`).toStartWith("429 budget_exceeded");
           refused++;
           return;
         }
       };
       await Promise.all(Array.from({ length: 8 }, (_, i) => client(i)));
+      // A few at the end at most: each client retries until the quota is settled.
+      expect(held).toBeLessThan(200);
       await flushAll();
       const u = await used(org.orgId);
       expect(u.used).toBe(received);
