@@ -258,6 +258,8 @@ export function principalOfRow(r: KeyRow): { principal: Principal; problems: Row
 }
 
 export async function lookupKey(database: Database, hash: string, report?: (p: RowProblem) => void): Promise<Principal | null> {
+  // Taken before the query: a lookup sent after another one's answer reads a row at least as new.
+  const readAt = performance.now();
   const rows = await database.db
     .select({
       keyId: apiKeys.id,
@@ -288,6 +290,7 @@ export async function lookupKey(database: Database, hash: string, report?: (p: R
   const r = rows[0];
   if (!r) return null;
   const { principal, problems } = principalOfRow(r);
+  principal.readAt = readAt;
   for (const p of problems) report?.(p);
   if (r.rotatedFrom !== null) principal.keyRoot = await lineageRoot(database, r.keyId);
   return principal;

@@ -70,6 +70,8 @@ interface OrgState {
   /** When the period ends (the next one's start). */
   end: number;
   quota: number;
+  /** When the principal whose quota this is was read (Principal.readAt): an older one's quota is not taken back. */
+  quotaReadAt: number;
   granted: number;
   pending: number;
   inflight: number;
@@ -207,8 +209,12 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   function stateFor(p: Principal, t: number): OrgState {
     let s = currentState.get(p.orgId);
     if (!s || t >= s.end || t < s.start || s.period !== p.quotaPeriod) s = periodState(p, t);
-    // A quota change reaches us through the key cache (org:<id> invalidation).
-    if (p.quotaTokens !== null && p.quotaTokens !== s.quota) changeQuota(s, p.quotaTokens);
+    // A quota change reaches us through the key cache (org:<id> invalidation); a principal read before
+    // the one whose quota the state has (a request whose key was checked before the change, its body
+    // read after) does not take the quota back: admitted against the old quota, it overshot the new one.
+    const readAt = p.readAt ?? Number.POSITIVE_INFINITY;
+    if (p.quotaTokens !== null && p.quotaTokens !== s.quota && readAt >= s.quotaReadAt) changeQuota(s, p.quotaTokens);
+    if (readAt > s.quotaReadAt && p.readAt !== undefined) s.quotaReadAt = readAt;
     s.lastUsed = t;
     return s;
   }
@@ -247,6 +253,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         start,
         end: periodEnd(period, t),
         quota: p.quotaTokens ?? 0,
+        quotaReadAt: p.readAt ?? Number.NEGATIVE_INFINITY,
         granted: 0,
         pending: 0,
         inflight: 0,

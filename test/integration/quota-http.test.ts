@@ -352,6 +352,64 @@ describe("a quota lowered below the lease an instance holds", () => {
   });
 });
 
+describe("a request authenticated before the quota was lowered, admitted after", () => {
+  /**
+   * A POST whose body arrives in two parts: the key is checked when the head
+   * arrives (with the principal cached then), the body read after. Resolves
+   * with the answer's status line and body once `finish` is called.
+   */
+  async function slowBody(gw: Gateway, key: string, body: string): Promise<{ finish: () => void; answer: Promise<string> }> {
+    const url = new URL(gw.url);
+    let received = "";
+    let done: (s: string) => void = () => {};
+    const answer = new Promise<string>((r) => (done = r));
+    const socket = await Bun.connect({
+      hostname: url.hostname,
+      port: Number(url.port),
+      socket: {
+        data(_s, d) {
+          received += new TextDecoder().decode(d);
+        },
+        close() {
+          done(received);
+        },
+      },
+    });
+    const bytes = new TextEncoder().encode(body);
+    const cut = 20;
+    socket.write(`POST /v1/chat/completions HTTP/1.1\r\nhost: ${url.host}\r\nauthorization: Bearer ${key}\r\ncontent-type: application/json\r\ncontent-length: ${bytes.length}\r\nconnection: close\r\n\r\n`);
+    socket.write(bytes.subarray(0, cut));
+    return { finish: () => void socket.write(bytes.subarray(cut)), answer };
+  }
+
+  test("is held to the new quota, and does not take the instance back to the old one", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "day" });
+    const first = await chat(gwA, org.serviceKey, { max_tokens: 60 });
+    expect(first.status).toBe(200);
+    await first.text();
+    // Its key checked now, under the quota of 100,000; its body (max_tokens 50,000) still on the way.
+    const slow = await slowBody(gwA, org.serviceKey, JSON.stringify({ model: "svc-fast", max_tokens: 50_000, messages: [{ role: "user", content: PROMPT }] }));
+    await Bun.sleep(300);
+    await setOrg(db, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 1_000 });
+    await until(async () => {
+      const res = await chat(gwA, org.serviceKey, { max_tokens: 2_000 });
+      await res.text();
+      return res.status === 429;
+    }, "the lowered quota");
+    slow.finish();
+    const answer = await slow.answer;
+    await flushAll();
+    const after = await used(org.orgId);
+    // Before: 200, and 50,017 + 77 tokens used of a quota of 1,000 (admitted under the quota its key was checked with).
+    expect({ status: answer.split(" ")[1], used: after.used }).toEqual({ status: "429", used: PROMPT_TOKENS + 60 });
+    expect(answer).toContain("budget_exceeded");
+    // The instance still admits at the new quota.
+    const big = await chat(gwA, org.serviceKey, { max_tokens: 2_000 });
+    expect(big.status).toBe(429);
+    await big.text();
+  });
+});
+
 describe("a reservation larger than the whole quota", () => {
   test("n above 128 (OpenAI's maximum) is a 400 naming n, before anything is reserved or sent", async () => {
     const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10_000, quotaWindow: "day" });
