@@ -140,9 +140,13 @@ describe.skipIf(!TEST_DATABASE_URL)("a SIGKILLed instance (Postgres)", () => {
       console.log(`quota-crash: ${s.name}: used=${c.used} stranded=${c.leased}`);
       stranded.set(orgId, c.leased);
     }
-    // Each holds something (it had requests), none more than one lease.
-    expect(orgs.map(({ s, orgId }) => `${s.name}: ${(stranded.get(orgId) ?? 0) > 0 && (stranded.get(orgId) ?? 0) <= LEASE}`)).toEqual(
-      orgs.map(({ s }) => `${s.name}: true`),
+    // None holds more than one lease. The first two hold something (requests far below one lease): the
+    // survivor's part below is about a lease that is there. The third, whose burst leased thousands for
+    // reservations of 968 (the prompt's bound) and used 37 each, was once seen to hold nothing when its
+    // writes had given all of it back: less stranded, the safe direction.
+    expect(orgs.map(({ s, orgId }) => `${s.name}: ${(stranded.get(orgId) ?? 0) <= LEASE}`)).toEqual(orgs.map(({ s }) => `${s.name}: true`));
+    expect(orgs.slice(0, 2).map(({ s, orgId }) => `${s.name}: ${(stranded.get(orgId) ?? 0) > 0}`)).toEqual(
+      orgs.slice(0, 2).map(({ s }) => `${s.name}: true`),
     );
 
     // The other instance serves each organisation until less than one request's reservation is left of
