@@ -70,8 +70,27 @@ export function storedItem(item: InputItem): StoredItem {
         : m.content;
     return { id: m.id ?? newItemId("msg"), type: "message", role: m.role, content, status: m.status ?? "completed" };
   }
-  const id = item.id ?? newItemId(type === "function_call" ? "fc" : type === "function_call_output" ? "fco" : "rs");
+  const id = item.id ?? newItemId(idPrefix(type));
   return { ...item, id, type, status: item.status ?? "completed" } as StoredItem;
+}
+
+const idPrefix = (type: string): string => (type === "message" ? "msg" : type === "function_call" ? "fc" : type === "function_call_output" ? "fco" : "rs");
+
+/**
+ * The request's input items as stored: each with an id of its own. An id the
+ * request repeats (an item sent twice, the same item referenced twice) stays
+ * on its first item and the repeats get new ones: the ids are the cursors of
+ * the input items list (`after`, `before`), and a repeated one could not be
+ * paged past (the SDK's auto-pagination asked for the same page forever).
+ */
+function storedItems(input: readonly InputItem[]): StoredItem[] {
+  const seen = new Set<string>();
+  return input.map((item) => {
+    const stored = storedItem(item);
+    if (seen.has(stored.id)) stored.id = newItemId(idPrefix(stored.type));
+    seen.add(stored.id);
+    return stored;
+  });
 }
 
 const CACHE_RETENTIONS = ["in_memory", "24h"] as const;
@@ -232,7 +251,7 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
     user: body.user ?? null,
   };
 
-  return { chat, echo, inputItems: input.map(storedItem), param: (p) => responsesParam(p, origin) };
+  return { chat, echo, inputItems: storedItems(input), param: (p) => responsesParam(p, origin) };
 }
 
 /** A function_call_output that answers no function_call just before it (other calls and outputs between), in OpenAI's Responses words. */

@@ -207,6 +207,48 @@ describe("retrieve, delete, input items", () => {
   });
 });
 
+describe("input items with repeated ids", () => {
+  // Seen failing before: items sent with the same id (an item repeated inline, the same item referenced
+  // twice) were stored under that id, so `after` (the first item with the id) could not move past them:
+  // paging by last_id, as the SDK's auto-pagination does, returned the same page forever.
+  test("each is listed once: a repeat gets an id of its own, and paging by last_id reaches the end", async () => {
+    const first = await made({ input: "Say hi" });
+    const msg = rec(arr(first.output).find((o) => rec(o).type === "message"));
+    const same = { type: "message", id: "msg_same", role: "user", content: "again" };
+    const call = { type: "function_call", id: "fc_same", call_id: "c1", name: "f", arguments: "{}" };
+    const input = [same, { ...same, content: "and again" }, { type: "item_reference", id: msg.id }, { id: msg.id }, call, { type: "function_call_output", call_id: "c1", output: "x" }, same];
+    const r = await made({ input });
+    const seen: Record<string, unknown>[] = [];
+    let after = "";
+    for (let pages = 0; pages <= input.length; pages++) {
+      const res = await get(`/v1/responses/${String(r.id)}/input_items?order=asc&limit=1${after ? `&after=${after}` : ""}`);
+      expect(res.status).toBe(200);
+      const page = rec(await res.json());
+      seen.push(...arr(page.data).map(rec));
+      if (!page.has_more) break;
+      after = String(page.last_id);
+    }
+    expect(seen.map((i) => [i.type, i.type === "message" ? rec(arr(i.content)[0]).text : (i.name ?? i.output)])).toEqual([
+      ["message", "again"],
+      ["message", "and again"],
+      ["message", "token0 token1 token2 token3 "],
+      ["message", "token0 token1 token2 token3 "],
+      ["function_call", "f"],
+      ["function_call_output", "x"],
+      ["message", "again"],
+    ]);
+    const ids = seen.map((i) => String(i.id));
+    expect(new Set(ids).size).toBe(input.length);
+    // The first item with an id keeps it; a repeat gets a new one of its type's prefix.
+    expect(ids[0]).toBe("msg_same");
+    expect(ids[2]).toBe(String(msg.id));
+    for (const k of [1, 3, 6]) expect(ids[k]).toMatch(/^msg_[0-9a-f]{32}$/);
+    expect(ids[4]).toBe("fc_same");
+    // What goes upstream is unchanged by the ids.
+    expect(upstreamMessages().map((m) => rec(m).role)).toEqual(["user", "user", "assistant", "assistant", "tool", "user"]);
+  });
+});
+
 describe("previous_response_id", () => {
   test("replays the stored conversation, recursively, before the new input; instructions are not carried over", async () => {
     const first = await made({ instructions: "Be brief.", input: "My name is Ada." });
