@@ -151,7 +151,7 @@ export const ConfigSchema = T.Object(
         maxResponseBytes: Int({
           minimum: 1024,
           default: 8 * 1024 * 1024,
-          description: "Largest non-streamed answer or error body read from an upstream (embeddings get at least what their input count needs)",
+          description: "Largest non-streamed answer or error body read from an upstream (embeddings get at least what their input count needs), and the most delta text a Responses API stream holds",
         }),
         timeouts: Timeouts,
         // Image URLs the inference servers are asked to fetch (src/inference/image-url.ts).

@@ -368,7 +368,9 @@ export function createInferenceService(deps: ServiceDeps) {
       clientWantsUsage: r.clientWantsUsage,
       idleMs: timeoutsFor(config, r.alias).idleMs,
       signal: r.signal,
-      ...(r.transform ? { transform: r.transform } : {}),
+      // A transform holds the whole answer (the Responses API: its final event and the store), so the answer
+      // is bounded as a non-streamed one is; a plain chat stream holds none of it.
+      ...(r.transform ? { transform: r.transform, maxTextBytes: config.upstream.maxResponseBytes } : {}),
       ...(r.beforeClose ? { beforeClose: r.beforeClose } : {}),
       promptEstimate,
       bounds: r.bounds,

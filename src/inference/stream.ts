@@ -68,6 +68,14 @@ export interface RelayOptions {
    * certainly ignored it, and the answer ends there (`finishAtBound`).
    */
   generation?: { maxTokens: number; choices: number };
+  /**
+   * The most delta text (bytes, as `deliveredChars` counts them) the stream
+   * may carry; an event that would pass it is dropped and the stream fails
+   * there, its upstream call closed. Set for a transform that holds the whole
+   * answer (the Responses API keeps it for its final event and the store):
+   * what it holds is bounded as a non-streamed answer is (upstream.maxResponseBytes).
+   */
+  maxTextBytes?: number;
   /** The usage chunk carried implausible counts; they were replaced before the client saw them. */
   onImplausibleUsage?(rejected: Record<string, string>): void;
   onEnd(end: StreamEnd): void;
@@ -303,6 +311,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   const finished = perChoice ? new Array<boolean>(perChoice.length).fill(false) : undefined;
   /** The upstream went past its bound: the event that did so was dropped, and the answer ends (finishAtBound). */
   let pastBound = false;
+  /** The answer would pass maxTextBytes: the event that would have was dropped, and the stream fails. */
+  let tooLarge = false;
 
   // Idle timer without per-chunk timer churn: each read only stamps when it
   // started waiting; the timer wakes once per idle period and re-arms for the
@@ -400,6 +410,10 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       pastBound = true;
       return undefined;
     }
+    if (opts.maxTextBytes !== undefined && deliveredChars + text > opts.maxTextBytes) {
+      tooLarge = true;
+      return undefined;
+    }
     let reported = false;
     const u = event.indexOf(USAGE, at);
     if (u !== -1) {
@@ -482,7 +496,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
         tail = undefined;
         start = first.end;
         const e = handle(event);
-        if (upstreamError !== undefined || pastBound) return;
+        if (upstreamError !== undefined || pastBound || tooLarge) return;
         if (e) out.push(e);
       }
     }
@@ -492,7 +506,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
         if (idx === -1) break;
         const event = handle(buf.subarray(start, idx + sep.length));
         start = idx + sep.length;
-        if (upstreamError !== undefined || pastBound) return;
+        if (upstreamError !== undefined || pastBound || tooLarge) return;
         if (event) out.push(event);
       }
     }
@@ -658,6 +672,12 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       if (upstreamError !== undefined) return fail(c, `The model '${opts.alias}' failed while generating: ${upstreamError}`);
       if (sawDone) return finishAtDone(c);
       if (pastBound && gen) return finishAtBound(c, gen);
+      if (tooLarge) {
+        return fail(
+          c,
+          `The model '${opts.alias}' sent an answer larger than ${opts.maxTextBytes} bytes, the most the gateway holds for one answer (upstream.maxResponseBytes); the stream was ended.`,
+        );
+      }
       waitingSince = performance.now();
       let r: Awaited<ReturnType<Opened["reader"]["read"]>>;
       try {

@@ -5,7 +5,7 @@ import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { type SeededOrg, startTestGateway, TEST_DATABASE_URL } from "../helpers/harness.ts";
 import { eventually } from "../helpers/poll.ts";
-import { TEST_PLANS, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+import { TEST_PLANS, arr, chatAlias, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 setDefaultTimeout(30_000);
 
@@ -119,5 +119,87 @@ describe.skipIf(!TEST_DATABASE_URL)("a store write that hangs (Postgres)", () =>
       locker.release();
       await admin.end();
     }
+  });
+});
+
+describe("an answer larger than upstream.maxResponseBytes", () => {
+  // Seen failing before the bound: a Responses stream holds its whole answer (for response.completed and the
+  // store) and held any amount: this upstream's 16 MiB of arguments were all read, held, sent three times over
+  // in the closing events and stored, where a chat stream holds none of it and a JSON answer stops at the bound.
+  const LIMIT = 64 * 1024;
+  const PIECE = "a".repeat(1024);
+  const PIECES = 16 * 1024;
+  let big: ReturnType<typeof Bun.serve>;
+  let bounded: Gateway;
+  let pulled = 0;
+
+  beforeAll(async () => {
+    const head = `{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":`;
+    big = Bun.serve({
+      port: 0,
+      hostname: "127.0.0.1",
+      async fetch(req) {
+        await req.text();
+        let i = -1;
+        pulled = 0;
+        const enc = new TextEncoder();
+        return new Response(
+          new ReadableStream({
+            pull(c) {
+              i++;
+              if (i === 0) c.enqueue(enc.encode(`data: ${head}{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"f","arguments":""}}]},"finish_reason":null}]}\n\n`));
+              else if (i <= PIECES) {
+                pulled = i;
+                c.enqueue(enc.encode(`data: ${head}{"tool_calls":[{"index":0,"function":{"arguments":"${PIECE}"}}]},"finish_reason":null}]}\n\n`));
+              } else if (i === PIECES + 1) c.enqueue(enc.encode(`data: ${head}{},"finish_reason":"tool_calls"}]}\n\ndata: [DONE]\n\n`));
+              else c.close();
+            },
+          }),
+          { headers: { "content-type": "text/event-stream" } },
+        );
+      },
+    });
+    bounded = await startTestGateway({
+      aliases: { "svc-big": chatAlias([{ baseUrl: `http://127.0.0.1:${big.port}/v1` }]) },
+      plans: TEST_PLANS,
+      upstream: upstreamSettings({ attempts: 1, maxResponseBytes: LIMIT }),
+      responses: { enabled: true },
+    });
+  });
+  afterAll(async () => {
+    await bounded.stop();
+    big.stop(true);
+  });
+
+  test("fails the response there (response.failed, error), closes the upstream call, and is metered as a failed stream", async () => {
+    const before = (await usageRows()).length;
+    const res = await post(bounded, "/v1/responses", org.personalKey, { model: "svc-big", stream: true, input: "hi" });
+    expect(res.status).toBe(200);
+    const text = await res.text();
+    const all = events(text);
+    expect(all.slice(-2).map((e) => e.type)).toEqual(["response.failed", "error"]);
+    expect(all.map((e) => e.sequence_number)).toEqual(all.map((_, i) => i));
+    const failed = rec(all.at(-2)?.response);
+    expect(String(rec(failed.error).message)).toContain(`${LIMIT} bytes`);
+    const call = rec(arr(failed.output)[0]);
+    expect(call).toMatchObject({ type: "function_call", name: "f", status: "incomplete" });
+    expect(String(call.arguments).length).toBeLessThanOrEqual(LIMIT);
+    expect(text.length).toBeLessThan(8 * LIMIT);
+    // The upstream was cut off: it was not read to its end.
+    expect(pulled).toBeLessThan(PIECES);
+    const back = await fetch(`${bounded.url}/v1/responses/${String(failed.id)}`, { headers: { authorization: `Bearer ${org.personalKey}` } });
+    expect(rec(await back.json())).toEqual(failed);
+    await bounded.quota.flush();
+    const rows = (await usageRows()).slice(before);
+    expect(rows.map((r) => ({ status: r.status, streamed: r.streamed }))).toEqual([{ status: 503, streamed: true }]);
+    // Charged what was delivered (~4 bytes a token), not the 16 MiB the upstream would have sent.
+    expect(rows[0]?.completion_tokens ?? 0).toBeLessThanOrEqual(LIMIT / 4 + 1024);
+  });
+
+  test("a chat stream holds nothing, so it is not bounded: the same answer streams whole", async () => {
+    const res = await post(bounded, "/v1/chat/completions", org.personalKey, { model: "svc-big", stream: true, messages: [{ role: "user", content: "hi" }] });
+    const text = await res.text();
+    expect(text.endsWith("data: [DONE]\n\n")).toBe(true);
+    expect(pulled).toBe(PIECES);
   });
 });
