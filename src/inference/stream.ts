@@ -678,6 +678,10 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
           `The model '${opts.alias}' sent an answer larger than ${opts.maxTextBytes} bytes, the most the gateway holds for one answer (upstream.maxResponseBytes); the stream was ended.`,
         );
       }
+      // The transform failed the answer itself (its final events are sent): nothing more would be, so the
+      // upstream call is closed now and the stream ends as failed, rather than running silent to its end.
+      const failed = tf?.failed();
+      if (failed !== undefined) return fail(c, failed);
       waitingSince = performance.now();
       let r: Awaited<ReturnType<Opened["reader"]["read"]>>;
       try {

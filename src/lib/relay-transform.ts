@@ -10,6 +10,12 @@ export interface RelayTransform {
   start(): string;
   /** One read's complete SSE events, exactly as the relay would send them -> what to send instead ("" for nothing). */
   events(events: readonly Uint8Array[]): string;
+  /**
+   * Why the transform ended the answer itself (it failed it: a chunk it could
+   * not read), or undefined. The relay then ends the stream as failed at once,
+   * closing the upstream call: nothing more it reads would be sent.
+   */
+  failed(): string | undefined;
   /** The relay is about to close the response after its last event; the close waits for the promise. */
   finish(): Promise<void> | undefined;
   /** The client went away. */

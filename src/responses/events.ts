@@ -165,6 +165,11 @@ class ResponsesRelayTransform implements ResponsesTransform {
     return text;
   }
 
+  failed(): string | undefined {
+    const r = this.t.final;
+    return r?.status === "failed" ? (r.error?.message ?? "") : undefined;
+  }
+
   fail(message: string): string {
     const t = this.t;
     if (t.final) return "";

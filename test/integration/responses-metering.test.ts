@@ -203,3 +203,76 @@ describe("an answer larger than upstream.maxResponseBytes", () => {
     expect(pulled).toBe(PIECES);
   });
 });
+
+describe("a chunk the translation cannot read", () => {
+  // Seen failing before: the translation ended the response (response.failed, error) at the chunk, but the
+  // relay went on reading the upstream to its end: the client's stream stayed open, silent, for the rest of
+  // the generation, and the call was metered as a complete 200 answer with all of it.
+  let upstream: ReturnType<typeof Bun.serve>;
+  let gwBroken: Gateway;
+  let upstreamDone = false;
+  const chunk = (delta: Record<string, unknown>, finish: string | null = null) =>
+    `data: ${JSON.stringify({ id: "c1", object: "chat.completion.chunk", created: 1, model: "m", choices: [{ index: 0, delta, logprobs: null, finish_reason: finish }] })}\n\n`;
+
+  beforeAll(async () => {
+    upstream = Bun.serve({
+      port: 0,
+      hostname: "127.0.0.1",
+      async fetch(req) {
+        await req.text();
+        upstreamDone = false;
+        const enc = new TextEncoder();
+        return new Response(
+          new ReadableStream({
+            async start(c) {
+              try {
+                c.enqueue(enc.encode(chunk({ role: "assistant", content: "Hello" })));
+                // Valid SSE, not JSON: the relay passes it on, the translation cannot read it.
+                c.enqueue(enc.encode('data: {"id":"c1","choices":[{"index":0,"delta":{"content":"x"}\n\n'));
+                for (let i = 0; i < 50; i++) {
+                  await Bun.sleep(100);
+                  c.enqueue(enc.encode(chunk({ content: " more" })));
+                }
+                c.enqueue(enc.encode(`${chunk({}, "stop")}data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":60,"total_tokens":67}}\n\ndata: [DONE]\n\n`));
+                upstreamDone = true;
+                c.close();
+              } catch {
+                // The gateway closed the call.
+              }
+            },
+          }),
+          { headers: { "content-type": "text/event-stream" } },
+        );
+      },
+    });
+    gwBroken = await startTestGateway({
+      aliases: { "svc-broken": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }]) },
+      plans: TEST_PLANS,
+      upstream: upstreamSettings({ attempts: 1 }),
+      responses: { enabled: true },
+    });
+  });
+  afterAll(async () => {
+    await gwBroken.stop();
+    upstream.stop(true);
+  });
+
+  test("ends the stream there, closes the upstream call, and is metered as a failed stream", async () => {
+    const before = (await usageRows()).length;
+    const res = await post(gwBroken, "/v1/responses", org.personalKey, { model: "svc-broken", stream: true, input: "hi" });
+    const all = events(await res.text());
+    // The stream has ended with its final events, long before the upstream would have finished (5 s).
+    expect(upstreamDone).toBe(false);
+    expect(all.slice(-2).map((e) => e.type)).toEqual(["response.failed", "error"]);
+    const failed = rec(all.at(-2)?.response);
+    expect(String(rec(failed.error).message)).toContain("unreadable");
+    expect(failed.output_text).toBe("Hello");
+    const back = await fetch(`${gwBroken.url}/v1/responses/${String(failed.id)}`, { headers: { authorization: `Bearer ${org.personalKey}` } });
+    expect(rec(await back.json())).toEqual(failed);
+    await gwBroken.quota.flush();
+    const rows = (await usageRows()).slice(before);
+    expect(rows.map((r) => ({ status: r.status, streamed: r.streamed }))).toEqual([{ status: 503, streamed: true }]);
+    // What was delivered (the first chunk's text and the unreadable one's), not the upstream's 60 tokens.
+    expect(rows[0]?.completion_tokens ?? 0).toBeLessThan(10);
+  });
+});
