@@ -95,14 +95,21 @@ export function list(v: string | undefined): string[] {
     .filter(Boolean);
 }
 
+/**
+ * The signals that stop a long-running command gracefully. SIGHUP is one: it
+ * is what closing the terminal (an SSH session) sends a command running in
+ * its foreground, and its default action killed `serve` outright, losing the
+ * usage not yet written and stranding its quota leases. There is no
+ * configuration to reload on it (docs/decisions.md: Shutdown).
+ */
+const STOP_SIGNALS = ["SIGTERM", "SIGINT", "SIGHUP"] as const;
+
 export function waitForSignal(): Promise<string> {
   return new Promise((resolve) => {
     const on = (sig: string) => {
-      process.off("SIGTERM", on);
-      process.off("SIGINT", on);
+      for (const s of STOP_SIGNALS) process.off(s, on);
       resolve(sig);
     };
-    process.on("SIGTERM", on);
-    process.on("SIGINT", on);
+    for (const s of STOP_SIGNALS) process.on(s, on);
   });
 }

@@ -29,13 +29,32 @@ function takePending(): string {
   pending = [];
   return text;
 }
+/**
+ * Output with nowhere to go is dropped: the terminal `serve` ran in was
+ * closed (EIO: the SIGHUP that ends it gracefully comes with it), or whatever
+ * read the output is gone (EPIPE). Unhandled, the write's error could end the
+ * process in the middle of that graceful stop, with usage still to write; and
+ * the exit handler's write threw, turning the stop's exit 0 into 1.
+ */
+let stdoutGone = false;
+process.stdout.on("error", () => {
+  stdoutGone = true;
+});
+process.stderr.on("error", () => {});
 function flushStdout(): void {
   scheduled = false;
-  if (pending.length > 0) process.stdout.write(takePending());
+  if (pending.length === 0) return;
+  const text = takePending();
+  if (!stdoutGone) process.stdout.write(text);
 }
 // At exit there is no later turn: write what is left synchronously.
 process.on("exit", () => {
-  if (pending.length > 0) writeSync(1, takePending());
+  if (pending.length === 0 || stdoutGone) return;
+  try {
+    writeSync(1, takePending());
+  } catch {
+    // Nowhere to write it (above); the exit code stays the command's.
+  }
 });
 function bufferedStdout(line: string): void {
   pending.push(line);

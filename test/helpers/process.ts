@@ -97,6 +97,20 @@ export interface Proc {
   exited: Promise<number>;
 }
 
+/** The first line of `text()` matching `re`, polled until the process is done or the time is up. */
+async function lineOf(re: RegExp, timeoutMs = 30_000, text: () => string, done: () => boolean, output: () => string): Promise<string> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const line = text()
+      .split("\n")
+      .find((l) => re.test(l));
+    if (line !== undefined) return line;
+    if (done()) throw new Error(`process exited before printing ${re}\n${output()}`);
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${re}\n${output()}`);
+    await Bun.sleep(25);
+  }
+}
+
 /** Start a long-running command, collecting its output as it arrives. */
 export function start(cmd: string[], opts: Omit<RunOptions, "timeoutMs" | "stdin"> = {}): Proc {
   const p = Bun.spawn(cmd, { cwd: opts.cwd ?? ROOT, env: opts.env ?? cleanEnv(), stdin: "ignore", stdout: "pipe", stderr: "pipe" });
@@ -122,18 +136,54 @@ export function start(cmd: string[], opts: Omit<RunOptions, "timeoutMs" | "stdin
     pid: p.pid,
     stdout: () => out,
     stderr: () => err,
-    async waitForLine(re, timeoutMs = 30_000) {
-      const deadline = Date.now() + timeoutMs;
-      for (;;) {
-        const line = out.split("\n").find((l) => re.test(l));
-        if (line !== undefined) return line;
-        if (done) throw new Error(`process exited before printing ${re}\nstdout:\n${out}\nstderr:\n${err}`);
-        if (Date.now() > deadline) throw new Error(`timed out waiting for ${re}\nstdout:\n${out}\nstderr:\n${err}`);
-        await Bun.sleep(25);
-      }
-    },
+    waitForLine: (re, timeoutMs) => lineOf(re, timeoutMs, () => out, () => done, () => `stdout:\n${out}\nstderr:\n${err}`),
     kill(signal = "SIGTERM") {
       if (!done) p.kill(signal);
+    },
+    exited,
+  };
+}
+
+export interface TerminalProc extends Proc {
+  /**
+   * Close the terminal, as when the SSH session the command runs in ends: the
+   * kernel sends it SIGHUP, and what it writes to the terminal after that fails (EIO).
+   */
+  hangUp(): void;
+}
+
+/**
+ * Start a long-running command in a pseudo-terminal of its own, the way an
+ * operator runs it in the foreground of a shell. What it writes (stdout and
+ * stderr alike, lines ending in \r\n) is collected as stdout().
+ */
+export function startInTerminal(cmd: string[], opts: Omit<RunOptions, "timeoutMs" | "stdin"> = {}): TerminalProc {
+  let out = "";
+  const dec = new TextDecoder();
+  const p = Bun.spawn(cmd, {
+    cwd: opts.cwd ?? ROOT,
+    env: opts.env ?? cleanEnv(),
+    terminal: {
+      data(_t, chunk) {
+        out += dec.decode(chunk, { stream: true });
+      },
+    },
+  });
+  let done = false;
+  const exited = p.exited.then((code) => {
+    done = true;
+    return code;
+  });
+  return {
+    pid: p.pid,
+    stdout: () => out,
+    stderr: () => "",
+    waitForLine: (re, timeoutMs) => lineOf(re, timeoutMs, () => out, () => done, () => `output:\n${out}`),
+    kill(signal = "SIGTERM") {
+      if (!done) p.kill(signal);
+    },
+    hangUp() {
+      p.terminal?.close();
     },
     exited,
   };

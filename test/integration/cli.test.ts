@@ -947,6 +947,18 @@ describe("as a process (bun run src/main.ts)", () => {
     }
   });
 
+  test("simulate-upstream: SIGHUP (its terminal closed) ends it cleanly too, exit 0", async () => {
+    const sim = startGatewayProcess(["simulate-upstream", "--port", "0", "--ttft-ms", "1"]);
+    try {
+      await listeningUrl(sim, 30_000, /simulator listening/);
+      sim.kill("SIGHUP");
+      // Before, SIGHUP's default action killed it: exit 129.
+      expect(await exitWithin(sim, 10_000)).toBe(0);
+    } finally {
+      sim.kill("SIGKILL");
+    }
+  });
+
   test("serve --demo: seeded keys work; SIGTERM exits 0", async () => {
     const demo = startGatewayProcess(["serve", "--demo", "--port", "0"]);
     try {

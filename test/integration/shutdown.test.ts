@@ -6,8 +6,23 @@ import { createKey, createOrg } from "../../src/admin/service.ts";
 import { migrate, openDatabase } from "../../src/db/client.ts";
 import { charsToTokens } from "../../src/inference/tokens.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { TEST_DATABASE_URL } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
-import { cleanEnv, exitWithin, listeningUrl, type Proc, removeScratch, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
+import {
+  BUN,
+  cleanEnv,
+  createScratchDatabase,
+  exitWithin,
+  listeningUrl,
+  MAIN,
+  type Proc,
+  removeScratch,
+  scratchDir,
+  startGatewayProcess,
+  startInTerminal,
+  type TerminalProc,
+  waitFor200,
+} from "../helpers/process.ts";
 
 // Bun 1.4.5 applies a preload's setDefaultTimeout only to the first test file it
 // runs (test/helpers/setup.ts), so files that spawn processes or open PGlite set
@@ -214,4 +229,87 @@ describe("graceful shutdown of `gateway serve`", () => {
     const db = await openDatabase({ dataDir });
     await db.close();
   }, 60_000);
+});
+
+describe(`the terminal \`gateway serve\` runs in is closed (SIGHUP; ${TEST_DATABASE_URL ? "Postgres" : "embedded database"})`, () => {
+  test("a graceful stop like SIGTERM's: the request in flight finishes, buffered usage is written, the quota lease returned, exit 0", async () => {
+    // An operator runs `serve` in the foreground of an SSH session and closes it: the kernel sends SIGHUP, and
+    // every write to the terminal after that fails (EIO). SIGHUP's default action killed the process, and
+    // once handled, the first log line the stop wrote to the dead terminal did: either way the usage settled
+    // since the last write was lost, and the lease stranded until the period ended. The flush interval is
+    // far longer than the test, so only the graceful stop can write the usage.
+    const pg = TEST_DATABASE_URL ? await createScratchDatabase(TEST_DATABASE_URL, "gw_sighup") : undefined;
+    const hupDir = join(work, "sighup-data");
+    const open = () => openDatabase(pg ? { databaseUrl: pg.url, dataDir: "", poolMax: 2 } : { dataDir: hupDir });
+    let proc: TerminalProc | undefined;
+    try {
+      let hupOrg = "";
+      let hupKey = "";
+      const setup = await open();
+      try {
+        await migrate(setup);
+        const org = await createOrg(setup, { name: "Hangup", plan: "Ultra", plans: ["Standard", "Ultra"], quotaTokens: 1_000_000, quotaWindow: "month" });
+        hupOrg = org.id;
+        hupKey = (await createKey(setup, { orgId: hupOrg, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" })).key;
+      } finally {
+        await setup.close();
+      }
+      const config = join(work, "config-sighup.json");
+      writeFileSync(config, JSON.stringify({ drainMs: 60_000, accessLog: true, quota: { flushMs: 60_000 } }));
+      proc = startInTerminal([BUN, "run", MAIN, "serve", "--port", "0", "--config", config, ...(pg ? [] : ["--data-dir", hupDir])], {
+        env: cleanEnv({ UPSTREAM_BASE_URL: sim.url, DATABASE_URL: pg?.url }),
+      });
+      const base = await listeningUrl(proc);
+      await waitFor200(`${base}/readyz`);
+      const ask = async (stream: boolean): Promise<number> => {
+        const res = await fetch(`${base}/v1/chat/completions`, {
+          method: "POST",
+          headers: { authorization: `Bearer ${hupKey}`, "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-fast", stream, stream_options: stream ? { include_usage: true } : undefined, messages: [{ role: "user", content: "Hello." }] }),
+        });
+        expect(res.status).toBe(200);
+        const text = await res.text();
+        const last = stream ? String(text.split("\n\n").findLast((e) => e.includes('"usage":{'))).slice("data: ".length) : text;
+        return (JSON.parse(last) as { usage: { total_tokens: number } }).usage.total_tokens;
+      };
+
+      let tokens = (await ask(false)) + (await ask(true));
+      if (pg) {
+        // Nothing written yet, the lease held (the data directory is the server's until it exits: Postgres only).
+        const db = await open();
+        try {
+          const [c] = await db.rows<{ used: number; leased: number }>(sql`select used::int, leased::int from usage_counters where org_id = ${hupOrg}`);
+          expect(c?.used).toBe(0);
+          expect(c?.leased).toBeGreaterThan(0);
+        } finally {
+          await db.close();
+        }
+      }
+      // One more in flight (1.5 s to its first token) when the terminal goes: the stop outlasts its first log lines.
+      sim.reset();
+      const inFlightAsk = ask(true);
+      await inFlight(1);
+      proc.hangUp();
+      tokens += await inFlightAsk;
+      expect(await exitWithin(proc, 30_000)).toBe(0);
+
+      const db = await open();
+      try {
+        const counters = await db.rows<{ used: number; leased: number }>(
+          sql`select coalesce(sum(used), 0)::int as used, coalesce(sum(leased), 0)::int as leased from usage_counters where org_id = ${hupOrg}`,
+        );
+        expect(counters[0]).toEqual({ used: tokens, leased: 0 });
+        const events = await db.rows<{ n: number; t: number }>(
+          sql`select coalesce(sum(requests), 0)::int as n, coalesce(sum(prompt_tokens + completion_tokens), 0)::int as t from usage_events where org_id = ${hupOrg}`,
+        );
+        expect(events[0]).toEqual({ n: 3, t: tokens });
+      } finally {
+        await db.close();
+      }
+    } finally {
+      proc?.kill("SIGKILL");
+      await proc?.exited;
+      await pg?.drop();
+    }
+  }, 90_000);
 });

@@ -11,7 +11,7 @@ import { startSimulator } from "../../sim/index.ts";
 
 export const serve = defineCommand({
   group: "serve",
-  summary: "run the gateway until SIGTERM or SIGINT",
+  summary: "run the gateway until SIGTERM, SIGINT or SIGHUP (each a graceful stop)",
   flags: {
     host: { type: "string", value: "HOST", description: "address to listen on (or HOST)" },
     port: { type: "string", value: "PORT", description: "port to listen on (or PORT; 0 picks a free one)" },
@@ -52,7 +52,7 @@ export const serve = defineCommand({
       }
     }
     const gw = await startGateway({ config: cfg });
-    // From the moment it listens, SIGTERM/SIGINT are a graceful stop: handled now, before the awaits
+    // From the moment it listens, SIGTERM/SIGINT/SIGHUP are a graceful stop: handled now, before the awaits
     // below (the demo's seeding), not after them, when the signal's default action killed it (exit 143).
     const signalled = waitForSignal();
     gw.log.info("listening", { url: gw.url, metrics_url: gw.metricsUrl ?? null, database: gw.database.kind, demo: values.demo ?? false, version: VERSION });

@@ -13,7 +13,7 @@ export const simulateUpstream = defineCommand({
     tokens: { type: "string", value: "N", description: "completion tokens per answer" },
   },
   common: [],
-  notes: ['Prints {"msg":"simulator listening","url":…} and serves until SIGTERM or SIGINT.'],
+  notes: ['Prints {"msg":"simulator listening","url":…} and serves until SIGTERM, SIGINT or SIGHUP.'],
   examples: ["gateway simulate-upstream --port 8000 --ttft-ms 50", "UPSTREAM_BASE_URL=http://127.0.0.1:8000/v1 gateway serve"],
   async run({ values }, { out }) {
     const sim = await startSimulator({
