@@ -1,5 +1,5 @@
 import type { Database } from "../db/client.ts";
-import { type Bound, BoundFull } from "../db/bounded.ts";
+import { type Bound, BoundFull, boundedCall } from "../db/bounded.ts";
 import { AppError } from "../lib/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import { type CursorPosition, decodeCursor, encodeCursor } from "./cursor.ts";
@@ -72,7 +72,8 @@ export async function readAuditEvents(deps: AuditReadDeps, orgId: string, search
   }
   let result: Awaited<ReturnType<typeof listAuditEvents>>;
   try {
-    const read = () => listAuditEvents(deps.database.db, orgId, filter, position, limit, (id, problem) => reportRow(deps.log, id, problem));
+    // Ended by the server after ANSWER_TIMEOUT_MS, as the bound gives up on it then (boundedCall).
+    const read = () => boundedCall(deps.database, (q) => listAuditEvents(q, orgId, filter, position, limit, (id, problem) => reportRow(deps.log, id, problem)));
     result = await (deps.bound ? deps.bound.run(read) : read());
   } catch (e) {
     // Input is fully validated above, so a failing query means the database is

@@ -1,6 +1,8 @@
 import { type AnyColumn, type SQL, eq, sql } from "drizzle-orm";
-import { ANSWER_TIMEOUT_MS, type Database, DatabaseTimeout, answeredWithin } from "../db/client.ts";
-import { createBound } from "../db/bounded.ts";
+import { ANSWER_TIMEOUT_MS, type Database, DatabaseTimeout, type Db, answeredWithin } from "../db/client.ts";
+import { boundedCall, createBound } from "../db/bounded.ts";
+import { isServerTimeout } from "../db/errors.ts";
+import { rowsOf } from "../db/raw.ts";
 import { QUOTA_PERIODS, type QuotaPeriod, apiKeys, organizations, users } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
 import { firstSeen } from "../lib/once.ts";
@@ -257,10 +259,15 @@ export function principalOfRow(r: KeyRow): { principal: Principal; problems: Row
   return { principal, problems };
 }
 
-export async function lookupKey(database: Database, hash: string, report?: (p: RowProblem) => void): Promise<Principal | null> {
+/** The key's row, and its lineage's root for a rotated key; ended by the server after ANSWER_TIMEOUT_MS (boundedCall). */
+export function lookupKey(database: Database, hash: string, report?: (p: RowProblem) => void): Promise<Principal | null> {
   // Taken before the query: a lookup sent after another one's answer reads a row at least as new.
   const readAt = performance.now();
-  const rows = await database.db
+  return boundedCall(database, (q) => lookupRow(q, hash, readAt, report));
+}
+
+async function lookupRow(q: Db, hash: string, readAt: number, report?: (p: RowProblem) => void): Promise<Principal | null> {
+  const rows = await q
     .select({
       keyId: apiKeys.id,
       orgId: apiKeys.orgId,
@@ -292,19 +299,21 @@ export async function lookupKey(database: Database, hash: string, report?: (p: R
   const { principal, problems } = principalOfRow(r);
   principal.readAt = readAt;
   for (const p of problems) report?.(p);
-  if (r.rotatedFrom !== null) principal.keyRoot = await lineageRoot(database, r.keyId);
+  if (r.rotatedFrom !== null) principal.keyRoot = await lineageRoot(q, r.keyId);
   return principal;
 }
 
 /** Walks `rotated_from` back to the first key (bounded: a corrupt cycle cannot loop). Runs only on a cache miss of a rotated key. */
-async function lineageRoot(database: Database, keyId: string): Promise<string> {
-  const rows = await database.rows<{ id: string }>(sql`
+async function lineageRoot(q: Db, keyId: string): Promise<string> {
+  const rows = rowsOf<{ id: string }>(
+    await q.execute(sql`
     with recursive chain(id, rotated_from, depth) as (
       select id, rotated_from, 0 from api_keys where id = ${keyId}
       union all
       select k.id, k.rotated_from, c.depth + 1 from api_keys k join chain c on k.id = c.rotated_from where c.depth < 10000
     )
-    select id from chain order by depth desc limit 1`);
+    select id from chain order by depth desc limit 1`),
+  );
   return rows[0]?.id ?? keyId;
 }
 
@@ -372,7 +381,13 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
    * at once rather than made to wait for nothing.
    */
   function boundedLookup(hash: string): Promise<Principal | null> {
-    return lookupBound.run(() => lookup(hash).catch(() => lookup(hash)));
+    return lookupBound.run(() =>
+      lookup(hash).catch((e: unknown) => {
+        // Ended by the server after we gave up on it (boundedCall): nobody waits for a retry.
+        if (isServerTimeout(e)) throw e;
+        return lookup(hash);
+      }),
+    );
   }
 
   /**
@@ -542,7 +557,10 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
         batch.map(([id, t]) => sql`(${id}::uuid, ${new Date(t).toISOString()}::timestamptz)`),
         sql`, `,
       );
-      const update = database.db.execute(sql`update api_keys as k set last_used_at = greatest(k.last_used_at, v.t) from (values ${values}) as v(id, t) where k.id = v.id`);
+      // Ended by the server after ANSWER_TIMEOUT_MS too, so one given up on frees its connection (boundedCall).
+      const update = boundedCall(database, (q) =>
+        q.execute(sql`update api_keys as k set last_used_at = greatest(k.last_used_at, v.t) from (values ${values}) as v(id, t) where k.id = v.id`),
+      );
       try {
         await answeredWithin(update, ANSWER_TIMEOUT_MS, "last_used_at update");
       } catch (e) {

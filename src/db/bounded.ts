@@ -1,4 +1,5 @@
-import { ANSWER_TIMEOUT_MS, DatabaseTimeout } from "./client.ts";
+import { sql } from "drizzle-orm";
+import { ANSWER_TIMEOUT_MS, type Database, DatabaseTimeout, type Db } from "./client.ts";
 import type { Logger } from "../lib/log.ts";
 
 /**
@@ -106,4 +107,48 @@ export function createBound(what: string, limit: number, log?: Logger, timeoutMs
     },
     unanswered: () => unanswered,
   };
+}
+
+/** A transaction on either driver (what `Db.transaction` hands its callback). */
+export type Tx = Parameters<Parameters<Db["transaction"]>[0]>[0];
+
+/**
+ * Postgres ends a statement of ours that runs as long as we wait for its
+ * answer: blocked on a lock another session holds, or on an overloaded
+ * server. Set per transaction (`SET LOCAL`), never as a startup parameter,
+ * which PgBouncer in transaction mode refuses.
+ */
+const STATEMENT_TIMEOUT = sql.raw(`set local statement_timeout = ${ANSWER_TIMEOUT_MS}`);
+
+/**
+ * Runs `fn` in a transaction each of whose statements Postgres ends after
+ * ANSWER_TIMEOUT_MS (SQLSTATE 57014, isServerTimeout). The caller gives up
+ * on the work after the same time, counted from before the transaction began,
+ * so the server ends a statement only after the caller stopped waiting for
+ * it: without this, work given up on kept its pool connection for as long as
+ * the lock it waited on was held, and given-up key lookups, leases, reads and
+ * audit writes between them could hold every connection for good. A lock
+ * wait is a statement's wait, so no lock_timeout is set: a shorter one would
+ * fail work the caller still waits for. The cost is one round trip (the SET)
+ * per transaction. On the embedded database (its own worker thread, no other
+ * sessions, no pool) a plain transaction.
+ */
+export function boundedTx<T>(database: Database, fn: (tx: Tx) => Promise<T>): Promise<T> {
+  return database.db.transaction(async (tx) => {
+    if (database.kind === "postgres") await tx.execute(STATEMENT_TIMEOUT);
+    return fn(tx);
+  });
+}
+
+/**
+ * Work that needs no transaction of its own (a read, one write), bounded on
+ * the server as boundedTx: on Postgres inside one (BEGIN, SET LOCAL, the
+ * work, COMMIT: three round trips more than the statement alone, paid only
+ * on the request path's database calls, never by a request whose key is
+ * cached and needs no lease); on the embedded database a plain call, which
+ * adds nothing to its per-statement cost.
+ */
+export function boundedCall<T>(database: Database, fn: (q: Db) => Promise<T>): Promise<T> {
+  if (database.kind !== "postgres") return fn(database.db);
+  return boundedTx(database, (tx) => fn(tx));
 }

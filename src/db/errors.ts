@@ -24,3 +24,13 @@ export function isDataError(e: unknown): boolean {
   const s = sqlState(e);
   return s !== undefined && (s.startsWith("22") || s.startsWith("23"));
 }
+
+/**
+ * Postgres ended the statement (SQLSTATE 57014, query_canceled): our own
+ * statement_timeout (src/db/bounded.ts boundedTx), which fires only after the
+ * caller gave up waiting. Retrying such work is pointless: nobody waits for it,
+ * and the retry would hold a connection on the same lock for as long again.
+ */
+export function isServerTimeout(e: unknown): boolean {
+  return sqlState(e) === "57014";
+}

@@ -1,5 +1,6 @@
 import { and, eq, sql } from "drizzle-orm";
 import { recordAudit } from "../audit/record.ts";
+import { boundedCall, boundedTx } from "../db/bounded.ts";
 import type { Database } from "../db/client.ts";
 import { usageCounters } from "../db/schema.ts";
 import { AppError } from "../lib/errors.ts";
@@ -34,7 +35,8 @@ export async function recordBudgetExceeded(database: Database, s: SpentPeriod, n
   const ws = new Date(s.start);
   const row = and(eq(usageCounters.orgId, s.orgId), eq(usageCounters.windowStart, ws));
   try {
-    await database.db.transaction(async (tx) => {
+    // Ended by the server after ANSWER_TIMEOUT_MS (audit_events locked elsewhere), as the bound gives up on it then.
+    await boundedTx(database, async (tx) => {
       await recordAudit(tx, {
         orgId: s.orgId,
         action: "billing.budget_exceeded",
@@ -55,7 +57,7 @@ export async function recordBudgetExceeded(database: Database, s: SpentPeriod, n
   } catch (e) {
     if (!(e instanceof NotMarked)) throw e;
   }
-  const [counter] = await database.db.select({ at: usageCounters.exceededAt }).from(usageCounters).where(row);
+  const [counter] = await boundedCall(database, (q) => q.select({ at: usageCounters.exceededAt }).from(usageCounters).where(row));
   return counter?.at != null;
 }
 

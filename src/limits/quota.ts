@@ -1,7 +1,8 @@
 import { and, inArray, sql } from "drizzle-orm";
 import type { Principal } from "../auth/types.ts";
 import type { Database } from "../db/client.ts";
-import { type Bound, BoundFull, createBound, maxOutAtOnce } from "../db/bounded.ts";
+import { type Bound, BoundFull, boundedCall, boundedTx, createBound, maxOutAtOnce } from "../db/bounded.ts";
+import { isServerTimeout } from "../db/errors.ts";
 import { epochMs, rowsOf } from "../db/raw.ts";
 import { usageCounters } from "../db/schema.ts";
 import { AppError } from "../lib/errors.ts";
@@ -196,10 +197,12 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     }
     if (holding.size === 0) return;
     const ids = [...new Set([...holding.values()].map((s) => s.orgId))];
-    const rows = await database.db
-      .select({ orgId: usageCounters.orgId, windowStart: usageCounters.windowStart })
-      .from(usageCounters)
-      .where(and(inArray(usageCounters.orgId, ids), sql`${usageCounters.wantedAt} > now() - make_interval(secs => ${shareWaitMs / 1000})`));
+    const rows = await boundedCall(database, (q) =>
+      q
+        .select({ orgId: usageCounters.orgId, windowStart: usageCounters.windowStart })
+        .from(usageCounters)
+        .where(and(inArray(usageCounters.orgId, ids), sql`${usageCounters.wantedAt} > now() - make_interval(secs => ${shareWaitMs / 1000})`)),
+    );
     for (const r of rows) {
       const s = holding.get(key(r.orgId, r.windowStart.getTime()));
       if (s) s.sharedFree = 0;
@@ -302,7 +305,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     // What the requests waiting now lack: a lease smaller than that would refuse them while tokens remain.
     const need = Math.max(0, s.demand - available(s));
     const wanted = leaseSize(s);
-    const got = await database.db.transaction(async (tx) => {
+    // Ended by the server after ANSWER_TIMEOUT_MS (a lock held elsewhere), as the request gives up on it then.
+    const got = await boundedTx(database, async (tx) => {
       // Templates, not the query builder: leases are too rare for it to get warm (src/db/raw.ts).
       const ws = epochMs(s.start);
       await tx.execute(sql`insert into usage_counters (org_id, window_start) values (${s.orgId}, ${ws}) on conflict do nothing`);
@@ -378,7 +382,12 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     // One immediate retry: a pooled connection that the server dropped fails once, then postgres.js reconnects.
     s.refill = leases
       .run(
-        () => lease(s).catch(() => lease(s)),
+        () =>
+          lease(s).catch((e: unknown) => {
+            // Ended by the server after the request gave up on it (boundedTx): nobody waits for a retry.
+            if (isServerTimeout(e)) throw e;
+            return lease(s);
+          }),
         (running) => {
           s.leaseUnanswered = true;
           const settled = () => {

@@ -6,6 +6,7 @@ import { usageBatches, usageDeadLetters } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
 import { aggregate, columnsAt, eventRecord, type UsageColumns, UsageLog } from "./usage-log.ts";
 import { isDataError } from "../db/errors.ts";
+import { type Tx, boundedCall, boundedTx } from "../db/bounded.ts";
 
 /**
  * The batched usage writer: every flushMs, one transaction adds the settled
@@ -92,8 +93,6 @@ interface Batch {
   items?: { ids: string[]; next: number };
 }
 
-type Tx = Parameters<Parameters<Database["db"]["transaction"]>[0]>[0];
-
 /**
  * Writes given up on (no answer within ANSWER_TIMEOUT_MS) that may still hold
  * a pool connection, since a query sent cannot be taken back: while this many
@@ -112,9 +111,6 @@ export function maxUnanswered(poolMax: number | undefined): number {
   if (poolMax === undefined) return MAX_UNANSWERED;
   return Math.max(1, Math.min(MAX_UNANSWERED, poolMax - 1));
 }
-
-/** Postgres ends a statement of a usage write that runs as long as we wait for its answer (blocked on a lock, say). */
-const STATEMENT_TIMEOUT = sql.raw(`set local statement_timeout = ${ANSWER_TIMEOUT_MS}`);
 
 export function createUsageWriter(database: Database, log: Logger, source: CounterSource, opts: UsageWriterOptions): UsageWriter {
   const events = new UsageLog(opts.maxBuffered);
@@ -200,9 +196,9 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
    * for the other's and then writes nothing). Within ANSWER_TIMEOUT_MS.
    */
   function once(what: string, id: string, write: (tx: Tx, live: () => boolean) => Promise<void>): Promise<void> {
+    // Postgres ends each statement that runs as long as we wait for its answer (blocked on a lock, say): boundedTx.
     return answered(what, (live) =>
-      database.db.transaction(async (tx) => {
-        if (database.kind === "postgres") await tx.execute(STATEMENT_TIMEOUT);
+      boundedTx(database, async (tx) => {
         const fresh = rowsOf(await tx.execute(sql`insert into usage_batches (id) values (${id}) on conflict do nothing returning id`));
         if (fresh.length > 0) await write(tx, live);
       }),
@@ -217,7 +213,9 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     for (const d of b.deltas) source.landed(d);
     // Batch ids only guard retries of the last few seconds; keep a day of them.
     if (++applied % 1000 === 1) {
-      await answered("usage batch cleanup", () => database.db.execute(sql`delete from usage_batches where created_at < now() - interval '1 day'`)).catch(() => {});
+      await answered("usage batch cleanup", () =>
+        boundedCall(database, (q) => q.execute(sql`delete from usage_batches where created_at < now() - interval '1 day'`)),
+      ).catch(() => {});
     }
   }
 
@@ -225,7 +223,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
   async function reachable(): Promise<boolean> {
     try {
       await answered("usage write check", () =>
-        database.db.transaction(async (tx) => {
+        boundedTx(database, async (tx) => {
           await tx.execute(sql`select 1`);
         }),
       );
@@ -236,7 +234,9 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
   }
 
   async function batchLanded(id: string): Promise<boolean> {
-    const rows = await answered("usage batch check", () => database.db.select({ id: usageBatches.id }).from(usageBatches).where(eq(usageBatches.id, id)));
+    const rows = await answered("usage batch check", () =>
+      boundedCall(database, (q) => q.select({ id: usageBatches.id }).from(usageBatches).where(eq(usageBatches.id, id))),
+    );
     return rows.length > 0;
   }
 
@@ -282,7 +282,9 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     deadLettered++;
     log.error("usage record could not be written; set aside", { err: err.message, record });
     try {
-      await answered("usage dead letter", () => database.db.insert(usageDeadLetters).values({ record: JSON.stringify(record), error: err.message }));
+      await answered("usage dead letter", () =>
+        boundedCall(database, (q) => q.insert(usageDeadLetters).values({ record: JSON.stringify(record), error: err.message })),
+      );
     } catch (e) {
       log.error("usage dead letter could not be stored; the log line above is its only copy", { err: (e as Error).message });
     }

@@ -1,7 +1,8 @@
 import { sql } from "drizzle-orm";
 import type { Principal } from "../auth/types.ts";
 import type { Database } from "../db/client.ts";
-import { type Bound, BoundFull, createBound, maxOutAtOnce } from "../db/bounded.ts";
+import { type Bound, BoundFull, boundedCall, createBound, maxOutAtOnce } from "../db/bounded.ts";
+import { rowsOf } from "../db/raw.ts";
 import { pgArray } from "../db/arrays.ts";
 import { isDataError } from "../db/errors.ts";
 import type { Logger } from "../lib/log.ts";
@@ -216,7 +217,7 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
    * string joins.
    */
   async function insertRows(rows: NewResponseRow[]): Promise<void> {
-    await database.db.execute(sql`
+    const insert = sql`
       insert into responses (id, org_id, owner_user_id, owner_key_id, previous_response_id, input_items, response, output_item_ids, expires_at)
       select i, o, u, k, p, ii, r, string_to_array(oi, ','), timestamptz 'epoch' + e * interval '1 millisecond' from unnest(
         ${pgArray(rows.map((x) => x.id))}::text[], ${pgArray(rows.map((x) => x.orgId))}::uuid[],
@@ -224,7 +225,10 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
         ${pgArray(rows.map((x) => x.previousResponseId ?? null))}::text[], ${pgArray(rows.map((x) => x.inputItems))}::text[],
         ${pgArray(rows.map((x) => x.response))}::text[], ${pgArray(rows.map((x) => x.outputItemIds))}::text[],
         ${pgArray(rows.map((x) => x.expiresAt.getTime()))}::float8[])
-        as t(i, o, u, k, p, ii, r, oi, e)`);
+        as t(i, o, u, k, p, ii, r, oi, e)`;
+    // Ended by the server after ANSWER_TIMEOUT_MS (a locked table), as reads are: the request stops waiting for
+    // the write after STORE_WAIT_MS (routes.ts), and the write no longer holds its connection long after that.
+    await boundedCall(database, (q) => q.execute(insert));
   }
 
   async function writeBatch(batch: PendingSave[]): Promise<void> {
@@ -258,7 +262,8 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
    */
   async function read<T>(what: string, query: ReturnType<typeof sql>): Promise<T[]> {
     try {
-      return await reads.run(() => database.rows<T>(query));
+      // Ended by the server after ANSWER_TIMEOUT_MS, as the bound gives up on it then (boundedCall).
+      return await reads.run(async () => rowsOf<T>(await boundedCall(database, (q) => q.execute(query))));
     } catch (e) {
       // Refused at once while earlier reads are unanswered: the bound logged that once.
       if (!(e instanceof BoundFull)) {
@@ -409,10 +414,15 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
       let total = 0;
       try {
         for (;;) {
-          const gone = await database.rows<{ id: string }>(sql`
-            delete from responses where id in (
-              select id from responses where expires_at <= now() order by expires_at limit ${SWEEP_BATCH}
-            ) returning id`);
+          // Each batch ended by the server after ANSWER_TIMEOUT_MS (a locked table): the next run tries again.
+          const gone = rowsOf<{ id: string }>(
+            await boundedCall(database, (q) =>
+              q.execute(sql`
+                delete from responses where id in (
+                  select id from responses where expires_at <= now() order by expires_at limit ${SWEEP_BATCH}
+                ) returning id`),
+            ),
+          );
           total += gone.length;
           if (gone.length < SWEEP_BATCH) break;
         }
