@@ -1,4 +1,4 @@
-import { recordAudit } from "../audit/record.ts";
+import { type AuditInput, recordAudit } from "../audit/record.ts";
 import { boundedCall } from "../db/bounded.ts";
 import { ANSWER_TIMEOUT_MS, type Database, answeredWithin } from "../db/client.ts";
 import { networkPrefixProblem } from "../lib/cidr.ts";
@@ -106,19 +106,19 @@ export function createSecurityAuditor(database: Database, log: Logger, now: () =
         if (last.size >= MAX) last.clear();
       }
       last.set(k, t);
-      // Nothing waits for the write, but Postgres ends it after ANSWER_TIMEOUT_MS (a locked audit_events):
-      // before, each held its pool connection for as long as the lock was held.
-      const write = boundedCall(database, (q) =>
-        recordAudit(q, {
+      // Read now: the caller's address may be gone once the request has been answered.
+      const event: AuditInput = {
         orgId: p.orgId,
         action,
         category: "security",
         actor: { type: p.kind === "service" ? "service_key" : "user", id: p.userId ?? p.keyId, name: p.actorName, email: p.actorEmail, keyId: p.keyId },
         targets: [{ key: "key_id", kind: "api_key", id: p.keyId, name: "", email: "" }],
         details: {},
-          origin: { ipPrefix: ipPrefix(meta.ip), userAgentSummary: userAgentSummary(meta.userAgent) },
-        }),
-      )
+        origin: { ipPrefix: ipPrefix(meta.ip), userAgentSummary: userAgentSummary(meta.userAgent) },
+      };
+      // Nothing waits for the write, but Postgres ends it after ANSWER_TIMEOUT_MS (a locked audit_events):
+      // before, each held its pool connection for as long as the lock was held.
+      const write = boundedCall(database, (q) => recordAudit(q, event))
         .catch((e: Error) => log.warn("security audit write failed", { action, err: e.message }))
         .finally(() => pending.delete(write));
       pending.add(write);

@@ -6,7 +6,7 @@ import { usageBatches, usageDeadLetters } from "../db/schema.ts";
 import type { Logger } from "../lib/log.ts";
 import { aggregate, columnsAt, eventRecord, type UsageColumns, UsageLog } from "./usage-log.ts";
 import { isDataError } from "../db/errors.ts";
-import { type Tx, boundedCall, boundedTx } from "../db/bounded.ts";
+import { type Tx, boundedTx } from "../db/bounded.ts";
 
 /**
  * The batched usage writer: every flushMs, one transaction adds the settled
@@ -213,9 +213,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     for (const d of b.deltas) source.landed(d);
     // Batch ids only guard retries of the last few seconds; keep a day of them.
     if (++applied % 1000 === 1) {
-      await answered("usage batch cleanup", () =>
-        boundedCall(database, (q) => q.execute(sql`delete from usage_batches where created_at < now() - interval '1 day'`)),
-      ).catch(() => {});
+      await answered("usage batch cleanup", () => database.db.execute(sql`delete from usage_batches where created_at < now() - interval '1 day'`)).catch(() => {});
     }
   }
 
@@ -234,9 +232,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
   }
 
   async function batchLanded(id: string): Promise<boolean> {
-    const rows = await answered("usage batch check", () =>
-      boundedCall(database, (q) => q.select({ id: usageBatches.id }).from(usageBatches).where(eq(usageBatches.id, id))),
-    );
+    const rows = await answered("usage batch check", () => database.db.select({ id: usageBatches.id }).from(usageBatches).where(eq(usageBatches.id, id)));
     return rows.length > 0;
   }
 
@@ -282,9 +278,7 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
     deadLettered++;
     log.error("usage record could not be written; set aside", { err: err.message, record });
     try {
-      await answered("usage dead letter", () =>
-        boundedCall(database, (q) => q.insert(usageDeadLetters).values({ record: JSON.stringify(record), error: err.message })),
-      );
+      await answered("usage dead letter", () => database.db.insert(usageDeadLetters).values({ record: JSON.stringify(record), error: err.message }));
     } catch (e) {
       log.error("usage dead letter could not be stored; the log line above is its only copy", { err: (e as Error).message });
     }
