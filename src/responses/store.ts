@@ -226,9 +226,10 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
         ${pgArray(rows.map((x) => x.response))}::text[], ${pgArray(rows.map((x) => x.outputItemIds))}::text[],
         ${pgArray(rows.map((x) => x.expiresAt.getTime()))}::float8[])
         as t(i, o, u, k, p, ii, r, oi, e)`;
-    // Ended by the server after ANSWER_TIMEOUT_MS (a locked table), as reads are: the request stops waiting for
-    // the write after STORE_WAIT_MS (routes.ts), and the write no longer holds its connection long after that.
-    await boundedCall(database, (q) => q.execute(insert));
+    // Not ended by the server, unlike the reads: the row of a response whose id the client has (it stops
+    // waiting after STORE_WAIT_MS, routes.ts) is written once the table is free, not lost. One flush at a
+    // time, so a locked table holds one connection, never the pool (responses-metering, pg-statement-timeout).
+    await database.db.execute(insert);
   }
 
   async function writeBatch(batch: PendingSave[]): Promise<void> {
