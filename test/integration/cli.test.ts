@@ -446,6 +446,26 @@ describe("keys", () => {
     expect(await counts()).toEqual(before);
   });
 
+  test("rotate under keys.maxLifetime: the old key's lifetime is capped at it; an explicit expiry is used as given, and refused past the cap", async () => {
+    const capped = join(work, `keys-${crypto.randomUUID()}.json`);
+    writeFileSync(capped, JSON.stringify({ keys: { defaultLifetime: "30d", maxLifetime: "90d" } }));
+    const year = async () =>
+      onlyJson<{ id: string }>((await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--expires-in", "365d", "--json")).stdout).id;
+    const lifetime = (k: { expires_at: string; created_at: string }) => Date.parse(k.expires_at) - Date.parse(k.created_at);
+    type Rotated = { id: string; expires_at: string; created_at: string };
+
+    // Without a cap the new key lives as long as the old one did; under one, at most maxLifetime.
+    expect(lifetime(onlyJson<Rotated>((await cli("keys", "rotate", await year(), "--json")).stdout))).toBe(365 * 86_400_000);
+    expect(lifetime(onlyJson<Rotated>((await cli("keys", "rotate", await year(), "--config", capped, "--json")).stdout))).toBe(90 * 86_400_000);
+    // An explicit expiry wins over the old key's lifetime (shorter here than the default and the cap).
+    expect(lifetime(onlyJson<Rotated>((await cli("keys", "rotate", await year(), "--config", capped, "--expires-in", "7d", "--json")).stdout))).toBe(7 * 86_400_000);
+    // Past the cap it is refused like at creation, and nothing is rotated.
+    const id = await year();
+    const before = await counts();
+    expectUsage(await cli("keys", "rotate", id, "--config", capped, "--expires-in", "91d"), "longer than keys.maxLifetime (90d)");
+    expect(await counts()).toEqual(before);
+  });
+
   test("create a personal key with models and an expiry; the human form shows the secret once", async () => {
     const r = await cli("keys", "create", "--org", orgId, "--user", userId, "--kind", "personal", "--scopes", "inference", "--models", "svc-fast,svc-embed", "--expires-in", "90d", "--json");
     expect(r.code).toBe(0);

@@ -71,6 +71,19 @@ async function usageRows(orgId: string) {
   return gw.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, orgId));
 }
 
+/** The one usage row of an organisation, once the request has been settled (after the client left, that is asynchronous). */
+async function settledRow(orgId: string) {
+  const deadline = performance.now() + 10_000;
+  for (;;) {
+    const rows = await usageRows(orgId);
+    if (rows.length > 0 || performance.now() > deadline) {
+      expect(rows.length).toBe(1);
+      return rows[0];
+    }
+    await Bun.sleep(20);
+  }
+}
+
 describe("streamed chat: wire format", () => {
   test("SSE headers, one data event per chunk, model = alias in every chunk, [DONE] last", async () => {
     const res = await stream({ model: "svc-fast" });
@@ -294,24 +307,28 @@ describe("streamed chat: client disconnects abort the upstream", () => {
     expect(rows[0]?.promptTokens).toBe(promptEstimate);
   });
 
-  test("before the first byte (the model still thinking)", async () => {
+  test("before the first byte (the model still thinking): recorded as 499, nothing delivered", async () => {
+    const o = await seedTestOrg(gw.database);
     await fetch(`${slow.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ ttftMs: 5_000 }) });
     const ac = new AbortController();
-    const pending = stream({ model: "svc-slow" }, { signal: ac.signal }).catch((e: unknown) => e);
+    const pending = stream({ model: "svc-slow" }, { signal: ac.signal }, o.personalKey).catch((e: unknown) => e);
     await eventually(() => slow.stats.inFlight === 1);
     ac.abort();
     expect(await pending).toBeInstanceOf(Error);
     await eventually(() => slow.stats.aborts === 1);
     expect(slow.stats.inFlight).toBe(0);
+    expect(await settledRow(o.orgId)).toMatchObject({ status: 499, streamed: true, completionTokens: 0 });
   });
 
-  test("non-streamed: a client that leaves aborts the upstream too", async () => {
+  test("non-streamed: a client that leaves aborts the upstream too, and is recorded as 499 with nothing delivered", async () => {
+    const o = await seedTestOrg(gw.database);
     await fetch(`${slow.url.replace(/\/v1$/, "")}/__sim/config`, { method: "POST", body: JSON.stringify({ ttftMs: 5_000 }) });
     const ac = new AbortController();
-    const pending = post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-slow", messages: userMessages() }, { signal: ac.signal }).catch((e: unknown) => e);
+    const pending = post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-slow", messages: userMessages() }, { signal: ac.signal }).catch((e: unknown) => e);
     await eventually(() => slow.stats.inFlight === 1);
     ac.abort();
     expect(await pending).toBeInstanceOf(Error);
     await eventually(() => slow.stats.aborts === 1);
+    expect(await settledRow(o.orgId)).toMatchObject({ status: 499, streamed: false, completionTokens: 0 });
   });
 });
