@@ -144,6 +144,19 @@ describe("per client network", () => {
     while ((await getFrom(gw, from, "/v1/me", bearer(randomKey()))).status !== 429 && performance.now() < deadline) await Bun.sleep(10);
     expect((await keyCacheCount(gw, "miss")) - before).toBeLessThanOrEqual(PER_PREFIX + 2);
   });
+
+  test("the budget is the /24's, not one address's: unknown keys from 40 addresses of one /24 share one budget; the next /24 has its own", async () => {
+    // Each unknown key from a new address of 127.0.81.0/24: one network's budget, whatever address sends it.
+    const statuses: number[] = [];
+    for (let i = 0; i < 2 * PER_PREFIX; i++) statuses.push((await getFrom(gw, `127.0.81.${1 + i}`, "/v1/me", bearer(randomKey()))).status);
+    const looked = statuses.filter((s) => s === 401).length;
+    expect(looked).toBeGreaterThanOrEqual(PER_PREFIX);
+    // The budget plus what refills meanwhile: far from one lookup per address.
+    expect(looked).toBeLessThan(2 * PER_PREFIX);
+    expect(statuses.at(-1)).toBe(429);
+    // The next /24 is another network, with a budget of its own.
+    expect((await getFrom(gw, "127.0.82.1", "/v1/me", bearer(randomKey()))).status).toBe(401);
+  });
 });
 
 describe("all networks together", () => {
