@@ -100,6 +100,8 @@ describe.skipIf(!TEST_DATABASE_URL)("key store unreachable: connections cut and 
       }
       expect(firstRefusal).toBeDefined();
       expect((firstRefusal ?? 0) - tWarm).toBeGreaterThanOrEqual(10 * TTL);
+      // …and not much later: it was fetched before the cut, so by 10 × TTL after the cut, with 5 s of slack for a busy machine.
+      expect((firstRefusal ?? 0) - tCut).toBeLessThan(15 * TTL);
       await restore();
       // Back: the key is looked up again and works; the uncached one is admitted now that it can be verified.
       await until(async () => (await me(gw, org.personalKey)).status === 200, "the key to work again after the outage", 20_000, 50);
