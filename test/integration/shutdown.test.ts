@@ -290,7 +290,8 @@ describe(`the terminal \`gateway serve\` runs in is closed (SIGHUP; ${TEST_DATAB
       const inFlightAsk = ask(true);
       await inFlight(1);
       proc.hangUp();
-      tokens += await inFlightAsk;
+      const last = await inFlightAsk;
+      tokens += last;
       expect(await exitWithin(proc, 30_000)).toBe(0);
 
       const db = await open();
