@@ -101,6 +101,9 @@ export type EndStream = (message: string) => void;
 
 const LF2 = Buffer.from("\n\n");
 const CRLF2 = Buffer.from("\r\n\r\n");
+const CR2 = Buffer.from("\r\r");
+const LF = 0x0a;
+const CR = 0x0d;
 const DATA = Buffer.from("data:");
 const DONE = Buffer.from("[DONE]");
 const USAGE = Buffer.from('"usage":');
@@ -281,10 +284,58 @@ function swapFields(target: Opened["target"], alias: string): SwapFields {
   return f;
 }
 
+/**
+ * Whether an event (its terminator `sep` included) is something other than
+ * one `data:` line: other fields (`event:`, `id:`, `retry:`), comment lines,
+ * data over several `data:` lines, or bare CR line ends. Two byte searches;
+ * vLLM's events are all one `data:` line.
+ */
+function isPlainData(event: Buffer, sep: Buffer): boolean {
+  if (!startsWithAt(event, 0, DATA)) return false;
+  const end = event.length - sep.length;
+  if (sep === CR2) return false; // relayed with LF line ends, which every client reads
+  const lf = event.indexOf(LF);
+  return sep === LF2 ? lf === end && event.indexOf(CR) === -1 : lf === end + 1 && event.indexOf(CR) === end;
+}
+
+/**
+ * An event that is not one `data:` line, as what the chat wire carries
+ * (OpenAI's streams have nothing but `data:` lines and comments), read the
+ * way an SSE client reads it: its `data:` lines joined (a JSON text split
+ * over lines is made one line again), the other fields dropped. Without
+ * this, such events were relayed unread: their text and usage uncounted,
+ * their error and bound unchecked. `keep` for an event of comments only (a
+ * keep-alive, passed on as it is), `drop` for one of other fields only.
+ */
+export function plainDataEvent(event: Buffer, sepLength: number, term: string): Buffer | "keep" | "drop" {
+  const lines = event.toString("utf8", 0, event.length - sepLength).split(/\r\n|\r|\n/);
+  const data: string[] = [];
+  let comments = true;
+  for (const line of lines) {
+    if (line.startsWith("data:")) data.push(line.charCodeAt(5) === SPACE ? line.slice(6) : line.slice(5));
+    else if (line === "data") data.push("");
+    else if (!line.startsWith(":")) comments = false;
+  }
+  if (data.length === 0) return comments ? "keep" : "drop";
+  let payload = data.join("\n");
+  if (data.length > 1) {
+    try {
+      // The line feeds SSE joins with are white space to JSON, and JSON has no raw line feed inside a string.
+      payload = JSON.stringify(JSON.parse(payload));
+    } catch {
+      // Not JSON: relayed as its lines, as it came (a client fails on it as it would on the upstream's).
+      payload = data.join("\ndata: ");
+    }
+  }
+  return Buffer.from(`data: ${payload}${term}`);
+}
+
 export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint8Array> {
   const { modelField, spacedModelField, aliasField, swapModel } = swapFields(up.target, opts.alias);
   const tf = opts.transform;
   let sep: Buffer | undefined;
+  /** The line ends of the events the gateway writes itself: the upstream's, or LF for bare CR (`plainDataEvent`). */
+  const termOut = () => (sep === CRLF2 ? "\r\n\r\n" : "\n\n");
   /**
    * The pending partial event, as the pieces it arrived in (copied: a read's
    * buffer may be reused), joined once when its separator arrives: holding a
@@ -376,7 +427,12 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     let event = received;
     // [DONE] ends the answer: anything after it (in the same read) is neither relayed nor counted.
     if (sawDone) return undefined;
-    if (!startsWithAt(event, 0, DATA)) return event; // comments, keep-alives, `event:` lines: pass through
+    if (sep && !isPlainData(event, sep)) {
+      const plain = plainDataEvent(event, sep.length, termOut());
+      if (plain === "keep") return event; // comments, keep-alives: pass through
+      if (plain === "drop") return undefined;
+      event = plain;
+    }
     let at = DATA.length;
     if (event[at] === SPACE) at++;
     if (startsWithAt(event, at, DONE)) {
@@ -395,7 +451,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
           choices: [],
           usage: { prompt_tokens: usage.promptTokens, completion_tokens: usage.completionTokens, total_tokens: usage.promptTokens + usage.completionTokens },
         };
-        return Buffer.concat([Buffer.from(`data: ${JSON.stringify(chunk)}${(sep ?? LF2).toString()}`), event]);
+        return Buffer.concat([Buffer.from(`data: ${JSON.stringify(chunk)}${termOut()}`), event]);
       }
       return event;
     }
@@ -432,7 +488,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
           }
           if (parsed.counted.rejected) {
             // Rare: the event is rebuilt around the checked figures (and still gets the model swap below).
-            event = Buffer.from(`data: ${parsed.rewritten}${(sep ?? LF2).toString()}`);
+            event = Buffer.from(`data: ${parsed.rewritten}${termOut()}`);
             at = DATA.length + 1;
           }
         }
@@ -475,14 +531,19 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     let first: { start: number; end: number } | undefined;
     if (!sep) {
       // vLLM ends events with \n\n; servers built on sse-starlette use \r\n\r\n.
+      // SSE also allows bare CR line ends (no server we know of uses them; a JSON text has no raw CR).
       const lf = findSep(buf, LF2);
       const crlf = findSep(buf, CRLF2);
-      if (crlf && (!lf || crlf.start < lf.start)) {
+      const cr = findSep(buf, CR2);
+      if (crlf && (!lf || crlf.start < lf.start) && (!cr || crlf.start <= cr.start)) {
         sep = CRLF2;
         first = crlf;
-      } else if (lf) {
+      } else if (lf && (!cr || lf.start < cr.start)) {
         sep = LF2;
         first = lf;
+      } else if (cr) {
+        sep = CR2;
+        first = cr;
       }
     }
     if (sep && heldBytes > 0) {
@@ -593,7 +654,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     const completion = Math.min(g.maxTokens * g.choices, Math.max(counted, textEvents));
     usage = { promptTokens: usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: completion };
     charsAtUsage = deliveredChars;
-    const term = (sep ?? LF2).toString();
+    const term = termOut();
     const head = `data: {"id":${JSON.stringify(chunkId ?? "")},"object":"chat.completion.chunk","created":${Math.floor(Date.now() / 1000)},"model":${JSON.stringify(opts.alias)},"choices":`;
     const closing: Buffer[] = [];
     for (let k = 0; k < g.choices; k++) {

@@ -29,6 +29,8 @@ let scripted:
       after?: unknown[];
       /** The body is never ended (no final chunk, connection kept). */
       open?: boolean;
+      /** Writes each event's SSE text (its JSON given), instead of `data: <json>\n\n`. */
+      frame?: (json: string) => string;
     }
   | { completion: Record<string, unknown> }
   /** A stream that never ends: `event` again and again, as fast as it is read; `cancelled` once the gateway closed the call. */
@@ -57,8 +59,9 @@ const upstream = Bun.serve({
     if (scripted && "events" in scripted) {
       // Without [DONE] the stream just ends: cut off, as a dying upstream's would be.
       const serialise = scripted.python ? pythonJson : JSON.stringify;
-      const events = (list: unknown[]) => list.map((e) => `data: ${serialise(e)}\n\n`).join("");
-      const text = events(scripted.events) + (scripted.done ? "data: [DONE]\n\n" : "") + events(scripted.after ?? []);
+      const frame = scripted.frame ?? ((json: string) => `data: ${json}\n\n`);
+      const events = (list: unknown[]) => list.map((e) => frame(serialise(e))).join("");
+      const text = events(scripted.events) + (scripted.done ? frame("[DONE]") : "") + events(scripted.after ?? []);
       if (!scripted.open) return new Response(text, { headers: { "content-type": "text/event-stream" } });
       const bytes = new TextEncoder().encode(text);
       return new Response(new ReadableStream({ start: (c) => c.enqueue(bytes) }), { headers: { "content-type": "text/event-stream" } });
@@ -408,6 +411,79 @@ describe("usage the upstream leaves out, or reports before the end", () => {
     expect(row?.promptTokens).toBe(promptEstimate);
     // 5 × 40 characters delivered ≈ 50 tokens (before: 0, none of the text was seen).
     expect(row?.completionTokens).toBe(50);
+  });
+
+  test("events framed with other fields (`event:`, `id:`, `retry:`, a comment line) or split over several `data:` lines are read all the same: text and usage charged, model named by its alias, plain `data:` events to the client", async () => {
+    /** Splits a JSON text at its commas into `data:` lines (SSE joins them with a line feed, which JSON reads as white space). */
+    const split = (json: string) => `data: ${json.replaceAll('","', '",\ndata: "')}\n\n`;
+    const framings: [string, (json: string) => string][] = [
+      ["event: line first", (j) => `event: message\ndata: ${j}\n\n`],
+      ["id: line first", (j) => `id: 7\ndata: ${j}\n\n`],
+      ["id: line after the data", (j) => `data: ${j}\nid: 7\n\n`],
+      ["retry: line and a comment line", (j) => `retry: 3000\n: note\ndata: ${j}\n\n`],
+      ["several data: lines", split],
+      ["CRLF line ends with an event: line", (j) => `event: message\r\ndata: ${j}\r\n\r\n`],
+      ["CR line ends", (j) => `event: message\rdata: ${j}\r\r`],
+    ];
+    for (const [name, frame] of framings) {
+      const o = await seedTestOrg(gw.database);
+      scripted = {
+        events: [
+          chunkOf([deltaOf({ role: "assistant", content: "a".repeat(400) })]),
+          chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]),
+          chunkOf([], { usage: { prompt_tokens: 9, completion_tokens: 123, total_tokens: 132 } }),
+        ],
+        done: true,
+        frame,
+      };
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
+      expect(res.status).toBe(200);
+      const text = await res.text();
+      // Before: the events passed through unread, `event:` line and all (and their usage was not seen).
+      let data: string[] = [];
+      expect(() => {
+        // A CRLF upstream's line ends are kept (as before); the events are what is checked.
+        data = sseData(text.replaceAll("\r\n", "\n"));
+      }, name).not.toThrow();
+      expect(data.at(-1), name).toBe("[DONE]");
+      const chunks = data.slice(0, -1).map((d) => rec(JSON.parse(d)));
+      expect(chunks.map((c) => c.model), name).toEqual(["svc-fast", "svc-fast", "svc-fast"]);
+      expect(chunks.at(-1)?.usage, name).toEqual({ prompt_tokens: 9, completion_tokens: 123, total_tokens: 132 });
+      const [row] = await rows(o.orgId);
+      expect([row?.status, row?.promptTokens, row?.completionTokens], name).toEqual([200, 9, 123]);
+    }
+    // The Responses API reads the same events: its answer has the text and the usage.
+    const o = await seedTestOrg(gw.database);
+    scripted = {
+      events: [chunkOf([deltaOf({ role: "assistant", content: "hello" })]), chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]), chunkOf([], { usage: { prompt_tokens: 9, completion_tokens: 55, total_tokens: 64 } })],
+      done: true,
+      frame: (j) => `event: message\nid: 1\ndata: ${j}\n\n`,
+    };
+    const r = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi", stream: true });
+    expect(r.status).toBe(200);
+    const completed = (await r.text()).split("\n\n").find((e) => e.startsWith("event: response.completed"));
+    const final = rec(rec(JSON.parse(completed?.split("data: ")[1] ?? "null")).response);
+    expect(JSON.stringify(final.output)).toContain('"text":"hello"');
+    expect(rec(final.usage)).toMatchObject({ input_tokens: 9, output_tokens: 55 });
+    const [row] = await rows(o.orgId);
+    expect([row?.promptTokens, row?.completionTokens]).toEqual([9, 55]);
+  });
+
+  test("an upstream that ignores max_tokens is ended at its bound however it frames its events", async () => {
+    const o = await seedTestOrg(gw.database);
+    scripted = {
+      events: Array.from({ length: 50 }, (_, i) => chunkOf([deltaOf(i === 0 ? { role: "assistant", content: "x" } : { content: "x" })])),
+      done: true,
+      frame: (j) => `event: message\ndata: ${j}\n\n`,
+    };
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, max_tokens: 5 });
+    expect(res.status).toBe(200);
+    const data = sseData(await res.text());
+    const texts = data.filter((d) => d.includes('"content":"x"'));
+    // Before: all 50 relayed, event: lines and all.
+    expect(texts.length).toBe(5);
+    const [row] = await rows(o.orgId);
+    expect(row?.completionTokens).toBeLessThanOrEqual(5);
   });
 
   test("[DONE] ends the answer: what an upstream sends after it is neither relayed nor charged, and an upstream that then keeps the body open does not fail the stream", async () => {

@@ -115,6 +115,36 @@ describe("relayStream", () => {
     }
   });
 
+  test("events with other fields, comment lines, data over several lines or bare CR line ends come out as plain data events, cut anywhere, and are metered", async () => {
+    /** `whole` with each event framed by `frame` (its data, its line end). */
+    const reframe = (frame: (data: string, nl: string) => string, nl: string) =>
+      whole
+        .split("\n\n")
+        .filter((e) => e !== "")
+        .map((e) => frame(e.slice("data: ".length), nl))
+        .join("");
+    const cases: [string, string, string][] = [
+      ["event: and id: lines", reframe((d, nl) => `event: message${nl}id: 3${nl}data: ${d}${nl}${nl}`, "\n"), expected],
+      ["a field after the data", reframe((d, nl) => `data: ${d}${nl}retry: 10${nl}${nl}`, "\n"), expected],
+      ["a comment line in the event", reframe((d, nl) => `: c${nl}data: ${d}${nl}${nl}`, "\n"), expected],
+      ["data split at its commas", reframe((d, nl) => `data: ${d.replaceAll(",", `,${nl}data: `)}${nl}${nl}`, "\n"), expected],
+      ["CRLF with an event: line", reframe((d, nl) => `event: m${nl}data: ${d}${nl}${nl}`, "\r\n"), expected.replaceAll("\n\n", "\r\n\r\n")],
+      ["bare CR line ends", reframe((d, nl) => `data: ${d}${nl}${nl}`, "\r"), expected],
+      ["bare CR with an event: line", reframe((d, nl) => `event: m${nl}data: ${d}${nl}${nl}`, "\r"), expected],
+    ];
+    for (const [name, input, want] of cases) {
+      for (let at = 1; at < input.length; at += 7) {
+        const r = await relay([input.slice(0, at), input.slice(at)]);
+        expect(r.text, `${name}, cut at ${at}`).toBe(want);
+        expect(r.ended?.usage, name).toEqual({ promptTokens: 7, completionTokens: 3 });
+        expect(r.ended?.outcome, name).toBe("done");
+      }
+    }
+    // Fields without data are not events a chat client reads: dropped; comments alone are keep-alives: passed on.
+    const r = await relay(["event: ping\nid: 4\n\n: keep\n\n", chunk("a") + DONE]);
+    expect(r.text).toBe(`: keep\n\n${chunk("a").replace(UP, "svc-fast")}${DONE}`);
+  });
+
   test("pending bytes without an event separator are capped from the first byte: error event, upstream aborted", async () => {
     const block = "x".repeat(1024 * 1024);
     const r = await relay(["data: ", ...Array.from({ length: 20 }, () => block)]);
