@@ -5,6 +5,7 @@ import { upstreamMessage } from "./upstream/error-body.ts";
 import { isRecord } from "../lib/guards.ts";
 import { charsToTokens } from "./tokens.ts";
 import { type Counted, type UsageBounds, countUsage } from "./usage.ts";
+import { wholeAnswer } from "./whole-answer.ts";
 
 /**
  * SSE passthrough: the upstream's bytes go to the client event by event, with
@@ -763,8 +764,20 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       }
       waitingSince = undefined;
       if (ended) return;
-      // [DONE] ends a stream before its body does (finishAtDone): a body that ends first was cut off.
-      if (r.done) return fail(c, endedBecause ?? `The model '${opts.alias}' ended the stream early.`);
+      if (r.done) {
+        // No event at all, and one JSON document: a server that does not stream answered whole (whole-answer.ts).
+        const whole = sep === undefined && heldBytes > 0 && endedBecause === undefined ? wholeAnswer(Buffer.concat(held, heldBytes), opts.alias) : undefined;
+        if (whole && "error" in whole) upstreamError = upstreamMessage(Buffer.concat(held, heldBytes).toString("utf8")).message;
+        else if (whole) {
+          held = [];
+          heldBytes = 0;
+          tail = undefined;
+          feed(whole.events, out);
+        }
+        // [DONE] ends a stream before its body does (finishAtDone): a body that ends first was cut off.
+        else return fail(c, endedBecause ?? `The model '${opts.alias}' ended the stream early.`);
+        continue;
+      }
       try {
         feed(r.value, out);
       } catch (e) {

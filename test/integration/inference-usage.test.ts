@@ -532,6 +532,74 @@ describe("usage the upstream leaves out, or reports before the end", () => {
   });
 });
 
+describe("an upstream that ignores stream: true and answers with one JSON completion", () => {
+  afterEach(() => {
+    scripted = undefined;
+  });
+  const toolCall = { id: "call_1", type: "function", function: { name: "lookup", arguments: '{"q":"x"}' } };
+
+  test("chat: the client gets the answer as a stream (text, tool calls, finish_reason, usage when asked, [DONE]); the reported usage is charged", async () => {
+    for (const wantsUsage of [true, false]) {
+      const o = await seedTestOrg(gw.database);
+      scripted = {
+        completion: {
+          choices: [{ index: 0, message: { role: "assistant", content: "x".repeat(4_000), tool_calls: [toolCall] }, finish_reason: "tool_calls" }],
+          usage: { prompt_tokens: 9, completion_tokens: 1_000, total_tokens: 1_009 },
+        },
+      };
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, ...(wantsUsage ? { stream_options: { include_usage: true } } : {}) });
+      expect(res.status).toBe(200);
+      const data = sseData(await res.text());
+      // Before: one error event ("ended the stream early"), and the record charged 0 completion tokens for 1,000 generated.
+      expect(data.at(-1)).toBe("[DONE]");
+      const chunks = data.slice(0, -1).map((d) => rec(JSON.parse(d)));
+      for (const c of chunks) expect([c.object, c.model, c.id]).toEqual(["chat.completion.chunk", "svc-fast", "c1"]);
+      const deltas = chunks.flatMap((c) => (c.choices as Record<string, unknown>[]).map((ch) => rec(ch.delta)));
+      expect(deltas.map((d) => d.content ?? "").join("")).toBe("x".repeat(4_000));
+      expect(deltas.flatMap((d) => (d.tool_calls as unknown[] | undefined) ?? [])).toEqual([{ index: 0, ...toolCall }]);
+      expect(chunks.flatMap((c) => (c.choices as Record<string, unknown>[]).map((ch) => ch.finish_reason)).filter((f) => f !== null)).toEqual(["tool_calls"]);
+      const usageChunks = chunks.filter((c) => c.usage !== undefined);
+      expect(usageChunks.map((c) => c.usage)).toEqual(wantsUsage ? [{ prompt_tokens: 9, completion_tokens: 1_000, total_tokens: 1_009 }] : []);
+      const [row] = await rows(o.orgId);
+      expect([row?.status, row?.promptTokens, row?.completionTokens]).toEqual([200, 9, 1_000]);
+    }
+  });
+
+  test("Responses API: the stream completes with the answer and its usage", async () => {
+    const o = await seedTestOrg(gw.database);
+    scripted = { completion: { choices: [{ index: 0, message: { role: "assistant", content: "hello there" }, finish_reason: "stop" }], usage: { prompt_tokens: 9, completion_tokens: 77, total_tokens: 86 } } };
+    const r = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi", stream: true });
+    expect(r.status).toBe(200);
+    const completed = (await r.text()).split("\n\n").find((e) => e.startsWith("event: response.completed"));
+    const final = rec(rec(JSON.parse(completed?.split("data: ")[1] ?? "null")).response);
+    expect(JSON.stringify(final.output)).toContain('"text":"hello there"');
+    expect(rec(final.usage)).toMatchObject({ input_tokens: 9, output_tokens: 77 });
+    const [row] = await rows(o.orgId);
+    expect([row?.status, row?.completionTokens]).toEqual([200, 77]);
+  });
+
+  test("a JSON error body with a 200 to a streamed request ends the stream with the upstream's message", async () => {
+    const o = await seedTestOrg(gw.database);
+    scripted = { completion: { object: "error", message: "the engine is overloaded", type: "ServiceUnavailable", code: 503, choices: undefined } };
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
+    const data = sseData(await res.text());
+    expect(data).toHaveLength(1);
+    expect(rec(rec(JSON.parse(data[0] ?? "null")).error).message).toContain("the engine is overloaded");
+    const [row] = await rows(o.orgId);
+    expect(row?.status).toBe(503);
+  });
+
+  test("a completion's answer past the bound the upstream was sent is charged at most the bound", async () => {
+    const o = await seedTestOrg(gw.database);
+    scripted = { completion: { choices: [{ index: 0, message: { role: "assistant", content: "x".repeat(4_000) }, finish_reason: "stop" }], usage: { prompt_tokens: 9, completion_tokens: 1_000, total_tokens: 1_009 } } };
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, max_tokens: 10 });
+    expect(res.status).toBe(200);
+    await res.text();
+    const [row] = await rows(o.orgId);
+    expect(row?.completionTokens).toBeLessThanOrEqual(10);
+  });
+});
+
 describe("an upstream that ignores max_tokens", () => {
   afterEach(() => {
     scripted = undefined;
