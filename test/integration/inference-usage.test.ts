@@ -123,6 +123,23 @@ async function estimateOf(stream: boolean): Promise<number> {
   return row?.promptTokens ?? -1;
 }
 
+/** A streamed Responses request's final Response (its `response.completed` event). */
+async function completedResponse(o: SeededOrg): Promise<Record<string, unknown>> {
+  const r = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi", stream: true });
+  expect(r.status).toBe(200);
+  const completed = (await r.text()).split("\n\n").find((e) => e.startsWith("event: response.completed"));
+  return rec(rec(JSON.parse(completed?.split("data: ")[1] ?? "null")).response);
+}
+
+/** A streamed Responses request completes with `text` and the usage given, and its record is charged that usage. */
+async function expectAnswered(o: SeededOrg, text: string, input: number, output: number): Promise<void> {
+  const final = await completedResponse(o);
+  expect(JSON.stringify(final.output)).toContain(`"text":${JSON.stringify(text)}`);
+  expect(rec(final.usage)).toMatchObject({ input_tokens: input, output_tokens: output });
+  const [row] = await rows(o.orgId);
+  expect([row?.status, row?.promptTokens, row?.completionTokens]).toEqual([200, input, output]);
+}
+
 const ABSURD: Record<string, unknown>[] = [
   { prompt_tokens: 1e20, completion_tokens: 1e20, total_tokens: 2e20 },
   { prompt_tokens: -5, completion_tokens: 1_000_000_001, total_tokens: 3 },
@@ -386,11 +403,7 @@ describe("usage the upstream leaves out, or reports before the end", () => {
 
     // The Responses API asks chat for usage: its final event and stored Response carry the same figures.
     scripted = { events, done: true };
-    const r = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi", stream: true });
-    expect(r.status).toBe(200);
-    const text = await r.text();
-    const completed = text.split("\n\n").find((e) => e.startsWith("event: response.completed"));
-    const final = rec(rec(JSON.parse(completed?.split("data: ")[1] ?? "null")).response);
+    const final = await completedResponse(o);
     expect(rec(final.usage)).toMatchObject({ output_tokens: 20, total_tokens: rec(final.usage).input_tokens as number + 20 });
   });
 
@@ -459,14 +472,7 @@ describe("usage the upstream leaves out, or reports before the end", () => {
       done: true,
       frame: (j) => `event: message\nid: 1\ndata: ${j}\n\n`,
     };
-    const r = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi", stream: true });
-    expect(r.status).toBe(200);
-    const completed = (await r.text()).split("\n\n").find((e) => e.startsWith("event: response.completed"));
-    const final = rec(rec(JSON.parse(completed?.split("data: ")[1] ?? "null")).response);
-    expect(JSON.stringify(final.output)).toContain('"text":"hello"');
-    expect(rec(final.usage)).toMatchObject({ input_tokens: 9, output_tokens: 55 });
-    const [row] = await rows(o.orgId);
-    expect([row?.promptTokens, row?.completionTokens]).toEqual([9, 55]);
+    await expectAnswered(o, "hello", 9, 55);
   });
 
   test("an upstream that ignores max_tokens is ended at its bound however it frames its events", async () => {
@@ -568,14 +574,7 @@ describe("an upstream that ignores stream: true and answers with one JSON comple
   test("Responses API: the stream completes with the answer and its usage", async () => {
     const o = await seedTestOrg(gw.database);
     scripted = { completion: { choices: [{ index: 0, message: { role: "assistant", content: "hello there" }, finish_reason: "stop" }], usage: { prompt_tokens: 9, completion_tokens: 77, total_tokens: 86 } } };
-    const r = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi", stream: true });
-    expect(r.status).toBe(200);
-    const completed = (await r.text()).split("\n\n").find((e) => e.startsWith("event: response.completed"));
-    const final = rec(rec(JSON.parse(completed?.split("data: ")[1] ?? "null")).response);
-    expect(JSON.stringify(final.output)).toContain('"text":"hello there"');
-    expect(rec(final.usage)).toMatchObject({ input_tokens: 9, output_tokens: 77 });
-    const [row] = await rows(o.orgId);
-    expect([row?.status, row?.completionTokens]).toEqual([200, 77]);
+    await expectAnswered(o, "hello there", 9, 77);
   });
 
   test("a JSON error body with a 200 to a streamed request ends the stream with the upstream's message", async () => {
