@@ -7,6 +7,8 @@ import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
 import type { ImageUrlCheck } from "./image-url.ts";
 import { type EndStream, relayStream } from "./stream.ts";
+import { sseAsCompletion } from "./whole-answer.ts";
+import { upstreamMessage } from "./upstream/error-body.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
 import { type UsageBounds, countUsage } from "./usage.ts";
 import {
@@ -304,7 +306,15 @@ export function createInferenceService(deps: ServiceDeps) {
       try {
         const res = await upstream.complete(name, alias, "/chat/completions", payloadFor, ctx);
         target = res.target;
-        const parsed = parseJson(res.body);
+        let parsed = parseJson(res.body);
+        if (parsed === undefined) {
+          // A server that streams what it was asked for whole (whole-answer.ts).
+          const assembled = sseAsCompletion(res.body);
+          if (assembled && "error" in assembled && typeof assembled.error === "string") {
+            throw new AppError("service_unavailable", `The model '${name}' failed while generating: ${upstreamMessage(assembled.error).message}`);
+          }
+          parsed = assembled;
+        }
         const shaped = shapeCompletion(parsed, name);
         if (!shaped) throw badUpstreamAnswer(name, res.target);
         const rawUsage = isRecord(parsed) && isRecord(parsed.usage) ? parsed.usage : undefined;

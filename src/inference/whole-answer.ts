@@ -45,3 +45,100 @@ export function wholeAnswer(body: Buffer, alias: string): WholeAnswer {
   events.push("data: [DONE]\n\n");
   return { events: Buffer.from(events.join("")) };
 }
+
+interface Acc {
+  content: string[];
+  reasoning: string[];
+  refusal: string[];
+  calls: Map<number, { id?: unknown; type?: unknown; name: string; arguments: string }>;
+  finish: string | null;
+  logprobs: unknown[] | undefined;
+}
+
+/**
+ * The other way round: a non-streamed request answered with SSE (a server
+ * that streams whatever it is asked). The chunks are put together into the
+ * chat completion they stand for (each choice's text, reasoning, refusal and
+ * tool calls, its last finish_reason, the last usage), which is then shaped,
+ * metered and bounded as any JSON answer. Undefined when the text is not SSE
+ * chunks; `{ error }` when it carries an error event.
+ */
+export function sseAsCompletion(text: string): Record<string, unknown> | { error: string } | undefined {
+  if (!/^(data:|event:|id:|retry:|:)/.test(text.trimStart())) return undefined;
+  const choices = new Map<number, Acc>();
+  let head: Record<string, unknown> | undefined;
+  let usage: unknown;
+  for (const event of text.split(/\r\n\r\n|\n\n|\r\r/)) {
+    const data = event
+      .split(/\r\n|\r|\n/)
+      .filter((l) => l.startsWith("data:"))
+      .map((l) => (l.charCodeAt(5) === 0x20 ? l.slice(6) : l.slice(5)))
+      .join("\n");
+    if (data === "" || data === "[DONE]") continue;
+    let v: unknown;
+    try {
+      v = JSON.parse(data);
+    } catch {
+      return undefined;
+    }
+    if (!isRecord(v)) return undefined;
+    if (!Array.isArray(v.choices)) return "error" in v || v.object === "error" ? { error: data } : undefined;
+    head ??= v;
+    if (isRecord(v.usage)) usage = v.usage;
+    for (const c of v.choices) {
+      if (!isRecord(c)) continue;
+      const index = typeof c.index === "number" && Number.isSafeInteger(c.index) && c.index >= 0 && c.index < 128 ? c.index : 0;
+      let acc = choices.get(index);
+      if (!acc) {
+        acc = { content: [], reasoning: [], refusal: [], calls: new Map(), finish: null, logprobs: undefined };
+        choices.set(index, acc);
+      }
+      const d = isRecord(c.delta) ? c.delta : {};
+      if (typeof d.content === "string") acc.content.push(d.content);
+      const reasoning = typeof d.reasoning_content === "string" ? d.reasoning_content : d.reasoning;
+      if (typeof reasoning === "string") acc.reasoning.push(reasoning);
+      if (typeof d.refusal === "string") acc.refusal.push(d.refusal);
+      if (Array.isArray(d.tool_calls)) {
+        for (const t of d.tool_calls) {
+          if (!isRecord(t)) continue;
+          const k = typeof t.index === "number" && Number.isSafeInteger(t.index) && t.index >= 0 && t.index < 128 ? t.index : 0;
+          let call = acc.calls.get(k);
+          if (!call) {
+            call = { name: "", arguments: "" };
+            acc.calls.set(k, call);
+          }
+          call.id ??= t.id;
+          call.type ??= t.type;
+          const fn = isRecord(t.function) ? t.function : {};
+          if (typeof fn.name === "string") call.name += fn.name;
+          if (typeof fn.arguments === "string") call.arguments += fn.arguments;
+        }
+      }
+      if (typeof c.finish_reason === "string") acc.finish = c.finish_reason;
+      if (isRecord(c.logprobs) && Array.isArray(c.logprobs.content)) {
+        acc.logprobs ??= [];
+        // One by one: spreading an array of any length into push() can overflow the stack.
+        for (const lp of c.logprobs.content) acc.logprobs.push(lp);
+      }
+    }
+  }
+  if (!head) return undefined;
+  return {
+    id: head.id,
+    created: head.created,
+    choices: [...choices.entries()]
+      .sort(([a], [b]) => a - b)
+      .map(([index, acc]) => {
+        const message: Record<string, unknown> = { role: "assistant", content: acc.content.length > 0 ? acc.content.join("") : null };
+        if (acc.reasoning.length > 0) message.reasoning_content = acc.reasoning.join("");
+        if (acc.refusal.length > 0) message.refusal = acc.refusal.join("");
+        if (acc.calls.size > 0) {
+          message.tool_calls = [...acc.calls.entries()]
+            .sort(([a], [b]) => a - b)
+            .map(([, c]) => ({ id: c.id, type: c.type ?? "function", function: { name: c.name, arguments: c.arguments } }));
+        }
+        return { index, message, logprobs: acc.logprobs ? { content: acc.logprobs } : null, finish_reason: acc.finish ?? "stop" };
+      }),
+    ...(usage !== undefined ? { usage } : {}),
+  };
+}

@@ -599,6 +599,50 @@ describe("an upstream that ignores stream: true and answers with one JSON comple
   });
 });
 
+describe("an upstream that streams a non-streamed request", () => {
+  afterEach(() => {
+    scripted = undefined;
+  });
+
+  test("the chunks are put together into the completion they stand for (text, reasoning, tool calls, finish_reason, n = 2) and its usage is charged", async () => {
+    const o = await seedTestOrg(gw.database);
+    scripted = {
+      events: [
+        chunkOf([deltaOf({ role: "assistant", content: "Hel", reasoning_content: "think" }), deltaOf({ role: "assistant", content: "Other" }, 1)]),
+        chunkOf([deltaOf({ content: "lo" })]),
+        chunkOf([deltaOf({ tool_calls: [{ index: 0, id: "call_1", type: "function", function: { name: "lookup", arguments: '{"q":' } }] })]),
+        chunkOf([deltaOf({ tool_calls: [{ index: 0, function: { arguments: '"x"}' } }] })]),
+        chunkOf([{ index: 0, delta: {}, finish_reason: "tool_calls" }, { index: 1, delta: {}, finish_reason: "stop" }]),
+        chunkOf([], { usage: { prompt_tokens: 9, completion_tokens: 321, total_tokens: 330 } }),
+      ],
+      done: true,
+    };
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), n: 2 });
+    // Before: 503 "sent an unreadable answer", and the record charged no completion for the 321 tokens generated.
+    expect(res.status).toBe(200);
+    const body = rec(await res.json());
+    expect([body.object, body.model, body.id]).toEqual(["chat.completion", "svc-fast", "c1"]);
+    const choices = body.choices as Record<string, unknown>[];
+    expect(choices.map((c) => [c.index, rec(c.message).content, c.finish_reason])).toEqual([
+      [0, "Hello", "tool_calls"],
+      [1, "Other", "stop"],
+    ]);
+    expect(rec(choices[0]?.message).reasoning_content).toBe("think");
+    expect(rec(choices[0]?.message).tool_calls).toEqual([{ id: "call_1", type: "function", function: { name: "lookup", arguments: '{"q":"x"}' } }]);
+    expect(body.usage).toEqual({ prompt_tokens: 9, completion_tokens: 321, total_tokens: 330 });
+    const [row] = await rows(o.orgId);
+    expect([row?.status, row?.promptTokens, row?.completionTokens]).toEqual([200, 9, 321]);
+  });
+
+  test("an error event in the stream is the upstream's error, with its message", async () => {
+    const o = await seedTestOrg(gw.database);
+    scripted = { events: [{ error: { message: "the engine is overloaded", type: "ServiceUnavailable", code: 503 } }], done: false };
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+    expect(res.status).toBe(503);
+    expect(rec(rec(await res.json()).error).message).toContain("the engine is overloaded");
+  });
+});
+
 describe("an upstream that ignores max_tokens", () => {
   afterEach(() => {
     scripted = undefined;

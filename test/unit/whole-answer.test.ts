@@ -1,0 +1,66 @@
+import { describe, expect, test } from "bun:test";
+import fc from "fast-check";
+import { sseAsCompletion, wholeAnswer } from "../../src/inference/whole-answer.ts";
+
+/** A chat completion's choices as an upstream might send them: text, reasoning, refusal, tool calls. */
+const choiceArb = fc.record({
+  content: fc.option(fc.string({ unit: "binary" }), { nil: undefined }),
+  reasoning_content: fc.option(fc.string(), { nil: undefined }),
+  refusal: fc.option(fc.string(), { nil: undefined }),
+  tool_calls: fc.option(
+    fc.array(fc.record({ id: fc.string(), type: fc.constant("function"), function: fc.record({ name: fc.string(), arguments: fc.string() }) }), { minLength: 1, maxLength: 3 }),
+    { nil: undefined },
+  ),
+  finish_reason: fc.constantFrom("stop", "length", "tool_calls"),
+});
+
+describe("whole answers", () => {
+  test("a completion turned into stream events and put together again is the same answer", () => {
+    fc.assert(
+      fc.property(fc.array(choiceArb, { minLength: 1, maxLength: 3 }), fc.option(fc.record({ prompt_tokens: fc.nat(), completion_tokens: fc.nat() }), { nil: undefined }), (choices, usage) => {
+        const completion = {
+          id: "c1",
+          object: "chat.completion",
+          created: 1,
+          model: "up",
+          choices: choices.map(({ finish_reason, ...m }, index) => ({ index, message: { role: "assistant", ...m }, finish_reason })),
+          ...(usage ? { usage } : {}),
+        };
+        const events = wholeAnswer(Buffer.from(JSON.stringify(completion)), "svc-fast");
+        if (!events || !("events" in events)) throw new Error("not converted");
+        const back = sseAsCompletion(events.events.toString("utf8"));
+        if (!back || "error" in back) throw new Error("not put together");
+        expect(back.usage).toEqual(usage);
+        const got = back.choices as { index: number; message: Record<string, unknown>; finish_reason: string }[];
+        expect(got.map((c) => c.finish_reason)).toEqual(choices.map((c) => c.finish_reason));
+        got.forEach((c, i) => {
+          const want = choices[i];
+          // An empty string sent as text is no text: the stream carries nothing for it.
+          expect(c.message.content ?? "").toBe(want?.content ?? "");
+          expect(c.message.reasoning_content ?? "").toBe(want?.reasoning_content ?? "");
+          expect(c.message.refusal ?? "").toBe(want?.refusal ?? "");
+          expect(c.message.tool_calls).toEqual(want?.tool_calls);
+        });
+      }),
+      { numRuns: 300 },
+    );
+  });
+
+  test("any text: never throws, and what is not SSE or JSON is not an answer", () => {
+    fc.assert(
+      fc.property(fc.string({ unit: "binary", maxLength: 400 }), (text) => {
+        const buf = Buffer.from(text);
+        wholeAnswer(buf, "a");
+        sseAsCompletion(text);
+        sseAsCompletion(`data: ${text}\n\n`);
+      }),
+      { numRuns: 2_000 },
+    );
+    expect(wholeAnswer(Buffer.from("<html>bad gateway</html>"), "a")).toBeUndefined();
+    expect(sseAsCompletion("<html>bad gateway</html>")).toBeUndefined();
+    expect(sseAsCompletion('data: {"error":{"message":"x"}}\n\n')).toEqual({ error: '{"error":{"message":"x"}}' });
+    // A tool-call index out of range is folded into call 0, not an array of a billion holes.
+    const far = sseAsCompletion('data: {"choices":[{"index":1000000000,"delta":{"tool_calls":[{"index":1000000000,"function":{"arguments":"a"}}]}}]}\n\n');
+    expect(JSON.stringify(far)).toContain('"arguments":"a"');
+  });
+});
