@@ -135,9 +135,22 @@ function embeddingAnswerLimit(body: EmbeddingsBody, aliasDimensions: number | un
 const stringLength = (v: unknown): number => (typeof v === "string" ? v.length : 0);
 
 /**
- * Spec 2.3 with `model` = the alias; tool calls, finish reasons, reasoning
- * text and requested logprobs pass through. `message.refusal` and `logprobs`
- * are always sent, null when the upstream sent none, as OpenAI sends them.
+ * A tool call whose `function.arguments` is a JSON object or array (some
+ * OpenAI-compatible servers send the arguments parsed) with its JSON text
+ * there instead, the string the SDKs take; any other call as sent.
+ */
+function withTextArguments(call: unknown): unknown {
+  if (!isRecord(call) || !isRecord(call.function)) return call;
+  const args = call.function.arguments;
+  if (typeof args !== "object" || args === null) return call;
+  return { ...call, function: { ...call.function, arguments: JSON.stringify(args) } };
+}
+
+/**
+ * Spec 2.3 with `model` = the alias; tool calls (their arguments as text),
+ * finish reasons, reasoning text and requested logprobs pass through.
+ * `message.refusal` and `logprobs` are always sent, null when the upstream
+ * sent none, as OpenAI sends them.
  */
 function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unknown>; completionChars: number } | undefined {
   if (!isRecord(raw) || !Array.isArray(raw.choices)) return undefined;
@@ -149,7 +162,7 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     completionChars += content?.length ?? 0;
     const message: Record<string, unknown> = { role: "assistant", content, refusal: null };
     if (Array.isArray(m.tool_calls) && m.tool_calls.length > 0) {
-      message.tool_calls = m.tool_calls;
+      message.tool_calls = m.tool_calls.map(withTextArguments);
       completionChars += JSON.stringify(m.tool_calls).length;
     }
     for (const k of ["reasoning_content", "reasoning", "refusal"] as const) {

@@ -13,11 +13,14 @@ import { wholeAnswer } from "./whole-answer.ts";
  *  - swap the upstream model id for the alias (a byte search for
  *    `"model":"<upstream id>"`, the first occurrence, which is the top-level key:
  *    inside JSON strings quotes are escaped, so the pattern cannot match content);
- *  - look for a usage object, the one event we parse, to meter the request; the
+ *  - look for a usage object, the one event we parse (but for the rare one
+ *    below), to meter the request; the
  *    usage-only chunk (`"choices":[]`) is dropped when the client did not ask
  *    for usage (the gateway always asks the upstream for it);
  *  - measure delta text (`"content":"…"`, tool-call `"arguments":"…"`, refusal, reasoning),
- *    so a stream that ends without usage is still counted (~4 chars a token);
+ *    so a stream that ends without usage is still counted (~4 chars a token),
+ *    and rewrite tool-call arguments sent as a JSON object or array as their
+ *    JSON text (`textArgumentsEvent`: only such an event is parsed);
  *  - turn an upstream error event into our wire shape;
  *  - count the events that carry delta text, per choice: each stands for at
  *    least one generated token (vLLM sends one event per choice per engine
@@ -128,6 +131,7 @@ function chunkIdOf(event: Buffer, at: number): string {
 }
 /** Keys whose string values are delta text; the value's quote may follow a space (Python's default separators). */
 const TEXT_FIELDS = ['"content":', '"arguments":', '"refusal":'].map((s) => Buffer.from(s));
+const ARGUMENTS = TEXT_FIELDS[1];
 /** vLLM's reasoning text, under its older name, its newer one, or both (the same text): counted once. */
 const REASONING_FIELDS = ['"reasoning_content":', '"reasoning":'].map((s) => Buffer.from(s));
 const ERROR_PREFIXES = ['{"error"', '{"object":"error"', '{"object": "error"'].map((s) => Buffer.from(s));
@@ -139,6 +143,7 @@ const QUOTE = 0x22;
 const BACKSLASH = 0x5c;
 const SPACE = 0x20;
 const OPEN_BRACE = 0x7b;
+const OPEN_BRACKET = 0x5b;
 
 const asBuffer = (u: Uint8Array): Buffer => (Buffer.isBuffer(u) ? u : Buffer.from(u.buffer, u.byteOffset, u.byteLength));
 
@@ -152,18 +157,26 @@ function jsonStringBytes(b: Buffer, start: number): number {
   return b.length - start;
 }
 
+/** What a scan of an event's delta text saw besides its bytes (one per stream, reused for each event). */
+interface DeltaScan {
+  /** A tool call's arguments are a JSON object or array, not a string (`textArgumentsEvent`). */
+  structuredArguments: boolean;
+}
+
 /**
  * Bytes of every string value of `field` (a key with its colon) in the event:
  * each choice's (`n`), each parallel tool call's. `"content":"…"` and
  * `"content": "…"` alike: servers built on Python's json write the second.
+ * With `scan`, a value that opens an object or an array is noted there.
  */
-function fieldBytes(event: Buffer, field: Buffer): number {
+function fieldBytes(event: Buffer, field: Buffer, scan?: DeltaScan): number {
   let n = 0;
   let at = event.indexOf(field);
   while (at !== -1) {
     let v = at + field.length;
     while (event[v] === SPACE) v++;
     if (event[v] !== QUOTE) {
+      if (scan && (event[v] === OPEN_BRACE || event[v] === OPEN_BRACKET)) scan.structuredArguments = true;
       at = event.indexOf(field, v);
       continue;
     }
@@ -174,9 +187,11 @@ function fieldBytes(event: Buffer, field: Buffer): number {
   return n;
 }
 
-function deltaTextBytes(event: Buffer): number {
+/** Bytes of delta text in the event; `scan` notes tool-call arguments that are not a string. */
+function deltaTextBytes(event: Buffer, scan: DeltaScan): number {
+  scan.structuredArguments = false;
   let n = 0;
-  for (const f of TEXT_FIELDS) n += fieldBytes(event, f);
+  for (const f of TEXT_FIELDS) n += fieldBytes(event, f, f === ARGUMENTS ? scan : undefined);
   let reasoning = 0;
   for (const f of REASONING_FIELDS) reasoning = Math.max(reasoning, fieldBytes(event, f));
   return n + reasoning;
@@ -244,6 +259,41 @@ function usageOf(
   const { promptTokens: p, completionTokens: c } = counted;
   const usage = { ...v.usage, prompt_tokens: p, completion_tokens: c, total_tokens: p + c };
   return { counted, onlyUsage, rewritten: JSON.stringify({ ...v, usage }) };
+}
+
+/**
+ * The event with each tool call's `function.arguments` that is a JSON object
+ * or array replaced by its JSON text: some OpenAI-compatible servers send the
+ * arguments parsed, where the SDKs take a string (the openai SDK appends it to
+ * the text so far, "[object Object]"; the Vercel AI SDK refuses the chunk).
+ * Only an event whose scan saw such arguments is parsed. Undefined when there
+ * is nothing to replace or it cannot be done (the event then goes on as sent).
+ */
+function textArgumentsEvent(payload: string, term: string): Buffer | undefined {
+  let v: unknown;
+  try {
+    v = JSON.parse(payload);
+  } catch {
+    return undefined;
+  }
+  if (!isRecord(v) || !Array.isArray(v.choices)) return undefined;
+  let replaced = false;
+  try {
+    for (const c of v.choices) {
+      if (!isRecord(c) || !isRecord(c.delta) || !Array.isArray(c.delta.tool_calls)) continue;
+      for (const tc of c.delta.tool_calls) {
+        if (!isRecord(tc) || !isRecord(tc.function)) continue;
+        const args = tc.function.arguments;
+        if (typeof args !== "object" || args === null) continue;
+        tc.function.arguments = JSON.stringify(args);
+        replaced = true;
+      }
+    }
+    return replaced ? Buffer.from(`data: ${JSON.stringify(v)}${term}`) : undefined;
+  } catch {
+    // Nesting too deep to serialise again (JSON.stringify recurses: a RangeError): as sent.
+    return undefined;
+  }
 }
 
 function errorEvent(opts: RelayOptions, message: string): Uint8Array {
@@ -337,6 +387,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   let sep: Buffer | undefined;
   /** The line ends of the events the gateway writes itself: the upstream's, or LF for bare CR (`plainDataEvent`). */
   const termOut = () => (sep === CRLF2 ? "\r\n\r\n" : "\n\n");
+  const scan: DeltaScan = { structuredArguments: false };
   /**
    * The pending partial event, as the pieces it arrived in (copied: a read's
    * buffer may be reused), joined once when its separator arrives: holding a
@@ -462,7 +513,16 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       upstreamError = upstreamMessage(event.toString("utf8", at, event.length - (sep?.length ?? 2))).message;
       return undefined;
     }
-    const text = deltaTextBytes(event);
+    let text = deltaTextBytes(event, scan);
+    if (scan.structuredArguments) {
+      // Rare (servers that send the arguments parsed): the event is rebuilt with them as text, then counted.
+      const rebuilt = textArgumentsEvent(event.toString("utf8", at, event.length - (sep?.length ?? 2)), termOut());
+      if (rebuilt) {
+        event = rebuilt;
+        at = DATA.length + 1;
+        text = deltaTextBytes(event, scan);
+      }
+    }
     if (gen && beyondBound(gen, event, at, text)) {
       pastBound = true;
       return undefined;

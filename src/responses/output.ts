@@ -293,6 +293,12 @@ export function finish(
 }
 
 const str = (v: unknown): string => (typeof v === "string" ? v : "");
+/**
+ * A chat tool call's `function.arguments` as the Response's text: a string as
+ * sent; a JSON object or array (some OpenAI-compatible servers send the
+ * arguments parsed) as its JSON text; anything else (null, a number) "".
+ */
+export const argumentsText = (v: unknown): string => (typeof v === "string" ? v : typeof v === "object" && v !== null ? JSON.stringify(v) : "");
 /** vLLM names the field `reasoning_content` (older) or `reasoning` (newer). */
 export const reasoningOf = (m: Record<string, unknown>): string => str(m.reasoning_content) || str(m.reasoning);
 
@@ -322,7 +328,7 @@ export function responseFromChat(chat: Record<string, unknown>, meta: ResponseMe
   for (const call of calls) {
     const fn = isRecord(call.function) ? call.function : {};
     const callId = str(call.id) || `call_${hex(12)}`;
-    r.output.push({ type: "function_call", id: itemId("fc"), call_id: callId, name: str(fn.name), arguments: str(fn.arguments), status: itemStatus });
+    r.output.push({ type: "function_call", id: itemId("fc"), call_id: callId, name: str(fn.name), arguments: argumentsText(fn.arguments), status: itemStatus });
   }
   return finish(r, end.status, { incomplete: end.incomplete, usage: usageFromChat(chat.usage) });
 }

@@ -17,6 +17,7 @@
  */
 import { isRecord } from "../lib/guards.ts";
 import {
+  argumentsText,
   endOf,
   type FunctionCallItem,
   finish,
@@ -269,7 +270,7 @@ export class ChatToResponses {
     }
     const fn = isRecord(tc.function) ? tc.function : {};
     if (typeof tc.id === "string" && tc.id !== "") call.callId ??= tc.id;
-    const args = str(fn.arguments);
+    const args = argumentsText(fn.arguments);
     if (!call.item) {
       call.name += str(fn.name);
       call.pending += args;

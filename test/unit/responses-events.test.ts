@@ -152,6 +152,22 @@ describe("responseEventStream: the event sequence", () => {
     }
   });
 
+  test("tool-call arguments sent as a JSON object or array are their JSON text, streamed and not; null or a number is no text", async () => {
+    // Seen failing before: `str(fn.arguments)` made every one of them "" (output.ts and stream-state.ts).
+    const calls = [
+      { id: "c1", type: "function", function: { name: "f", arguments: { city: "Oslo", days: [1, 2] } } },
+      { id: "c2", type: "function", function: { name: "g", arguments: ["x", { y: true }] } },
+      { id: "c3", type: "function", function: { name: "h", arguments: null } },
+      { id: "c4", type: "function", function: { name: "k", arguments: 7 } },
+    ];
+    const expected = ['{"city":"Oslo","days":[1,2]}', '["x",{"y":true}]', "", ""];
+    const { events, finals } = await translate([ROLE, chunk({ tool_calls: calls.map((c, index) => ({ index, ...c })) }), chunk({}, "tool_calls"), USAGE, DONE]);
+    expect(events.filter((e) => e.type === "response.function_call_arguments.done").map((e) => e.arguments)).toEqual(expected);
+    expect(finals[0]?.output.map((i) => (i.type === "function_call" ? i.arguments : i.type))).toEqual(expected);
+    const json = responseFromChat({ choices: [{ index: 0, message: { role: "assistant", content: null, tool_calls: calls }, finish_reason: "tool_calls" }] }, meta());
+    expect(json.output.map((i) => (i.type === "function_call" ? i.arguments : i.type))).toEqual(expected);
+  });
+
   test("two tool calls interleaved by index: each delta goes to its own function_call item", async () => {
     const { events, finals } = await translate([
       ROLE,

@@ -1,0 +1,227 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { createOpenAI } from "@ai-sdk/openai";
+import { streamText, tool } from "ai";
+import OpenAI from "openai";
+import { z } from "zod";
+import type { Gateway } from "../../src/server.ts";
+import { type SeededOrg, startTestGateway } from "../helpers/harness.ts";
+import { CHAT_MODEL, TEST_PLANS, arr, chatAlias, post, rec, seedTestOrg, upstreamSettings } from "./inference-fixtures.ts";
+
+// Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(30_000);
+
+/**
+ * Shapes of an OpenAI-compatible upstream's answer that vLLM does not send but
+ * other servers do, through the gateway over real HTTP, for chat and for the
+ * Responses API, JSON and streamed (docs/decisions.md, "Tool-call arguments
+ * sent as JSON"): `function.arguments` as a JSON object or array rather than
+ * a JSON string: every client gets the JSON text (the SDKs' types say string).
+ */
+
+const ENC = new TextEncoder();
+const ARGS = { city: "Oslo", days: [1, 2], nested: { unit: "celsius" } };
+const ARGS_TEXT = JSON.stringify(ARGS);
+const LIST = ["x", 1, { y: true }];
+const LIST_TEXT = JSON.stringify(LIST);
+
+const chunk = (delta: Record<string, unknown>, finish: string | null = null) =>
+  `data: ${JSON.stringify({ id: "c1", object: "chat.completion.chunk", created: 1, model: CHAT_MODEL, choices: [{ index: 0, delta, logprobs: null, finish_reason: finish }] })}\n\n`;
+const USAGE = `data: ${JSON.stringify({ id: "c1", object: "chat.completion.chunk", created: 1, model: CHAT_MODEL, choices: [], usage: { prompt_tokens: 7, completion_tokens: 9, total_tokens: 16 } })}\n\n`;
+const DONE = "data: [DONE]\n\n";
+
+/** What the scripted upstream answers: a JSON answer and the stream's reads. */
+interface Script {
+  json: Record<string, unknown>;
+  reads: string[];
+}
+let script: Script;
+
+let upstream: ReturnType<typeof Bun.serve>;
+let gw: Gateway;
+let org: SeededOrg;
+
+beforeAll(async () => {
+  upstream = Bun.serve({
+    port: 0,
+    hostname: "127.0.0.1",
+    idleTimeout: 60,
+    async fetch(req) {
+      const body = (await req.json()) as { stream?: boolean };
+      if (!body.stream) return Response.json(script.json);
+      const reads = [...script.reads];
+      return new Response(
+        new ReadableStream({
+          pull(c) {
+            const r = reads.shift();
+            if (r === undefined) c.close();
+            else c.enqueue(ENC.encode(r));
+          },
+        }),
+        { headers: { "content-type": "text/event-stream" } },
+      );
+    },
+  });
+  gw = await startTestGateway({
+    aliases: { "svc-odd": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }]) },
+    plans: TEST_PLANS,
+    upstream: upstreamSettings({ attempts: 1 }),
+    responses: { enabled: true },
+  });
+  org = await seedTestOrg(gw.database);
+});
+afterAll(async () => {
+  await gw.stop();
+  upstream.stop(true);
+});
+
+const TOOLS_CHAT = [{ type: "function", function: { name: "get_weather", parameters: { type: "object", properties: { city: { type: "string" } } } } }];
+const TOOLS_RESPONSES = [{ type: "function", name: "get_weather", parameters: { type: "object", properties: { city: { type: "string" } } }, strict: false }];
+
+/** The Responses events of an SSE body: its `data:` payloads, parsed. */
+function events(text: string): Record<string, unknown>[] {
+  return text
+    .split("\n\n")
+    .filter((e) => e.includes("data: "))
+    .map((e) => rec(JSON.parse(e.split("\n").find((l) => l.startsWith("data: "))?.slice(6) ?? "null")));
+}
+
+/** Each chat tool call's arguments, concatenated over the stream's deltas by index, as a client assembles them. */
+function chatStreamArguments(text: string): unknown[] {
+  const args: unknown[] = [];
+  for (const e of text.split("\n\n")) {
+    if (!e.startsWith("data: {")) continue;
+    const c = rec(JSON.parse(e.slice(6)));
+    for (const choice of arr(c.choices)) {
+      const calls = rec(rec(choice).delta).tool_calls;
+      if (!Array.isArray(calls)) continue;
+      for (const tc of calls) {
+        const i = Number(rec(tc).index);
+        const a = rec(rec(tc).function).arguments;
+        if (a === undefined || a === null) continue;
+        args[i] = typeof a === "string" ? String(args[i] ?? "") + a : a;
+      }
+    }
+  }
+  return args;
+}
+
+describe("tool-call arguments the upstream sends as a JSON object or array", () => {
+  // Seen failing before: the Responses API turned them into "" (JSON and streamed: `str(fn.arguments)` in
+  // output.ts and stream-state.ts), so the client's function call lost its arguments, and chat passed the
+  // object on as sent, where the openai SDK and the Vercel AI SDK take a string.
+  const JSON_ANSWER = {
+    id: "c1",
+    object: "chat.completion",
+    created: 1,
+    model: CHAT_MODEL,
+    choices: [
+      {
+        index: 0,
+        message: {
+          role: "assistant",
+          content: null,
+          tool_calls: [
+            { id: "call_a", type: "function", function: { name: "get_weather", arguments: ARGS } },
+            { id: "call_b", type: "function", function: { name: "get_weather", arguments: LIST } },
+            { id: "call_c", type: "function", function: { name: "get_weather", arguments: '{"city":"Bergen"}' } },
+          ],
+        },
+        finish_reason: "tool_calls",
+      },
+    ],
+    usage: { prompt_tokens: 7, completion_tokens: 9, total_tokens: 16 },
+  };
+  /** Whole objects in deltas, one written with Python's separators (`"arguments": {…}`), and a string call alongside. */
+  const STREAM = [
+    chunk({ role: "assistant", content: null }),
+    chunk({ tool_calls: [{ index: 0, id: "call_a", type: "function", function: { name: "get_weather", arguments: ARGS } }] }),
+    `data: {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "${CHAT_MODEL}", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": ["x", 1, {"y": true}]}}]}, "logprobs": null, "finish_reason": null}]}\n\n`,
+    chunk({ tool_calls: [{ index: 2, id: "call_c", type: "function", function: { name: "get_weather", arguments: '{"city":' } }] }),
+    chunk({ tool_calls: [{ index: 2, function: { arguments: '"Bergen"}' } }] }),
+    chunk({}, "tool_calls") + USAGE + DONE,
+  ];
+  const EXPECTED = [ARGS_TEXT, LIST_TEXT, '{"city":"Bergen"}'];
+
+  beforeAll(() => {
+    script = { json: JSON_ANSWER, reads: STREAM };
+  });
+
+  test("Responses, JSON: each function_call item's arguments are the JSON text", async () => {
+    const res = await post(gw, "/v1/responses", org.personalKey, { model: "svc-odd", input: "weather?", tools: TOOLS_RESPONSES, store: false });
+    expect(res.status).toBe(200);
+    const r = rec(await res.json());
+    const calls = arr(r.output).map(rec).filter((i) => i.type === "function_call");
+    expect(calls.map((c) => [c.call_id, c.arguments])).toEqual([
+      ["call_a", ARGS_TEXT],
+      ["call_b", LIST_TEXT],
+      ["call_c", '{"city":"Bergen"}'],
+    ]);
+  });
+
+  test("Responses, streamed: the arguments events and the final items carry the JSON text", async () => {
+    const res = await post(gw, "/v1/responses", org.personalKey, { model: "svc-odd", input: "weather?", tools: TOOLS_RESPONSES, store: false, stream: true });
+    expect(res.status).toBe(200);
+    const all = events(await res.text());
+    expect(all.at(-1)?.type).toBe("response.completed");
+    const done = all.filter((e) => e.type === "response.function_call_arguments.done").map((e) => e.arguments);
+    expect(done).toEqual(EXPECTED);
+    const final = rec(all.at(-1)?.response);
+    expect(arr(final.output).map((i) => rec(i).arguments)).toEqual(EXPECTED);
+  });
+
+  test("the openai SDK's responses.create, JSON and streamed, gets arguments that parse", async () => {
+    const client = new OpenAI({ baseURL: `${gw.url}/v1`, apiKey: org.personalKey, maxRetries: 0 });
+    const tools = [{ type: "function" as const, name: "get_weather", parameters: { type: "object", properties: { city: { type: "string" } } }, strict: false }];
+    const r = await client.responses.create({ model: "svc-odd", input: "weather?", tools, store: false });
+    const streamed = await client.responses.stream({ model: "svc-odd", input: "weather?", tools, store: false }).finalResponse();
+    for (const final of [r, streamed]) {
+      const args = final.output.map((i) => (i.type === "function_call" ? JSON.parse(i.arguments) : i.type));
+      expect(args).toEqual([ARGS, LIST, { city: "Bergen" }]);
+    }
+  });
+
+  test("chat, JSON: each tool call's arguments are the JSON text; the rest of the answer as sent", async () => {
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-odd", messages: [{ role: "user", content: "weather?" }], tools: TOOLS_CHAT });
+    expect(res.status).toBe(200);
+    const msg = rec(rec(arr(rec(await res.json()).choices)[0]).message);
+    expect(msg.tool_calls).toEqual([
+      { id: "call_a", type: "function", function: { name: "get_weather", arguments: ARGS_TEXT } },
+      { id: "call_b", type: "function", function: { name: "get_weather", arguments: LIST_TEXT } },
+      { id: "call_c", type: "function", function: { name: "get_weather", arguments: '{"city":"Bergen"}' } },
+    ]);
+  });
+
+  test("chat, streamed: each tool call's argument deltas join to the JSON text", async () => {
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-odd", messages: [{ role: "user", content: "weather?" }], tools: TOOLS_CHAT, stream: true });
+    expect(res.status).toBe(200);
+    const text = await res.text();
+    expect(text.endsWith(DONE)).toBe(true);
+    expect(chatStreamArguments(text)).toEqual(EXPECTED);
+  });
+
+  test("the openai SDK's chat stream helper assembles the calls with their arguments", async () => {
+    const client = new OpenAI({ baseURL: `${gw.url}/v1`, apiKey: org.personalKey, maxRetries: 0 });
+    const final = await client.chat.completions
+      .stream({ model: "svc-odd", messages: [{ role: "user", content: "weather?" }], tools: TOOLS_CHAT as OpenAI.ChatCompletionTool[] })
+      .finalChatCompletion();
+    const calls = final.choices[0]?.message.tool_calls ?? [];
+    expect(calls.map((c) => (c.type === "function" ? JSON.parse(c.function.arguments) : null))).toEqual([ARGS, LIST, { city: "Bergen" }]);
+  });
+
+  test("the Vercel AI SDK's streamText (openai.chat) gets the calls with their inputs, and no error", async () => {
+    const openai = createOpenAI({ baseURL: `${gw.url}/v1`, apiKey: org.personalKey });
+    const errors: unknown[] = [];
+    const r = streamText({
+      model: openai.chat("svc-odd"),
+      prompt: "weather?",
+      tools: { get_weather: tool({ description: "weather", inputSchema: z.any() }) },
+      onError: ({ error }) => {
+        errors.push(error);
+      },
+    });
+    const inputs: unknown[] = [];
+    for await (const part of r.fullStream) if (part.type === "tool-call") inputs.push(part.input);
+    expect(errors).toEqual([]);
+    expect(inputs).toEqual([ARGS, LIST, { city: "Bergen" }]);
+  });
+});
