@@ -14,7 +14,7 @@
  *    `store: false`, and Responses stored (the default). RSS per held stream is
  *    (peak - before) / N; the target is Responses <= 1.5x chat.
  */
-import { SseData } from "../src/responses/events.ts";
+import { COMMENT, SseData } from "../src/responses/events.ts";
 import { echo } from "../test/helpers/responses.ts";
 import { ChatToResponses } from "../src/responses/stream-state.ts";
 import type { LoadSpec } from "./inference.ts";
@@ -159,7 +159,7 @@ function translationCost(): void {
     t.start();
     for (const c of chunks) {
       const t0 = performance.now();
-      for (const d of sse.push(c)) t.data(d);
+      for (const d of sse.push(c)) if (d !== COMMENT) t.data(d);
       times.push(performance.now() - t0);
     }
   }

@@ -5,8 +5,9 @@
  * written before the next read (stream-state.ts holds the state machine), so the
  * translation adds no waiting, only the parse and the re-serialisation of
  * one read's events. SSE framing follows the spec's rules: `\n`, `\r\n` or
- * `\r` line ends, `data:` with or without its space, comments ignored, and a
- * read may end anywhere, inside an event, a line end or a UTF-8 character.
+ * `\r` line ends, `data:` with or without its space, and a read may end
+ * anywhere, inside an event, a line end or a UTF-8 character. An event of
+ * comments only (an upstream's `: ping`) is passed on as `: keep-alive`.
  */
 import type { RelayTransform } from "../lib/relay-transform.ts";
 import { ChatToResponses } from "./stream-state.ts";
@@ -21,11 +22,15 @@ const SPACE = 0x20;
 /** `data:` at the start (d a t a :). */
 const startsWithData = (b: Buffer): boolean => b.length > 5 && b[0] === 0x64 && b[1] === 0x61 && b[2] === 0x74 && b[3] === 0x61 && b[4] === 0x3a;
 
+/** What SseData gives for an event of comment lines only (a keep-alive), rather than its data. */
+export const COMMENT = Symbol("comment");
+
 const asBuffer = (u: Uint8Array): Buffer => (Buffer.isBuffer(u) ? u : Buffer.from(u.buffer, u.byteOffset, u.byteLength));
 
 /**
  * Incremental SSE `data` reader: returns the data of each event a read
- * completes. It works on bytes and decodes whole lines only (a line end byte
+ * completes, or COMMENT for an event with comment lines and no data (other
+ * events without data are not events, as in the SSE spec). It works on bytes and decodes whole lines only (a line end byte
  * never occurs inside a UTF-8 sequence), so it needs no per-stream decoder,
  * and a partial line is held as the pieces it arrived in, joined once.
  */
@@ -34,8 +39,10 @@ export class SseData {
   private heldBytes = 0;
   private data: string[] = [];
   private dataChars = 0;
+  /** The event being read has a comment line. */
+  private comment = false;
 
-  push(bytes: Uint8Array): string[] {
+  push(bytes: Uint8Array): (string | typeof COMMENT)[] {
     let buf = asBuffer(bytes);
     // The common case, and what the chat relay hands over: one whole event of one `data:` line
     // ending in `\n\n`, with nothing held. Its data is decoded once, with no line splitting.
@@ -54,7 +61,7 @@ export class SseData {
       this.held = [];
       this.heldBytes = 0;
     }
-    const events: string[] = [];
+    const events: (string | typeof COMMENT)[] = [];
     let pos = 0;
     let lf = buf.indexOf(LF);
     let cr = buf.indexOf(CR);
@@ -83,17 +90,19 @@ export class SseData {
     if (this.heldBytes + this.dataChars > MAX_EVENT_BYTES) throw new Error("an oversized SSE event");
   }
 
-  private line(line: string, events: string[]): void {
+  private line(line: string, events: (string | typeof COMMENT)[]): void {
     if (line === "") {
       if (this.data.length > 0) events.push(this.data.length === 1 ? (this.data[0] ?? "") : this.data.join("\n"));
+      else if (this.comment) events.push(COMMENT);
       this.data = [];
       this.dataChars = 0;
+      this.comment = false;
     } else if (line.startsWith("data:")) {
       const value = line.charCodeAt(5) === 32 ? line.slice(6) : line.slice(5);
       this.data.push(value);
       this.dataChars += value.length;
-    }
-    // Other fields (`event:`, `id:`, `retry:`) and `:` comments carry nothing for us.
+    } else if (line.charCodeAt(0) === 0x3a) this.comment = true;
+    // Other fields (`event:`, `id:`, `retry:`) carry nothing for us; a comment's text neither.
   }
 }
 
@@ -157,7 +166,7 @@ class ResponsesRelayTransform implements ResponsesTransform {
     if (t.final) return "";
     let text = "";
     try {
-      for (const e of events) for (const data of this.sse.push(e)) text += t.data(data);
+      for (const e of events) for (const data of this.sse.push(e)) text += data === COMMENT ? t.comment() : t.data(data);
     } catch (e) {
       text += t.fail(`The model '${this.meta.model}' sent an unreadable stream: ${(e as Error).message}`, null);
     }

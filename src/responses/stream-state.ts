@@ -132,6 +132,16 @@ export class ChatToResponses {
     return s;
   }
 
+  /**
+   * An upstream keep-alive (an SSE event of comments only): a comment, in its
+   * place among the events, so that a proxy or client between us and the
+   * user does not drop a connection that is silent while the model thinks.
+   * Not an event: no sequence_number (the SDKs skip comments). None after the final event.
+   */
+  comment(): string {
+    return this.final ? "" : ": keep-alive\n\n";
+  }
+
   /** `response.created` and `response.in_progress`, sent before the upstream's first chunk is read. */
   start(): string {
     const snapshot = q(this.frame("in_progress"));

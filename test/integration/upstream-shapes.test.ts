@@ -11,11 +11,14 @@ import { CHAT_MODEL, TEST_PLANS, arr, chatAlias, post, rec, seedTestOrg, upstrea
 setDefaultTimeout(30_000);
 
 /**
- * Shapes of an OpenAI-compatible upstream's answer that vLLM does not send but
- * other servers do, through the gateway over real HTTP, for chat and for the
- * Responses API, JSON and streamed (docs/decisions.md, "Tool-call arguments
- * sent as JSON"): `function.arguments` as a JSON object or array rather than
- * a JSON string: every client gets the JSON text (the SDKs' types say string).
+ * Two shapes of an OpenAI-compatible upstream's answer that vLLM does not
+ * send but other servers do, through the gateway over real HTTP, for chat and
+ * for the Responses API, JSON and streamed (docs/decisions.md, "Tool-call
+ * arguments sent as JSON" and "SSE comments in a Responses stream"):
+ *  - `function.arguments` as a JSON object or array rather than a JSON string:
+ *    every client gets the JSON text (the SDKs' types say string);
+ *  - SSE comments (`: ping`) between chunks: chat passes them on as sent, a
+ *    Responses stream as `: keep-alive`, in order, without a sequence_number.
  */
 
 const ENC = new TextEncoder();
@@ -29,12 +32,19 @@ const chunk = (delta: Record<string, unknown>, finish: string | null = null) =>
 const USAGE = `data: ${JSON.stringify({ id: "c1", object: "chat.completion.chunk", created: 1, model: CHAT_MODEL, choices: [], usage: { prompt_tokens: 7, completion_tokens: 9, total_tokens: 16 } })}\n\n`;
 const DONE = "data: [DONE]\n\n";
 
-/** What the scripted upstream answers: a JSON answer and the stream's reads. */
+/** What the scripted upstream answers: a JSON answer and the stream's reads (each a string, or a pause until `release`). */
 interface Script {
   json: Record<string, unknown>;
-  reads: string[];
+  reads: (string | "wait")[];
 }
 let script: Script;
+/** Resolves the scripted stream's pause (the test calls it once it has seen what came before). */
+let release: () => void = () => {};
+let released: Promise<void> = Promise.resolve();
+
+function pause(): void {
+  released = new Promise((r) => (release = r));
+}
 
 let upstream: ReturnType<typeof Bun.serve>;
 let gw: Gateway;
@@ -51,8 +61,12 @@ beforeAll(async () => {
       const reads = [...script.reads];
       return new Response(
         new ReadableStream({
-          pull(c) {
-            const r = reads.shift();
+          async pull(c) {
+            let r = reads.shift();
+            while (r === "wait") {
+              await Promise.race([released, Bun.sleep(5_000)]);
+              r = reads.shift();
+            }
             if (r === undefined) c.close();
             else c.enqueue(ENC.encode(r));
           },
@@ -223,5 +237,90 @@ describe("tool-call arguments the upstream sends as a JSON object or array", () 
     for await (const part of r.fullStream) if (part.type === "tool-call") inputs.push(part.input);
     expect(errors).toEqual([]);
     expect(inputs).toEqual([ARGS, LIST, { city: "Bergen" }]);
+  });
+});
+
+describe("SSE comments between the upstream's chunks", () => {
+  // Seen failing before: a Responses stream dropped them (events.ts's SseData ignored comment lines), so a
+  // reasoning model's long silence reached the client as no bytes at all, where a chat stream carries `: ping`.
+  const STREAM = [chunk({ role: "assistant", content: "Hello" }), ": ping\n\n", "wait", chunk({ content: " world" }), chunk({}, "stop") + USAGE + DONE];
+
+  test("Responses, streamed: `: keep-alive` is sent when the comment comes, between the events around it, with no sequence_number", async () => {
+    script = { json: {}, reads: STREAM };
+    pause();
+    const res = await post(gw, "/v1/responses", org.personalKey, { model: "svc-odd", input: "hi", store: false, stream: true });
+    expect(res.status).toBe(200);
+    // Read until the comment arrives; only then does the upstream send the rest (or after 5 s without it).
+    const reader = (res.body as ReadableStream<Uint8Array>).getReader();
+    const dec = new TextDecoder();
+    let text = "";
+    let beforeRest: boolean | undefined;
+    for (;;) {
+      const r = await reader.read();
+      if (r.done) break;
+      text += dec.decode(r.value, { stream: true });
+      if (beforeRest === undefined && text.includes(": keep-alive\n\n")) {
+        beforeRest = !text.includes(" world");
+        release();
+      }
+    }
+    expect(beforeRest).toBe(true);
+    const blocks = text.split("\n\n").filter((b) => b !== "");
+    expect(blocks.filter((b) => b.startsWith(":"))).toEqual([": keep-alive"]);
+    const at = blocks.indexOf(": keep-alive");
+    const deltas = blocks.map((b, i) => [i, b] as const).filter(([, b]) => b.includes('"type":"response.output_text.delta"'));
+    expect(deltas.map(([i, b]) => [i < at, JSON.parse(b.split("\n")[1]?.slice(6) ?? "null").delta])).toEqual([
+      [true, "Hello"],
+      [false, " world"],
+    ]);
+    const all = events(text);
+    expect(all.map((e) => e.sequence_number)).toEqual(all.map((_, i) => i));
+    expect(all.at(-1)?.type).toBe("response.completed");
+    expect(rec(all.at(-1)?.response).output_text).toBe("Hello world");
+  });
+
+  test("comments in the same read as chunks, a comment event of several lines, and a comment before the first chunk: one `: keep-alive` each, in place", async () => {
+    script = {
+      json: {},
+      reads: [`: first\n\n${chunk({ role: "assistant", content: "A" })}: a\n: b\n\n${chunk({ content: "B" })}`, chunk({}, "stop") + USAGE + DONE],
+    };
+    const res = await post(gw, "/v1/responses", org.personalKey, { model: "svc-odd", input: "hi", store: false, stream: true });
+    const text = await res.text();
+    const kinds = text
+      .split("\n\n")
+      .filter((b) => b !== "")
+      .map((b) => (b.startsWith(":") ? b : (/"type":"([^"]+)"/.exec(b)?.[1] ?? b)))
+      .filter((k) => k.startsWith(":") || k === "response.output_text.delta" || k === "response.in_progress");
+    expect(kinds).toEqual(["response.in_progress", ": keep-alive", "response.output_text.delta", ": keep-alive", "response.output_text.delta"]);
+  });
+
+  test("the openai SDK's responses.create({stream: true}) reads the same events as without the comments", async () => {
+    const client = new OpenAI({ baseURL: `${gw.url}/v1`, apiKey: org.personalKey, maxRetries: 0 });
+    const read = async (reads: Script["reads"]) => {
+      script = { json: {}, reads };
+      pause();
+      release();
+      const types: string[] = [];
+      let output = "";
+      for await (const e of await client.responses.create({ model: "svc-odd", input: "hi", store: false, stream: true })) {
+        types.push(e.type);
+        if (e.type === "response.completed") output = e.response.output_text;
+      }
+      return { types, output };
+    };
+    const withComments = await read(STREAM);
+    const without = await read(STREAM.filter((r) => r !== ": ping\n\n" && r !== "wait"));
+    expect(withComments.output).toBe("Hello world");
+    expect(withComments).toEqual(without);
+  });
+
+  test("chat, streamed: the comment is passed on as sent (as before)", async () => {
+    script = { json: {}, reads: STREAM };
+    pause();
+    release();
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-odd", messages: [{ role: "user", content: "hi" }], stream: true });
+    const text = await res.text();
+    expect(text).toContain("\n\n: ping\n\n");
+    expect(text.indexOf(": ping")).toBeLessThan(text.indexOf(" world"));
   });
 });

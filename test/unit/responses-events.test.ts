@@ -1,5 +1,5 @@
 import { describe, expect, test } from "bun:test";
-import { responseEventStream, SseData } from "../../src/responses/events.ts";
+import { COMMENT, responseEventStream, SseData } from "../../src/responses/events.ts";
 import { plainTextDelta } from "../../src/responses/stream-state.ts";
 import { type ResponseObject, responseFromChat } from "../../src/responses/output.ts";
 import { until } from "../helpers/poll.ts";
@@ -166,6 +166,29 @@ describe("responseEventStream: the event sequence", () => {
     expect(finals[0]?.output.map((i) => (i.type === "function_call" ? i.arguments : i.type))).toEqual(expected);
     const json = responseFromChat({ choices: [{ index: 0, message: { role: "assistant", content: null, tool_calls: calls }, finish_reason: "tool_calls" }] }, meta());
     expect(json.output.map((i) => (i.type === "function_call" ? i.arguments : i.type))).toEqual(expected);
+  });
+
+  test("an upstream's comment-only event (a keep-alive) goes out as `: keep-alive` in its place, with no sequence_number; none after the final event", async () => {
+    // Seen failing before: SseData ignored comment lines, so the Responses stream dropped them.
+    const { stream } = source([ROLE, ": ping\n\n", chunk({ content: "Hi" }), ":\n: two lines\n\n", chunk({}, "stop"), USAGE, DONE, ": late\n\n"].map((p) => enc.encode(p)));
+    const out = await new Response(responseEventStream(stream, meta(), () => {})).text();
+    const blocks = out.slice(0, -2).split("\n\n");
+    const kinds = blocks.map((b) => (b.startsWith(":") ? b : String(/^event: (\S+)/.exec(b)?.[1])));
+    expect(kinds).toEqual([
+      "response.created",
+      "response.in_progress",
+      ": keep-alive",
+      "response.output_item.added",
+      "response.content_part.added",
+      "response.output_text.delta",
+      ": keep-alive",
+      "response.output_text.done",
+      "response.content_part.done",
+      "response.output_item.done",
+      "response.completed",
+    ]);
+    const events = parseEvents(`${blocks.filter((b) => !b.startsWith(":")).join("\n\n")}\n\n`);
+    expect(events.map((e) => e.sequence_number)).toEqual(events.map((_, i) => i));
   });
 
   test("two tool calls interleaved by index: each delta goes to its own function_call item", async () => {
@@ -383,7 +406,7 @@ describe("SseData", () => {
     // The line parser's answer: the same event sent a byte at a time never takes the fast path.
     const slow = (bytes: Uint8Array) => {
       const s = new SseData();
-      const out: string[] = [];
+      const out: (string | typeof COMMENT)[] = [];
       for (let i = 0; i < bytes.length; i++) out.push(...s.push(bytes.subarray(i, i + 1)));
       return out;
     };
@@ -399,6 +422,9 @@ describe("SseData", () => {
       "data: a\n\ndata: b\n\n",
       "data: a\n\n\n",
       ": comment\n\n",
+      ":\r\n\r\n",
+      ": a\n: b\n\n",
+      ": a\ndata: b\n\n",
       "event: x\ndata: y\n\n",
       "data: partial",
       "data: a\n",
@@ -412,6 +438,20 @@ describe("SseData", () => {
     const s = new SseData();
     expect(s.push(enc.encode("data: a"))).toEqual([]);
     expect(s.push(enc.encode("data: b\n\n"))).toEqual(["adata: b"]);
+  });
+});
+
+describe("SseData: comments", () => {
+  test("an event of comment lines only is COMMENT; with data it is its data; other fields alone are nothing", () => {
+    const s = new SseData();
+    expect(s.push(enc.encode(": ping\n\n"))).toEqual([COMMENT]);
+    expect(s.push(enc.encode(":\n\n: a\n: b\n\n"))).toEqual([COMMENT, COMMENT]);
+    expect(s.push(enc.encode(": a\ndata: b\n\n"))).toEqual(["b"]);
+    expect(s.push(enc.encode("event: ping\n\nid: 1\n\n"))).toEqual([]);
+    // Split anywhere, CRLF framing.
+    expect(s.push(enc.encode(": pi"))).toEqual([]);
+    expect(s.push(enc.encode("ng\r\n\r"))).toEqual([]);
+    expect(s.push(enc.encode("\ndata: x\r\n\r\n"))).toEqual([COMMENT, "x"]);
   });
 });
 
