@@ -112,6 +112,8 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
           const fn = isRecord(t.function) ? t.function : {};
           if (typeof fn.name === "string") call.name += fn.name;
           if (typeof fn.arguments === "string") call.arguments += fn.arguments;
+          // Arguments sent parsed (an object or an array) are their JSON text, as in any answer (decisions.md).
+          else if (typeof fn.arguments === "object" && fn.arguments !== null) call.arguments += JSON.stringify(fn.arguments);
         }
       }
       if (typeof c.finish_reason === "string") acc.finish = c.finish_reason;

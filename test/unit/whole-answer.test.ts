@@ -62,5 +62,8 @@ describe("whole answers", () => {
     // A tool-call index out of range is folded into call 0, not an array of a billion holes.
     const far = sseAsCompletion('data: {"choices":[{"index":1000000000,"delta":{"tool_calls":[{"index":1000000000,"function":{"arguments":"a"}}]}}]}\n\n');
     expect(JSON.stringify(far)).toContain('"arguments":"a"');
+    // Arguments an upstream streams parsed become their JSON text.
+    const parsed = sseAsCompletion('data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","function":{"name":"f","arguments":{"q":1}}}]}}]}\n\n');
+    expect(JSON.stringify(parsed)).toContain('"arguments":"{\\"q\\":1}"');
   });
 });
