@@ -24,8 +24,8 @@ export interface Principal {
   quotaPeriod: QuotaPeriod;
   /**
    * When the row was read (performance.now() as the lookup was sent): a principal
-   * read earlier carries an older quota, and must not take the quota back to it
-   * once a newer one was seen (src/limits/quota.ts). Absent: ordered after every other.
+   * read earlier carries an older quota setting, and is admitted under the newest
+   * one seen, not its own (src/limits/quota.ts). Absent: ordered after every other.
    */
   readAt?: number;
   /** Who acts with this key, for audit events: the user of a personal key, the key's name for a service key. */

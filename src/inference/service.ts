@@ -280,8 +280,9 @@ export function createInferenceService(deps: ServiceDeps) {
     // The prompt is reserved at the most it can be (its bytes, the template's allowances, each image at the
     // alias's imageTokens, at most the context window), never at the estimate: a prompt that tokenizes
     // denser than the estimate (CJK text, code, images) would overshoot the quota by the difference.
-    // Without a quota nothing is reserved: the bound (a pass over the whole body) is not computed.
-    const metered = principal.quotaTokens !== null;
+    // Without a quota nothing is reserved: the bound (a pass over the whole body) is not computed. Metered
+    // by the organisation's newest quota, not the principal's: its key may have been checked before a change.
+    const metered = metering.quotaOf(principal) !== null;
     const promptReserve = metered ? Math.max(promptEstimate, promptTokenBound(body, alias.imageTokens ?? DEFAULT_IMAGE_TOKENS, alias.contextWindow)) : promptEstimate;
     const reservation = promptReserve + choices * (limit ?? Math.max(1, Math.min(config.quota.defaultMaxTokens, room)));
     // A caller who set a bound gets it or a refusal. Without one the request
@@ -292,10 +293,10 @@ export function createInferenceService(deps: ServiceDeps) {
     // a completion.
     const least = limit === undefined ? promptReserve + choices : undefined;
     const ticket = metering.admitNow(principal, reservation, least) ?? (await metering.admit(principal, reservation, least));
-    if (limit === undefined && principal.quotaTokens !== null) body.max_tokens = Math.floor((ticket.reserved - promptReserve) / choices);
+    if (limit === undefined && metered) body.max_tokens = Math.floor((ticket.reserved - promptReserve) / choices);
     // The reserved bound is max_completion_tokens when set (as vLLM and OpenAI take it); a server
     // that knows only max_tokens, or takes it first, gets the same bound there.
-    else if (principal.quotaTokens !== null && body.max_completion_tokens != null) body.max_tokens = body.max_completion_tokens;
+    else if (metered && body.max_completion_tokens != null) body.max_tokens = body.max_completion_tokens;
 
     // What the upstream may generate at most: n × the larger of the bounds it was sent (a server may take
     // either); and no prompt is longer than the context window. A count above its bound is capped (usage.ts),

@@ -32,6 +32,13 @@ export interface Ticket {
 
 export interface Metering {
   /**
+   * The organisation's token quota (null: none) as this instance knows it:
+   * the newest setting seen, by when each principal was read. A request whose
+   * key was checked before a change carries the old setting; this, not its
+   * principal, says whether it is metered (admission follows it too).
+   */
+  quotaOf(principal: Principal): number | null;
+  /**
    * Admit a chat or embeddings request expected to use at most `estimate`
    * tokens, reserving all of them, or throw AppError("budget_exceeded") when
    * the quota has fewer left. With `minimum`, a request that can run with

@@ -64,6 +64,27 @@ import { firstSeen } from "../lib/once.ts";
 const LEASE_SHARE = 0.25;
 /** Longest a request waits for other instances to return unused lease before it is refused. */
 const MAX_SHARE_WAIT_MS = 5_000;
+/** An organisation's newest quota setting is forgotten once it has had no request for this long and holds no period state. */
+const SETTING_IDLE_MS = 3_600_000;
+
+/**
+ * What this instance knows of one organisation's quota: the newest setting
+ * seen, by the time its principal was read (Principal.readAt), and the state
+ * of its current period. Admission and the period's state follow this
+ * setting, never an older principal's: a request whose key was checked
+ * before a change (its body read after) carries the old setting.
+ */
+interface OrgQuota {
+  orgId: string;
+  /** null: no quota. */
+  tokens: number | null;
+  period: QuotaPeriod;
+  /** When the principal that carried this setting was read; -Infinity when it did not say. */
+  readAt: number;
+  current: OrgState | undefined;
+  lastUsed: number;
+}
+
 interface OrgState {
   orgId: string;
   period: QuotaPeriod;
@@ -71,8 +92,6 @@ interface OrgState {
   /** When the period ends (the next one's start). */
   end: number;
   quota: number;
-  /** When the principal whose quota this is was read (Principal.readAt): an older one's quota is not taken back. */
-  quotaReadAt: number;
   granted: number;
   pending: number;
   inflight: number;
@@ -144,6 +163,8 @@ export interface QuotaManager extends Metering {
   stop(): Promise<void>;
   stats(): {
     orgs: number;
+    /** Organisations whose newest quota setting this instance keeps. */
+    settings: number;
     bufferedEvents: number;
     pendingTokens: number;
     droppedEvents: number;
@@ -162,6 +183,8 @@ class TicketImpl implements Ticket {
     readonly reserved: number,
     readonly state: OrgState | undefined,
     readonly start: number,
+    /** The period its usage is counted in (the organisation's newest, not necessarily the principal's). */
+    readonly period: QuotaPeriod,
   ) {}
 }
 
@@ -176,8 +199,16 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   const budgetDone = new Set<string>();
 
   const key = (orgId: string, start: number) => `${orgId}|${start}`;
-  /** Each organisation's state for its current period, for the request path: no key string or date math per request. */
-  const currentState = new Map<string, OrgState>();
+  /**
+   * Each organisation's newest quota setting and its current period's state, for the request path: one
+   * lookup, no key string or date math per request. Pruned with the states (cut): a setting is kept while
+   * its organisation has a period state, and for SETTING_IDLE_MS after its last request.
+   */
+  const orgs = new Map<string, OrgQuota>();
+  /** The last principal applied and its organisation's entry: the inference path asks quotaOf, then admits, in one turn. */
+  let lastPrincipal: Principal | undefined;
+  let lastOrg: OrgQuota | undefined;
+  let lastSweep = 0;
   /** How long a starved request waits for other instances' unused lease: they look for requests at every flush. */
   const shareWaitMs = Math.min(3 * opts.flushMs + 250, MAX_SHARE_WAIT_MS);
 
@@ -209,15 +240,37 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     }
   }
 
-  function stateFor(p: Principal, t: number): OrgState {
-    let s = currentState.get(p.orgId);
-    if (!s || t >= s.end || t < s.start || s.period !== p.quotaPeriod) s = periodState(p, t);
-    // A quota change reaches us through the key cache (org:<id> invalidation); a principal read before
-    // the one whose quota the state has (a request whose key was checked before the change, its body
-    // read after) does not take the quota back: admitted against the old quota, it overshot the new one.
-    const readAt = p.readAt ?? Number.POSITIVE_INFINITY;
-    if (p.quotaTokens !== null && p.quotaTokens !== s.quota && readAt >= s.quotaReadAt) changeQuota(s, p.quotaTokens);
-    if (readAt > s.quotaReadAt && p.readAt !== undefined) s.quotaReadAt = readAt;
+  /**
+   * The organisation's entry, with the principal's setting applied when it is
+   * the newest seen. A quota change reaches us through the key cache (org:<id>
+   * invalidation); a principal read before the one whose setting the entry
+   * has (a request whose key was checked before the change, its body read
+   * after) is held to the newer setting, whether the change set a first quota,
+   * lowered or raised it, or changed its period. Before, such a request was
+   * admitted as its principal said: unlimited, against the old period's
+   * quota, or (the first of its organisation in a new period) against the old
+   * quota, far beyond the new one. A principal without readAt counts as newest.
+   */
+  function orgOf(p: Principal): OrgQuota {
+    if (p === lastPrincipal && lastOrg !== undefined) return lastOrg;
+    let o = orgs.get(p.orgId);
+    if (o === undefined) {
+      o = { orgId: p.orgId, tokens: p.quotaTokens, period: p.quotaPeriod, readAt: p.readAt ?? Number.NEGATIVE_INFINITY, current: undefined, lastUsed: now() };
+      orgs.set(p.orgId, o);
+    } else if (p.readAt === undefined || p.readAt >= o.readAt) {
+      o.tokens = p.quotaTokens;
+      o.period = p.quotaPeriod;
+      if (p.readAt !== undefined) o.readAt = p.readAt;
+    }
+    lastPrincipal = p;
+    lastOrg = o;
+    return o;
+  }
+
+  function stateFor(o: OrgQuota, tokens: number, t: number): OrgState {
+    let s = o.current;
+    if (!s || t >= s.end || t < s.start || s.period !== o.period) s = periodState(o, tokens, t);
+    if (tokens !== s.quota) changeQuota(s, tokens);
     s.lastUsed = t;
     return s;
   }
@@ -243,20 +296,19 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     s.revoked += revoke;
   }
 
-  /** The state of the period containing `t`, made when new; it becomes the organisation's current one. */
-  function periodState(p: Principal, t: number): OrgState {
-    const period = p.quotaPeriod;
+  /** The state of the period containing `t`, made when new (with the organisation's newest quota); it becomes the organisation's current one. */
+  function periodState(o: OrgQuota, tokens: number, t: number): OrgState {
+    const period = o.period;
     const start = periodStart(period, t);
-    const k = key(p.orgId, start);
+    const k = key(o.orgId, start);
     let s = states.get(k);
     if (!s) {
       s = {
-        orgId: p.orgId,
+        orgId: o.orgId,
         period,
         start,
         end: periodEnd(period, t),
-        quota: p.quotaTokens ?? 0,
-        quotaReadAt: p.readAt ?? Number.NEGATIVE_INFINITY,
+        quota: tokens,
         granted: 0,
         pending: 0,
         inflight: 0,
@@ -278,7 +330,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       };
       states.set(k, s);
     }
-    currentState.set(p.orgId, s);
+    o.current = s;
     return s;
   }
 
@@ -458,9 +510,11 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   function admitNow(p: Principal, estimate: number, minimum?: number): Ticket | undefined {
     const t = now();
     const want = Math.max(1, Math.ceil(estimate));
-    if (p.quotaTokens === null) return new TicketImpl(p, want, undefined, t);
+    const o = orgOf(p);
+    o.lastUsed = t;
+    if (o.tokens === null) return new TicketImpl(p, want, undefined, t, o.period);
     const least = Math.min(want, Math.max(1, Math.ceil(minimum ?? want)));
-    const s = stateFor(p, t);
+    const s = stateFor(o, o.tokens, t);
     // More than the whole quota can never be granted: refused before any lease, so that no such
     // figure (up to Infinity: n × an unbounded max_tokens) reaches the lease arithmetic.
     if (!(least <= s.quota) || !Number.isFinite(want)) throw exceeded(s, t, least);
@@ -470,7 +524,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     s.inflight += want;
     s.reservedSinceLease += want;
     refillAhead(s);
-    return new TicketImpl(p, want, s, t);
+    return new TicketImpl(p, want, s, t, s.period);
   }
 
   async function admit(p: Principal, estimate: number, minimum?: number): Promise<Ticket> {
@@ -479,7 +533,10 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     const t = now();
     const want = Math.max(1, Math.ceil(estimate));
     const least = Math.min(want, Math.max(1, Math.ceil(minimum ?? want)));
-    const s = stateFor(p, t);
+    const o = orgOf(p);
+    // Set, or admitNow would have decided: no await between them.
+    if (o.tokens === null) return new TicketImpl(p, want, undefined, t, o.period);
+    const s = stateFor(o, o.tokens, t);
     // Demand of the requests waiting sizes the next lease, so a burst of
     // thousands of requests is served by a few refills, not thousands.
     s.demand += want;
@@ -506,7 +563,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       );
     }
     refillAhead(s);
-    return new TicketImpl(p, got, s, t);
+    return new TicketImpl(p, got, s, t, s.period);
   }
 
   /** Refill ahead of need so the next requests do not wait (not once the shared counter is known to be empty). */
@@ -587,7 +644,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       t.state.inflight -= t.reserved;
       t.state.pending += tokens;
     } else if (tokens > 0) {
-      const start = periodStart(p.quotaPeriod, t.start);
+      const start = periodStart(t.period, t.start);
       const k = key(p.orgId, start);
       const u = unmetered.get(k) ?? { orgId: p.orgId, start, pending: 0 };
       u.pending += tokens;
@@ -628,7 +685,17 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         if (u > 0 || convert + give > 0) deltas.push({ orgId: s.orgId, start: s.start, used: u, leased: -(convert + give) });
         if (ended && s.inflight === 0) {
           states.delete(k);
-          if (currentState.get(s.orgId) === s) currentState.delete(s.orgId);
+          const o = orgs.get(s.orgId);
+          if (o?.current === s) o.current = undefined;
+        }
+      }
+      // Settings of organisations with no period state and no request for a while (an hour): at most one sweep a minute.
+      if (current - lastSweep >= 60_000) {
+        lastSweep = current;
+        for (const [id, o] of orgs) {
+          if (o.current !== undefined || current - o.lastUsed < SETTING_IDLE_MS) continue;
+          orgs.delete(id);
+          if (lastOrg === o) lastPrincipal = lastOrg = undefined;
         }
       }
       for (const [k, u] of unmetered) {
@@ -663,12 +730,13 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   });
 
   return {
+    quotaOf: (p) => orgOf(p).tokens,
     admitNow,
     admit,
     settle,
     start: writer.start,
     flush: writer.flush,
     stop: writer.stop,
-    stats: () => ({ orgs: states.size, ...writer.stats(), unansweredLeases: leases.unanswered(), unansweredBudgetWrites: budgetWrites.unanswered() }),
+    stats: () => ({ orgs: states.size, settings: orgs.size, ...writer.stats(), unansweredLeases: leases.unanswered(), unansweredBudgetWrites: budgetWrites.unanswered() }),
   };
 }

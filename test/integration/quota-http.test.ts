@@ -111,6 +111,27 @@ async function flushAll(): Promise<void> {
   }
 }
 
+/**
+ * Waits until a quota of at most 1,000 has reached `gw` (the key cache's org invalidation): until a
+ * reservation above it (max_tokens 2,000) is refused outright. On Postgres the invalidation comes by NOTIFY,
+ * a little after the change commits, so a probe may still be admitted under the old setting: it asks the
+ * simulator to refuse, which answers a few tokens, not 2,000. Returns the tokens such probes used.
+ */
+async function newQuotaServed(gw: Gateway, key: string): Promise<number> {
+  let spent = 0;
+  await until(async () => {
+    const res = await chat(gw, key, { max_tokens: 2_000, messages: [{ role: "user", content: "refuse" }] });
+    if (res.status !== 200) {
+      await res.text();
+      return res.status === 429;
+    }
+    const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+    spent += usage.total_tokens;
+    return false;
+  }, "the new quota");
+  return spent;
+}
+
 describe("the reservation is the prompt's bound plus max_tokens (or plus quota.defaultMaxTokens)", () => {
   test("max_tokens far beyond the quota: 429 budget_exceeded, nothing sent upstream, nothing used", async () => {
     const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 1_000, quotaWindow: "day" });
@@ -342,13 +363,8 @@ describe("a quota lowered below the lease an instance holds", () => {
     expect(first.status).toBe(200);
     await first.text();
     await setOrg(db, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 1_000 });
-    // The new quota has arrived once a reservation above it is refused outright.
-    await until(async () => {
-      const res = await chat(gwA, org.serviceKey, { max_tokens: 2_000 });
-      await res.text();
-      return res.status === 429;
-    }, "the lowered quota");
-    let received = PROMPT_TOKENS + 60;
+    const probes = await newQuotaServed(gwA, org.serviceKey);
+    let received = PROMPT_TOKENS + 60 + probes;
     for (let i = 0; i < 400; i++) {
       const res = await chat(gwA, org.serviceKey, { max_tokens: 60 });
       if (res.status !== 200) {
@@ -367,7 +383,7 @@ describe("a quota lowered below the lease an instance holds", () => {
   });
 });
 
-describe("a request authenticated before the quota was lowered, admitted after", () => {
+describe("a request authenticated before a quota change, admitted after", () => {
   /**
    * A POST whose body arrives in two parts: the key is checked when the head
    * arrives (with the principal cached then), the body read after. Resolves
@@ -406,22 +422,108 @@ describe("a request authenticated before the quota was lowered, admitted after",
     const slow = await slowBody(gwA, org.serviceKey, JSON.stringify({ model: "svc-fast", max_tokens: 50_000, messages: [{ role: "user", content: PROMPT }] }));
     await Bun.sleep(300);
     await setOrg(db, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 1_000 });
-    await until(async () => {
-      const res = await chat(gwA, org.serviceKey, { max_tokens: 2_000 });
-      await res.text();
-      return res.status === 429;
-    }, "the lowered quota");
+    const probes = await newQuotaServed(gwA, org.serviceKey);
     slow.finish();
     const answer = await slow.answer;
     await flushAll();
     const after = await used(org.orgId);
     // Before: 200, and 50,017 + 77 tokens used of a quota of 1,000 (admitted under the quota its key was checked with).
-    expect({ status: answer.split(" ")[1], used: after.used }).toEqual({ status: "429", used: PROMPT_TOKENS + 60 });
+    expect({ status: answer.split(" ")[1], used: after.used }).toEqual({ status: "429", used: PROMPT_TOKENS + 60 + probes });
     expect(answer).toContain("budget_exceeded");
     // The instance still admits at the new quota.
     const big = await chat(gwA, org.serviceKey, { max_tokens: 2_000 });
     expect(big.status).toBe(429);
     await big.text();
+  });
+
+  /** A raw answer's status and, when it has one, its usage's total_tokens. */
+  function statusAndTotal(answer: string): { status: string | undefined; total: number | undefined } {
+    const m = /"total_tokens":(\d+)/.exec(answer);
+    return { status: answer.split(" ")[1], total: m ? Number(m[1]) : undefined };
+  }
+
+  test("a quota first set (there was none): held to it, and its bound is sent upstream", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: null, quotaWindow: "day" });
+    const first = await chat(gwA, org.serviceKey, { max_tokens: 60 });
+    expect(first.status).toBe(200);
+    await first.text();
+    // Keys checked now, while the organisation has no quota; their bodies still on the way.
+    const big = await slowBody(gwA, org.serviceKey, JSON.stringify({ model: "svc-fast", max_tokens: 50_000, messages: [{ role: "user", content: PROMPT }] }));
+    const unbounded = await slowBody(gwA, org.serviceKey, JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: PROMPT }] }));
+    await Bun.sleep(300);
+    await setOrg(db, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 1_000 });
+    const probes = await newQuotaServed(gwA, org.serviceKey);
+    // What was used so far is on the shared counter before the next lease reads it.
+    await flushAll();
+    big.finish();
+    const bigAnswer = await big.answer;
+    sim.reset();
+    unbounded.finish();
+    const answer = statusAndTotal(await unbounded.answer);
+    await flushAll();
+    const after = await used(org.orgId);
+    // Before: 200 and 50,017 tokens charged (admitted as if the organisation still had no quota).
+    expect({ status: bigAnswer.split(" ")[1], budgetExceeded: bigAnswer.includes("budget_exceeded") }).toEqual({ status: "429", budgetExceeded: true });
+    // Before: sent upstream without max_tokens, 200,017 tokens charged. The usage of the first request (77,
+    // counted for the day though there was no quota then, and of any probe served before the change arrived)
+    // leaves 923 (or a little less): the prompt's bound (568) and 355.
+    expect({ status: answer.status, forwarded: forwardedMaxTokens() }).toEqual({ status: "200", forwarded: 1_000 - (PROMPT_TOKENS + 60) - probes - PROMPT_RESERVE });
+    expect(after.used).toBe(PROMPT_TOKENS + 60 + probes + (answer.total ?? 0));
+    expect(after.used).toBeLessThanOrEqual(1_000);
+  });
+
+  test("a quota period changed (month to day): held to the new period's quota", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "month" });
+    // This instance now holds a lease of the month's quota.
+    const first = await chat(gwA, org.serviceKey, { max_tokens: 60 });
+    expect(first.status).toBe(200);
+    await first.text();
+    const slow = await slowBody(gwA, org.serviceKey, JSON.stringify({ model: "svc-fast", max_tokens: 50_000, messages: [{ role: "user", content: PROMPT }] }));
+    await Bun.sleep(300);
+    await setOrg(db, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 1_000, quotaWindow: "day" });
+    const probes = await newQuotaServed(gwA, org.serviceKey);
+    slow.finish();
+    const answer = await slow.answer;
+    await flushAll();
+    const after = await used(org.orgId);
+    // Before: 200, and 50,017 more tokens charged to the month (admitted against the month's quota and lease).
+    expect({ status: answer.split(" ")[1], used: after.used }).toEqual({ status: "429", used: PROMPT_TOKENS + 60 + probes });
+    expect(answer).toContain("budget_exceeded");
+    const big = await chat(gwA, org.serviceKey, { max_tokens: 2_000 });
+    expect(big.status).toBe(429);
+    await big.text();
+  });
+
+  test("the first request of the organisation in a new period: held to the new quota, not the one its key was checked with", async () => {
+    // The quota's clock (StartOptions.now) runs at real speed and is moved past the end of the hour below.
+    const HOUR = 3_600_000;
+    let offset = 0;
+    const gw = await startTestGateway(overrides(sim.url), db, { now: () => Date.now() + offset });
+    try {
+      const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "hour" });
+      const first = await chat(gw, org.serviceKey, { max_tokens: 60 });
+      expect(first.status).toBe(200);
+      await first.text();
+      const slow = await slowBody(gw, org.serviceKey, JSON.stringify({ model: "svc-fast", max_tokens: 50_000, messages: [{ role: "user", content: PROMPT }] }));
+      await Bun.sleep(300);
+      await setOrg(db, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 1_000 });
+      const probes = await newQuotaServed(gw, org.serviceKey);
+      // The hour ends: its state is written and dropped, and the slow request is the organisation's first in the next.
+      const t = Date.now();
+      offset = (Math.floor(t / HOUR) + 1) * HOUR + 1_000 - t;
+      await gw.quota.flush();
+      await gw.quota.flush();
+      slow.finish();
+      const answer = await slow.answer;
+      await gw.quota.flush();
+      await gw.quota.flush();
+      const after = await used(org.orgId);
+      // Before: 200, and 50,017 tokens charged to the new hour (its state started from the request's principal, quota 100,000).
+      expect({ status: answer.split(" ")[1], used: after.used }).toEqual({ status: "429", used: PROMPT_TOKENS + 60 + probes });
+      expect(answer).toContain("budget_exceeded");
+    } finally {
+      await gw.stop();
+    }
   });
 });
 

@@ -123,6 +123,33 @@ describe("quota leases", () => {
     expect(await counters(p.orgId)).toEqual({ used: 1_000, leased: 0 });
   });
 
+  test("an organisation's newest quota setting is kept while it has a period state, and an hour after its last request", async () => {
+    const db = await sharedDatabase();
+    const HOUR = 3_600_000;
+    // A minute into a day no other test touches.
+    let now = (Math.floor(Date.now() / (24 * HOUR)) + 2) * 24 * HOUR + 60_000;
+    const q = createQuota(db, log, { leaseTokens: 100, flushMs: 60_000, maxBuffered: 1000, now: () => now });
+    const hourly = await org(10_000, "hour");
+    const daily = await org(10_000, "day");
+    const free = await org(null, "hour");
+    for (const p of [hourly, daily, free]) q.settle(await q.admit(p, 10), { promptTokens: 5, completionTokens: 5 }, outcome);
+    await q.flush();
+    expect(q.stats()).toMatchObject({ orgs: 2, settings: 3 });
+    // Half an hour without a request: all kept.
+    now += HOUR / 2;
+    await q.flush();
+    expect(q.stats()).toMatchObject({ orgs: 2, settings: 3 });
+    // Two hours more: the hour has ended, its state is written and dropped, and its setting goes with it, as
+    // does the one without a quota; the day's state, and so its setting, is kept.
+    now += 2 * HOUR;
+    await q.flush();
+    expect(q.stats()).toMatchObject({ orgs: 1, settings: 1 });
+    // A later request starts again from its principal.
+    q.settle(await q.admit(hourly, 10), { promptTokens: 5, completionTokens: 5 }, outcome);
+    expect(q.stats()).toMatchObject({ orgs: 2, settings: 2 });
+    await q.stop();
+  });
+
   test("refuses with budget_exceeded once the quota is used, and audits it once per window", async () => {
     const db = await sharedDatabase();
     const p = await org(500);
