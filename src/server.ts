@@ -38,6 +38,11 @@ export interface Gateway {
   routes: { method: string; path: string }[];
   /** Graceful stop: refuse new connections, let in-flight requests finish up to drainMs, flush, close. */
   stop(): Promise<void>;
+  /**
+   * End the stop's drain now, as its drainMs would (open streams get their error event and are charged),
+   * then write usage and return leases as usual: a second stop signal. True when a drain was still to end.
+   */
+  hurry(): boolean;
 }
 
 export interface StartOptions {
@@ -204,6 +209,14 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     const url = httpUrl(config.host, server.port ?? config.port);
 
     let stopping: Promise<void> | undefined;
+    /** Set by hurry(): the drain ends at once (docs/decisions.md: Shutdown, a second signal). */
+    let hurried = false;
+    let endDrain = () => {};
+    const drainEnded = new Promise<"hurried">((r) => {
+      endDrain = () => r("hurried");
+    });
+    /** The drain step is over (finished, timed out or cut): nothing is left for hurry() to end. */
+    let drainOver = false;
     return {
       url,
       port: server.port ?? config.port,
@@ -228,14 +241,15 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
             const timedOut = new Promise<"timeout">((r) => {
               timer = setTimeout(() => r("timeout"), config.drainMs);
             });
-            const over = (await Promise.race([drained.then(() => "done" as const), timedOut])) === "timeout";
+            const how = await Promise.race([drained.then(() => "done" as const), timedOut, drainEnded]);
             clearTimeout(timer);
-            if (!over) return;
+            if (how === "done") return;
             // Streams end the way a mid-stream upstream failure does (error event, clean close, usage
             // settled), with a short, bounded moment for those last bytes; only then is what remains reset.
             const STREAM_FLUSH_MS = 1_000;
             const streams = inference.endStreams("The gateway is shutting down; the stream was ended. Retry the request.");
-            log.warn("drain time over; ending open streams", { drain_ms: config.drainMs, streams });
+            if (how === "timeout") log.warn("drain time over; ending open streams", { drain_ms: config.drainMs, streams });
+            else log.warn("drain ended by a second stop signal; ending open streams", { streams });
             let flushTimer: ReturnType<typeof setTimeout> | undefined;
             const flushed = await Promise.race([
               drained.then(() => true),
@@ -249,6 +263,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
               await server.stop(true);
             }
           });
+          drainOver = true;
           clearInterval(sweep);
           await step("metrics", () => metricsServer?.stop(true));
           await step("inference", () => inference.stop());
@@ -260,6 +275,12 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
           log.debug("shutdown complete", { ms: Math.round(performance.now() - t0) });
         })();
         return stopping;
+      },
+      hurry() {
+        if (drainOver || hurried) return false;
+        hurried = true;
+        endDrain();
+        return true;
       },
     };
   } catch (e) {

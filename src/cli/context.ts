@@ -104,11 +104,22 @@ export function list(v: string | undefined): string[] {
  */
 const STOP_SIGNALS = ["SIGTERM", "SIGINT", "SIGHUP"] as const;
 
-export function waitForSignal(): Promise<string> {
+/**
+ * Resolves with the first stop signal. With `again`, the handlers stay: each
+ * later stop signal calls it (counting from 2) instead of taking the signal's
+ * default action, which killed the process in the middle of its graceful
+ * stop (docs/decisions.md: Shutdown). Without it, the handlers go with the
+ * first signal, and a second one kills (`simulate-upstream`: nothing to lose).
+ */
+export function waitForSignal(again?: (sig: string, count: number) => void): Promise<string> {
   return new Promise((resolve) => {
+    let count = 0;
     const on = (sig: string) => {
-      for (const s of STOP_SIGNALS) process.off(s, on);
-      resolve(sig);
+      count++;
+      if (count === 1) {
+        if (!again) for (const s of STOP_SIGNALS) process.off(s, on);
+        resolve(sig);
+      } else again?.(sig, count);
     };
     for (const s of STOP_SIGNALS) process.on(s, on);
   });

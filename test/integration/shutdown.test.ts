@@ -314,3 +314,109 @@ describe(`the terminal \`gateway serve\` runs in is closed (SIGHUP; ${TEST_DATAB
     }
   }, 90_000);
 });
+
+describe(`a second stop signal during the drain (${TEST_DATABASE_URL ? "Postgres" : "embedded database"})`, () => {
+  test("ends the drain at once: the open stream is cut with its error event and charged, usage written, the lease returned, exit 0; a third is only logged", async () => {
+    // An operator presses Ctrl-C a second time (or systemd's SIGTERM follows a SIGHUP): they want it to stop
+    // now, but not at the price of the usage settled since the last write and the quota leases. Before, the
+    // first signal's handler removed itself, so the second signal's default action killed the process.
+    const pg = TEST_DATABASE_URL ? await createScratchDatabase(TEST_DATABASE_URL, "gw_twice") : undefined;
+    const twiceDir = join(work, "twice-data");
+    const open = () => openDatabase(pg ? { databaseUrl: pg.url, dataDir: "", poolMax: 2 } : { dataDir: twiceDir });
+    // A 40-second stream (200 tokens, 200 ms apart) against a 60-second drain limit: only the second signal ends it early.
+    const slow = await startSimulator({ port: 0, ttftMs: 100, interTokenMs: 200, completionTokens: 200 });
+    let proc: Proc | undefined;
+    try {
+      let twiceOrg = "";
+      let twiceKey = "";
+      const setup = await open();
+      try {
+        await migrate(setup);
+        const org = await createOrg(setup, { name: "Twice", plan: "Ultra", plans: ["Standard", "Ultra"], quotaTokens: 1_000_000, quotaWindow: "month" });
+        twiceOrg = org.id;
+        twiceKey = (await createKey(setup, { orgId: twiceOrg, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" })).key;
+      } finally {
+        await setup.close();
+      }
+      const config = join(work, "config-twice.json");
+      // The flush interval is far longer than the test: only the graceful stop can write the usage.
+      writeFileSync(config, JSON.stringify({ drainMs: 60_000, accessLog: true, quota: { flushMs: 60_000 } }));
+      proc = startGatewayProcess(["serve", "--port", "0", "--config", config, ...(pg ? [] : ["--data-dir", twiceDir])], {
+        env: cleanEnv({ UPSTREAM_BASE_URL: slow.url, DATABASE_URL: pg?.url }),
+      });
+      const base = await listeningUrl(proc);
+      await waitFor200(`${base}/readyz`);
+
+      const res = await fetch(`${base}/v1/chat/completions`, {
+        method: "POST",
+        headers: { authorization: `Bearer ${twiceKey}`, "content-type": "application/json" },
+        body: JSON.stringify({ model: "svc-fast", stream: true, messages: [{ role: "user", content: "Say something slowly." }] }),
+      });
+      expect(res.status).toBe(200);
+      const reader = res.body?.getReader();
+      if (!reader) throw new Error("no body");
+      const dec = new TextDecoder();
+      let text = "";
+      const first = await reader.read();
+      expect(first.done).toBe(false);
+      text += dec.decode(first.value, { stream: true });
+
+      proc.kill("SIGTERM");
+      await proc.waitForLine(/"msg":"shutting down"/, 10_000);
+      const t0 = Date.now();
+      // Ctrl-C twice more, back to back (two different signals, so neither is merged into the other):
+      // one ends the drain, the other finds the gateway already stopping.
+      proc.kill("SIGINT");
+      proc.kill("SIGHUP");
+      // Read to the end: a reset connection would throw here and fail the test.
+      for (;;) {
+        const r = await reader.read();
+        if (r.done) break;
+        text += dec.decode(r.value, { stream: true });
+      }
+      const code = await exitWithin(proc, 20_000);
+      const out = proc.stdout();
+      expect({ code, out: code === 0 ? "" : out }).toEqual({ code: 0, out: "" });
+      // Well before the drain limit (60 s) and the stream's own end (40 s): the cut, at most 1 s for its last
+      // bytes, and the final writes.
+      expect(Date.now() - t0).toBeLessThan(15_000);
+      expect(out).toContain("stop signal again: ending the drain now");
+      expect(out).toContain("already stopping");
+      expect(out).toContain('"msg":"stopped"');
+
+      // The stream ended the way the drain limit ends one: an error event in the wire shape, no [DONE].
+      const events = text.split("\n\n").filter((e) => e.startsWith("data: "));
+      expect(events).not.toContain("data: [DONE]");
+      const last = JSON.parse(String(events.at(-1)).slice("data: ".length)) as { error?: Record<string, unknown> };
+      expect(last.error?.code).toBe("service_unavailable");
+      let delivered = "";
+      for (const e of events.slice(0, -1)) {
+        const chunk = JSON.parse(e.slice("data: ".length)) as { choices: { delta: { content?: string } }[] };
+        delivered += chunk.choices[0]?.delta.content ?? "";
+      }
+      expect(delivered.length).toBeGreaterThan(0);
+
+      // Its usage was written: what was delivered, as a failed (503) stream; the counter holds it and no lease is left.
+      const db = await open();
+      try {
+        const rows = await db.rows<{ completion_tokens: number; prompt_tokens: number }>(
+          sql`select completion_tokens, prompt_tokens from usage_events where org_id = ${twiceOrg} and status = 503 and streamed`,
+        );
+        expect(rows.length).toBe(1);
+        expect(rows[0]?.completion_tokens).toBe(charsToTokens(delivered.length));
+        const charged = (rows[0]?.completion_tokens ?? 0) + (rows[0]?.prompt_tokens ?? 0);
+        const counters = await db.rows<{ used: number; leased: number }>(
+          sql`select coalesce(sum(used), 0)::int as used, coalesce(sum(leased), 0)::int as leased from usage_counters where org_id = ${twiceOrg}`,
+        );
+        expect(counters[0]).toEqual({ used: charged, leased: 0 });
+      } finally {
+        await db.close();
+      }
+    } finally {
+      proc?.kill("SIGKILL");
+      await proc?.exited;
+      await slow.stop();
+      await pg?.drop();
+    }
+  }, 90_000);
+});

@@ -54,7 +54,13 @@ export const serve = defineCommand({
     const gw = await startGateway({ config: cfg });
     // From the moment it listens, SIGTERM/SIGINT/SIGHUP are a graceful stop: handled now, before the awaits
     // below (the demo's seeding), not after them, when the signal's default action killed it (exit 143).
-    const signalled = waitForSignal();
+    // A second one ends the drain at once (open streams cut and charged, as at drainMs), then usage is
+    // written and leases returned as usual; later ones are logged. Never a kill: that loses the usage
+    // settled since the last write and strands the leases (SIGKILL stays the operator's hard stop).
+    const signalled = waitForSignal((signal) => {
+      if (gw.hurry()) gw.log.warn("stop signal again: ending the drain now; open streams are cut and charged, usage is still written", { signal });
+      else gw.log.warn("already stopping: writing usage and returning quota leases (SIGKILL ends the process without them)", { signal });
+    });
     gw.log.info("listening", { url: gw.url, metrics_url: gw.metricsUrl ?? null, database: gw.database.kind, demo: values.demo ?? false, version: VERSION });
     // The allocator reads its setting only at start (src/lib/runtime-env.ts): say what is missing, once.
     const allocator = runtimeEnvWarning();
