@@ -7,7 +7,8 @@ import { auditRoutes } from "./audit/routes.ts";
 import { meRoutes } from "./auth/routes.ts";
 import { listenAddress } from "./config/load.ts";
 import type { Config } from "./config/schema.ts";
-import { type Database, migrate, migrationsCurrent, openDatabase, unknownMigrations } from "./db/client.ts";
+import { type Database, migrate, openDatabase, unknownMigrations } from "./db/client.ts";
+import { createReadiness } from "./db/ready.ts";
 import { settings } from "./db/schema.ts";
 import { type Bound, createBound, maxOutAtOnce } from "./db/bounded.ts";
 import { createApp } from "./http/app.ts";
@@ -177,11 +178,8 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
       security,
       log,
       accessLog: config.accessLog,
-      ready: async () => {
-        const up = await database.ping();
-        metrics.dbUp.set(up ? 1 : 0);
-        return up && (await migrationsCurrent(database));
-      },
+      // One check out at a time, shared by concurrent polls, each answered within READY_TIMEOUT_MS (src/db/ready.ts).
+      ready: createReadiness(database, (up) => metrics.dbUp.set(up ? 1 : 0)).ready,
       modules: [meRoutes, auditRoutes({ database, cursorSecret: secret, log, bound: bounds.audit_read }), inference.routes, ...(responsesApi ? [responsesApi.routes] : [])],
     });
 

@@ -437,11 +437,16 @@ export async function unknownMigrations(database: Database): Promise<UnknownMigr
  * tag: a newer release's migrations the database also holds neither count
  * for nor against it.
  */
+export function migrationsApplied(tags: string[]): boolean {
+  const applied = new Set(tags);
+  return MIGRATIONS.every((m) => applied.has(m.tag));
+}
+
+/** migrationsApplied, read from the database (each query bounded by ANSWER_TIMEOUT_MS); GET /readyz uses src/db/ready.ts. */
 export async function migrationsCurrent(database: Database): Promise<boolean> {
   try {
     const rows = await answeredWithin(database.rows<{ tag: string }>(sql`select tag from gateway_migrations`), ANSWER_TIMEOUT_MS, "migrations check");
-    const applied = new Set(rows.map((r) => r.tag));
-    return MIGRATIONS.every((m) => applied.has(m.tag));
+    return migrationsApplied(rows.map((r) => r.tag));
   } catch {
     return false;
   }
