@@ -1,7 +1,7 @@
 import { randomBytes } from "node:crypto";
 import { and, eq } from "drizzle-orm";
 import { createGuard } from "./auth/guard.ts";
-import { createSecurityAuditor } from "./auth/security.ts";
+import { createSecurityAuditor, type SecurityAuditor } from "./auth/security.ts";
 import { type KeyVerifier, createKeyVerifier } from "./auth/verify.ts";
 import { auditRoutes } from "./audit/routes.ts";
 import { meRoutes } from "./auth/routes.ts";
@@ -168,7 +168,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     responsesApi?.start();
     started.push(() => responsesApi?.stop());
 
-    observeInternals(metrics, verifier, quota, limiter, database, bounds);
+    observeInternals(metrics, verifier, quota, limiter, database, bounds, security);
     const app = createApp({
       metrics,
       openapi: openApiDocument(VERSION, { responses: responsesApi !== undefined }),
@@ -312,8 +312,17 @@ function serveMetrics(listen: string, metrics: Metrics): ReturnType<typeof Bun.s
 }
 
 /** Gauges and counters read from components' own counters at scrape time (nothing on the hot path). */
-function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaManager, limiter: Limiter, database: Database, bounds: Record<string, Bound>) {
+function observeInternals(
+  metrics: Metrics,
+  verifier: KeyVerifier,
+  quota: QuotaManager,
+  limiter: Limiter,
+  database: Database,
+  bounds: Record<string, Bound>,
+  security: SecurityAuditor,
+) {
   let seenHits = 0;
+  let seenDropped = 0;
   let seenTransactions = 0;
   let seenMisses = 0;
   let seenThrottled = 0;
@@ -333,6 +342,9 @@ function observeInternals(metrics: Metrics, verifier: KeyVerifier, quota: QuotaM
     metrics.usageUnanswered.set(q.unansweredWrites);
     for (const [work, b] of Object.entries(bounds)) metrics.dbUnanswered.set({ work }, b.unanswered());
     metrics.rateLimitOrgs.set(limiter.size());
+    const dropped = security.stats().dropped;
+    metrics.securityDropped.inc(dropped - seenDropped);
+    seenDropped = dropped;
     if (database.transactions) {
       const t = database.transactions();
       metrics.dbTransactions.inc(t - seenTransactions);

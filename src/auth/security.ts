@@ -1,5 +1,5 @@
 import { type AuditInput, recordAudit } from "../audit/record.ts";
-import { boundedCall } from "../db/bounded.ts";
+import { boundedCall, maxOutAtOnce } from "../db/bounded.ts";
 import { ANSWER_TIMEOUT_MS, type Database, answeredWithin } from "../db/client.ts";
 import { networkPrefixProblem } from "../lib/cidr.ts";
 import type { Logger } from "../lib/log.ts";
@@ -80,34 +80,100 @@ export function userAgentSummary(ua: string | null): string {
 }
 
 /**
+ * Security audit writes out at once, each holding (or queued for) a pool
+ * connection: a quarter of the pool, as each other kind of background
+ * database work (maxOutAtOnce: 2 of the default 10); one on the embedded
+ * database, which runs one statement at a time anyway.
+ */
+export function maxSecurityWrites(poolMax: number | undefined): number {
+  return poolMax === undefined ? 1 : maxOutAtOnce(poolMax);
+}
+
+/** Events waiting for a write; beyond this an event is dropped (counted, logged). */
+export const MAX_QUEUED_SECURITY_EVENTS = 1_000;
+/** Events in one write (one multi-row insert). */
+const MAX_BATCH = 100;
+
+/**
  * Security events for keys that are presented after expiry or revocation and
  * for browser-looking requests with a valid key: at most one per key and action
  * a minute, written off the request path (a failed write is logged, never
- * surfaced to the caller).
+ * surfaced to the caller). At most maxSecurityWrites are being written at
+ * once; events that arrive meanwhile wait (at most MAX_QUEUED_SECURITY_EVENTS)
+ * and go out together, up to 100 in one insert, when a write ends; beyond
+ * that they are dropped, counted (`gateway_security_events_dropped_total`) and
+ * logged once until the queue empties (docs/decisions.md, Security audit
+ * writes are bounded). Before, every event had a write of its own, with no
+ * bound: a flood of expired or revoked keys while `audit_events` was locked
+ * or the database slow took every pool connection from key lookups and the
+ * usage writer, for 5 s (statement_timeout) per ten events.
  */
 export interface SecurityAuditor {
   keyRejected(p: Principal, action: string, meta: Caller): void;
   /** Wait for pending writes (shutdown, tests). */
   drain(): Promise<void>;
+  /** Writes out now, events waiting for one, events dropped since start. */
+  stats(): { writing: number; queued: number; dropped: number };
 }
 
-export function createSecurityAuditor(database: Database, log: Logger, now: () => number = Date.now): SecurityAuditor {
+export interface SecurityAuditorOptions {
+  /** Events that may wait for a write; MAX_QUEUED_SECURITY_EVENTS by default. */
+  maxQueued?: number;
+}
+
+export function createSecurityAuditor(database: Database, log: Logger, now: () => number = Date.now, opts: SecurityAuditorOptions = {}): SecurityAuditor {
   const last = new Map<string, number>();
-  const pending = new Set<Promise<void>>();
   const MAX = 10_000;
+  const limit = maxSecurityWrites(database.poolMax);
+  const maxQueued = opts.maxQueued ?? MAX_QUEUED_SECURITY_EVENTS;
+  const queue: AuditInput[] = [];
+  let writing = 0;
+  let dropped = 0;
+  /** The drops of this episode (the queue full) were logged. */
+  let dropLogged = false;
+  const idle: (() => void)[] = [];
+
+  function pump() {
+    while (writing < limit && queue.length > 0) {
+      const batch = queue.splice(0, MAX_BATCH);
+      writing++;
+      // Nothing waits for the write, but Postgres ends it after ANSWER_TIMEOUT_MS (a locked audit_events):
+      // before, each held its pool connection for as long as the lock was held.
+      void boundedCall(database, (q) => recordAudit(q, batch))
+        .catch((e: Error) => log.warn("security audit write failed", { events: batch.length, action: batch[0]?.action, err: e.message }))
+        .finally(() => {
+          writing--;
+          pump();
+          if (writing === 0 && queue.length === 0) {
+            dropLogged = false;
+            for (const done of idle.splice(0)) done();
+          }
+        });
+    }
+  }
+
   return {
     keyRejected(p, action, meta) {
       const k = `${p.keyId}|${action}`;
       const t = now();
       const prev = last.get(k);
       if (prev !== undefined && t - prev < 60_000) return;
+      if (writing >= limit && queue.length >= maxQueued) {
+        // Not remembered as written: the key's next use tries again.
+        dropped++;
+        if (!dropLogged) {
+          dropLogged = true;
+          log.warn("security audit events dropped: too many waiting for the database", { writing, queued: queue.length, action });
+        }
+        return;
+      }
       if (last.size >= MAX) {
         for (const [key, at] of last) if (t - at >= 60_000) last.delete(key);
         if (last.size >= MAX) last.clear();
       }
       last.set(k, t);
       // Read now: the caller's address may be gone once the request has been answered.
-      const event: AuditInput = {
+      queue.push({
         orgId: p.orgId,
         action,
         category: "security",
@@ -115,17 +181,15 @@ export function createSecurityAuditor(database: Database, log: Logger, now: () =
         targets: [{ key: "key_id", kind: "api_key", id: p.keyId, name: "", email: "" }],
         details: {},
         origin: { ipPrefix: ipPrefix(meta.ip), userAgentSummary: userAgentSummary(meta.userAgent) },
-      };
-      // Nothing waits for the write, but Postgres ends it after ANSWER_TIMEOUT_MS (a locked audit_events):
-      // before, each held its pool connection for as long as the lock was held.
-      const write = boundedCall(database, (q) => recordAudit(q, event))
-        .catch((e: Error) => log.warn("security audit write failed", { action, err: e.message }))
-        .finally(() => pending.delete(write));
-      pending.add(write);
+      });
+      pump();
     },
     async drain() {
+      if (writing === 0 && queue.length === 0) return;
+      const done = new Promise<void>((r) => idle.push(r));
       // Bounded: a database that stops answering must not hold the shutdown (these rows are best effort).
-      await answeredWithin(Promise.all([...pending]), ANSWER_TIMEOUT_MS, "security events").catch(() => {});
+      await answeredWithin(done, ANSWER_TIMEOUT_MS, "security events").catch(() => {});
     },
+    stats: () => ({ writing, queued: queue.length, dropped }),
   };
 }

@@ -128,6 +128,11 @@ export function createMetrics() {
       labelNames: ["result"] as const,
       registers,
     }),
+    securityDropped: new Counter({
+      name: "gateway_security_events_dropped_total",
+      help: "Security audit events dropped because the writes were busy and the queue full (docs/decisions.md: security audit writes are bounded)",
+      registers,
+    }),
     dbTransactions: new Counter({
       name: "gateway_database_transactions_total",
       help: "Transactions started on the embedded database (statements outside a transaction and BEGINs); 0 on Postgres, whose pg_stat_database counts them",

@@ -8,7 +8,7 @@ import type { Database } from "../../src/db/client.ts";
 import { auditEvents } from "../../src/db/schema.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import type { Gateway } from "../../src/server.ts";
-import { bearer, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, bearer, seedOrg, startTestGateway } from "../helpers/harness.ts";
 
 setDefaultTimeout(30_000);
 
@@ -94,5 +94,32 @@ describe("at most one event per key and action a minute", () => {
     auditor.keyRejected(principal, "security.expired_key_used", meta);
     expect(await count("security.expired_key_used")).toBe(2);
     expect(new Set((await eventsOf(k.id, "security.expired_key_used")).map((r) => r.prefix))).toEqual(new Set(["2001:db8:42::/48"]));
+  });
+});
+
+describe("security audit events beyond the bound (docs/decisions.md, Security audit writes are bounded)", () => {
+  test("events that find the writes busy and the queue full are dropped, counted and logged once; the rest are written together", async () => {
+    const k = await expiredKey();
+    const principal = await lookupKey(db, hashKey(k.key));
+    if (!principal) throw new Error("key not found");
+    const lines: string[] = [];
+    const auditor = createSecurityAuditor(db, createLogger("warn", (l) => lines.push(l)), Date.now, { maxQueued: 5 });
+    const meta = { ip: "192.0.2.7", userAgent: null };
+    // 20 distinct keys in one turn of the event loop: no write can finish before the last arrives.
+    const ids = Array.from({ length: 20 }, () => crypto.randomUUID());
+    for (const keyId of ids) auditor.keyRejected({ ...principal, keyId }, "security.revoked_key_used", meta);
+    const s = auditor.stats();
+    // The embedded database takes one write at a time, a pool of 10 two (a quarter).
+    const writing = TEST_DATABASE_URL ? 2 : 1;
+    expect(s).toEqual({ writing, queued: 5, dropped: 20 - writing - 5 });
+    const dropLines = lines.filter((l) => l.includes("security audit events dropped"));
+    expect(dropLines.length).toBe(1);
+    await auditor.drain();
+    const rows = await db.db
+      .select({ keyId: auditEvents.actorKeyId })
+      .from(auditEvents)
+      .where(and(eq(auditEvents.orgId, principal.orgId), eq(auditEvents.action, "security.revoked_key_used")));
+    expect(new Set(rows.map((r) => r.keyId))).toEqual(new Set(ids.slice(0, writing + 5)));
+    expect(auditor.stats()).toEqual({ writing: 0, queued: 0, dropped: 20 - writing - 5 });
   });
 });

@@ -1,0 +1,109 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { sql } from "drizzle-orm";
+import { createKey } from "../../src/admin/service.ts";
+import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { TEST_DATABASE_URL, bearer, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { gaugeOf, lockTable, sessionsWaiting, timedCall } from "../helpers/pg-locks.ts";
+import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
+import { until } from "../helpers/poll.ts";
+import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
+
+setDefaultTimeout(90_000);
+
+/**
+ * Security audit writes during a flood (docs/decisions.md, Security audit
+ * writes are bounded): credential stuffing with many expired or revoked keys
+ * writes one `security.*` event per key a minute, off the request path. With
+ * `audit_events` locked (or the database slow), each write waited on its
+ * own pool connection for up to 5 s (statement_timeout) and the rest queued
+ * in the driver behind them: the flood took the whole pool from key lookups
+ * and usage writes. Now at most a quarter of the pool is writing them (2 of
+ * 10); the events that arrive meanwhile wait in a bounded queue and go out
+ * together in the next write.
+ */
+
+const FLOOD = 40;
+
+describe.skipIf(!TEST_DATABASE_URL)("security audit writes while audit_events is locked", () => {
+  let scratch: ScratchPostgres;
+  let held: Database;
+  let sim: Simulator;
+
+  beforeAll(async () => {
+    scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "s1_security");
+    held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 2 });
+    await migrate(held);
+    sim = await startSimulator({ port: 0, ttftMs: 1, interTokenMs: 0, completionTokens: 5 });
+  });
+  afterAll(async () => {
+    await sim?.stop();
+    await held?.close();
+    await scratch?.drop();
+  });
+
+  test(`${FLOOD} expired keys at once: at most 2 writes wait on the lock, key lookups and the usage writer keep the pool, every event is written once the lock goes`, async () => {
+    const org = await seedOrg(held, { quotaTokens: 1_000_000 });
+    const expired: { id: string; key: string }[] = [];
+    for (let i = 0; i < FLOOD; i++) {
+      expired.push(await createKey(held, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: [], expiresAt: new Date(Date.now() - 1_000), tag: "gw" }));
+    }
+    const fresh = await createKey(held, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" });
+    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 10 });
+    const gw = await startTestGateway(
+      {
+        keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
+        plans: { Standard: { requestsPerMinute: 1_000_000 } },
+        upstream: upstreamSettings(),
+        aliases: testAliases(sim.url),
+        quota: { flushMs: 600_000 },
+      },
+      db,
+    );
+    const lock = await lockTable(scratch.url, "audit_events");
+    try {
+      // A usage record to write later (its lease is taken now, before the flood).
+      const used = await timedCall(
+        `${gw.url}/v1/chat/completions`,
+        { method: "POST", headers: { ...bearer(org.serviceKey), "content-type": "application/json" }, body: JSON.stringify({ model: "svc-fast", max_tokens: 5, messages: [{ role: "user", content: "hi" }] }) },
+        10_000,
+      );
+      expect(used.status).toBe(200);
+
+      const refused = await Promise.all(expired.map((k) => timedCall(`${gw.url}/v1/me`, { headers: bearer(k.key) }, 10_000)));
+      const statuses = [...new Set(refused.map((r) => r.status))];
+      let most = 0;
+      const t0 = Date.now();
+      while (Date.now() - t0 < 1_500) {
+        most = Math.max(most, await sessionsWaiting(held, "%audit_events%"));
+        await Bun.sleep(50);
+      }
+      // The rest of the pool serves: a key not yet cached is looked up, the usage writer writes.
+      const lookup = await timedCall(`${gw.url}/v1/me`, { headers: bearer(fresh.key) }, 10_000);
+      const flushed = await gw.quota.flush().then(
+        () => "written",
+        (e: Error) => e.message,
+      );
+      // Before: ten sessions (the whole pool) waiting on the lock, the flood's own later lookups and the
+      // fresh key's 503 after 5 s, the flush failed.
+      expect({ statuses, waitingOnLock: most, lookup: lookup.status, lookupFast: lookup.ms < 3_000, flushed }).toEqual({
+        statuses: [401],
+        waitingOnLock: 2,
+        lookup: 200,
+        lookupFast: true,
+        flushed: "written",
+      });
+      await lock.unlock();
+      const written = async () => {
+        const [r] = await held.rows<{ n: number }>(sql`select count(*)::int as n from audit_events where org_id = ${org.orgId} and action = 'security.expired_key_used'`);
+        return r?.n ?? 0;
+      };
+      await until(async () => (await written()) === FLOOD, `all ${FLOOD} security events written`, 15_000, 100);
+      expect(await gaugeOf(gw.metricsUrl as string, "gateway_security_events_dropped_total", 5_000)).toBe(0);
+    } finally {
+      await lock.unlock();
+      await gw.stop();
+      await db.close();
+    }
+  });
+});
