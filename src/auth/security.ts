@@ -1,6 +1,7 @@
 import { type AuditInput, recordAudit } from "../audit/record.ts";
 import { boundedCall, maxOutAtOnce } from "../db/bounded.ts";
 import { ANSWER_TIMEOUT_MS, type Database, answeredWithin } from "../db/client.ts";
+import { isServerTimeout } from "../db/errors.ts";
 import { networkPrefixProblem } from "../lib/cidr.ts";
 import type { Logger } from "../lib/log.ts";
 import type { Caller, Principal } from "./types.ts";
@@ -99,9 +100,9 @@ const MAX_BATCH = 100;
  * for browser-looking requests with a valid key: at most one per key and action
  * a minute, written off the request path (a failed write is logged, never
  * surfaced to the caller). At most maxSecurityWrites are being written at
- * once; events that arrive meanwhile wait (at most MAX_QUEUED_SECURITY_EVENTS)
- * and go out together, up to 100 in one insert, when a write ends; beyond
- * that they are dropped, counted (`gateway_security_events_dropped_total`) and
+ * once; events that arrive meanwhile wait (at most MAX_QUEUED_SECURITY_EVENTS,
+ * each at most ANSWER_TIMEOUT_MS) and go out together, up to 100 in one
+ * insert, when a write ends; beyond that they are dropped, counted (`gateway_security_events_dropped_total`) and
  * logged once until the queue empties (docs/decisions.md, Security audit
  * writes are bounded). Before, every event had a write of its own, with no
  * bound: a flood of expired or revoked keys while `audit_events` was locked
@@ -126,21 +127,45 @@ export function createSecurityAuditor(database: Database, log: Logger, now: () =
   const MAX = 10_000;
   const limit = maxSecurityWrites(database.poolMax);
   const maxQueued = opts.maxQueued ?? MAX_QUEUED_SECURITY_EVENTS;
-  const queue: AuditInput[] = [];
+  /** Events waiting for a write: the event, its key in `last`, when it began waiting (performance.now()). */
+  const queue: { event: AuditInput; k: string; at: number }[] = [];
   let writing = 0;
   let dropped = 0;
   /** The drops of this episode (the queue full) were logged. */
   let dropLogged = false;
   const idle: (() => void)[] = [];
 
+  function drop(k: string, why: string, action: string) {
+    // Not remembered as written: the key's next use tries again.
+    last.delete(k);
+    dropped++;
+    if (!dropLogged) {
+      dropLogged = true;
+      log.warn("security audit events dropped: too many waiting for the database", { why, writing, queued: queue.length, action });
+    }
+  }
+
   function pump() {
     while (writing < limit && queue.length > 0) {
-      const batch = queue.splice(0, MAX_BATCH);
+      // Each event waits at most ANSWER_TIMEOUT_MS for its turn, as other bounded work does (src/db/bounded.ts):
+      // older ones are dropped rather than sent to wait on the database as long again.
+      const stale = performance.now() - ANSWER_TIMEOUT_MS;
+      while (queue.length > 0 && (queue[0]?.at ?? 0) <= stale) {
+        const old = queue.shift();
+        if (old) drop(old.k, `waited ${ANSWER_TIMEOUT_MS} ms for a write`, old.event.action);
+      }
+      const batch = queue.splice(0, MAX_BATCH).map((q) => q.event);
+      if (batch.length === 0) break;
       writing++;
       // Nothing waits for the write, but Postgres ends it after ANSWER_TIMEOUT_MS (a locked audit_events):
       // before, each held its pool connection for as long as the lock was held.
       void boundedCall(database, (q) => recordAudit(q, batch))
-        .catch((e: Error) => log.warn("security audit write failed", { events: batch.length, action: batch[0]?.action, err: e.message }))
+        .catch((e: Error) => {
+          log.warn("security audit write failed", { events: batch.length, action: batch[0]?.action, err: e.message });
+          // Ended by the server after ANSWER_TIMEOUT_MS (a locked audit_events, an overloaded server): the events
+          // that waited behind it would wait as long again on another write; dropped instead.
+          if (isServerTimeout(e)) for (const q of queue.splice(0)) drop(q.k, "a write before them was ended by the database", q.event.action);
+        })
         .finally(() => {
           writing--;
           pump();
@@ -159,12 +184,7 @@ export function createSecurityAuditor(database: Database, log: Logger, now: () =
       const prev = last.get(k);
       if (prev !== undefined && t - prev < 60_000) return;
       if (writing >= limit && queue.length >= maxQueued) {
-        // Not remembered as written: the key's next use tries again.
-        dropped++;
-        if (!dropLogged) {
-          dropLogged = true;
-          log.warn("security audit events dropped: too many waiting for the database", { writing, queued: queue.length, action });
-        }
+        drop(k, `${maxQueued} waiting`, action);
         return;
       }
       if (last.size >= MAX) {
@@ -173,7 +193,7 @@ export function createSecurityAuditor(database: Database, log: Logger, now: () =
       }
       last.set(k, t);
       // Read now: the caller's address may be gone once the request has been answered.
-      queue.push({
+      const event: AuditInput = {
         orgId: p.orgId,
         action,
         category: "security",
@@ -181,7 +201,8 @@ export function createSecurityAuditor(database: Database, log: Logger, now: () =
         targets: [{ key: "key_id", kind: "api_key", id: p.keyId, name: "", email: "" }],
         details: {},
         origin: { ipPrefix: ipPrefix(meta.ip), userAgentSummary: userAgentSummary(meta.userAgent) },
-      });
+      };
+      queue.push({ event, k, at: performance.now() });
       pump();
     },
     async drain() {
