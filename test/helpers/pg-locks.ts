@@ -1,11 +1,15 @@
+import { afterAll, beforeAll } from "bun:test";
 import { sql } from "drizzle-orm";
 import postgres from "postgres";
-import type { Database } from "../../src/db/client.ts";
-import { errorOf } from "./harness.ts";
+import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { TEST_DATABASE_URL, errorOf } from "./harness.ts";
+import { createScratchDatabase, type ScratchPostgres } from "./process.ts";
 
 /**
  * What the Postgres-only "the database does not answer" tests share
- * (pg-key-lookups, pg-pool-bounds): a table locked by another session, a
+ * (pg-key-lookups, pg-pool-bounds, …): their scratch database and
+ * simulator (useScene), a table locked by another session, a
  * count of the sessions waiting on a lock, a request timed with its error
  * code, and a gauge read off /metrics.
  */
@@ -74,4 +78,31 @@ export async function gaugeOf(metricsUrl: string, name: string, deadlineMs: numb
   const text = await (await fetch(metricsUrl, { signal: AbortSignal.timeout(deadlineMs) })).text();
   const line = text.split("\n").find((l) => l.startsWith(`${name} `));
   return line === undefined ? Number.NaN : Number(line.slice(name.length + 1));
+}
+
+/** A scratch Postgres database of a test file's own (migrated), a session into it for the test's queries, and a simulated upstream. */
+export interface Scene {
+  scratch: ScratchPostgres;
+  held: Database;
+  sim: Simulator;
+}
+
+/**
+ * Sets up a Scene for the enclosing describe (beforeAll) and tears it down
+ * (afterAll); its fields are read inside tests, once set up.
+ */
+export function useScene(prefix: string): Scene {
+  const scene = {} as Scene;
+  beforeAll(async () => {
+    scene.scratch = await createScratchDatabase(TEST_DATABASE_URL as string, prefix);
+    scene.held = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: 2 });
+    await migrate(scene.held);
+    scene.sim = await startSimulator({ port: 0, ttftMs: 1, interTokenMs: 0, completionTokens: 5 });
+  });
+  afterAll(async () => {
+    await scene.sim?.stop();
+    await scene.held?.close();
+    await scene.scratch?.drop();
+  });
+  return scene;
 }

@@ -1,12 +1,10 @@
-import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { describe, expect, setDefaultTimeout, test } from "bun:test";
 import { randomBytes } from "node:crypto";
 import { sql } from "drizzle-orm";
 import { createKeyVerifier } from "../../src/auth/verify.ts";
-import { ANSWER_TIMEOUT_MS, type Database, migrate, openDatabase } from "../../src/db/client.ts";
-import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { ANSWER_TIMEOUT_MS, openDatabase } from "../../src/db/client.ts";
 import { TEST_DATABASE_URL, bearer, seedOrg, startTestGateway } from "../helpers/harness.ts";
-import { gaugeOf, lockTable, sessionsWaiting, timedCall } from "../helpers/pg-locks.ts";
-import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
+import { gaugeOf, lockTable, sessionsWaiting, timedCall, useScene } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
 import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -35,37 +33,23 @@ function randomKey(): string {
 }
 
 describe.skipIf(!TEST_DATABASE_URL)("key lookups that wait on a locked keys table", () => {
-  let scratch: ScratchPostgres;
-  let held: Database;
-  let sim: Simulator;
-
-  beforeAll(async () => {
-    scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "h1_lookups");
-    held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 2 });
-    await migrate(held);
-    sim = await startSimulator({ port: 0, ttftMs: 1, interTokenMs: 0, completionTokens: 5 });
-  });
-  afterAll(async () => {
-    await sim?.stop();
-    await held?.close();
-    await scratch?.drop();
-  });
+  const scene = useScene("h1_lookups");
 
   /** The gateway's sessions whose current statement is a key lookup waiting on the lock. */
-  const lookupsWaiting = () => sessionsWaiting(held, '%from "api_keys"%"api_keys"."hash" = %');
+  const lookupsWaiting = () => sessionsWaiting(scene.held, '%from "api_keys"%"api_keys"."hash" = %');
   const me = (url: string, key: string) => timedCall(`${url}/v1/me`, { headers: bearer(key) }, DEADLINE_MS);
   /** Another session locks the keys table: every statement that reads or writes it waits on the server; nothing else does. */
-  const lockKeys = () => lockTable(scratch.url, "api_keys");
+  const lockKeys = () => lockTable(scene.scratch.url, "api_keys");
   const gauge = (metricsUrl: string, name: string) => gaugeOf(metricsUrl, name, DEADLINE_MS);
 
   test("a flood of unknown keys holds at most half the pool; a cached key still gets 200 and its usage is written", async () => {
-    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
     const gw = await startTestGateway(
       {
         keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
         plans: { Standard: { requestsPerMinute: 1_000_000 } },
         upstream: upstreamSettings(),
-        aliases: testAliases(sim.url),
+        aliases: testAliases(scene.sim.url),
         // Usage is written when the test flushes.
         quota: { flushMs: 600_000 },
       },
@@ -73,7 +57,7 @@ describe.skipIf(!TEST_DATABASE_URL)("key lookups that wait on a locked keys tabl
     );
     let lock: { unlock(): Promise<void> } | undefined;
     try {
-      const org = await seedOrg(held);
+      const org = await seedOrg(scene.held);
       expect((await me(gw.url, org.serviceKey)).status).toBe(200); // cached from now on
       lock = await lockKeys();
 
@@ -114,7 +98,7 @@ describe.skipIf(!TEST_DATABASE_URL)("key lookups that wait on a locked keys tabl
         () => "written",
         (e: Error) => e.message,
       );
-      const [row] = await held.rows<{ requests: number; tokens: number }>(
+      const [row] = await scene.held.rows<{ requests: number; tokens: number }>(
         sql`select coalesce(sum(requests), 0)::int as requests, coalesce(sum(prompt_tokens + completion_tokens), 0)::int as tokens from usage_events where org_id = ${org.orgId}`,
       );
       expect({ flushed, row }).toEqual({ flushed: "written", row: { requests: 1, tokens: usage.total_tokens } });
@@ -131,18 +115,18 @@ describe.skipIf(!TEST_DATABASE_URL)("key lookups that wait on a locked keys tabl
   });
 
   test("a last_used_at update left unanswered is not followed by another while it is out", async () => {
-    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
     // Flushed only when the test says so.
     const verifier = createKeyVerifier(db, { ttlMs: 60_000, max: 100, negativeTtlMs: 5_000, negativeMax: 100, lastUsedFlushMs: 600_000 });
     let lock: { unlock(): Promise<void> } | undefined;
     const updatesWaiting = async () => {
-      const [r] = await held.rows<{ n: number }>(
+      const [r] = await scene.held.rows<{ n: number }>(
         sql`select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock' and query like 'update api_keys%last_used_at%'`,
       );
       return r?.n ?? -1;
     };
     try {
-      const org = await seedOrg(held);
+      const org = await seedOrg(scene.held);
       lock = await lockKeys();
       verifier.markUsed(org.serviceKeyId);
       const t = Date.now();
@@ -161,7 +145,7 @@ describe.skipIf(!TEST_DATABASE_URL)("key lookups that wait on a locked keys tabl
       await until(
         async () => {
           await verifier.flushLastUsed();
-          const [r] = await held.rows<{ n: number }>(sql`select count(*)::int as n from api_keys where org_id = ${org.orgId} and last_used_at is not null`);
+          const [r] = await scene.held.rows<{ n: number }>(sql`select count(*)::int as n from api_keys where org_id = ${org.orgId} and last_used_at is not null`);
           return r?.n === 2;
         },
         "both keys' last_used_at written",

@@ -1,11 +1,9 @@
-import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
-import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
-import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { type Database, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { TEST_DATABASE_URL, bearer, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
-import { type Outcome, lockTable, sessionsWaiting, timedCall } from "../helpers/pg-locks.ts";
-import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
+import { type Outcome, lockTable, sessionsWaiting, timedCall, useScene } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
 import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -30,23 +28,9 @@ const QUARTER = 2;
 const DEADLINE_MS = 12_000;
 
 describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a bounded part of the pool", () => {
-  let scratch: ScratchPostgres;
-  let held: Database;
-  let sim: Simulator;
+  const scene = useScene("h3_bounds");
 
-  beforeAll(async () => {
-    scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "h3_bounds");
-    held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 2 });
-    await migrate(held);
-    sim = await startSimulator({ port: 0, ttftMs: 1, interTokenMs: 0, completionTokens: 5 });
-  });
-  afterAll(async () => {
-    await sim?.stop();
-    await held?.close();
-    await scratch?.drop();
-  });
-
-  const waiting = (like: string) => sessionsWaiting(held, like);
+  const waiting = (like: string) => sessionsWaiting(scene.held, like);
 
   /** Samples `waiting(like)` until stopped; the most seen. */
   function sampler(like: string) {
@@ -67,7 +51,7 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
     };
   }
 
-  const lock = (table: string) => lockTable(scratch.url, table);
+  const lock = (table: string) => lockTable(scene.scratch.url, table);
   const call = (url: string, init: RequestInit = {}) => timedCall(url, init, DEADLINE_MS);
   const chat = (url: string, key: string, maxTokens = 5) =>
     call(`${url}/v1/chat/completions`, {
@@ -101,7 +85,7 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
         keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
         plans: { Standard: { requestsPerMinute: 1_000_000 } },
         upstream: upstreamSettings(),
-        aliases: testAliases(sim.url),
+        aliases: testAliases(scene.sim.url),
         quota: { flushMs: 600_000 },
         ...over,
       },
@@ -110,12 +94,12 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
   }
 
   test("quota leases waiting on a locked usage_counters hold at most a quarter of the pool; /readyz and key lookups still get a connection", async () => {
-    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
     const gw = await gateway(db);
     let locked: { unlock(): Promise<void> } | undefined;
     try {
-      const orgs = await Promise.all(Array.from({ length: 30 }, () => seedOrg(held, { quotaTokens: 1_000_000, quotaWindow: "day" })));
-      const free = await seedOrg(held, { quotaTokens: null });
+      const orgs = await Promise.all(Array.from({ length: 30 }, () => seedOrg(scene.held, { quotaTokens: 1_000_000, quotaWindow: "day" })));
+      const free = await seedOrg(scene.held, { quotaTokens: null });
       for (const o of [...orgs, free]) expect((await call(`${gw.url}/v1/me`, { headers: bearer(o.serviceKey) })).status).toBe(200);
       locked = await lock("usage_counters");
       const s = sampler("%usage_counters%");
@@ -148,12 +132,12 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
   });
 
   test("budget_exceeded refusals while audit_events is locked: one audit write at a time per organisation and period", async () => {
-    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
     const gw = await gateway(db);
     let locked: { unlock(): Promise<void> } | undefined;
     try {
-      const org = await seedOrg(held, { quotaTokens: 1_000, quotaWindow: "day" });
-      const other = await seedOrg(held, { quotaTokens: null });
+      const org = await seedOrg(scene.held, { quotaTokens: 1_000, quotaWindow: "day" });
+      const other = await seedOrg(scene.held, { quotaTokens: null });
       expect((await chat(gw.url, org.serviceKey)).status).toBe(200); // its counter row exists from now on
       expect((await call(`${gw.url}/v1/me`, { headers: bearer(other.serviceKey) })).status).toBe(200);
       locked = await lock("audit_events");
@@ -171,7 +155,7 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
       const audited = async () =>
         Number(
           (
-            await held.rows<{ n: number }>(
+            await scene.held.rows<{ n: number }>(
               sql`select count(*)::int as n from audit_events where org_id = ${org.orgId} and action = 'billing.budget_exceeded'`,
             )
           )[0]?.n,
@@ -187,12 +171,12 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
   });
 
   test("audit-log reads waiting on a locked audit_events hold at most a quarter of the pool and get 503", async () => {
-    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
     const gw = await gateway(db);
     let locked: { unlock(): Promise<void> } | undefined;
     try {
-      const org = await seedOrg(held);
-      const other = await seedOrg(held, { quotaTokens: null });
+      const org = await seedOrg(scene.held);
+      const other = await seedOrg(scene.held, { quotaTokens: null });
       expect((await call(`${gw.url}/v1/audit-events`, { headers: bearer(org.serviceKey) })).status).toBe(200);
       expect((await call(`${gw.url}/v1/me`, { headers: bearer(other.serviceKey) })).status).toBe(200);
       locked = await lock("audit_events");
@@ -220,12 +204,12 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
   });
 
   test("stored-response reads waiting on a locked responses table hold at most a quarter of the pool and get 503", async () => {
-    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+    const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
     const gw = await gateway(db, { responses: { enabled: true } });
     let locked: { unlock(): Promise<void> } | undefined;
     try {
-      const org = await seedOrg(held);
-      const other = await seedOrg(held, { quotaTokens: null });
+      const org = await seedOrg(scene.held);
+      const other = await seedOrg(scene.held, { quotaTokens: null });
       const get = () => call(`${gw.url}/v1/responses/resp_nothere`, { headers: bearer(org.serviceKey) });
       expect(await get()).toMatchObject({ status: 404 });
       expect((await call(`${gw.url}/v1/me`, { headers: bearer(other.serviceKey) })).status).toBe(200);

@@ -1,11 +1,9 @@
-import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
 import { createKey } from "../../src/admin/service.ts";
-import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
-import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { openDatabase } from "../../src/db/client.ts";
 import { TEST_DATABASE_URL, bearer, seedOrg, startTestGateway } from "../helpers/harness.ts";
-import { gaugeOf, lockTable, sessionsWaiting, timedCall } from "../helpers/pg-locks.ts";
-import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
+import { gaugeOf, lockTable, sessionsWaiting, timedCall, useScene } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
 import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -26,41 +24,27 @@ setDefaultTimeout(90_000);
 const FLOOD = 40;
 
 describe.skipIf(!TEST_DATABASE_URL)("security audit writes while audit_events is locked", () => {
-  let scratch: ScratchPostgres;
-  let held: Database;
-  let sim: Simulator;
-
-  beforeAll(async () => {
-    scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "s1_security");
-    held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 2 });
-    await migrate(held);
-    sim = await startSimulator({ port: 0, ttftMs: 1, interTokenMs: 0, completionTokens: 5 });
-  });
-  afterAll(async () => {
-    await sim?.stop();
-    await held?.close();
-    await scratch?.drop();
-  });
+  const scene = useScene("s1_security");
 
   test(`${FLOOD} expired keys at once: at most 2 writes wait on the lock, key lookups and the usage writer keep the pool, every event is written once the lock goes`, async () => {
-    const org = await seedOrg(held, { quotaTokens: 1_000_000 });
+    const org = await seedOrg(scene.held, { quotaTokens: 1_000_000 });
     const expired: { id: string; key: string }[] = [];
     for (let i = 0; i < FLOOD; i++) {
-      expired.push(await createKey(held, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: [], expiresAt: new Date(Date.now() - 1_000), tag: "gw" }));
+      expired.push(await createKey(scene.held, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: [], expiresAt: new Date(Date.now() - 1_000), tag: "gw" }));
     }
-    const fresh = await createKey(held, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" });
-    const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 10 });
+    const fresh = await createKey(scene.held, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" });
+    const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: 10 });
     const gw = await startTestGateway(
       {
         keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
         plans: { Standard: { requestsPerMinute: 1_000_000 } },
         upstream: upstreamSettings(),
-        aliases: testAliases(sim.url),
+        aliases: testAliases(scene.sim.url),
         quota: { flushMs: 600_000 },
       },
       db,
     );
-    const lock = await lockTable(scratch.url, "audit_events");
+    const lock = await lockTable(scene.scratch.url, "audit_events");
     try {
       // A usage record to write later (its lease is taken now, before the flood).
       const used = await timedCall(
@@ -75,7 +59,7 @@ describe.skipIf(!TEST_DATABASE_URL)("security audit writes while audit_events is
       let most = 0;
       const t0 = Date.now();
       while (Date.now() - t0 < 1_000) {
-        most = Math.max(most, await sessionsWaiting(held, "%audit_events%"));
+        most = Math.max(most, await sessionsWaiting(scene.held, "%audit_events%"));
         await Bun.sleep(50);
       }
       // The rest of the pool serves: a key not yet cached is looked up, the usage writer writes.
@@ -95,7 +79,7 @@ describe.skipIf(!TEST_DATABASE_URL)("security audit writes while audit_events is
       });
       await lock.unlock();
       const written = async () => {
-        const [r] = await held.rows<{ n: number }>(sql`select count(*)::int as n from audit_events where org_id = ${org.orgId} and action = 'security.expired_key_used'`);
+        const [r] = await scene.held.rows<{ n: number }>(sql`select count(*)::int as n from audit_events where org_id = ${org.orgId} and action = 'security.expired_key_used'`);
         return r?.n ?? 0;
       };
       await until(async () => (await written()) === FLOOD, `all ${FLOOD} security events written`, 15_000, 100);

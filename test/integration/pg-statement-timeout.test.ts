@@ -1,12 +1,10 @@
-import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { describe, expect, setDefaultTimeout, test } from "bun:test";
 import { randomBytes } from "node:crypto";
 import { sql } from "drizzle-orm";
-import { ANSWER_TIMEOUT_MS, type Database, migrate, openDatabase } from "../../src/db/client.ts";
-import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { ANSWER_TIMEOUT_MS, type Database, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { TEST_DATABASE_URL, bearer, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
-import { type Outcome, lockTable, sessionsWaiting, timedCall } from "../helpers/pg-locks.ts";
-import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
+import { type Outcome, lockTable, sessionsWaiting, timedCall, useScene } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
 import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -33,24 +31,10 @@ const DEADLINE_MS = 12_000;
 const FREED_WITHIN_MS = 3_000;
 
 describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the server while the lock is still held", () => {
-  let scratch: ScratchPostgres;
-  let held: Database;
-  let sim: Simulator;
-
-  beforeAll(async () => {
-    scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "h5_timeouts");
-    held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 2 });
-    await migrate(held);
-    sim = await startSimulator({ port: 0, ttftMs: 1, interTokenMs: 0, completionTokens: 5 });
-  });
-  afterAll(async () => {
-    await sim?.stop();
-    await held?.close();
-    await scratch?.drop();
-  });
+  const scene = useScene("h5_timeouts");
 
   /** Sessions of this database waiting on a lock: only the gateway's (the locker holds, the test's own connections wait on nothing). */
-  const waiting = () => sessionsWaiting(held, "%");
+  const waiting = () => sessionsWaiting(scene.held, "%");
   const call = (url: string, init: RequestInit = {}) => timedCall(url, init, DEADLINE_MS);
   const me = (url: string, key: string, headers: Record<string, string> = {}) => call(`${url}/v1/me`, { headers: bearer(key, headers) });
   const chat = (url: string, key: string, maxTokens = 5) =>
@@ -76,7 +60,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
         keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
         plans: { Standard: { requestsPerMinute: 1_000_000 } },
         upstream: upstreamSettings(),
-        aliases: testAliases(sim.url),
+        aliases: testAliases(scene.sim.url),
         // Usage is written when the test flushes.
         quota: { flushMs: 600_000 },
         ...over,
@@ -104,7 +88,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
         () => "written",
         (e: Error) => e.message,
       );
-      const [row] = await held.rows<{ n: number }>(sql`select coalesce(sum(requests), 0)::int as n from usage_events where org_id = ${free.orgId}`);
+      const [row] = await scene.held.rows<{ n: number }>(sql`select coalesce(sum(requests), 0)::int as n from usage_events where org_id = ${free.orgId}`);
       out.requests = row?.n;
     }
     return out;
@@ -142,7 +126,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
       async prepare(gw, free) {
         // The key used so far gets its last_used_at (flushed every 5 s) before api_keys is locked, not while it is.
         await until(
-          async () => (await held.rows<{ at: Date | null }>(sql`select last_used_at as at from api_keys where id = ${free.serviceKeyId}`))[0]?.at != null,
+          async () => (await scene.held.rows<{ at: Date | null }>(sql`select last_used_at as at from api_keys where id = ${free.serviceKeyId}`))[0]?.at != null,
           "last_used_at written",
           10_000,
           100,
@@ -156,7 +140,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
       name: "quota leases",
       tables: ["usage_counters"],
       async prepare(gw) {
-        const metered = await Promise.all([1, 2, 3].map(() => seedOrg(held, { quotaTokens: 1_000_000, quotaWindow: "day" })));
+        const metered = await Promise.all([1, 2, 3].map(() => seedOrg(scene.held, { quotaTokens: 1_000_000, quotaWindow: "day" })));
         for (const o of metered) expect((await me(gw.url, o.serviceKey)).status).toBe(200);
         return async () => Promise.all(metered.map((o) => chat(gw.url, o.serviceKey)));
       },
@@ -166,7 +150,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
       name: "the budget_exceeded audit write",
       tables: ["audit_events"],
       async prepare(gw) {
-        const org = await seedOrg(held, { quotaTokens: 1_000, quotaWindow: "day" });
+        const org = await seedOrg(scene.held, { quotaTokens: 1_000, quotaWindow: "day" });
         expect((await chat(gw.url, org.serviceKey)).status).toBe(200); // its counter row exists from now on
         // More than the whole quota: refused at once; the refusal writes the period's audit row in the background.
         return async () => [await chat(gw.url, org.serviceKey, 5_000)];
@@ -177,7 +161,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
       name: "security audit writes (a valid key sent from a browser)",
       tables: ["audit_events"],
       async prepare(gw) {
-        const org = await seedOrg(held);
+        const org = await seedOrg(scene.held);
         for (const k of [org.serviceKey, org.personalKey]) expect((await me(gw.url, k)).status).toBe(200);
         // Two keys, two writes: before, they held both connections for as long as the lock was held.
         return async () => Promise.all([org.serviceKey, org.personalKey].map((k) => me(gw.url, k, { origin: "https://example.com" })));
@@ -188,7 +172,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
       name: "audit-log reads",
       tables: ["audit_events"],
       async prepare(gw) {
-        const org = await seedOrg(held);
+        const org = await seedOrg(scene.held);
         const read = () => call(`${gw.url}/v1/audit-events`, { headers: bearer(org.serviceKey) });
         expect((await read()).status).toBe(200);
         return async () => Promise.all([read(), read()]);
@@ -200,7 +184,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
       tables: ["responses"],
       config: { responses: { enabled: true } },
       async prepare(gw) {
-        const org = await seedOrg(held);
+        const org = await seedOrg(scene.held);
         const get = () => call(`${gw.url}/v1/responses/resp_nothere`, { headers: bearer(org.serviceKey) });
         expect((await get()).status).toBe(404);
         return async () => Promise.all([get(), get()]);
@@ -214,7 +198,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
         tables: ["responses"],
         config: { responses: { enabled: true } },
         async prepare(gw: Gateway) {
-          const org = await seedOrg(held);
+          const org = await seedOrg(scene.held);
           orgId = org.orgId;
           expect((await me(gw.url, org.serviceKey)).status).toBe(200);
           // Answered after the store's own wait (5 s); the insert goes on without the request.
@@ -230,7 +214,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
         keeps: {
           sessions: 1,
           async landed() {
-            const [r] = await held.rows<{ n: number }>(sql`select count(*)::int as n from responses where org_id = ${orgId}`);
+            const [r] = await scene.held.rows<{ n: number }>(sql`select count(*)::int as n from responses where org_id = ${orgId}`);
             return r?.n === 1;
           },
         },
@@ -240,14 +224,14 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
 
   for (const c of cases) {
     test(`${c.name}: no longer waiting on the lock shortly after the gateway gave up; the pool serves other work`, async () => {
-      const db = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: POOL });
+      const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
       const gw = await gateway(db, c.config);
       const locks: { unlock(): Promise<void> }[] = [];
       try {
-        const free = await seedOrg(held, { quotaTokens: null });
+        const free = await seedOrg(scene.held, { quotaTokens: null });
         expect((await me(gw.url, free.serviceKey)).status).toBe(200); // cached from now on
         const trigger = await c.prepare(gw, free);
-        for (const t of c.tables) locks.push(await lockTable(scratch.url, t));
+        for (const t of c.tables) locks.push(await lockTable(scene.scratch.url, t));
 
         let most = 0;
         let sampling = true;
