@@ -413,22 +413,31 @@ describe("a request authenticated before a quota change, admitted after", () => 
     return { finish: () => void socket.write(bytes.subarray(cut)), answer };
   }
 
+  /**
+   * A request (max_tokens 50,000) whose key is checked now, its body still on the way, while `change`
+   * is made to its organisation and a request under the new setting is served; then its body is sent.
+   * Its raw answer, what the probes used, and the organisation's usage after.
+   */
+  async function acrossChange(org: { serviceKey: string; orgId: string }, change: () => Promise<unknown>): Promise<{ answer: string; probes: number; used: number }> {
+    const slow = await slowBody(gwA, org.serviceKey, JSON.stringify({ model: "svc-fast", max_tokens: 50_000, messages: [{ role: "user", content: PROMPT }] }));
+    await Bun.sleep(300);
+    await change();
+    const probes = await newQuotaServed(gwA, org.serviceKey);
+    slow.finish();
+    const answer = await slow.answer;
+    await flushAll();
+    return { answer, probes, used: (await used(org.orgId)).used };
+  }
+
   test("is held to the new quota, and does not take the instance back to the old one", async () => {
     const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "day" });
     const first = await chat(gwA, org.serviceKey, { max_tokens: 60 });
     expect(first.status).toBe(200);
     await first.text();
-    // Its key checked now, under the quota of 100,000; its body (max_tokens 50,000) still on the way.
-    const slow = await slowBody(gwA, org.serviceKey, JSON.stringify({ model: "svc-fast", max_tokens: 50_000, messages: [{ role: "user", content: PROMPT }] }));
-    await Bun.sleep(300);
-    await setOrg(db, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 1_000 });
-    const probes = await newQuotaServed(gwA, org.serviceKey);
-    slow.finish();
-    const answer = await slow.answer;
-    await flushAll();
-    const after = await used(org.orgId);
+    // Its key checked under the quota of 100,000; its body (max_tokens 50,000) sent after the change.
+    const { answer, probes, used: after } = await acrossChange(org, () => setOrg(db, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 1_000 }));
     // Before: 200, and 50,017 + 77 tokens used of a quota of 1,000 (admitted under the quota its key was checked with).
-    expect({ status: answer.split(" ")[1], used: after.used }).toEqual({ status: "429", used: PROMPT_TOKENS + 60 + probes });
+    expect({ status: answer.split(" ")[1], used: after }).toEqual({ status: "429", used: PROMPT_TOKENS + 60 + probes });
     expect(answer).toContain("budget_exceeded");
     // The instance still admits at the new quota.
     const big = await chat(gwA, org.serviceKey, { max_tokens: 2_000 });
@@ -478,16 +487,9 @@ describe("a request authenticated before a quota change, admitted after", () => 
     const first = await chat(gwA, org.serviceKey, { max_tokens: 60 });
     expect(first.status).toBe(200);
     await first.text();
-    const slow = await slowBody(gwA, org.serviceKey, JSON.stringify({ model: "svc-fast", max_tokens: 50_000, messages: [{ role: "user", content: PROMPT }] }));
-    await Bun.sleep(300);
-    await setOrg(db, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 1_000, quotaWindow: "day" });
-    const probes = await newQuotaServed(gwA, org.serviceKey);
-    slow.finish();
-    const answer = await slow.answer;
-    await flushAll();
-    const after = await used(org.orgId);
+    const { answer, probes, used: after } = await acrossChange(org, () => setOrg(db, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 1_000, quotaWindow: "day" }));
     // Before: 200, and 50,017 more tokens charged to the month (admitted against the month's quota and lease).
-    expect({ status: answer.split(" ")[1], used: after.used }).toEqual({ status: "429", used: PROMPT_TOKENS + 60 + probes });
+    expect({ status: answer.split(" ")[1], used: after }).toEqual({ status: "429", used: PROMPT_TOKENS + 60 + probes });
     expect(answer).toContain("budget_exceeded");
     const big = await chat(gwA, org.serviceKey, { max_tokens: 2_000 });
     expect(big.status).toBe(429);
