@@ -3,7 +3,7 @@ import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { sql } from "drizzle-orm";
 import { createKey, createOrg } from "../../src/admin/service.ts";
-import { migrate, openDatabase } from "../../src/db/client.ts";
+import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { charsToTokens } from "../../src/inference/tokens.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { TEST_DATABASE_URL } from "../helpers/harness.ts";
@@ -231,6 +231,33 @@ describe("graceful shutdown of `gateway serve`", () => {
   }, 60_000);
 });
 
+/**
+ * A database of a test's own, a scratch Postgres (TEST_DATABASE_URL) or an embedded data directory, migrated,
+ * with one organisation (a quota of 1,000,000 a month) and a service key of it.
+ */
+async function seededStore(name: string) {
+  const pg = TEST_DATABASE_URL ? await createScratchDatabase(TEST_DATABASE_URL, `gw_${name}`) : undefined;
+  const dir = join(work, `${name}-data`);
+  const open = () => openDatabase(pg ? { databaseUrl: pg.url, dataDir: "", poolMax: 2 } : { dataDir: dir });
+  const setup = await open();
+  try {
+    await migrate(setup);
+    const org = await createOrg(setup, { name, plan: "Ultra", plans: ["Standard", "Ultra"], quotaTokens: 1_000_000, quotaWindow: "month" });
+    const { key } = await createKey(setup, { orgId: org.id, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" });
+    return { pg, dir, open, orgId: org.id, key };
+  } finally {
+    await setup.close();
+  }
+}
+
+/** An organisation's usage counters, summed over its windows. */
+async function countersOf(db: Database, orgId: string): Promise<{ used: number; leased: number } | undefined> {
+  const [c] = await db.rows<{ used: number; leased: number }>(
+    sql`select coalesce(sum(used), 0)::int as used, coalesce(sum(leased), 0)::int as leased from usage_counters where org_id = ${orgId}`,
+  );
+  return c;
+}
+
 describe(`the terminal \`gateway serve\` runs in is closed (SIGHUP; ${TEST_DATABASE_URL ? "Postgres" : "embedded database"})`, () => {
   test("a graceful stop like SIGTERM's: the request in flight finishes, buffered usage is written, the quota lease returned, exit 0", async () => {
     // An operator runs `serve` in the foreground of an SSH session and closes it: the kernel sends SIGHUP, and
@@ -238,22 +265,9 @@ describe(`the terminal \`gateway serve\` runs in is closed (SIGHUP; ${TEST_DATAB
     // once handled, the first log line the stop wrote to the dead terminal did: either way the usage settled
     // since the last write was lost, and the lease stranded until the period ended. The flush interval is
     // far longer than the test, so only the graceful stop can write the usage.
-    const pg = TEST_DATABASE_URL ? await createScratchDatabase(TEST_DATABASE_URL, "gw_sighup") : undefined;
-    const hupDir = join(work, "sighup-data");
-    const open = () => openDatabase(pg ? { databaseUrl: pg.url, dataDir: "", poolMax: 2 } : { dataDir: hupDir });
+    const { pg, dir: hupDir, open, orgId: hupOrg, key: hupKey } = await seededStore("sighup");
     let proc: TerminalProc | undefined;
     try {
-      let hupOrg = "";
-      let hupKey = "";
-      const setup = await open();
-      try {
-        await migrate(setup);
-        const org = await createOrg(setup, { name: "Hangup", plan: "Ultra", plans: ["Standard", "Ultra"], quotaTokens: 1_000_000, quotaWindow: "month" });
-        hupOrg = org.id;
-        hupKey = (await createKey(setup, { orgId: hupOrg, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" })).key;
-      } finally {
-        await setup.close();
-      }
       const config = join(work, "config-sighup.json");
       writeFileSync(config, JSON.stringify({ drainMs: 60_000, accessLog: true, quota: { flushMs: 60_000 } }));
       proc = startInTerminal([BUN, "run", MAIN, "serve", "--port", "0", "--config", config, ...(pg ? [] : ["--data-dir", hupDir])], {
@@ -296,10 +310,7 @@ describe(`the terminal \`gateway serve\` runs in is closed (SIGHUP; ${TEST_DATAB
 
       const db = await open();
       try {
-        const counters = await db.rows<{ used: number; leased: number }>(
-          sql`select coalesce(sum(used), 0)::int as used, coalesce(sum(leased), 0)::int as leased from usage_counters where org_id = ${hupOrg}`,
-        );
-        expect(counters[0]).toEqual({ used: tokens, leased: 0 });
+        expect(await countersOf(db, hupOrg)).toEqual({ used: tokens, leased: 0 });
         const events = await db.rows<{ n: number; t: number }>(
           sql`select coalesce(sum(requests), 0)::int as n, coalesce(sum(prompt_tokens + completion_tokens), 0)::int as t from usage_events where org_id = ${hupOrg}`,
         );
@@ -320,24 +331,11 @@ describe(`a second stop signal during the drain (${TEST_DATABASE_URL ? "Postgres
     // An operator presses Ctrl-C a second time (or systemd's SIGTERM follows a SIGHUP): they want it to stop
     // now, but not at the price of the usage settled since the last write and the quota leases. Before, the
     // first signal's handler removed itself, so the second signal's default action killed the process.
-    const pg = TEST_DATABASE_URL ? await createScratchDatabase(TEST_DATABASE_URL, "gw_twice") : undefined;
-    const twiceDir = join(work, "twice-data");
-    const open = () => openDatabase(pg ? { databaseUrl: pg.url, dataDir: "", poolMax: 2 } : { dataDir: twiceDir });
+    const { pg, dir: twiceDir, open, orgId: twiceOrg, key: twiceKey } = await seededStore("twice");
     // A 40-second stream (200 tokens, 200 ms apart) against a 60-second drain limit: only the second signal ends it early.
     const slow = await startSimulator({ port: 0, ttftMs: 100, interTokenMs: 200, completionTokens: 200 });
     let proc: Proc | undefined;
     try {
-      let twiceOrg = "";
-      let twiceKey = "";
-      const setup = await open();
-      try {
-        await migrate(setup);
-        const org = await createOrg(setup, { name: "Twice", plan: "Ultra", plans: ["Standard", "Ultra"], quotaTokens: 1_000_000, quotaWindow: "month" });
-        twiceOrg = org.id;
-        twiceKey = (await createKey(setup, { orgId: twiceOrg, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" })).key;
-      } finally {
-        await setup.close();
-      }
       const config = join(work, "config-twice.json");
       // The flush interval is far longer than the test: only the graceful stop can write the usage.
       writeFileSync(config, JSON.stringify({ drainMs: 60_000, accessLog: true, quota: { flushMs: 60_000 } }));
@@ -405,10 +403,7 @@ describe(`a second stop signal during the drain (${TEST_DATABASE_URL ? "Postgres
         expect(rows.length).toBe(1);
         expect(rows[0]?.completion_tokens).toBe(charsToTokens(delivered.length));
         const charged = (rows[0]?.completion_tokens ?? 0) + (rows[0]?.prompt_tokens ?? 0);
-        const counters = await db.rows<{ used: number; leased: number }>(
-          sql`select coalesce(sum(used), 0)::int as used, coalesce(sum(leased), 0)::int as leased from usage_counters where org_id = ${twiceOrg}`,
-        );
-        expect(counters[0]).toEqual({ used: charged, leased: 0 });
+        expect(await countersOf(db, twiceOrg)).toEqual({ used: charged, leased: 0 });
       } finally {
         await db.close();
       }
