@@ -111,7 +111,8 @@ interface OrgState {
   /**
    * Lease on the shared row at our last lease that may come free for us:
    * other instances' (in use or not; they return the unused part when asked)
-   * and our own return not yet written (`returning`).
+   * and our own return not yet written (`returning`), as the row showed them,
+   * plus what our writes gave back since (`returned`).
    */
   othersHold: number;
   /**
@@ -124,6 +125,8 @@ interface OrgState {
   othersExact: number;
   /** Lease converted or returned in a batch not yet written (still counted in the shared `leased`). */
   returning: number;
+  /** All lease ever moved to `returning` (a running sum): what a write gave back while a lease transaction was out. */
+  returned: number;
   /** Lease taken back after the quota was lowered below it (changeQuota): no longer ours to admit against, returned at the next write. */
   revoked: number;
   leasedAt: number;
@@ -322,6 +325,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         othersHold: 0,
         othersExact: -1,
         returning: 0,
+        returned: 0,
         revoked: 0,
         leasedAt: t,
         refill: undefined,
@@ -387,13 +391,17 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
           sql`update usage_counters set leased = leased + ${take}${asking ? sql`, wanted_at = now()` : sql``} where org_id = ${s.orgId} and window_start = ${ws}`,
         );
       }
-      return { take, left: free - take, others, exact };
+      // The row's lease that is not ours in hand, read with `leased` (not after the transaction: a write of ours
+      // that committed before this look may land meanwhile, and `returning` then no longer counts what `others` lacks).
+      return { take, left: free - take, others, exact, notOurs: leased - s.granted - s.revoked, returned: s.returned };
     });
     s.granted += got.take;
     s.lastTake = got.take;
     s.sharedFree = got.left;
-    // Our own return not yet written is still counted in the row's `leased`: what it frees is ours once it lands.
-    s.othersHold = Math.max(0, got.others) + s.returning;
+    // Other instances' lease and our own return not yet written there (what it frees is ours once it lands), and
+    // what our writes have given back since the look. Before, `others` + `returning` as of now: a return that
+    // landed during the transaction was counted against other instances' lease and by neither, a false 429.
+    s.othersHold = Math.max(0, got.notOurs) + s.returned - got.returned;
     s.othersExact = got.exact ? Math.max(0, got.others) : -1;
     s.reservedSinceLease = 0;
     s.leasedAt = now();
@@ -682,6 +690,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         give += s.revoked;
         s.revoked = 0;
         s.returning += convert + give;
+        s.returned += convert + give;
         if (u > 0 || convert + give > 0) deltas.push({ orgId: s.orgId, start: s.start, used: u, leased: -(convert + give) });
         if (ended && s.inflight === 0) {
           states.delete(k);
