@@ -370,6 +370,9 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         await tx.execute(sql`select used, leased from usage_counters where org_id = ${s.orgId} and window_start = ${ws} for update`),
       );
       if (!row) throw new Error("usage counter row missing after insert");
+      // Our side as of this look, to compare with the row: a write of ours may land, a cut or a quota change run,
+      // before the transaction ends (each await below, and the commit).
+      const at = { quota: s.quota, granted: s.granted, returning: s.returning, revoked: s.revoked, returned: s.returned };
       // bigint columns arrive as numbers (PGlite) or strings (postgres.js). A negative figure (hand-edited:
       // the gateway only adds usage, and its returns stop leased at 0) is set to 0 in the row, under this
       // lock, so it never counts as quota; leases added to it from now on count in full.
@@ -378,12 +381,12 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       if (used !== Number(row.used) || leased !== Number(row.leased)) {
         await tx.execute(sql`update usage_counters set used = ${used}, leased = ${leased} where org_id = ${s.orgId} and window_start = ${ws}`);
       }
-      const free = s.quota - used - leased;
+      const free = at.quota - used - leased;
       // A share of what remains, so instances split a small quota (or the end of a large one); at least what is needed now.
       const take = Math.max(0, Math.min(free, Math.max(need, Math.min(wanted, Math.ceil(free * LEASE_SHARE)))));
-      const others = leased - s.granted - s.returning - s.revoked;
+      const others = leased - at.granted - at.returning - at.revoked;
       // Exact only with no write of ours out: between its commit and landed() the row has our return and `returning` still counts it.
-      const exact = s.returning === 0;
+      const exact = at.returning === 0;
       // Short while other instances hold lease: ask them for their unused part (they look at every flush).
       const asking = take < need && others > 0;
       if (take > 0 || asking) {
@@ -391,17 +394,23 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
           sql`update usage_counters set leased = leased + ${take}${asking ? sql`, wanted_at = now()` : sql``} where org_id = ${s.orgId} and window_start = ${ws}`,
         );
       }
-      // The row's lease that is not ours in hand, read with `leased` (not after the transaction: a write of ours
-      // that committed before this look may land meanwhile, and `returning` then no longer counts what `others` lacks).
-      return { take, left: free - take, others, exact, notOurs: leased - s.granted - s.revoked, returned: s.returned };
+      // notOurs: the row's lease that is not ours in hand (other instances' and our return not yet written there).
+      return { take, left: free - take, others, exact, notOurs: leased - at.granted - at.revoked, at };
     });
     s.granted += got.take;
     s.lastTake = got.take;
     s.sharedFree = got.left;
+    // The quota changed while the transaction was out: `left` is by the old one, and changeQuota saw none of
+    // this lease. Before, all of it was admitted against, beyond a quota lowered below it.
+    if (s.quota !== got.at.quota) {
+      const quota = s.quota;
+      s.quota = got.at.quota;
+      changeQuota(s, quota);
+    }
     // Other instances' lease and our own return not yet written there (what it frees is ours once it lands), and
     // what our writes have given back since the look. Before, `others` + `returning` as of now: a return that
     // landed during the transaction was counted against other instances' lease and by neither, a false 429.
-    s.othersHold = Math.max(0, got.notOurs) + s.returned - got.returned;
+    s.othersHold = Math.max(0, got.notOurs) + s.returned - got.at.returned;
     s.othersExact = got.exact ? Math.max(0, got.others) : -1;
     s.reservedSinceLease = 0;
     s.leasedAt = now();

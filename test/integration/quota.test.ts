@@ -583,12 +583,12 @@ function aroundTransactions(db: Database, around: (run: () => Promise<unknown>) 
 }
 
 /**
- * A lease transaction that reads the shared row while a write of the same
- * instance is out: each answer held at the proxy (test/helpers/freeze-proxy.ts)
- * so the client-side order of the two is fixed, as a busy network or event
- * loop orders them by chance.
+ * The instance's state changes while a lease transaction is out (a write of
+ * its own lands, the quota changes): answers held at the proxy
+ * (test/helpers/freeze-proxy.ts) fix the order that a busy network or event
+ * loop gives by chance.
  */
-describe.skipIf(!TEST_DATABASE_URL)("a lease that reads the row while a write of this instance is out (Postgres)", () => {
+describe.skipIf(!TEST_DATABASE_URL)("a lease transaction out while the instance's state changes (Postgres)", () => {
   let proxy: FreezeProxy;
   beforeAll(async () => {
     proxy = await startFreezeProxy(TEST_DATABASE_URL as string, 0);
@@ -647,5 +647,43 @@ describe.skipIf(!TEST_DATABASE_URL)("a lease that reads the row while a write of
     const c = await counters(p.orgId);
     expect(c.used).toBe(800);
     expect(c.used + c.leased).toBeLessThanOrEqual(1_000);
+  });
+
+  test("a quota lowered while a lease is out: what that lease took under the old quota is admitted against only up to the new one", async () => {
+    const p = await org(100_000);
+    const viaProxy = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 4 });
+    const q = createQuota(viaProxy, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    const leasing = proxy.holdWhen(/update usage_counters set leased = leased/i, "answer");
+    let admitted = 0;
+    try {
+      const first = q.admit(p, 100);
+      // The lease (1,000 of 100,000) has read the row; its answer is held.
+      await leasing.held;
+      // The administrator lowers the quota to 500; the next request carries it, and waits for the same lease.
+      const lowered: Principal = { ...p, quotaTokens: 500 };
+      const second = q.admit(lowered, 100);
+      leasing.release();
+      for (const t of [await first, await second]) {
+        q.settle(t, { promptTokens: 100, completionTokens: 0 }, outcome);
+        admitted++;
+      }
+      for (let i = 0; i < 20; i++) {
+        try {
+          q.settle(await q.admit(lowered, 100), { promptTokens: 100, completionTokens: 0 }, outcome);
+          admitted++;
+        } catch (e) {
+          expect((e as AppError).code).toBe("budget_exceeded");
+          break;
+        }
+      }
+      await q.flush();
+    } finally {
+      leasing.release();
+      await q.stop();
+      await viaProxy.close();
+    }
+    // Before: all 1,000 leased under the old quota admitted, 1,000 used of 500.
+    expect(admitted).toBe(5);
+    expect(await counters(p.orgId)).toEqual({ used: 500, leased: 0 });
   });
 });
