@@ -283,6 +283,33 @@ describe("quota leases", () => {
     expect((await counters(p.orgId)).used).toBe(900);
   });
 
+  test("a refusal is decided on a look at the counter taken while the request waited, not on one from before its own lease went back", async () => {
+    // Seen as a false 429 in quota-http ("an unset max_tokens is lowered…", ~1 run in 5 on Postgres): the
+    // instance's last look said "counter empty, no other lease", then its own write gave its unused lease back
+    // to the counter (another instance had asked for lease), and its next request was refused on that look.
+    const db = await sharedDatabase();
+    const p = await org(1_000);
+    const b = createQuota(db, log, { leaseTokens: 100, flushMs: 60_000, maxBuffered: 1000 });
+    b.start();
+    try {
+      const first = await b.admit(p, 900);
+      b.settle(first, { promptTokens: 100, completionTokens: 0 }, outcome);
+      // 900 left in all, less than 1,000: a refusal, and the look behind it says the counter is empty.
+      expect(await rejectionOf(b.admit(p, 1_000))).toMatchObject({ code: "budget_exceeded" });
+      // Another instance asks for lease; this one's next write gives its unused 900 back to the counter.
+      await db.db.update(usageCounters).set({ wantedAt: new Date() }).where(eq(usageCounters.orgId, p.orgId));
+      await b.flush();
+      expect(await counters(p.orgId)).toEqual({ used: 100, leased: 0 });
+      // 900 free on the counter: a request of 500 is served. Before: 429 budget_exceeded on the old look.
+      const t = await b.admit(p, 500);
+      expect(t.reserved).toBe(500);
+      b.settle(t, { promptTokens: 500, completionTokens: 0 }, outcome);
+    } finally {
+      await b.stop();
+    }
+    expect(await counters(p.orgId)).toEqual({ used: 600, leased: 0 });
+  });
+
   test("one flush writes what was waiting; requests settled during the write wait for the next interval", async () => {
     // Regression: under load every write found new records and the flush loop
     // wrote back to back (100 transactions in 15 s instead of 15).
