@@ -853,6 +853,26 @@ describe("an upstream that ignores max_tokens", () => {
     }
   });
 
+  test("streamed without include_usage and without the upstream's count: a few chunks of much text past the bound are charged at most the bound", async () => {
+    // 3 chunks of 400 characters (≈ 300 tokens by the delivered text) where 5 tokens were allowed; no usage from the
+    // upstream and none asked for by the client, so only the settlement's own cap holds the charge to the bound.
+    scripted = {
+      events: [
+        chunkOf([deltaOf({ role: "assistant", content: "" })]),
+        ...Array.from({ length: 3 }, () => chunkOf([deltaOf({ content: "x".repeat(400) })])),
+        chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]),
+      ],
+      done: true,
+    };
+    const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), max_tokens: 5, stream: true });
+    expect(res.status).toBe(200);
+    const data = sseData(await res.text());
+    expect(data.filter((d) => d.includes("x".repeat(400)))).toHaveLength(3);
+    const [row] = await rows(o.orgId);
+    expect([row?.status, row?.completionTokens]).toEqual([200, 5]);
+  });
+
   test("non-streamed: an answer far past max_tokens is charged at most the bound, whatever the upstream claims or omits", async () => {
     const promptEstimate = await estimateOf(false);
     for (const claimed of [{ prompt_tokens: 9, completion_tokens: 1_000, total_tokens: 1_009 }, undefined]) {
