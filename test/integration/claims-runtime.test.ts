@@ -1,0 +1,84 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { upstreamAliases } from "../../src/config/load.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { type Gateway, startGateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { bearer, errorOf, type SeededOrg, seedOrg, sharedDatabase, startTestGateway, testConfig } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
+import { chatAlias, upstreamSettings } from "./inference-fixtures.ts";
+
+// Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(90_000);
+
+/**
+ * Claims of docs/decisions.md (the HTTP and runtime section, from the stream
+ * bound to the Responses API) that had no test able to fail on them: each test
+ * names the claim it holds.
+ */
+
+const stops: (() => unknown)[] = [];
+afterAll(async () => {
+  for (const s of stops.reverse()) await s();
+});
+
+describe("shutdown (decisions: Shutdown)", () => {
+  test("after drainMs, a connection still open (a JSON request the upstream never answers) is closed at most ~1 s later", async () => {
+    // An upstream that takes every request and never answers; its first-byte timeout is far away.
+    let seen = 0;
+    const upstream = Bun.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      fetch() {
+        seen++;
+        return new Promise<Response>(() => {});
+      },
+    });
+    stops.push(() => upstream.stop(true));
+    const config = await testConfig({
+      aliases: { "svc-fast": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }]) },
+      upstream: upstreamSettings({ attempts: 1 }, { firstByteMs: 120_000 }),
+      drainMs: 300,
+    });
+    const gw: Gateway = await startGateway({ config, database: await sharedDatabase(), log: createLogger("error") });
+    const org = await seedOrg(gw.database);
+    const pending = fetch(`${gw.url}/v1/chat/completions`, {
+      method: "POST",
+      headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+      body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] }),
+    }).then(
+      (r) => r.status,
+      () => "closed" as const,
+    );
+    await until(() => seen === 1, "the request at the upstream", 10_000, 5);
+    const t0 = performance.now();
+    await gw.stop();
+    const ms = performance.now() - t0;
+    // drainMs (300) + at most 1 s for streams' last bytes, then the rest is closed; slack for a busy machine.
+    expect(ms).toBeLessThan(4_000);
+    expect(await pending).toBe("closed");
+  });
+});
+
+describe("a gateway on the simulator", () => {
+  let sim: Simulator;
+  let gw: Gateway;
+  let org: SeededOrg;
+  beforeAll(async () => {
+    sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
+    gw = await startTestGateway({ aliases: upstreamAliases(sim.url) });
+    org = await seedOrg(gw.database);
+    stops.push(() => sim.stop(), () => gw.stop());
+  });
+  const call = (path: string, body: unknown) =>
+    fetch(`${gw.url}${path}`, { method: "POST", headers: bearer(org.serviceKey, { "content-type": "application/json" }), body: JSON.stringify(body) });
+
+  test("embeddings: `dimensions` up to the alias's 1024 is forwarded; above it is 400 (decisions: Non-streamed answers)", async () => {
+    const at = await call("/v1/embeddings", { model: "svc-embed", input: "a", dimensions: 1024 });
+    expect(at.status).toBe(200);
+    const body = (await at.json()) as { data: { embedding: number[] }[] };
+    expect(body.data[0]?.embedding).toHaveLength(1024);
+    const over = await call("/v1/embeddings", { model: "svc-embed", input: "a", dimensions: 1025 });
+    expect(over.status).toBe(400);
+    expect(await errorOf(over)).toMatchObject({ type: "invalid_request_error", param: "dimensions" });
+  });
+});
