@@ -109,12 +109,20 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       // a key whose refresh just failed is served without waiting again.
       for (const r of Object.values(report)) expect(r.ms).toBeLessThan(12_000);
       expect(again.ms).toBeLessThan(1_000);
+      // What an operator sees meanwhile (docs/decisions.md: database work given up on, key lookups): the lease and the
+      // lookups given up on are still out, unsettled, each perhaps holding a connection.
+      const metrics = gw.metricsUrl as string;
+      expect(await gauge(metrics, 'gateway_database_unanswered{work="lease"}')).toBeGreaterThanOrEqual(1);
+      expect(await gauge(metrics, "gateway_key_lookups_unanswered")).toBeGreaterThanOrEqual(1);
 
       // Healed: the frozen connections are closed, as the kernel would once the partition ends.
       proxy.thaw();
       await until(async () => (await me(uncached.key)).status === 200, "the uncached key verified after the database answers again", 30_000, 100);
       await until(async () => (await chat(metered.personalKey)).status === 200, "a lease after the database answers again", 30_000, 100);
       expect((await timed(`${gw.url}/readyz`)).status).toBe(200);
+      // Each settled once the database answered again (or its connection was closed).
+      await until(async () => (await gauge(metrics, 'gateway_database_unanswered{work="lease"}')) === 0, "the given-up lease settled", 10_000, 100);
+      await until(async () => (await gauge(metrics, "gateway_key_lookups_unanswered")) === 0, "the given-up lookups settled", 10_000, 100);
     } finally {
       proxy.thaw();
       await gw.stop();
