@@ -82,3 +82,51 @@ describe("a gateway on the simulator", () => {
     expect(await errorOf(over)).toMatchObject({ type: "invalid_request_error", param: "dimensions" });
   });
 });
+
+describe("request bodies (decisions: Request bodies)", () => {
+  const LIMIT = 2_048;
+  let sim: Simulator;
+  let gw: Gateway;
+  let org: SeededOrg;
+  beforeAll(async () => {
+    sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 3 });
+    gw = await startTestGateway({ aliases: upstreamAliases(sim.url), bodyLimitBytes: LIMIT });
+    org = await seedOrg(gw.database);
+    stops.push(() => sim.stop(), () => gw.stop());
+  });
+  /** A chat body of exactly `size` bytes (JSON padded with spaces). */
+  const bodyOf = (size: number) => {
+    const json = JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] });
+    return json + " ".repeat(size - json.length);
+  };
+  const send = (body: string, chunked: boolean) =>
+    fetch(`${gw.url}/v1/chat/completions`, {
+      method: "POST",
+      headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+      // A stream has no declared length: Bun's fetch sends it chunked.
+      body: chunked
+        ? new ReadableStream<Uint8Array>({
+            start(c) {
+              const bytes = new TextEncoder().encode(body);
+              c.enqueue(bytes.subarray(0, 1_000));
+              c.enqueue(bytes.subarray(1_000));
+              c.close();
+            },
+          })
+        : body,
+    });
+
+  for (const chunked of [false, true]) {
+    test(`a body of exactly bodyLimitBytes is read; one byte more is 400 too large (${chunked ? "chunked" : "Content-Length"})`, async () => {
+      const at = await send(bodyOf(LIMIT), chunked);
+      expect(at.status).toBe(200);
+      await at.arrayBuffer();
+      const over = await send(bodyOf(LIMIT + 1), chunked);
+      expect(over.status).toBe(400);
+      expect(over.headers.get("connection")).toBe("close");
+      const e = await errorOf(over);
+      expect(e).toMatchObject({ type: "invalid_request_error", code: "invalid_request_error" });
+      expect(e.message).toContain(`the limit is ${LIMIT} bytes`);
+    });
+  }
+});
