@@ -5,7 +5,7 @@ import { type Gateway, startGateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, errorOf, type SeededOrg, seedOrg, sharedDatabase, startTestGateway, testConfig } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
-import { chatAlias, upstreamSettings } from "./inference-fixtures.ts";
+import { CHAT_MODEL, chatAlias, sseData, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(90_000);
@@ -129,4 +129,51 @@ describe("request bodies (decisions: Request bodies)", () => {
       expect(e.message).toContain(`the limit is ${LIMIT} bytes`);
     });
   }
+});
+
+describe("slow clients (decisions: Slow clients)", () => {
+  test("the idle timeout is given back just before a stream's last bytes, never mid-stream: a silence longer than idleTimeoutS inside a stream does not cut it", async () => {
+    // An upstream whose stream falls silent for 9 s after its first chunk (the idle timer of 1 s fires within ~4-8 s
+    // in Bun's 4 s steps), well inside the upstream idle timeout.
+    const GAP_MS = 9_000;
+    const chunk = (content: string, finish: string | null = null) =>
+      `data: ${JSON.stringify({ id: "c1", object: "chat.completion.chunk", created: 1, model: CHAT_MODEL, choices: [{ index: 0, delta: { content }, finish_reason: finish }] })}\n\n`;
+    const upstream = Bun.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      idleTimeout: 30,
+      fetch() {
+        const enc = new TextEncoder();
+        const body = new ReadableStream<Uint8Array>({
+          async start(c) {
+            c.enqueue(enc.encode(chunk("first ")));
+            await Bun.sleep(GAP_MS);
+            c.enqueue(enc.encode(chunk("second", "stop")));
+            c.enqueue(enc.encode("data: [DONE]\n\n"));
+            c.close();
+          },
+        });
+        return new Response(body, { headers: { "content-type": "text/event-stream" } });
+      },
+    });
+    stops.push(() => upstream.stop(true));
+    const config = await testConfig({
+      aliases: { "svc-fast": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }]) },
+      upstream: upstreamSettings({ attempts: 1 }, { idleMs: 30_000 }),
+      idleTimeoutS: 1,
+    });
+    const gw: Gateway = await startGateway({ config, database: await sharedDatabase(), log: createLogger("error") });
+    stops.push(() => gw.stop());
+    const org = await seedOrg(gw.database);
+    const res = await fetch(`${gw.url}/v1/chat/completions`, {
+      method: "POST",
+      headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+      body: JSON.stringify({ model: "svc-fast", stream: true, messages: [{ role: "user", content: "hi" }] }),
+    });
+    expect(res.status).toBe(200);
+    const text = await res.text().catch((e: Error) => `cut: ${e.message}`);
+    const data = sseData(text);
+    expect(data.at(-1)).toBe("[DONE]");
+    expect(text).toContain("second");
+  }, 60_000);
 });
