@@ -304,6 +304,13 @@ describe("request translation (what the chat upstream receives)", () => {
     await expectError(bad, 400, "invalid_request_error", "input[0].content[0].prompt_cache_breakpoint.evil");
   });
 
+  test("safety_identifier is forwarded as chat's user when there is no user; a user sent with it wins (decisions: Forwarded)", async () => {
+    expect((await create({ model: "svc-fast", input: "hi", store: false, safety_identifier: "sid-9" })).status).toBe(200);
+    expect(upstreamBody().user).toBe("sid-9");
+    expect((await create({ model: "svc-fast", input: "hi", store: false, safety_identifier: "sid-9", user: "u-1" })).status).toBe(200);
+    expect(upstreamBody().user).toBe("u-1");
+  });
+
   test("the Response echoes the request fields the SDK's Response type declares, as sent (JSON, response.created and the final event)", async () => {
     const sent = {
       model: "svc-fast",
