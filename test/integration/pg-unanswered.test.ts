@@ -109,6 +109,15 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       // a key whose refresh just failed is served without waiting again.
       for (const r of Object.values(report)) expect(r.ms).toBeLessThan(12_000);
       expect(again.ms).toBeLessThan(1_000);
+      // The client is told why (decisions: other database work given up on), not that the quota is being refilled.
+      const refused = await fetch(`${gw.url}/v1/chat/completions`, {
+        method: "POST",
+        headers: { ...bearer(metered.personalKey), "content-type": "application/json" },
+        body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }], max_tokens: 50_000 }),
+        signal: AbortSignal.timeout(DEADLINE_MS),
+      });
+      expect(refused.status).toBe(503);
+      expect((await errorOf(refused)).message).toContain("The usage quota store is temporarily unreachable");
       // What an operator sees meanwhile (docs/decisions.md: database work given up on, key lookups): the lease and the
       // lookups given up on are still out, unsettled, each perhaps holding a connection.
       const metrics = gw.metricsUrl as string;
