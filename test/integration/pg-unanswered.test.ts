@@ -2,6 +2,7 @@ import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "
 import { sql } from "drizzle-orm";
 import postgres from "postgres";
 import { createKey, revokeKey, setOrg } from "../../src/admin/service.ts";
+import { createKeyVerifier } from "../../src/auth/verify.ts";
 import { ANSWER_TIMEOUT_MS, type Database, IDLE_IN_TRANSACTION_MS, LISTEN_CHECK_MS, migrate, openDatabase } from "../../src/db/client.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
@@ -337,6 +338,44 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
     } finally {
       for (const h of holds) h.release();
       await gw.stop();
+      await db.close();
+    }
+  });
+
+  test("a last_used_at update left unanswered is not followed by another while it is out: the next flush keeps its times for later", async () => {
+    // docs/decisions.md (key lookups while the database does not answer): the batched last_used_at update is bounded
+    // as lookups are. With a lock, the server ends the first update a moment after the give-up (pg-key-lookups.test.ts);
+    // a database that does not answer at all ends nothing, so only this bound keeps a second update off the pool.
+    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 4 });
+    const verifier = createKeyVerifier(db, { ttlMs: 60_000, max: 100, negativeTtlMs: 5_000, negativeMax: 100, lastUsedFlushMs: 600_000 });
+    try {
+      const org = await seedOrg(held);
+      await db.rows(sql`select 1`);
+      proxy.freeze();
+      verifier.markUsed(org.serviceKeyId);
+      const t = Date.now();
+      await verifier.flushLastUsed(); // given up on after ANSWER_TIMEOUT_MS, left unanswered
+      expect(Date.now() - t).toBeGreaterThanOrEqual(ANSWER_TIMEOUT_MS - 100);
+      verifier.markUsed(org.personalKeyId);
+      const t2 = Date.now();
+      await verifier.flushLastUsed();
+      // Before: a second update on another connection, given up on 5 s later in its turn (one more connection every 5 s).
+      expect(Date.now() - t2).toBeLessThan(1_000);
+      proxy.thaw();
+      // Both keys' times were kept and are written once the database answers again.
+      await until(
+        async () => {
+          await verifier.flushLastUsed();
+          const [r] = await held.rows<{ n: number }>(sql`select count(*)::int as n from api_keys where org_id = ${org.orgId} and last_used_at is not null`);
+          return r?.n === 2;
+        },
+        "both keys' last_used_at written",
+        30_000,
+        100,
+      );
+    } finally {
+      proxy.thaw();
+      await verifier.stop();
       await db.close();
     }
   });
