@@ -5,7 +5,8 @@ import { upstreamAliases } from "../../src/config/load.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { bearer, errorOf, type SeededOrg, seedOrg, sharedDatabase, startTestGateway, testConfig } from "../helpers/harness.ts";
+import { openDatabase } from "../../src/db/client.ts";
+import { TEST_DATABASE_URL, bearer, errorOf, type SeededOrg, seedOrg, sharedDatabase, startTestGateway, testConfig } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
 import { CHAT_MODEL, chatAlias, sseData, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -207,5 +208,26 @@ describe("usage writes (decisions: Usage is written once per quota.flushMs)", ()
     // One key, alias, target, status, not streamed: one write is one row summing them all (a batch holds
     // 10,000 records on the embedded database, 50,000 on Postgres).
     expect(rows.map((r) => r.requests)).toEqual([N]);
+  });
+});
+
+describe.skipIf(!TEST_DATABASE_URL)("a pool of one (decisions: Usage writes while the database does not answer)", () => {
+  test("with dbPoolMax 1 the usage writer may still leave one write unanswered, not none: usage is written", async () => {
+    const sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 2 });
+    const db = await openDatabase({ databaseUrl: TEST_DATABASE_URL, dataDir: "memory://", poolMax: 1 });
+    const gw = await startTestGateway({ aliases: upstreamAliases(sim.url), quota: { flushMs: 600_000 } }, db);
+    stops.push(() => sim.stop(), () => db.close(), () => gw.stop());
+    const org = await seedOrg(gw.database);
+    const res = await fetch(`${gw.url}/v1/chat/completions`, {
+      method: "POST",
+      headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+      body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] }),
+    });
+    expect(res.status).toBe(200);
+    await res.arrayBuffer();
+    await gw.quota.flush();
+    const rows = await gw.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, org.orgId));
+    expect(rows.map((r) => [r.requests, r.status])).toEqual([[1, 200]]);
+    expect(gw.quota.stats().flushFailures).toBe(0);
   });
 });

@@ -18,6 +18,14 @@ describe("database work of one kind out at once (maxOutAtOnce)", () => {
   });
 });
 
+describe("usage writes left unanswered at once (maxUnanswered)", () => {
+  test("two; one with a pool of two, and one (not none) with a pool of one; two on the embedded database", () => {
+    // docs/decisions.md (usage writes while the database does not answer). None would fail every flush at once.
+    expect([1, 2, 3, 4, 10, 200].map(maxUnanswered)).toEqual([1, 1, 2, 2, 2, 2]);
+    expect(maxUnanswered(undefined)).toBe(2);
+  });
+});
+
 /** A call that settles when told. */
 function pending<T>() {
   let settle: (v: T) => void = () => {};
