@@ -1,12 +1,12 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { eq } from "drizzle-orm";
-import { usageEvents } from "../../src/db/schema.ts";
+import { and, eq } from "drizzle-orm";
+import { auditEvents, usageEvents } from "../../src/db/schema.ts";
 import { upstreamAliases } from "../../src/config/load.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { openDatabase } from "../../src/db/client.ts";
-import { TEST_DATABASE_URL, bearer, errorOf, type SeededOrg, seedOrg, sharedDatabase, startTestGateway, testConfig } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, type SeededOrg, seedOrg, sharedDatabase, startTestGateway, testConfig } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
 import { CHAT_MODEL, chatAlias, sseData, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -229,5 +229,45 @@ describe.skipIf(!TEST_DATABASE_URL)("a pool of one (decisions: Usage writes whil
     const rows = await gw.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, org.orgId));
     expect(rows.map((r) => [r.requests, r.status])).toEqual([[1, 200]]);
     expect(gw.quota.stats().flushFailures).toBe(0);
+  });
+});
+
+// The embedded database counts its transactions (database.transactions); Postgres does not here.
+describe.skipIf(!!TEST_DATABASE_URL)("budget_exceeded refusals (decisions: Other database work given up on)", () => {
+  test("once the period's budget_exceeded is recorded, later refusals of the organisation do no database work", async () => {
+    const sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 2 });
+    const db = await freshDatabase();
+    const gw = await startTestGateway({ aliases: upstreamAliases(sim.url), quota: { flushMs: 600_000 }, plans: { Standard: { requestsPerMinute: 1_000_000 } } }, db);
+    stops.push(() => sim.stop(), () => db.close(), () => gw.stop());
+    const org = await seedOrg(db, { quotaTokens: 1_000 });
+    const chat = (maxTokens: number) =>
+      fetch(`${gw.url}/v1/chat/completions`, {
+        method: "POST",
+        headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+        body: JSON.stringify({ model: "svc-fast", max_tokens: maxTokens, messages: [{ role: "user", content: "hi" }] }),
+      });
+    // A lease makes the period's counter row; then a request larger than the quota is refused and recorded.
+    const ok = await chat(5);
+    expect(ok.status).toBe(200);
+    await ok.arrayBuffer();
+    const first = await chat(5_000);
+    expect(first.status).toBe(429);
+    expect((await errorOf(first)).code).toBe("budget_exceeded");
+    const recorded = () => db.db.select().from(auditEvents).where(and(eq(auditEvents.orgId, org.orgId), eq(auditEvents.action, "billing.budget_exceeded")));
+    await until(async () => (await recorded()).length === 1, "the budget_exceeded audit row", 10_000, 20);
+    await Bun.sleep(100); // the write's own last statements
+    const transactions = () => db.transactions?.() ?? Number.NaN;
+    const before = transactions();
+    for (let i = 0; i < 10; i++) {
+      const r = await chat(5_000);
+      expect(r.status).toBe(429);
+      await r.arrayBuffer();
+      await Bun.sleep(20);
+    }
+    await Bun.sleep(200);
+    // At most the batched last_used_at update of the key (every 5 s); before the memory of the marked row, each
+    // refusal wrote and rolled back an audit row and read the counter row (two transactions each).
+    expect(transactions() - before).toBeLessThanOrEqual(1);
+    expect(await recorded()).toHaveLength(1);
   });
 });
