@@ -342,6 +342,48 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
     }
   });
 
+  test("a lease left unanswered blocks the next lease of its organisation until it settles: that organisation's requests are refused at once", async () => {
+    // docs/decisions.md (other database work given up on): "A lease given up on also blocks the next lease of its
+    // organisation and period until it settles (before, a new one every 5 s)". A pool of 8 allows two leases out at
+    // once (maxOutAtOnce), so only this per-organisation rule keeps a second one from being sent.
+    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 8 });
+    const gw = await startTestGateway(
+      {
+        keyCache: { ttlMs: 600_000, ...KEY_CACHE },
+        plans: { Standard: { requestsPerMinute: 1_000_000 } },
+        upstream: upstreamSettings(),
+        aliases: testAliases(sim.url),
+        quota: { leaseTokens: 1_000, flushMs: 600_000 },
+      },
+      db,
+    );
+    try {
+      const org = await seedOrg(held, { quotaTokens: 1_000_000 });
+      // A reservation larger than any lease held: each must lease.
+      const chat = () =>
+        timed(`${gw.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: { ...bearer(org.serviceKey), "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }], max_tokens: 50_000 }),
+        });
+      expect((await timed(`${gw.url}/v1/me`, { headers: bearer(org.serviceKey) })).status).toBe(200);
+      proxy.freeze();
+      const first = await chat();
+      expect([first.status, first.code]).toEqual([503, "service_unavailable"]);
+      expect(first.ms).toBeGreaterThanOrEqual(ANSWER_TIMEOUT_MS - 100);
+      const second = await chat();
+      expect([second.status, second.code]).toEqual([503, "service_unavailable"]);
+      // Before: a second lease sent on another connection, given up on 5 s later in its turn.
+      expect(second.ms).toBeLessThan(1_000);
+      proxy.thaw();
+      await until(async () => (await chat()).status === 200, "a lease after the database answers again", 30_000, 100);
+    } finally {
+      proxy.thaw();
+      await gw.stop();
+      await db.close();
+    }
+  });
+
   test("a last_used_at update left unanswered is not followed by another while it is out: the next flush keeps its times for later", async () => {
     // docs/decisions.md (key lookups while the database does not answer): the batched last_used_at update is bounded
     // as lookups are. With a lock, the server ends the first update a moment after the give-up (pg-key-lookups.test.ts);
