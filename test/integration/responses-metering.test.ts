@@ -102,11 +102,16 @@ describe.skipIf(!TEST_DATABASE_URL)("a store write that hangs (Postgres)", () =>
     try {
       await locker`begin`;
       await locker`lock table responses in access exclusive mode`;
+      // Each answer waits for its write 5 s at most (docs/decisions.md, Responses API: Storage); slack for a busy machine.
+      let t = Date.now();
       const json = await post(gw, "/v1/responses", org.personalKey, { model: "svc-fast", input: "x" }, { signal: AbortSignal.timeout(12_000) });
       expect(json.status).toBe(200);
       const id = String(rec(await json.json()).id);
+      expect(Date.now() - t).toBeLessThan(8_000);
+      t = Date.now();
       const streamed = await post(gw, "/v1/responses", org.personalKey, { model: "svc-fast", input: "y", stream: true }, { signal: AbortSignal.timeout(12_000) });
       expect(events(await streamed.text()).at(-1)?.type).toBe("response.completed");
+      expect(Date.now() - t).toBeLessThan(8_000);
       await locker`rollback`;
       locked = false;
       await eventually(
