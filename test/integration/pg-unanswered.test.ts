@@ -37,7 +37,7 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
     scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "h6_unanswered");
     held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 1 });
     await migrate(held);
-    proxy = await startFreezeProxy(scratch.url, 19_641);
+    proxy = await startFreezeProxy(scratch.url, 0);
     sim = await startSimulator({ port: 0, ttftMs: 1, interTokenMs: 0, completionTokens: 5 });
   });
   afterAll(async () => {
@@ -89,6 +89,9 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       expect((await me(org.personalKey)).status).toBe(200);
       expect((await me(metered.personalKey)).status).toBe(200);
       expect((await timed(`${gw.url}/readyz`)).status).toBe(200);
+      // Every connection of the pool open before the freeze: work given up on then waits on a connection that
+      // never answers (and stays unanswered), not on a new one that connect_timeout (5 s) would fail.
+      await Promise.all(Array.from({ length: 4 }, () => db.rows(sql`select pg_sleep(0.1)`)));
 
       proxy.freeze();
       await Bun.sleep(TTL + 100); // the cached entries are now due for a refresh that will never be answered
@@ -148,8 +151,8 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       configPath,
       JSON.stringify({ plans: { Standard: { requestsPerMinute: 1_000_000 } }, quota: { leaseTokens: 1_000, flushMs: 600_000 }, drainMs: 1_000, logLevel: "info", accessLog: false }),
     );
-    const proc = startGatewayProcess(["serve", "--port", "19642", "--config", configPath], {
-      env: cleanEnv({ DATABASE_URL: proxy.url, UPSTREAM_BASE_URL: sim.url, METRICS_LISTEN: "127.0.0.1:19643" }),
+    const proc = startGatewayProcess(["serve", "--port", "0", "--config", configPath], {
+      env: cleanEnv({ DATABASE_URL: proxy.url, UPSTREAM_BASE_URL: sim.url, METRICS_LISTEN: "127.0.0.1:0" }),
     });
     try {
       const url = await listeningUrl(proc);
