@@ -595,9 +595,10 @@ async function pairedStreams(
 }
 
 /**
- * The gateway's event-loop delay since the last scrape (prom-client's
- * monitor, which each scrape resets): the longest stall of its request
- * thread, which a stream's gap and a request's latency include.
+ * The gateway's event-loop delay since the last scrape (the
+ * monitorEventLoopDelay histogram, which each scrape resets;
+ * src/metrics/process.ts): the longest stall of its request thread, which a
+ * stream's gap and a request's latency include.
  */
 async function loopDelay(e: Endpoint): Promise<{ maxMs: number; p99Ms: number } | undefined> {
   if (!e.metricsUrl) return undefined;

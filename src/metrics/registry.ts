@@ -1,11 +1,11 @@
-import { Counter, Gauge, Registry, collectDefaultMetrics } from "prom-client";
-import { HotCounter, HotHistogram } from "./hot.ts";
+import { Counter, Gauge, Histogram, Registry } from "./exposition.ts";
+import { registerProcessMetrics } from "./process.ts";
 
 /**
- * Prometheus metrics (prom-client: maintained, no worker threads, works in the
- * compiled executable). Labels come from small closed sets only — route
- * patterns, status codes, alias names from the config, target labels — never
- * a key, a prompt, a reply or a raw path.
+ * Prometheus metrics, in our own text exposition (./exposition.ts; prom-client
+ * until 2026-11-27, see docs/decisions.md). Labels come from small closed sets
+ * only — route patterns, status codes, alias names from the config, target
+ * labels — never a key, a prompt, a reply or a raw path.
  */
 
 const LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300];
@@ -36,14 +36,12 @@ export function methodLabel(method: string): string {
 export function createMetrics() {
   const registry = new Registry();
   const registers = [registry];
-  collectDefaultMetrics({ register: registry, prefix: "gateway_" });
-  // Bun answers v8.getHeapSpaceStatistics() by walking the whole heap, on the
-  // request thread: 40 ms at 200,000 live objects, over 100 ms at a million,
-  // a stall for every request and stream at each scrape. The heap's size and
-  // use (process.memoryUsage, no walk) stay as nodejs_heap_size_*_bytes.
-  for (const m of registry.getMetricsAsArray()) {
-    if (m.name.startsWith("gateway_nodejs_heap_space_size_")) registry.removeSingleMetric(m.name);
-  }
+  // Without the per-space heap gauges: Bun answers v8.getHeapSpaceStatistics()
+  // by walking the whole heap, on the request thread: 40 ms at 200,000 live
+  // objects, over 100 ms at a million, a stall for every request and stream at
+  // each scrape. The heap's size and use (process.memoryUsage, no walk) stay as
+  // nodejs_heap_size_*_bytes.
+  registerProcessMetrics(registry, "gateway_");
   // Values owned by other components (cache and buffer counters) are read at scrape time, never on the hot path.
   const scrapeHooks: (() => void)[] = [];
   return {
@@ -51,27 +49,27 @@ export function createMetrics() {
     onScrape(fn: () => void) {
       scrapeHooks.push(fn);
     },
-    requests: new HotCounter({
+    requests: new Counter({
       name: "gateway_http_requests_total",
       help: "HTTP requests by route, method, status and error code",
       labelNames: ["route", "method", "status", "code"] as const,
       registers,
     }),
-    duration: new HotHistogram({
+    duration: new Histogram({
       name: "gateway_http_request_duration_seconds",
       help: "Time to the response headers, by route (streams: until the stream starts)",
       labelNames: ["route"] as const,
       buckets: LATENCY_BUCKETS,
       registers,
     }),
-    upstreamFirstByte: new HotHistogram({
+    upstreamFirstByte: new Histogram({
       name: "gateway_upstream_first_byte_seconds",
       help: "Upstream time to response headers, by alias",
       labelNames: ["alias"] as const,
       buckets: LATENCY_BUCKETS,
       registers,
     }),
-    tokens: new HotCounter({
+    tokens: new Counter({
       name: "gateway_tokens_total",
       help: "Tokens by alias and direction (prompt, completion)",
       labelNames: ["alias", "direction"] as const,
@@ -80,7 +78,7 @@ export function createMetrics() {
     rateLimited: new Counter({ name: "gateway_rate_limited_total", help: "Requests refused by the rate limit", registers }),
     budgetExceeded: new Counter({ name: "gateway_budget_exceeded_total", help: "Requests refused because the quota is spent", registers }),
     activeStreams: new Gauge({ name: "gateway_active_streams", help: "Streamed responses in progress", registers }),
-    upstreamAttempts: new HotCounter({
+    upstreamAttempts: new Counter({
       name: "gateway_upstream_attempts_total",
       help: "Upstream attempts by alias, target and outcome (ok, http_<status>, timeout, connect_error)",
       labelNames: ["alias", "target", "outcome"] as const,
@@ -90,9 +88,8 @@ export function createMetrics() {
       name: "gateway_usage_buffered_events",
       help: "Usage records waiting to be written",
       registers,
-      // Registered before every metric the hooks set (all below), so a scrape
-      // reads the values of its own moment, the first scrape included:
-      // prom-client reads the metrics in the order they were registered.
+      // The registry runs every collect hook before it writes anything, so a
+      // scrape shows the values of its own moment, the first scrape included.
       collect() {
         for (const fn of scrapeHooks) fn();
       },

@@ -7,6 +7,7 @@ import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, errorOf, freshDatabase, rejectionOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { ROOT } from "../helpers/process.ts";
+import { parseExposition } from "../helpers/prom-text.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -119,6 +120,42 @@ describe("GET /metrics", () => {
         other: moved({ route: "other", status: "404", code: "not_found" }),
       }).toEqual({ retrieve: 1, del: 1, items: 1, models: 1, me: 1, browser: 1, other: 5 });
       for (const raw of ["resp_one", "resp_two", "no-such-model", "wp-login", "/v1/models/", "/v1/me/"]) expect(after).not.toContain(raw);
+    } finally {
+      await own.stop();
+    }
+  });
+
+  test("the whole scrape is strict 0.0.4 text, a target label with a quote, a backslash and a newline included", async () => {
+    // The target label is `<baseUrl>|<model>`, and an upstream model id is the operator's to choose.
+    const model = 'odd"mo\\del\nname';
+    const aliases = upstreamAliases(sim.url) as Record<string, { targets: { model: string }[] }>;
+    for (const t of aliases["svc-fast"]?.targets ?? []) t.model = model;
+    const own = await startTestGateway({ aliases });
+    try {
+      for (const stream of [false, true]) {
+        const res = await fetch(`${own.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+          body: JSON.stringify({ model: "svc-fast", stream, messages: [{ role: "user", content: "hi" }] }),
+        });
+        expect(res.status).toBe(200);
+        await res.text();
+      }
+      expect((await fetch(`${own.url}/v1/me`, { headers: bearer(`sk-gw-${"Z".repeat(43)}`) })).status).toBe(401);
+      await own.quota.flush();
+      // Twice: the first scrape and one after the collect hooks and the event-loop monitor have run.
+      for (let i = 0; i < 2; i++) {
+        const res = await fetch(metricsUrl(own));
+        expect(res.headers.get("content-type")).toBe("text/plain; version=0.0.4; charset=utf-8");
+        const families = parseExposition(await res.text());
+        const target = `${sim.url}|${model}`;
+        const attempts = families.get("gateway_upstream_attempts_total")?.samples.filter((x) => x.labels.target === target) ?? [];
+        expect(attempts.map((x) => [x.labels.alias, x.labels.outcome, x.value])).toEqual([["svc-fast", "ok", 2]]);
+        expect(families.get("gateway_upstream_breaker_open")?.samples.some((x) => x.labels.target === target && x.value === 0)).toBe(true);
+        const chat = families.get("gateway_http_request_duration_seconds")?.samples.filter((x) => x.labels.route === "/v1/chat/completions");
+        expect(chat?.find((x) => x.name.endsWith("_count"))?.value).toBe(2);
+        expect(families.get("gateway_process_resident_memory_bytes")?.samples[0]?.value).toBeGreaterThan(0);
+      }
     } finally {
       await own.stop();
     }

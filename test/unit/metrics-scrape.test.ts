@@ -6,9 +6,9 @@ import { createMetrics } from "../../src/metrics/registry.ts";
  * A scrape runs on the request thread. Bun answers v8.getHeapSpaceStatistics()
  * by walking the whole heap (~40 ms for 200,000 live objects, ~110–170 ms for
  * a million, measured 2026-11-24): prom-client's default heap-space gauges
- * would stall every request and stream for that long at each Prometheus
- * scrape. The gateway exports the cheap heap figures (process.memoryUsage)
- * and not those.
+ * (prom-client until 2026-11-27) would stall every request and stream for
+ * that long at each Prometheus scrape. The gateway exports the cheap heap
+ * figures (process.memoryUsage) and not those.
  */
 describe("metrics scrape", () => {
   test("never walks the heap; the cheap heap figures stay", async () => {
