@@ -73,7 +73,8 @@ export async function readAuditEvents(deps: AuditReadDeps, orgId: string, search
   let result: Awaited<ReturnType<typeof listAuditEvents>>;
   try {
     // Ended by the server after ANSWER_TIMEOUT_MS, as the bound gives up on it then (boundedCall).
-    const read = () => boundedCall(deps.database, (q) => listAuditEvents(q, orgId, filter, position, limit, (id, problem) => reportRow(deps.log, id, problem)));
+    const read = (left?: number) =>
+      boundedCall(deps.database, (q) => listAuditEvents(q, orgId, filter, position, limit, (id, problem) => reportRow(deps.log, id, problem)), left);
     result = await (deps.bound ? deps.bound.run(read) : read());
   } catch (e) {
     // Input is fully validated above, so a failing query means the database is

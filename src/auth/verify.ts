@@ -94,7 +94,7 @@ export interface VerifierOptions {
   /** Where rows read past the gateway's rules are reported (once per row and problem). */
   log?: Logger;
   /** Reads a key's row; `lookupKey` unless a test substitutes one it can pause. */
-  lookup?: (hash: string) => Promise<Principal | null>;
+  lookup?: (hash: string, timeoutMs?: number) => Promise<Principal | null>;
 }
 
 export interface KeyVerifier {
@@ -260,10 +260,10 @@ export function principalOfRow(r: KeyRow): { principal: Principal; problems: Row
 }
 
 /** The key's row, and its lineage's root for a rotated key; ended by the server after ANSWER_TIMEOUT_MS (boundedCall). */
-export function lookupKey(database: Database, hash: string, report?: (p: RowProblem) => void): Promise<Principal | null> {
+export function lookupKey(database: Database, hash: string, report?: (p: RowProblem) => void, timeoutMs?: number): Promise<Principal | null> {
   // Taken before the query: a lookup sent after another one's answer reads a row at least as new.
   const readAt = performance.now();
-  return boundedCall(database, (q) => lookupRow(q, hash, readAt, report));
+  return boundedCall(database, (q) => lookupRow(q, hash, readAt, report), timeoutMs);
 }
 
 async function lookupRow(q: Db, hash: string, readAt: number, report?: (p: RowProblem) => void): Promise<Principal | null> {
@@ -328,7 +328,7 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
       problem: p.problem,
     });
   };
-  const lookup = opts.lookup ?? ((hash: string) => lookupKey(database, hash, report));
+  const lookup = opts.lookup ?? ((hash: string, timeoutMs?: number) => lookupKey(database, hash, report, timeoutMs));
   const cache = new Map<string, Entry>();
   const negative = new Map<string, number>();
   const inflight = new Map<string, Promise<Principal | null>>();
@@ -381,11 +381,12 @@ export function createKeyVerifier(database: Database, opts: VerifierOptions): Ke
    * at once rather than made to wait for nothing.
    */
   function boundedLookup(hash: string): Promise<Principal | null> {
-    return lookupBound.run(() =>
-      lookup(hash).catch((e: unknown) => {
+    // The server ends it when we give up on it (what the wait for a turn left of the bound's time: boundedCall).
+    return lookupBound.run((left) =>
+      lookup(hash, left).catch((e: unknown) => {
         // Ended by the server after we gave up on it (boundedCall): nobody waits for a retry.
         if (isServerTimeout(e)) throw e;
-        return lookup(hash);
+        return lookup(hash, left);
       }),
     );
   }

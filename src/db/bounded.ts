@@ -29,8 +29,11 @@ export interface Bound {
    * caller gets a DatabaseTimeout. A call given up on stays out (it may hold
    * its connection) until it settles; `givenUp` is told of it. While the
    * limit's worth are out so, a new call is refused at once (BoundFull).
+   * `call` gets the time left of `timeoutMs` when its turn comes, for the
+   * server to end its work then (boundedTx): a call that waited for its turn
+   * is given up on that much sooner.
    */
-  run<T>(call: () => Promise<T>, givenUp?: (running: Promise<T>) => void): Promise<T>;
+  run<T>(call: (leftMs: number) => Promise<T>, givenUp?: (running: Promise<T>) => void): Promise<T>;
   /** Calls given up on that have not settled. */
   unanswered(): number;
 }
@@ -43,7 +46,7 @@ export function createBound(what: string, limit: number, log?: Logger, timeoutMs
   let logged = false;
 
   return {
-    run<T>(call: () => Promise<T>, givenUp?: (running: Promise<T>) => void): Promise<T> {
+    run<T>(call: (leftMs: number) => Promise<T>, givenUp?: (running: Promise<T>) => void): Promise<T> {
       if (unanswered >= limit) {
         if (!logged) {
           logged = true;
@@ -55,11 +58,12 @@ export function createBound(what: string, limit: number, log?: Logger, timeoutMs
         let running: Promise<T> | undefined;
         let over = false;
         let abandoned = false;
+        const queuedAt = performance.now();
         const start = () => {
           out++;
           let q: Promise<T>;
           try {
-            q = call();
+            q = call(Math.max(1, timeoutMs - (performance.now() - queuedAt)));
           } catch (e) {
             q = Promise.reject(e);
           }
@@ -119,10 +123,16 @@ export type Tx = Parameters<Parameters<Db["transaction"]>[0]>[0];
  * which PgBouncer in transaction mode refuses.
  */
 const STATEMENT_TIMEOUT = sql.raw(`set local statement_timeout = ${ANSWER_TIMEOUT_MS}`);
+/** `set local statement_timeout` for `ms` (a whole number of milliseconds, at least 1). */
+function statementTimeout(ms: number) {
+  const n = Math.max(1, Math.ceil(ms));
+  return n === ANSWER_TIMEOUT_MS ? STATEMENT_TIMEOUT : sql.raw(`set local statement_timeout = ${n}`);
+}
 
 /**
  * Runs `fn` in a transaction each of whose statements Postgres ends after
- * ANSWER_TIMEOUT_MS (SQLSTATE 57014, isServerTimeout). The caller gives up
+ * `timeoutMs` (ANSWER_TIMEOUT_MS, or what a bound's wait for a turn left of
+ * it: Bound.run) (SQLSTATE 57014, isServerTimeout). The caller gives up
  * on the work after the same time, counted from before the transaction began,
  * so the server ends a statement only after the caller stopped waiting for
  * it: without this, work given up on kept its pool connection for as long as
@@ -133,9 +143,9 @@ const STATEMENT_TIMEOUT = sql.raw(`set local statement_timeout = ${ANSWER_TIMEOU
  * per transaction. On the embedded database (its own worker thread, no other
  * sessions, no pool) a plain transaction.
  */
-export function boundedTx<T>(database: Database, fn: (tx: Tx) => Promise<T>): Promise<T> {
+export function boundedTx<T>(database: Database, fn: (tx: Tx) => Promise<T>, timeoutMs = ANSWER_TIMEOUT_MS): Promise<T> {
   return database.db.transaction(async (tx) => {
-    if (database.kind === "postgres") await tx.execute(STATEMENT_TIMEOUT);
+    if (database.kind === "postgres") await tx.execute(statementTimeout(timeoutMs));
     return fn(tx);
   });
 }
@@ -148,7 +158,7 @@ export function boundedTx<T>(database: Database, fn: (tx: Tx) => Promise<T>): Pr
  * cached and needs no lease); on the embedded database a plain call, which
  * adds nothing to its per-statement cost.
  */
-export function boundedCall<T>(database: Database, fn: (q: Db) => Promise<T>): Promise<T> {
+export function boundedCall<T>(database: Database, fn: (q: Db) => Promise<T>, timeoutMs = ANSWER_TIMEOUT_MS): Promise<T> {
   if (database.kind !== "postgres") return fn(database.db);
-  return boundedTx(database, (tx) => fn(tx));
+  return boundedTx(database, (tx) => fn(tx), timeoutMs);
 }

@@ -362,7 +362,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   }
 
   /** Take up to one lease from the shared row: one short transaction. */
-  async function lease(s: OrgState): Promise<void> {
+  async function lease(s: OrgState, timeoutMs?: number): Promise<void> {
     // What the requests waiting now lack: a lease smaller than that would refuse them while tokens remain.
     const need = Math.max(0, s.demand - available(s));
     const wanted = leaseSize(s);
@@ -402,7 +402,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       }
       // notOurs: the row's lease that is not ours in hand (other instances' and our return not yet written there).
       return { take, left: free - take, others, exact, notOurs: leased - at.granted - at.revoked, at };
-    });
+    }, timeoutMs);
     s.granted += got.take;
     s.lastTake = got.take;
     s.sharedFree = got.left;
@@ -458,11 +458,11 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     // One immediate retry: a pooled connection that the server dropped fails once, then postgres.js reconnects.
     s.refill = leases
       .run(
-        () =>
-          lease(s).catch((e: unknown) => {
+        (left) =>
+          lease(s, left).catch((e: unknown) => {
             // Ended by the server after the request gave up on it (boundedTx): nobody waits for a retry.
             if (isServerTimeout(e)) throw e;
-            return lease(s);
+            return lease(s, left);
           }),
         (running) => {
           s.leaseUnanswered = true;

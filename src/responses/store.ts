@@ -264,7 +264,7 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
   async function read<T>(what: string, query: ReturnType<typeof sql>): Promise<T[]> {
     try {
       // Ended by the server after ANSWER_TIMEOUT_MS, as the bound gives up on it then (boundedCall).
-      return await reads.run(async () => rowsOf<T>(await boundedCall(database, (q) => q.execute(query))));
+      return await reads.run(async (left) => rowsOf<T>(await boundedCall(database, (q) => q.execute(query), left)));
     } catch (e) {
       // Refused at once while earlier reads are unanswered: the bound logged that once.
       if (!(e instanceof BoundFull)) {

@@ -279,4 +279,25 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
       }
     });
   }
+
+  test("work that waited for its turn is ended by the server when the request gives up on it, not 5 s after it began", async () => {
+    // A pool of 2: one key lookup at a time (half the pool). The second waits for the first's place, which comes
+    // free only when the server ends the first (about 5 s in), leaving the second a few hundred ms of its 5 s.
+    const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
+    const gw = await gateway(db);
+    const lock = await lockTable(scene.scratch.url, "api_keys");
+    try {
+      const first = me(gw.url, randomKey());
+      await Bun.sleep(300);
+      const second = me(gw.url, randomKey());
+      expect(tally(await Promise.all([first, second]))).toEqual({ "503 service_unavailable": 2 });
+      // Before: the second's statement began when the first's place came free and had the server's whole 5 s
+      // from then: it went on waiting on the lock ~4.7 s after the request had given up on it.
+      await until(async () => (await waiting()) === 0, "no lookup left waiting on the lock shortly after the requests gave up", 1_500, 50);
+    } finally {
+      await lock.unlock();
+      await gw.stop();
+      await db.close();
+    }
+  });
 });

@@ -203,6 +203,7 @@ describe("metrics exposition", () => {
       gateway_database_unanswered: "gauge",
       gateway_key_lookups_unanswered: "gauge",
       gateway_key_cache_total: "counter",
+      gateway_security_events_dropped_total: "counter",
       gateway_database_transactions_total: "counter",
       gateway_database_up: "gauge",
     };
