@@ -3,9 +3,11 @@ import { sql } from "drizzle-orm";
 import { createKey, revokeKey } from "../../src/admin/service.ts";
 import { upstreamAliases } from "../../src/config/load.ts";
 import { createLogger } from "../../src/lib/log.ts";
+import { createResponseStore } from "../../src/responses/store.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, type SeededOrg, seedOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(90_000);
@@ -119,5 +121,44 @@ describe("the Responses API's checks are chat's (decisions.md, Responses API: On
     }
     // None of those touched the stored response: its owner still reads it.
     expect((await fetch(`${gw.url}/v1/responses/${id}`, { headers: bearer(org.serviceKey) })).status).toBe(200);
+  });
+});
+
+describe("the retention sweep (decisions.md, Responses API: Retention)", () => {
+  /** A stored response of this org's service key, and `n` expired copies of its row. */
+  async function expiredRows(prefix: string, n: number): Promise<void> {
+    const made = await fetch(`${gw.url}/v1/responses`, {
+      method: "POST",
+      headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+      body: JSON.stringify({ model: "svc-fast", input: "hi" }),
+    });
+    expect(made.status).toBe(200);
+    const { id } = (await made.json()) as { id: string };
+    await gw.database.rows(sql`
+      insert into responses (id, org_id, owner_user_id, owner_key_id, input_items, response, expires_at)
+      select ${prefix} || g, org_id, owner_user_id, owner_key_id, input_items, response, now() - interval '1 second'
+      from responses, generate_series(1, ${n}) g where id = ${id}`);
+  }
+  const left = async (prefix: string) =>
+    Number((await gw.database.rows<{ n: number }>(sql`select count(*)::int as n from responses where id like ${`${prefix}%`}`))[0]?.n);
+
+  test("a sweep deletes every expired row, however many batches of 500 that takes", async () => {
+    await expiredRows("resp_sweepmany", 1_201);
+    expect(await left("resp_sweepmany")).toBe(1_201);
+    const store = createResponseStore(gw.database, { retentionDays: 30, log: createLogger("silent"), maxReplayBytes: 1 << 20 });
+    expect(await store.sweep()).toBeGreaterThanOrEqual(1_201);
+    expect(await left("resp_sweepmany")).toBe(0);
+  });
+
+  test("an instance sweeps at start: expired rows present when it starts are deleted with no request and no 10-minute wait", async () => {
+    await expiredRows("resp_sweepstart", 3);
+    expect(await left("resp_sweepstart")).toBe(3);
+    const config = await testConfig({ aliases: upstreamAliases(sim.url), responses: { enabled: true } });
+    const second = await startGateway({ config, database: await sharedDatabase() });
+    try {
+      await until(async () => (await left("resp_sweepstart")) === 0, "the start-up sweep to delete the expired rows");
+    } finally {
+      await second.stop();
+    }
   });
 });

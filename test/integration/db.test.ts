@@ -269,6 +269,17 @@ function suite(kind: Kind) {
     expect(Number(hits[0]?.n)).toBe(1);
   });
 
+  // docs/decisions.md, Responses API: "The index has no pending list (`fastupdate = off`, migration 0011)":
+  // with one, every item_reference probe read it whole on the embedded database (no autovacuum merges it).
+  test("0011: the GIN index on responses.output_item_ids has no pending list (fastupdate = off)", async () => {
+    const db = await fresh(kind);
+    await migrate(db);
+    const rows = await db.rows<{ opts: string | null }>(
+      sql`select array_to_string(reloptions, ',') as opts from pg_class where relname = 'responses_output_item_ids_idx'`,
+    );
+    expect(rows).toEqual([{ opts: "fastupdate=off" }]);
+  });
+
   test("the audit log is append-only: UPDATE, DELETE and TRUNCATE are refused", async () => {
     const db = await fresh(kind);
     await migrate(db);
