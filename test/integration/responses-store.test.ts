@@ -347,6 +347,39 @@ describe("previous_response_id", () => {
     expect((await gw.database.rows(sql`select id from responses where id = ${keep}`)).length).toBe(1);
   });
 
+  // decisions.md, previous_response_id: "If an older link of the chain has expired or been deleted, the replay starts after it."
+  test("an expired older link ends the replay: it and everything before it are left out", async () => {
+    const first = await made({ input: "Turn one." });
+    const second = await made({ previous_response_id: first.id, input: "Turn two." });
+    const third = await made({ previous_response_id: second.id, input: "Turn three." });
+    await gw.database.rows(sql`update responses set expires_at = now() - interval '1 second' where id = ${String(second.id)}`);
+    await made({ previous_response_id: third.id, input: "Turn four." });
+    expect(upstreamMessages()).toEqual([
+      { role: "user", content: [{ type: "text", text: "Turn three." }] },
+      { role: "assistant", content: "token0 token1 token2 token3 " },
+      { role: "user", content: "Turn four." },
+    ]);
+  });
+
+  // decisions.md, previous_response_id: "at most 1,000 responses back".
+  test("at most 1,000 responses are replayed: the oldest of a chain of 1,001 is left out", async () => {
+    const oldest = await made({ input: "The oldest turn." });
+    const prefix = `resp_chain${crypto.randomUUID().replaceAll("-", "")}_`;
+    const item = (g: string) => sql`'[{"id":"msg_c' || ${g} || '","type":"message","role":"user","content":[{"type":"input_text","text":"turn ' || ${g} || '"}],"status":"completed"}]'`;
+    // 1,000 more, each answering the one before: ${prefix}1 follows the oldest, ${prefix}1000 is the newest.
+    await gw.database.rows(sql`
+      insert into responses (id, org_id, owner_user_id, owner_key_id, previous_response_id, input_items, response, expires_at)
+      select ${prefix} || g, org_id, owner_user_id, owner_key_id,
+        case when g = 1 then id else ${prefix} || (g - 1) end, ${item(sql.raw("g::text"))}, response, expires_at
+      from responses, generate_series(1, 1000) g where id = ${String(oldest.id)}`);
+    await made({ previous_response_id: `${prefix}1000`, input: "Now." });
+    const messages = upstreamMessages().map(rec);
+    expect(messages.length).toBe(2 * 1000 + 1);
+    expect(messages[0]).toEqual({ role: "user", content: [{ type: "text", text: "turn 1" }] });
+    expect(messages.at(-3)).toEqual({ role: "user", content: [{ type: "text", text: "turn 1000" }] });
+    expect(JSON.stringify(messages)).not.toContain("The oldest turn.");
+  });
+
   test("the retention is responses.retentionDays", async () => {
     const id = String((await made({ input: "x" })).id);
     const [row] = await gw.database.rows<{ days: number }>(sql`select round(extract(epoch from expires_at - created_at) / 86400) as days from responses where id = ${id}`);
