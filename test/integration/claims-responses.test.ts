@@ -162,3 +162,24 @@ describe("the retention sweep (decisions.md, Responses API: Retention)", () => {
     }
   });
 });
+
+describe("a failing store write (decisions.md, Responses API: A damaged row or a failing database)", () => {
+  test("is logged (error, with the response's id), and the answer is still given", async () => {
+    await gw.database.rows(sql`alter table responses rename to responses_away`);
+    const from = lines.length;
+    try {
+      const res = await fetch(`${gw.url}/v1/responses`, {
+        method: "POST",
+        headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+        body: JSON.stringify({ model: "svc-fast", input: "hi" }),
+      });
+      expect(res.status).toBe(200);
+      const { id } = (await res.json()) as { id: string };
+      await until(() => lines.slice(from).some((l) => l.includes("storing a response failed")), "the failed write to be logged");
+      const line = JSON.parse(lines.slice(from).find((l) => l.includes("storing a response failed")) ?? "{}") as Record<string, unknown>;
+      expect({ level: line.level, response_id: line.response_id }).toEqual({ level: "error", response_id: id });
+    } finally {
+      await gw.database.rows(sql`alter table responses_away rename to responses`);
+    }
+  });
+});
