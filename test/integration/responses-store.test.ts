@@ -205,6 +205,17 @@ describe("retrieve, delete, input items", () => {
       expect((await errorOf(res)).param).toBe(param);
     }
   });
+
+  // decisions.md, Input items: "`limit` 1–100 (20)"; limit=100 is allowed.
+  test("input items: 20 a page unless limit says otherwise, up to 100", async () => {
+    const input = Array.from({ length: 101 }, (_, i) => ({ role: "user", content: `item ${i}` }));
+    const id = String((await made({ input })).id);
+    const page = async (q: string) => rec(await (await get(`/v1/responses/${id}/input_items${q}`)).json());
+    const first = await page("");
+    expect({ n: arr(first.data).length, has_more: first.has_more }).toEqual({ n: 20, has_more: true });
+    const most = await page("?limit=100");
+    expect({ n: arr(most.data).length, has_more: most.has_more }).toEqual({ n: 100, has_more: true });
+  });
 });
 
 describe("input items with repeated ids", () => {
