@@ -187,6 +187,24 @@ describe("a prompt that tokenizes denser than the estimate", () => {
     expect(await used(roomy.orgId)).toBe(3 * IMAGE_COST + 8 + utf8("Compare these.") + 5);
   });
 
+  // decisions.md, Quota: "each image at the alias's `imageTokens` (default 2,048 …)". svc-fast sets none.
+  test("an image on an alias without imageTokens is reserved at 2,048: a quota one short of that reservation refuses it", async () => {
+    const content = [
+      { type: "text", text: "x" },
+      { type: "image_url", image_url: { url: "data:image/png;base64,AAAA" } },
+    ];
+    // 512 a request, 16 a message, 1 byte of text, 2,048 for the image, and max_tokens.
+    const reservation = 512 + 16 + 1 + 2_048 + 5;
+    const short = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: reservation - 1, quotaWindow: "day" });
+    const res = await post("/v1/chat/completions", short.serviceKey, { model: "svc-fast", messages: [{ role: "user", content }], max_tokens: 5 });
+    expect(res.status).toBe(429);
+    expect((await errorOf(res)).code).toBe("budget_exceeded");
+    const enough = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: reservation, quotaWindow: "day" });
+    const ok = await post("/v1/chat/completions", enough.serviceKey, { model: "svc-fast", messages: [{ role: "user", content }], max_tokens: 5 });
+    expect(ok.status).toBe(200);
+    await ok.arrayBuffer();
+  });
+
   test("embeddings: 1,000 CJK characters under a quota of 2,000 are refused, not charged 3,000", async () => {
     const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 2_000, quotaWindow: "day" });
     const res = await post("/v1/embeddings", org.serviceKey, { model: "svc-embed", input: "漢".repeat(1_000) });

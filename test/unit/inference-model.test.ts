@@ -2,7 +2,7 @@ import { describe, expect, test } from "bun:test";
 import fc from "fast-check";
 import { AppError } from "../../src/lib/errors.ts";
 import { firstImage, paramOf, parseChatBody, parseEmbeddingsBody } from "../../src/inference/model.ts";
-import { estimateEmbeddingTokens, estimatePromptTokens, promptTokenBound } from "../../src/inference/tokens.ts";
+import { embeddingTokenBound, estimateEmbeddingTokens, estimatePromptTokens, promptTokenBound } from "../../src/inference/tokens.ts";
 
 function paramFor(f: () => unknown): string | null {
   try {
@@ -194,6 +194,40 @@ describe("the prompt's bound (what the quota reserves)", () => {
       }),
       { numRuns: 300, seed: 11 },
     );
+  });
+
+  // decisions.md, Quota: the JSON a template may render (tools, functions, a named tool_choice/function_call,
+  // a response format) "each with 512 for the instructions around it"; echoed reasoning and tool call ids count.
+  test("exact allowances: 512 around tools and around a response format, a named tool_choice or function_call, echoed reasoning, tool call ids", () => {
+    const ask = [{ role: "user", content: "hi" }];
+    const bound = (extra: Record<string, unknown>, messages: unknown[] = ask) => promptTokenBound(parseChatBody({ model: "m", messages, ...extra }), 1, undefined);
+    const base = bound({});
+    // An empty list renders as "[]" (2 bytes): tools and functions are counted together, with one 512.
+    expect(bound({ tools: [] }) - base).toBe(512 + 2 + 2);
+    const format = { type: "json_object" };
+    // {"type": "json_object"} indented: 3 + (2 + 4 + 6 + 2 + 13) = 30 bytes at most.
+    expect(bound({ response_format: format }) - base).toBe(512 + 30);
+    const named = { type: "function", function: { name: "f" } };
+    const tools = [{ type: "function", function: { name: "f" } }];
+    const functions = [{ name: "f" }];
+    expect(bound({ tools, tool_choice: named }) - bound({ tools, tool_choice: "auto" })).toBeGreaterThanOrEqual(Buffer.byteLength(JSON.stringify(named, null, 4)));
+    expect(bound({ functions, function_call: { name: "f" } }) - bound({ functions, function_call: "auto" })).toBeGreaterThanOrEqual(
+      Buffer.byteLength(JSON.stringify({ name: "f" }, null, 4)),
+    );
+    const assistant = (extra: Record<string, unknown>) => [...ask, { role: "assistant", content: null, ...extra }];
+    const plain = bound({}, assistant({}));
+    expect(bound({}, assistant({ reasoning_content: "think" })) - plain).toBe(5);
+    expect(bound({}, assistant({ reasoning: "think" })) - plain).toBe(5);
+    const call = (id: string) => assistant({ tool_calls: [{ id, type: "function", function: { name: "f", arguments: "{}" } }] });
+    expect(bound({}, call("c".repeat(101))) - bound({}, call("c"))).toBe(100);
+  });
+
+  // decisions.md, Quota: "Embeddings reserve their own bound the same way (a byte a token and 16 per input)".
+  test("embeddings: a token per UTF-8 byte and 16 per input; a token list is its own length", () => {
+    expect(embeddingTokenBound(parseEmbeddingsBody({ model: "m", input: "sé" }))).toBe(3 + 16);
+    expect(embeddingTokenBound(parseEmbeddingsBody({ model: "m", input: ["ab", "漢"] }))).toBe(2 + 16 + 3 + 16);
+    expect(embeddingTokenBound(parseEmbeddingsBody({ model: "m", input: [1, 2, 3] }))).toBe(3 + 16);
+    expect(embeddingTokenBound(parseEmbeddingsBody({ model: "m", input: [[1, 2], [3]] }))).toBe(2 + 16 + 1 + 16);
   });
 
   test("never more than the context window, and never less than the text's bytes", () => {
