@@ -563,6 +563,18 @@ describe("a reservation larger than the whole quota", () => {
   });
 });
 
+describe("a reservation larger than the whole quota, before any lease", () => {
+  // decisions.md, Quota: "a reservation larger than the whole quota is refused with 429 `budget_exceeded` before any lease is taken".
+  test("a first request asking more than the whole quota takes no lease: no counter row is touched", async () => {
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10_000, quotaWindow: "day" });
+    const res = await chat(gwA, org.serviceKey, { max_tokens: 15_000 });
+    expect(res.status).toBe(429);
+    expect((await errorOf(res)).code).toBe("budget_exceeded");
+    const rows = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, org.orgId));
+    expect(rows.map((r) => ({ used: r.used, leased: r.leased }))).toEqual([]);
+  });
+});
+
 describe("two instances, one quota, completions far larger than the quota", () => {
   test("concurrent clients on both instances never take usage past the quota", async () => {
     // The simulator would answer 200,000 tokens to a request without max_tokens: only the gateway's bound keeps it within the quota.
