@@ -310,6 +310,29 @@ describe("quota leases", () => {
     expect(await counters(p.orgId)).toEqual({ used: 600, leased: 0 });
   });
 
+  // docs/decisions.md, Quota (Sharing between instances): "the waiting request waits up to 3 × `quota.flushMs` + 250 ms (at most 5 s)".
+  test("a request waiting for another instance's lease waits at most 5 s, however long quota.flushMs is", async () => {
+    const db = await sharedDatabase();
+    const p = await org(1_000);
+    // 3 × 10 s + 250 ms would be over 30 s.
+    const a = createQuota(db, log, { leaseTokens: 100, flushMs: 10_000, maxBuffered: 1000 });
+    const b = createQuota(db, log, { leaseTokens: 100, flushMs: 10_000, maxBuffered: 1000 });
+    const tickets = [];
+    try {
+      // Instance a holds 900 of the 1,000 in requests that do not finish during the wait.
+      for (let i = 0; i < 9; i++) tickets.push(await a.admit(p, 100));
+      const t0 = performance.now();
+      const refused = await rejectionOf(b.admit(p, 200));
+      const waited = performance.now() - t0;
+      expect(refused).toBeInstanceOf(AppError);
+      expect(waited).toBeLessThan(9_000);
+    } finally {
+      for (const t of tickets) a.settle(t, { promptTokens: 0, completionTokens: 0 }, outcome);
+      await a.stop();
+      await b.stop();
+    }
+  });
+
   test("one flush writes what was waiting; requests settled during the write wait for the next interval", async () => {
     // Regression: under load every write found new records and the flush loop
     // wrote back to back (100 transactions in 15 s instead of 15).
