@@ -397,7 +397,9 @@ describe("quota leases", () => {
     const p = await org(10_000);
     // Not a uuid: the usage_events insert of this record fails (a bad record that got past every check).
     const bad: Principal = { ...p, keyId: "not-a-uuid" };
-    const q = createQuota(db, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    // decisions.md, Usage writer: an item that still fails goes "to an error log line with the full record".
+    const lines: string[] = [];
+    const q = createQuota(db, createLogger("warn", (l) => lines.push(l)), { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
     q.settle(await q.admit(p, 10), { promptTokens: 1, completionTokens: 1 }, outcome);
     q.settle(await q.admit(bad, 10), { promptTokens: 2, completionTokens: 2 }, outcome);
     q.settle(await q.admit(p, 10), { promptTokens: 3, completionTokens: 3 }, outcome);
@@ -417,6 +419,9 @@ describe("quota leases", () => {
     const mine = dead.filter((d) => d.record.includes(p.orgId));
     expect(mine).toHaveLength(1);
     expect(JSON.parse(mine[0]?.record ?? "{}")).toMatchObject({ kind: "event", org_id: p.orgId, key_id: "not-a-uuid", prompt_tokens: 2, completion_tokens: 2, alias: "svc-fast" });
+    const logged = lines.map((l) => JSON.parse(l) as { level: string; msg: string; record?: unknown }).filter((l) => l.level === "error" && l.record !== undefined);
+    expect(logged).toHaveLength(1);
+    expect(logged[0]?.record).toMatchObject({ kind: "event", org_id: p.orgId, key_id: "not-a-uuid", prompt_tokens: 2, completion_tokens: 2, alias: "svc-fast" });
     await q.stop();
   });
 
@@ -425,7 +430,8 @@ describe("quota leases", () => {
     // only the database refusing the data itself (SQLSTATE classes 22 and 23) sets a record aside.
     const db = await sharedDatabase();
     const p = await org(10_000);
-    const q = createQuota(db, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    const lines: string[] = [];
+    const q = createQuota(db, createLogger("warn", (l) => lines.push(l)), { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
     q.settle(await q.admit(p, 10), { promptTokens: 7, completionTokens: 8 }, outcome);
     await db.db.execute(sql`alter table usage_events rename to usage_events_away`);
     try {
@@ -439,6 +445,8 @@ describe("quota leases", () => {
     const ev = await db.db.select().from(usageEvents).where(eq(usageEvents.orgId, p.orgId));
     expect(ev.map((e) => [e.promptTokens, e.completionTokens])).toEqual([[7, 8]]);
     expect((await counters(p.orgId)).used).toBe(15);
+    // decisions.md, Usage writer: only a data error (class 22 or 23) has a batch written item by item; this one stayed whole.
+    expect(lines.filter((l) => l.includes("record by record"))).toEqual([]);
     await q.stop();
   });
 
