@@ -177,13 +177,15 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
         .stdout()
         .split("\n")
         .filter((l) => l.includes("usage not written at shutdown"))
-        .map((l) => JSON.parse(l) as { counters: { org_id: string; used: number }[]; requests: number });
+        .map((l) => JSON.parse(l) as { counters: { org_id: string; used: number }[]; requests: number; unanswered_batch?: unknown });
       expect({ exited: code !== null, lost: lost.map((l) => ({ counters: l.counters.map((c) => [c.org_id, c.used]), requests: l.requests })) }).toEqual({
         exited: true,
         lost: [{ counters: [[org.orgId, total]], requests: 3 }],
       });
       // Before: no exit within 40 s and no line (the final usage write, then UNLISTEN, waited for the database for good).
       expect(ms).toBeLessThan(15_000);
+      // decisions.md, Quota: the line "names the batch whose write got no answer (`unanswered_batch`)", for usage_batches to tell.
+      expect(String(lost[0]?.unanswered_batch)).toMatch(/^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/);
     } finally {
       proc.kill("SIGKILL");
       proxy.thaw();
