@@ -78,7 +78,8 @@ describe("api_keys rows", () => {
   });
 
   test("a set revoked_at is a revocation, whatever its value (infinity, the future, 4713 BC)", async () => {
-    for (const at of ["infinity", "-infinity", "2999-01-01", "4713-01-01 BC"]) {
+    // The epoch too: its epoch milliseconds are 0, read as "not set" by a falsy check.
+    for (const at of ["infinity", "-infinity", "2999-01-01", "4713-01-01 BC", "1970-01-01 00:00:00+00"]) {
       const org = await withKeyRow(sql`revoked_at = ${at}::timestamptz`);
       expect(await failure(await get("/v1/me", org.personalKey))).toMatchObject({ status: 401, code: "unauthorized" });
     }
@@ -145,6 +146,11 @@ describe("api_keys rows", () => {
     const f = await failure(await chat(huge.personalKey));
     expect(f).toMatchObject({ status: 401, code: "unauthorized" });
     expect(f.message).toContain("record is damaged");
+    // The bound exactly (decisions.md: "a `models` list longer than 1,000"): 1,000 entries serve, 1,001 do not.
+    const most = await withKeyRow(sql`models = array_append((select array_agg('m' || g) from generate_series(1, 999) g), 'svc-fast')`);
+    expect((await chat(most.personalKey)).status).toBe(200);
+    const past = await withKeyRow(sql`models = array_append((select array_agg('m' || g) from generate_series(1, 1000) g), 'svc-fast')`);
+    expect(await failure(await chat(past.personalKey))).toMatchObject({ status: 401, code: "unauthorized" });
   });
 });
 
