@@ -394,4 +394,25 @@ describe("settings rows", () => {
       }
     }
   });
+
+  // decisions.md, Settings: "a stored `cursor_secret` that is not 32 to 1,024 characters … is replaced at start".
+  test("a cursor secret of 32 or 1,024 characters is kept; of 31 or 1,025 it is replaced", async () => {
+    for (const [length, kept] of [
+      [31, false],
+      [32, true],
+      [1_024, true],
+      [1_025, false],
+    ] as const) {
+      const value = "k".repeat(length);
+      await db.rows(sql`insert into settings (key, value) values ('cursor_secret', ${value}) on conflict (key) do update set value = excluded.value`);
+      const config = await testConfig({ aliases: testAliases(sim.url), plans: TEST_PLANS });
+      const second = await startGateway({ config, database: db, log: createLogger("silent") });
+      try {
+        const [row] = await db.rows<{ value: string }>(sql`select value from settings where key = 'cursor_secret'`);
+        expect({ length, kept: row?.value === value }).toEqual({ length, kept });
+      } finally {
+        await second.stop();
+      }
+    }
+  });
 });
