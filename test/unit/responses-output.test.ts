@@ -181,6 +181,34 @@ describe("responseFromChat", () => {
     expect(responseFromChat(chat({ content: "{}" }, "stop"), meta({ reasoning: { effort: "turbo", summary: null } })).reasoning).toEqual({ effort: null, summary: null });
   });
 
+  // decisions.md, The Response object: efforts are echoed "when the value is one the SDK's type names (efforts `none` … `max`)".
+  test("every effort the SDK names is echoed as sent", () => {
+    for (const effort of ["none", "minimal", "low", "medium", "high", "xhigh", "max"]) {
+      expect(responseFromChat(chat({ content: "{}" }, "stop"), meta({ reasoning: { effort, summary: null } })).reasoning.effort).toBe(effort);
+    }
+  });
+
+  // decisions.md, Items: "Entries that are not a token with a finite number are skipped, and `bytes` is computed from the token when the upstream omits it."
+  test("logprobs: entries without a token or a finite logprob are skipped; bytes computed from the token when omitted", () => {
+    const answer = chat({ content: "hé" }, "stop");
+    const choice = answer.choices[0] as Record<string, unknown>;
+    choice.logprobs = {
+      content: [
+        { token: "h", logprob: -0.5, bytes: [104], top_logprobs: [{ token: "h", logprob: -0.5 }, { token: "x", logprob: Number.NEGATIVE_INFINITY }, { logprob: -1 }] },
+        { token: "lost", logprob: Number.NEGATIVE_INFINITY, bytes: [1], top_logprobs: [] },
+        { token: "nan", logprob: Number.NaN, top_logprobs: [] },
+        { logprob: -0.1, top_logprobs: [] },
+        { token: "é", logprob: -0.25, top_logprobs: [] },
+      ],
+    };
+    const r = responseFromChat(answer, meta());
+    const part = (r.output[0] as { content: { logprobs: unknown }[] }).content[0];
+    expect(part?.logprobs).toEqual([
+      { token: "h", bytes: [104], logprob: -0.5, top_logprobs: [{ token: "h", bytes: [104], logprob: -0.5 }] },
+      { token: "é", bytes: [195, 169], logprob: -0.25, top_logprobs: [] },
+    ]);
+  });
+
   test("the openai SDK's responses.create reads it (output_text computed from the items)", async () => {
     const answer = responseFromChat(chat({ content: "Hello ", reasoning_content: "hmm" }, "stop"), meta());
     const server = Bun.serve({ port: 0, hostname: "127.0.0.1", fetch: () => Response.json(answer) });
