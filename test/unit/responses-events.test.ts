@@ -239,6 +239,24 @@ describe("responseEventStream: the event sequence", () => {
     ]);
   });
 
+  // decisions.md, Streaming: "Argument text that arrives before a call's name is held until the name comes (the `output_item.added` event must carry it)."
+  test("argument text before the call's name is held: the item is added once the name comes, with it, and no argument is lost", async () => {
+    const { events, finals } = await translate([
+      ROLE,
+      chunk({ tool_calls: [{ index: 0, id: "call_A", type: "function", function: { arguments: '{"city":' } }] }),
+      chunk({ tool_calls: [{ index: 0, function: { name: "get_weather", arguments: '"Oslo"' } }] }),
+      chunk({ tool_calls: [{ index: 0, function: { arguments: "}" } }] }),
+      chunk({}, "tool_calls"),
+      USAGE,
+      DONE,
+    ]);
+    const added = events.filter((e) => e.type === "response.output_item.added").map((e) => e.item);
+    expect(added).toEqual([expect.objectContaining({ type: "function_call", call_id: "call_A", name: "get_weather" })]);
+    const deltas = events.filter((e) => e.type === "response.function_call_arguments.delta").map((e) => e.delta);
+    expect(deltas).toEqual(['{"city":"Oslo"', "}"]);
+    expect(finals[0]?.output).toEqual([expect.objectContaining({ type: "function_call", name: "get_weather", arguments: '{"city":"Oslo"}', status: "completed" })]);
+  });
+
   test("reasoning, then text, then a tool call: each item ends before the next kind begins", async () => {
     const { events, finals } = await translate([
       chunk({ reasoning_content: "Let me " }),
