@@ -376,12 +376,13 @@ describe("previous_response_id", () => {
   test("at most 1,000 responses are replayed: the oldest of a chain of 1,001 is left out", async () => {
     const oldest = await made({ input: "The oldest turn." });
     const prefix = `resp_chain${crypto.randomUUID().replaceAll("-", "")}_`;
-    const item = (g: string) => sql`'[{"id":"msg_c' || ${g} || '","type":"message","role":"user","content":[{"type":"input_text","text":"turn ' || ${g} || '"}],"status":"completed"}]'`;
+    // Each row's own input item, "turn g" (g the series' number).
+    const item = sql.raw(`'[{"id":"msg_c' || g || '","type":"message","role":"user","content":[{"type":"input_text","text":"turn ' || g || '"}],"status":"completed"}]'`);
     // 1,000 more, each answering the one before: ${prefix}1 follows the oldest, ${prefix}1000 is the newest.
     await gw.database.rows(sql`
       insert into responses (id, org_id, owner_user_id, owner_key_id, previous_response_id, input_items, response, expires_at)
       select ${prefix} || g, org_id, owner_user_id, owner_key_id,
-        case when g = 1 then id else ${prefix} || (g - 1) end, ${item(sql.raw("g::text"))}, response, expires_at
+        case when g = 1 then id else ${prefix} || (g - 1) end, ${item}, response, expires_at
       from responses, generate_series(1, 1000) g where id = ${String(oldest.id)}`);
     await made({ previous_response_id: `${prefix}1000`, input: "Now." });
     const messages = upstreamMessages().map(rec);

@@ -183,7 +183,7 @@ describe("responseFromChat", () => {
 
   // decisions.md, The Response object: efforts are echoed "when the value is one the SDK's type names (efforts `none` … `max`)".
   test("every effort the SDK names is echoed as sent", () => {
-    for (const effort of ["none", "minimal", "low", "medium", "high", "xhigh", "max"]) {
+    for (const effort of ["none", "minimal", "low", "medium", "high", "xhigh", "max"] as const) {
       expect(responseFromChat(chat({ content: "{}" }, "stop"), meta({ reasoning: { effort, summary: null } })).reasoning.effort).toBe(effort);
     }
   });
