@@ -127,6 +127,8 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       const metrics = gw.metricsUrl as string;
       expect(await gauge(metrics, 'gateway_database_unanswered{work="lease"}')).toBeGreaterThanOrEqual(1);
       expect(await gauge(metrics, "gateway_key_lookups_unanswered")).toBeGreaterThanOrEqual(1);
+      // docs/operations.md, Health: while the database does not answer, `/readyz` is 503 within 2 s.
+      expect(ready.ms).toBeLessThan(3_000);
 
       // Healed: the frozen connections are closed, as the kernel would once the partition ends.
       proxy.thaw();

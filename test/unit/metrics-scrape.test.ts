@@ -1,6 +1,6 @@
 import { describe, expect, test } from "bun:test";
 import v8 from "node:v8";
-import { createMetrics } from "../../src/metrics/registry.ts";
+import { createMetrics, methodLabel } from "../../src/metrics/registry.ts";
 
 /**
  * A scrape runs on the request thread. Bun answers v8.getHeapSpaceStatistics()
@@ -28,5 +28,13 @@ describe("metrics scrape", () => {
     } finally {
       v8.getHeapSpaceStatistics = original;
     }
+  });
+});
+
+// docs/operations.md, gateway_http_requests_total: "a method outside GET, POST, PUT, PATCH, DELETE, HEAD and OPTIONS is `other`".
+describe("the method label", () => {
+  test("each of the seven methods is its own label; any other method, or another case, is other", () => {
+    for (const m of ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]) expect(methodLabel(m)).toBe(m);
+    for (const m of ["PROPFIND", "TRACE", "CONNECT", "get", "", "__proto__"]) expect(methodLabel(m)).toBe("other");
   });
 });
