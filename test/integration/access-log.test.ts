@@ -57,6 +57,8 @@ describe("access log", () => {
     expect(line.completion_tokens).toBe(5);
     expect(line.alias).toBe("svc-fast");
     expect(line.key_id).toBe(org.personalKeyId);
+    // docs/operations.md, Observability: the access line names the organisation too.
+    expect(line.org_id).toBe(org.orgId);
   });
 
   test("a streamed request is logged when it ends, with its whole duration and its tokens", async () => {
