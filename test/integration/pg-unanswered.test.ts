@@ -4,6 +4,7 @@ import postgres from "postgres";
 import { createKey, revokeKey, setOrg } from "../../src/admin/service.ts";
 import { createKeyVerifier } from "../../src/auth/verify.ts";
 import { ANSWER_TIMEOUT_MS, type Database, IDLE_IN_TRANSACTION_MS, LISTEN_CHECK_MS, migrate, openDatabase } from "../../src/db/client.ts";
+import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { type FreezeProxy, startFreezeProxy } from "../helpers/freeze-proxy.ts";
@@ -60,20 +61,29 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
     }
   }
 
-  test("a cached key keeps working, an unknown key and an unleased quota get 503, /readyz 503: none hangs", async () => {
-    // 10 × TTL, how long a cached key may serve unverified, is longer than the whole outage here.
-    const TTL = 6_000;
-    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 4 });
+  /**
+   * The gateway under test on a pool of `poolMax` through the freeze proxy: cached keys kept for `ttlMs`,
+   * leases of 1,000 tokens, usage written every `flushMs`.
+   */
+  async function viaProxy(poolMax: number, ttlMs: number, flushMs: number): Promise<{ db: Database; gw: Gateway }> {
+    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax });
     const gw = await startTestGateway(
       {
-        keyCache: { ttlMs: TTL, ...KEY_CACHE },
+        keyCache: { ttlMs, ...KEY_CACHE },
         plans: { Standard: { requestsPerMinute: 1_000_000 } },
         upstream: upstreamSettings(),
         aliases: testAliases(sim.url),
-        quota: { leaseTokens: 1_000, flushMs: 200 },
+        quota: { leaseTokens: 1_000, flushMs },
       },
       db,
     );
+    return { db, gw };
+  }
+
+  test("a cached key keeps working, an unknown key and an unleased quota get 503, /readyz 503: none hangs", async () => {
+    // 10 × TTL, how long a cached key may serve unverified, is longer than the whole outage here.
+    const TTL = 6_000;
+    const { db, gw } = await viaProxy(4, TTL, 200);
     try {
       const org = await seedOrg(held);
       const metered = await seedOrg(held, { quotaTokens: 1_000_000 });
@@ -299,18 +309,8 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
 
   test("a pool of two: usage writes left unanswered never take both connections; key lookups and /readyz keep one", async () => {
     // dbPoolMax 2: two writes left unanswered (each holding its connection until it settles) would take the whole pool.
-    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 2 });
     // Usage is written only when the test flushes; cached keys never age out, so only new keys need the database.
-    const gw = await startTestGateway(
-      {
-        keyCache: { ttlMs: 600_000, ...KEY_CACHE },
-        plans: { Standard: { requestsPerMinute: 1_000_000 } },
-        upstream: upstreamSettings(),
-        aliases: testAliases(sim.url),
-        quota: { leaseTokens: 1_000, flushMs: 600_000 },
-      },
-      db,
-    );
+    const { db, gw } = await viaProxy(2, 600_000, 600_000);
     const holds: ReturnType<FreezeProxy["holdWhen"]>[] = [];
     try {
       const org = await seedOrg(held);
@@ -353,17 +353,7 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
     // docs/decisions.md (other database work given up on): "A lease given up on also blocks the next lease of its
     // organisation and period until it settles (before, a new one every 5 s)". A pool of 8 allows two leases out at
     // once (maxOutAtOnce), so only this per-organisation rule keeps a second one from being sent.
-    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 8 });
-    const gw = await startTestGateway(
-      {
-        keyCache: { ttlMs: 600_000, ...KEY_CACHE },
-        plans: { Standard: { requestsPerMinute: 1_000_000 } },
-        upstream: upstreamSettings(),
-        aliases: testAliases(sim.url),
-        quota: { leaseTokens: 1_000, flushMs: 600_000 },
-      },
-      db,
-    );
+    const { db, gw } = await viaProxy(8, 600_000, 600_000);
     try {
       const org = await seedOrg(held, { quotaTokens: 1_000_000 });
       // A reservation larger than any lease held: each must lease.
@@ -478,17 +468,7 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
   });
 
   test("the database stops answering during normal running: each usage write gives up within the limit, at most two are left unanswered, all usage lands once after", async () => {
-    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 3 });
-    const gw = await startTestGateway(
-      {
-        keyCache: { ttlMs: 600_000, ...KEY_CACHE },
-        plans: { Standard: { requestsPerMinute: 1_000_000 } },
-        upstream: upstreamSettings(),
-        aliases: testAliases(sim.url),
-        quota: { leaseTokens: 1_000, flushMs: 200 },
-      },
-      db,
-    );
+    const { db, gw } = await viaProxy(3, 600_000, 200);
     const metrics = gw.metricsUrl as string;
     try {
       // No quota: its requests need no lease, so they are served while the database does not answer.
