@@ -2,8 +2,10 @@ import { afterAll, beforeAll } from "bun:test";
 import { sql } from "drizzle-orm";
 import postgres from "postgres";
 import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
+import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { TEST_DATABASE_URL, errorOf } from "./harness.ts";
+import { testAliases, upstreamSettings } from "../integration/inference-fixtures.ts";
+import { TEST_DATABASE_URL, errorOf, startTestGateway } from "./harness.ts";
 import { createScratchDatabase, type ScratchPostgres } from "./process.ts";
 
 /**
@@ -85,6 +87,12 @@ export interface Scene {
   scratch: ScratchPostgres;
   held: Database;
   sim: Simulator;
+  /**
+   * A gateway on `db` (a pool of the test's size into the scratch database) and the simulator: cached keys
+   * kept 10 minutes, unknown keys never throttled, no rate limit, usage written when the test flushes;
+   * `over` replaces any of those settings.
+   */
+  gateway(db: Database, over?: Record<string, unknown>): Promise<Gateway>;
 }
 
 /**
@@ -92,7 +100,20 @@ export interface Scene {
  * (afterAll); its fields are read inside tests, once set up.
  */
 export function useScene(prefix: string): Scene {
-  const scene = {} as Scene;
+  const scene = {
+    gateway: (db: Database, over: Record<string, unknown> = {}) =>
+      startTestGateway(
+        {
+          keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
+          plans: { Standard: { requestsPerMinute: 1_000_000 } },
+          upstream: upstreamSettings(),
+          aliases: testAliases(scene.sim.url),
+          quota: { flushMs: 600_000 },
+          ...over,
+        },
+        db,
+      ),
+  } as Scene;
   beforeAll(async () => {
     scene.scratch = await createScratchDatabase(TEST_DATABASE_URL as string, prefix);
     scene.held = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: 2 });

@@ -3,10 +3,9 @@ import { randomBytes } from "node:crypto";
 import { sql } from "drizzle-orm";
 import { createKeyVerifier } from "../../src/auth/verify.ts";
 import { ANSWER_TIMEOUT_MS, openDatabase } from "../../src/db/client.ts";
-import { TEST_DATABASE_URL, bearer, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, bearer, seedOrg } from "../helpers/harness.ts";
 import { gaugeOf, lockTable, sessionsWaiting, timedCall, useScene } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
-import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 setDefaultTimeout(60_000);
 
@@ -44,17 +43,8 @@ describe.skipIf(!TEST_DATABASE_URL)("key lookups that wait on a locked keys tabl
 
   test("a flood of unknown keys holds at most half the pool; a cached key still gets 200 and its usage is written", async () => {
     const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
-    const gw = await startTestGateway(
-      {
-        keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
-        plans: { Standard: { requestsPerMinute: 1_000_000 } },
-        upstream: upstreamSettings(),
-        aliases: testAliases(scene.sim.url),
-        // Usage is written when the test flushes.
-        quota: { flushMs: 600_000 },
-      },
-      db,
-    );
+    // Usage is written when the test flushes.
+    const gw = await scene.gateway(db);
     let lock: { unlock(): Promise<void> } | undefined;
     try {
       const org = await seedOrg(scene.held);

@@ -1,11 +1,10 @@
 import { describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
-import { type Database, openDatabase } from "../../src/db/client.ts";
+import { openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
-import { TEST_DATABASE_URL, bearer, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, bearer, type SeededOrg, seedOrg } from "../helpers/harness.ts";
 import { type Outcome, lockTable, sessionsWaiting, timedCall, useScene } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
-import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 setDefaultTimeout(60_000);
 
@@ -79,23 +78,10 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
   }
   const SERVES = { ready: 200, lookup: "401 unauthorized", used: 200, flushed: "written" };
 
-  async function gateway(db: Database, over: Record<string, unknown> = {}): Promise<Gateway> {
-    return startTestGateway(
-      {
-        keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
-        plans: { Standard: { requestsPerMinute: 1_000_000 } },
-        upstream: upstreamSettings(),
-        aliases: testAliases(scene.sim.url),
-        quota: { flushMs: 600_000 },
-        ...over,
-      },
-      db,
-    );
-  }
 
   test("quota leases waiting on a locked usage_counters hold at most a quarter of the pool; /readyz and key lookups still get a connection", async () => {
     const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
-    const gw = await gateway(db);
+    const gw = await scene.gateway(db);
     let locked: { unlock(): Promise<void> } | undefined;
     try {
       const orgs = await Promise.all(Array.from({ length: 30 }, () => seedOrg(scene.held, { quotaTokens: 1_000_000, quotaWindow: "day" })));
@@ -133,7 +119,7 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
 
   test("budget_exceeded refusals while audit_events is locked: one audit write at a time per organisation and period", async () => {
     const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
-    const gw = await gateway(db);
+    const gw = await scene.gateway(db);
     let locked: { unlock(): Promise<void> } | undefined;
     try {
       const org = await seedOrg(scene.held, { quotaTokens: 1_000, quotaWindow: "day" });
@@ -172,7 +158,7 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
 
   test("audit-log reads waiting on a locked audit_events hold at most a quarter of the pool and get 503", async () => {
     const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
-    const gw = await gateway(db);
+    const gw = await scene.gateway(db);
     let locked: { unlock(): Promise<void> } | undefined;
     try {
       const org = await seedOrg(scene.held);
@@ -205,7 +191,7 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
 
   test("stored-response reads waiting on a locked responses table hold at most a quarter of the pool and get 503", async () => {
     const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
-    const gw = await gateway(db, { responses: { enabled: true } });
+    const gw = await scene.gateway(db, { responses: { enabled: true } });
     let locked: { unlock(): Promise<void> } | undefined;
     try {
       const org = await seedOrg(scene.held);

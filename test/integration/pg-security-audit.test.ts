@@ -2,10 +2,9 @@ import { describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
 import { createKey } from "../../src/admin/service.ts";
 import { openDatabase } from "../../src/db/client.ts";
-import { TEST_DATABASE_URL, bearer, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, bearer, seedOrg } from "../helpers/harness.ts";
 import { gaugeOf, lockTable, sessionsWaiting, timedCall, useScene } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
-import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 setDefaultTimeout(90_000);
 
@@ -34,16 +33,8 @@ describe.skipIf(!TEST_DATABASE_URL)("security audit writes while audit_events is
     }
     const fresh = await createKey(scene.held, { orgId: org.orgId, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" });
     const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: 10 });
-    const gw = await startTestGateway(
-      {
-        keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
-        plans: { Standard: { requestsPerMinute: 1_000_000 } },
-        upstream: upstreamSettings(),
-        aliases: testAliases(scene.sim.url),
-        quota: { flushMs: 600_000 },
-      },
-      db,
-    );
+    // Usage is written when the test flushes.
+    const gw = await scene.gateway(db);
     const lock = await lockTable(scene.scratch.url, "audit_events");
     try {
       // A usage record to write later (its lease is taken now, before the flood).

@@ -1,12 +1,11 @@
 import { describe, expect, setDefaultTimeout, test } from "bun:test";
 import { randomBytes } from "node:crypto";
 import { sql } from "drizzle-orm";
-import { ANSWER_TIMEOUT_MS, type Database, openDatabase } from "../../src/db/client.ts";
+import { ANSWER_TIMEOUT_MS, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
-import { TEST_DATABASE_URL, bearer, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, bearer, type SeededOrg, seedOrg } from "../helpers/harness.ts";
 import { type Outcome, lockTable, sessionsWaiting, timedCall, useScene } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
-import { testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 setDefaultTimeout(60_000);
 
@@ -54,20 +53,6 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
     return `sk-gw-${[...randomBytes(43)].map((b) => alphabet[b % 62]).join("")}`;
   }
 
-  async function gateway(db: Database, over: Record<string, unknown> = {}): Promise<Gateway> {
-    return startTestGateway(
-      {
-        keyCache: { ttlMs: 600_000, max: 1_000, negativeTtlMs: 5_000, negativeMax: 10_000, unknownPerPrefixPerMin: 100_000, unknownPerMin: 100_000 },
-        plans: { Standard: { requestsPerMinute: 1_000_000 } },
-        upstream: upstreamSettings(),
-        aliases: testAliases(scene.sim.url),
-        // Usage is written when the test flushes.
-        quota: { flushMs: 600_000 },
-        ...over,
-      },
-      db,
-    );
-  }
 
   /**
    * The pool serves other work: /readyz, a request with a cached key of an
@@ -225,7 +210,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
   for (const c of cases) {
     test(`${c.name}: no longer waiting on the lock shortly after the gateway gave up; the pool serves other work`, async () => {
       const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
-      const gw = await gateway(db, c.config);
+      const gw = await scene.gateway(db, c.config);
       const locks: { unlock(): Promise<void> }[] = [];
       try {
         const free = await seedOrg(scene.held, { quotaTokens: null });
@@ -284,7 +269,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
     // A pool of 2: one key lookup at a time (half the pool). The second waits for the first's place, which comes
     // free only when the server ends the first (about 5 s in), leaving the second a few hundred ms of its 5 s.
     const db = await openDatabase({ databaseUrl: scene.scratch.url, dataDir: "", poolMax: POOL });
-    const gw = await gateway(db);
+    const gw = await scene.gateway(db);
     const lock = await lockTable(scene.scratch.url, "api_keys");
     try {
       const first = me(gw.url, randomKey());

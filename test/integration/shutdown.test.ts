@@ -186,18 +186,8 @@ describe("graceful shutdown of `gateway serve`", () => {
       await slow.stop();
     }
     // The stream's last event is an error in the wire shape, the way a mid-stream upstream failure ends.
-    const events = text.split("\n\n").filter((e) => e.startsWith("data: "));
-    expect(events).not.toContain("data: [DONE]");
-    const last = JSON.parse(String(events.at(-1)).slice("data: ".length)) as { error?: Record<string, unknown> };
+    const { last, delivered } = cutStream(text);
     expect(Object.keys(last.error ?? {}).sort()).toEqual(["code", "message", "param", "type"]);
-    expect(last.error?.code).toBe("service_unavailable");
-    // Every event before it is an ordinary chunk; their text is what the client was charged for.
-    let delivered = "";
-    for (const e of events.slice(0, -1)) {
-      const chunk = JSON.parse(e.slice("data: ".length)) as { choices: { delta: { content?: string } }[] };
-      delivered += chunk.choices[0]?.delta.content ?? "";
-    }
-    expect(delivered.length).toBeGreaterThan(0);
 
     // The cut stream's usage was written before the database closed: what was delivered, as a failed (503) stream.
     const db = await openDatabase({ dataDir });
@@ -230,6 +220,25 @@ describe("graceful shutdown of `gateway serve`", () => {
     await db.close();
   }, 60_000);
 });
+
+/**
+ * A stream the gateway cut: no [DONE], its last event an error in the wire shape with code
+ * service_unavailable, every event before it an ordinary chunk. That error, and the text the chunks
+ * delivered (what the client was charged for; some was).
+ */
+function cutStream(text: string): { last: { error?: Record<string, unknown> }; delivered: string } {
+  const events = text.split("\n\n").filter((e) => e.startsWith("data: "));
+  expect(events).not.toContain("data: [DONE]");
+  const last = JSON.parse(String(events.at(-1)).slice("data: ".length)) as { error?: Record<string, unknown> };
+  expect(last.error?.code).toBe("service_unavailable");
+  let delivered = "";
+  for (const e of events.slice(0, -1)) {
+    const chunk = JSON.parse(e.slice("data: ".length)) as { choices: { delta: { content?: string } }[] };
+    delivered += chunk.choices[0]?.delta.content ?? "";
+  }
+  expect(delivered.length).toBeGreaterThan(0);
+  return { last, delivered };
+}
 
 /**
  * A database of a test's own, a scratch Postgres (TEST_DATABASE_URL) or an embedded data directory, migrated,
@@ -383,16 +392,7 @@ describe(`a second stop signal during the drain (${TEST_DATABASE_URL ? "Postgres
       expect(out).toContain('"msg":"stopped"');
 
       // The stream ended the way the drain limit ends one: an error event in the wire shape, no [DONE].
-      const events = text.split("\n\n").filter((e) => e.startsWith("data: "));
-      expect(events).not.toContain("data: [DONE]");
-      const last = JSON.parse(String(events.at(-1)).slice("data: ".length)) as { error?: Record<string, unknown> };
-      expect(last.error?.code).toBe("service_unavailable");
-      let delivered = "";
-      for (const e of events.slice(0, -1)) {
-        const chunk = JSON.parse(e.slice("data: ".length)) as { choices: { delta: { content?: string } }[] };
-        delivered += chunk.choices[0]?.delta.content ?? "";
-      }
-      expect(delivered.length).toBeGreaterThan(0);
+      const { delivered } = cutStream(text);
 
       // Its usage was written: what was delivered, as a failed (503) stream; the counter holds it and no lease is left.
       const db = await open();
