@@ -51,11 +51,15 @@
  * organisation and a key in it).
  * Each process needs file descriptors: the gateway two per open stream. When
  * `ulimit -n` is too low for --streams, phase 3 is reduced and says so.
+ * --gc runs the gateway (and the bare proxy) with JSC's GC log (`BUN_JSC_logGC=1`) and prints,
+ * for each paired round of phases 2 and r, the request thread's collections and their stops of
+ * the world (bench/gc-log.ts): what a gap's tail is made of.
  */
 import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { type GcWindow, gcSince, gcSummary, logSize } from "./gc-log.ts";
 import { firstLine, median, runBench, streamLine, waitFor } from "./lib.ts";
 import { responsesPhase } from "./responses.ts";
 
@@ -84,6 +88,7 @@ const { values: args } = parseArgs({
     bare: { type: "boolean", default: false },
     "bare-relay": { type: "string", default: "native" },
     "responses-streams": { type: "string", default: "4000" },
+    gc: { type: "boolean", default: false },
   },
 });
 
@@ -451,15 +456,26 @@ async function main() {
   const direct = { url: `${simUrl}/chat/completions`, headers: { "content-type": "application/json" } };
   let bare: Endpoint | undefined;
   if (args.bare) {
-    const bp = Bun.spawn(pin(0, ["bun", "bench/bare-proxy.ts", "--upstream", simUrl, "--relay", args["bare-relay"] ?? "native"]), { env, stdout: "pipe", stderr: "inherit" });
+    const bareGc = args.gc ? join(dir, "bare.gc.log") : undefined;
+    const bp = Bun.spawn(pin(0, ["bun", "bench/bare-proxy.ts", "--upstream", simUrl, "--relay", args["bare-relay"] ?? "native"]), {
+      env: bareGc ? { ...env, BUN_JSC_logGC: "1" } : env,
+      stdout: "pipe",
+      stderr: bareGc ? Bun.file(bareGc) : "inherit",
+    });
     children.push(bp);
-    bare = { url: `${(JSON.parse(await firstLine(bp.stdout)) as { url: string }).url}/chat/completions`, headers: { "content-type": "application/json" }, pid: bp.pid };
+    bare = {
+      url: `${(JSON.parse(await firstLine(bp.stdout)) as { url: string }).url}/chat/completions`,
+      headers: { "content-type": "application/json" },
+      pid: bp.pid,
+      ...(bareGc ? { gcLog: bareGc } : {}),
+    };
   }
   const viaGw: Endpoint = {
     url: `${gwUrl}/v1/chat/completions`,
     headers: { "content-type": "application/json", authorization: `Bearer ${key}` },
     pid: gwProc.pid,
     ...(gw.metricsUrl ? { metricsUrl: gw.metricsUrl } : {}),
+    ...(gw.gcLog ? { gcLog: gw.gcLog } : {}),
   };
   const phases = new Set((args.phases ?? "").split(",").map((x) => x.trim()));
   if (phases.has("1")) await nonStreamed(direct, viaGw, durationMs, bare);
@@ -482,7 +498,7 @@ async function main() {
         gw.proc.kill("SIGTERM");
         await gw.proc.exited;
         gw = await spawnGateway();
-        return { url: gw.url, pid: gw.proc.pid };
+        return { url: gw.url, pid: gw.proc.pid, ...(gw.gcLog ? { gcLog: gw.gcLog } : {}) };
       },
     });
   }
@@ -490,13 +506,14 @@ async function main() {
 
 let gatewayRuns = 0;
 /** Starts `gateway serve` on the bench config (pinned to CPU 0); its log goes to a file, where its address is read from. */
-async function spawnGateway(): Promise<{ proc: ReturnType<typeof Bun.spawn>; url: string; metricsUrl: string | undefined }> {
+async function spawnGateway(): Promise<{ proc: ReturnType<typeof Bun.spawn>; url: string; metricsUrl: string | undefined; gcLog?: string }> {
   const logPath = join(dir, `gateway-${gatewayRuns++}.log`);
+  const gcLog = args.gc ? `${logPath}.gc` : undefined;
   const profile = args.profile ? ["--cpu-prof", "--cpu-prof-md", "--cpu-prof-interval=100", `--cpu-prof-dir=${args.profile}`] : [];
   const proc = Bun.spawn(pin(0, ["bun", ...profile, "run", "src/main.ts", "serve", "--config", join(dir, "config.json")]), {
-    env,
+    env: gcLog ? { ...env, BUN_JSC_logGC: "1" } : env,
     stdout: Bun.file(logPath),
-    stderr: "inherit",
+    stderr: gcLog ? Bun.file(gcLog) : "inherit",
   });
   children.push(proc);
   const listening = await waitFor("the gateway to listen", () => {
@@ -509,11 +526,11 @@ async function spawnGateway(): Promise<{ proc: ReturnType<typeof Bun.spawn>; url
     const m = text.match(/"msg":"listening","url":"([^"]+)","metrics_url":(?:"([^"]+)"|null)/);
     return m ? { url: m[1] as string, metricsUrl: m[2] } : undefined;
   }, 30_000);
-  return { proc, ...listening };
+  return { proc, ...listening, ...(gcLog ? { gcLog } : {}) };
 }
 
 /** Where load goes; `pid` is the serving process whose CPU is measured (gateway and bare proxy). */
-type Endpoint = { url: string; headers: Record<string, string>; pid?: number; metricsUrl?: string };
+type Endpoint = { url: string; headers: Record<string, string>; pid?: number; metricsUrl?: string; gcLog?: string };
 
 const jsonBody = (model: string) =>
   JSON.stringify({ model, messages: [{ role: "user", content: "Summarise the plot of Hamlet in two sentences." }], max_tokens: 64 });
@@ -582,16 +599,26 @@ async function pairedStreams(
   rounds: number,
   reference: Omit<LoadSpec, "kind" | "concurrency" | "durationMs" | "warmupMs">,
   measured: Omit<LoadSpec, "kind" | "concurrency" | "durationMs" | "warmupMs">,
-): Promise<{ ref: Record<string, number>; got: Record<string, number> }[]> {
+  /** The measured server's GC log (--gc): each round then also gives its collections. */
+  gcLog?: string,
+): Promise<PairedRound[]> {
   // Starts spread over one stream's length (40 tokens 20 ms apart): 64 independent clients, not 64
   // requests arriving in the same millisecond every 0.8 s (see docs/benchmarks.md, phase r).
   const base = { kind: "stream" as const, concurrency: 64, durationMs: 8_000, warmupMs: 1_000, staggerMs: 800 };
-  const out: { ref: Record<string, number>; got: Record<string, number> }[] = [];
+  const out: PairedRound[] = [];
   for (let i = 0; i < rounds; i++) {
+    const from = gcLog ? logSize(gcLog) : 0;
     const [ref, got] = await Promise.all([loadgen({ ...base, ...reference }), loadgen({ ...base, ...measured })]);
-    out.push({ ref, got });
+    out.push({ ref, got, ...(gcLog ? { gc: gcSince(gcLog, from) } : {}) });
   }
   return out;
+}
+
+export interface PairedRound {
+  ref: Record<string, number>;
+  got: Record<string, number>;
+  /** The measured server's collections during the round (--gc). */
+  gc?: GcWindow;
 }
 
 /**
@@ -627,15 +654,16 @@ async function streamed(simRoot: string, direct: Endpoint, viaGw: Endpoint, bare
   }
   await loopDelay(viaGw); // a scrape resets the monitor: what the next one reads is the rounds' alone
   const cpu0 = cpuMs(viaGw.pid);
-  const rounds = await pairedStreams(3, { ...direct, body: streamBody(UPSTREAM_MODEL) }, { ...viaGw, body: streamBody("svc-fast") });
+  const rounds = await pairedStreams(3, { ...direct, body: streamBody(UPSTREAM_MODEL) }, { ...viaGw, body: streamBody("svc-fast") }, viaGw.gcLog);
   const gwCpu = cpuMs(viaGw.pid) - cpu0;
   const added: number[] = [];
   const ttfbAdded: number[] = [];
   let same = true;
-  rounds.forEach(({ ref: d, got: g }, i) => {
+  rounds.forEach(({ ref: d, got: g, gc }, i) => {
     console.log(`   round ${i + 1}`);
     console.log(streamLine("direct: ", d));
     console.log(streamLine("gateway:", g));
+    if (gc) console.log(`            ${gcSummary(gc)}`);
     added.push(num(g, "gapP99") - num(d, "gapP99"));
     ttfbAdded.push(num(g, "ttfbP99") - num(d, "ttfbP99"));
     same &&= d.eventsMin === g.eventsMin && d.eventsMax === g.eventsMax && d.readsP50 === g.readsP50;
@@ -649,13 +677,14 @@ async function streamed(simRoot: string, direct: Endpoint, viaGw: Endpoint, bare
   if (!bare) return;
   // The same rounds through the bare Bun proxy (--bare): what relaying a chunk costs Bun itself here.
   const bareCpu0 = cpuMs(bare.pid);
-  const bareRounds = await pairedStreams(3, { ...direct, body: streamBody(UPSTREAM_MODEL) }, { ...bare, body: streamBody(UPSTREAM_MODEL) });
+  const bareRounds = await pairedStreams(3, { ...direct, body: streamBody(UPSTREAM_MODEL) }, { ...bare, body: streamBody(UPSTREAM_MODEL) }, bare.gcLog);
   const bareCpu = cpuMs(bare.pid) - bareCpu0;
   const bareAdded = bareRounds.map(({ ref, got }) => num(got, "gapP99") - num(ref, "gapP99"));
-  bareRounds.forEach(({ ref, got }, i) => {
+  bareRounds.forEach(({ ref, got, gc }, i) => {
     console.log(`   bare proxy, round ${i + 1}`);
     console.log(streamLine("direct: ", ref));
     console.log(streamLine("bare:   ", got));
+    if (gc) console.log(`            ${gcSummary(gc)}`);
   });
   console.log(`   added by the bare Bun proxy: gap p99 ${bareAdded.map(f2).join(" / ")} ms, median ${f2(median(bareAdded))} ms   ${cpuPerStream(bareCpu, bareRounds)}`);
 }

@@ -17,7 +17,8 @@
 import { COMMENT, SseData } from "../src/responses/events.ts";
 import { echo } from "../test/helpers/responses.ts";
 import { ChatToResponses } from "../src/responses/stream-state.ts";
-import type { LoadSpec } from "./inference.ts";
+import { gcSummary } from "./gc-log.ts";
+import type { LoadSpec, PairedRound } from "./inference.ts";
 import { median, streamLine } from "./lib.ts";
 
 type Endpoint = { url: string; headers: Record<string, string> };
@@ -31,11 +32,11 @@ export interface ResponsesPhaseContext {
   key: string;
   streams: number;
   loadgen(spec: LoadSpec): Promise<Record<string, number>>;
-  /** `rounds` runs of a stream load through `measured` with the same load on `reference` at the same time (bench/inference.ts). */
-  paired(rounds: number, reference: Target, measured: Target): Promise<{ ref: Record<string, number>; got: Record<string, number> }[]>;
+  /** `rounds` runs of a stream load through `measured` with the same load on `reference` at the same time (bench/inference.ts); with `gcLog`, each round's collections too. */
+  paired(rounds: number, reference: Target, measured: Target, gcLog?: string): Promise<PairedRound[]>;
   setSim(root: string, patch: Record<string, number>): Promise<void>;
   rssKb(pid: number, field: "VmRSS" | "VmHWM"): number;
-  freshGateway(): Promise<{ url: string; pid: number }>;
+  freshGateway(): Promise<{ url: string; pid: number; gcLog?: string }>;
   /** CPU time a process has used, in ms. */
   cpuMs(pid: number): number;
 }
@@ -73,7 +74,7 @@ export async function responsesPhase(ctx: ResponsesPhaseContext): Promise<void> 
   for (let round = 1; round <= ROUNDS; round++) {
     for (const kind of ["chat", "responses (store: false)", "responses (stored)"] as const) {
       const cpu0 = ctx.cpuMs(gw.pid);
-      const [pair] = await ctx.paired(1, direct, via(gw.url, ctx.key, kind));
+      const [pair] = await ctx.paired(1, direct, via(gw.url, ctx.key, kind), gw.gcLog);
       if (!pair) continue;
       cpu[kind] += ctx.cpuMs(gw.pid) - cpu0;
       started[kind] += num(pair.got, "started");
@@ -81,6 +82,7 @@ export async function responsesPhase(ctx: ResponsesPhaseContext): Promise<void> 
       console.log(`   round ${round}, ${kind}:`);
       console.log(streamLine("direct: ", ref));
       console.log(streamLine("gateway:", got));
+      if (pair.gc) console.log(`            ${gcSummary(pair.gc)}`);
       added[kind].push(num(got, "gapP99") - num(ref, "gapP99"));
       events[kind] = `${got.eventsMin}-${got.eventsMax}`;
     }

@@ -38,6 +38,7 @@ import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { type GcWindow, gcSince, logSize } from "./gc-log.ts";
 import { firstLine, median, runBench, waitFor } from "./lib.ts";
 
 const { values: args } = parseArgs({
@@ -107,57 +108,6 @@ interface WrkResult {
   gc?: GcWindow;
 }
 
-/** The request thread's young collections during one wrk run, from JSC's GC log. */
-interface GcWindow {
-  young: number;
-  full: number;
-  pausesMs: number[];
-  /** Median "bytes allowed" of the collection requests: the young generation's budget. */
-  allowedBytes: number;
-}
-
-/**
- * The lines JSC writes with BUN_JSC_logGC=1 between two offsets of the log:
- * `[GC<heap>: starting …]`, `Requesting GC because bytes allocated this
- * cycle: N exceed bytes allowed: M …` and `[GC<heap>: START … => EdenCollection
- * … p=1.2ms …`. A process has a heap per thread (the embedded database's
- * worker has its own): the one with the most collections is the request
- * thread's under load.
- */
-function gcWindow(text: string): GcWindow {
-  const heaps = new Map<string, GcWindow & { allowed: number[] }>();
-  let current = "";
-  const heap = (id: string) => {
-    const h = heaps.get(id) ?? { young: 0, full: 0, pausesMs: [], allowedBytes: Number.NaN, allowed: [] };
-    heaps.set(id, h);
-    return h;
-  };
-  for (const line of text.split("\n")) {
-    const start = /^\[GC<(0x[0-9a-f]+)>: (starting|START)/.exec(line);
-    if (start?.[1]) current = start[1];
-    const allowed = /bytes allowed: (\d+)/.exec(line);
-    if (allowed && current) heap(current).allowed.push(Number(allowed[1]));
-    const done = /^\[GC<(0x[0-9a-f]+)>: START .*=> (EdenCollection|FullCollection).* p=([\d.]+)ms/.exec(line);
-    if (done?.[1]) {
-      const h = heap(done[1]);
-      if (done[2] === "EdenCollection") h.young++;
-      else h.full++;
-      h.pausesMs.push(Number(done[3]));
-    }
-  }
-  const busiest = [...heaps.values()].sort((a, b) => b.young + b.full - (a.young + a.full))[0];
-  if (!busiest) return { young: 0, full: 0, pausesMs: [], allowedBytes: Number.NaN };
-  return { young: busiest.young, full: busiest.full, pausesMs: busiest.pausesMs, allowedBytes: median(busiest.allowed) };
-}
-
-function logSize(path: string): number {
-  try {
-    return Bun.file(path).size;
-  } catch {
-    return 0;
-  }
-}
-
 /** The request and a `done` hook that prints wrk's own figures as JSON (latencies in µs). */
 function luaScript(body: string, headers: Record<string, string>): string {
   const h = Object.entries(headers)
@@ -191,7 +141,7 @@ async function wrk(t: Target, connections: number, seconds: number): Promise<Wrk
   await p.exited;
   const cpu1 = t.pid ? cpuUs(t.pid) : Number.NaN;
   const tx1 = await dbTransactions(t);
-  const gc = t.gcLog ? gcWindow(readFileSync(t.gcLog).subarray(gcFrom).toString("utf8")) : undefined;
+  const gc = t.gcLog ? gcSince(t.gcLog, gcFrom) : undefined;
   const line = out.split("\n").find((l) => l.startsWith("RESULT "));
   if (!line) throw new Error(`wrk gave no result for ${t.name}: ${out}`);
   const r = JSON.parse(line.slice(7)) as { requests: number; us: number; status_errors: number; socket_errors: number; p50: number; p99: number };
