@@ -14,7 +14,7 @@
  *    `store: false`, and Responses stored (the default). RSS per held stream is
  *    (peak - before) / N; the target is Responses <= 1.5x chat.
  */
-import { COMMENT, SseData } from "../src/responses/events.ts";
+import { COMMENT, SseReader } from "../src/lib/sse.ts";
 import { echo } from "../test/helpers/responses.ts";
 import { ChatToResponses } from "../src/responses/stream-state.ts";
 import { gcSummary } from "./gc-log.ts";
@@ -157,7 +157,7 @@ function translationCost(): void {
   const times: number[] = [];
   for (let s = 0; s < 2_000; s++) {
     const t = new ChatToResponses(meta);
-    const sse = new SseData();
+    const sse = new SseReader();
     t.start();
     for (const c of chunks) {
       const t0 = performance.now();

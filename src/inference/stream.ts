@@ -1,5 +1,6 @@
 import type { ErrorCode } from "../lib/errors.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
+import { readEvent, SseFramer } from "../lib/sse.ts";
 import type { Opened } from "./upstream/index.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import { isRecord } from "../lib/guards.ts";
@@ -105,7 +106,7 @@ export type EndStream = (message: string) => void;
 
 const LF2 = Buffer.from("\n\n");
 const CRLF2 = Buffer.from("\r\n\r\n");
-const CR2 = Buffer.from("\r\r");
+const LF1 = Buffer.from("\n");
 const LF = 0x0a;
 const CR = 0x0d;
 const DATA = Buffer.from("data:");
@@ -137,15 +138,11 @@ const REASONING_FIELDS = ['"reasoning_content":', '"reasoning":'].map((s) => Buf
 const ERROR_PREFIXES = ['{"error"', '{"object":"error"', '{"object": "error"'].map((s) => Buffer.from(s));
 /** How long the rest of an upstream's body may take after [DONE] (normally the end of its chunked framing, at once). */
 const DRAIN_MS = 1_000;
-/** One event larger than this without a terminator is not SSE we understand. */
-const MAX_EVENT_BYTES = 8 * 1024 * 1024;
 const QUOTE = 0x22;
 const BACKSLASH = 0x5c;
 const SPACE = 0x20;
 const OPEN_BRACE = 0x7b;
 const OPEN_BRACKET = 0x5b;
-
-const asBuffer = (u: Uint8Array): Buffer => (Buffer.isBuffer(u) ? u : Buffer.from(u.buffer, u.byteOffset, u.byteLength));
 
 /** Length of the JSON string starting at `start` (just after its opening quote), escapes included. */
 function jsonStringBytes(b: Buffer, start: number): number {
@@ -335,16 +332,23 @@ function swapFields(target: Opened["target"], alias: string): SwapFields {
   return f;
 }
 
+/** The line end an event (its blank line included) ends with, when it is `\n\n` or `\r\n\r\n` (the only ones a plain event has). */
+function blankLineOf(event: Buffer): Buffer | undefined {
+  const n = event.length;
+  if (event[n - 1] !== LF) return undefined;
+  if (event[n - 2] === LF) return LF2;
+  return event[n - 2] === CR && event[n - 3] === LF && event[n - 4] === CR ? CRLF2 : undefined;
+}
+
 /**
- * Whether an event (its terminator `sep` included) is something other than
- * one `data:` line: other fields (`event:`, `id:`, `retry:`), comment lines,
- * data over several `data:` lines, or bare CR line ends. Two byte searches;
- * vLLM's events are all one `data:` line.
+ * Whether an event (its terminator `sep` included) is one `data:` line, as
+ * vLLM's all are, rather than anything else SSE allows: other fields
+ * (`event:`, `id:`, `retry:`), comment lines, data over several `data:`
+ * lines, other line ends. Two byte searches.
  */
 function isPlainData(event: Buffer, sep: Buffer): boolean {
   if (!startsWithAt(event, 0, DATA)) return false;
   const end = event.length - sep.length;
-  if (sep === CR2) return false; // relayed with LF line ends, which every client reads
   const lf = event.indexOf(LF);
   return sep === LF2 ? lf === end && event.indexOf(CR) === -1 : lf === end + 1 && event.indexOf(CR) === end;
 }
@@ -352,30 +356,26 @@ function isPlainData(event: Buffer, sep: Buffer): boolean {
 /**
  * An event that is not one `data:` line, as what the chat wire carries
  * (OpenAI's streams have nothing but `data:` lines and comments), read the
- * way an SSE client reads it: its `data:` lines joined (a JSON text split
- * over lines is made one line again), the other fields dropped. Without
- * this, such events were relayed unread: their text and usage uncounted,
- * their error and bound unchecked. `keep` for an event of comments only (a
- * keep-alive, passed on as it is), `drop` for one of other fields only.
+ * way an SSE client reads it (lib/sse.ts): its `data:` lines joined (a JSON
+ * text split over lines is made one line again), the other fields dropped.
+ * Without this, such events were relayed unread: their text and usage
+ * uncounted, their error and bound unchecked. `keep` for an event of
+ * comments only (a keep-alive, passed on as it is), `drop` for one without
+ * data or with empty data (nothing a chat client can read: the SDKs parse
+ * each event's data as JSON).
  */
-export function plainDataEvent(event: Buffer, sepLength: number, term: string): Buffer | "keep" | "drop" {
-  const lines = event.toString("utf8", 0, event.length - sepLength).split(/\r\n|\r|\n/);
-  const data: string[] = [];
-  let comments = true;
-  for (const line of lines) {
-    if (line.startsWith("data:")) data.push(line.charCodeAt(5) === SPACE ? line.slice(6) : line.slice(5));
-    else if (line === "data") data.push("");
-    else if (!line.startsWith(":")) comments = false;
-  }
-  if (data.length === 0) return comments ? "keep" : "drop";
-  let payload = data.join("\n");
-  if (data.length > 1) {
+export function plainDataEvent(event: Buffer, term: string): Buffer | "keep" | "drop" {
+  const { data, comments, others } = readEvent(event);
+  if (data === undefined) return comments > 0 && others === 0 ? "keep" : "drop";
+  if (data === "") return "drop";
+  let payload = data;
+  if (data.includes("\n")) {
     try {
       // The line feeds SSE joins with are white space to JSON, and JSON has no raw line feed inside a string.
-      payload = JSON.stringify(JSON.parse(payload));
+      payload = JSON.stringify(JSON.parse(data));
     } catch {
       // Not JSON: relayed as its lines, as it came (a client fails on it as it would on the upstream's).
-      payload = data.join("\ndata: ");
+      payload = data.replaceAll("\n", "\ndata: ");
     }
   }
   return Buffer.from(`data: ${payload}${term}`);
@@ -384,19 +384,13 @@ export function plainDataEvent(event: Buffer, sepLength: number, term: string): 
 export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint8Array> {
   const { modelField, spacedModelField, aliasField, swapModel } = swapFields(up.target, opts.alias);
   const tf = opts.transform;
+  /** The upstream's events, as SSE reads them (lib/sse.ts). */
+  const framer = new SseFramer();
+  /** How the upstream's first event ended (undefined until one has). */
   let sep: Buffer | undefined;
-  /** The line ends of the events the gateway writes itself: the upstream's, or LF for bare CR (`plainDataEvent`). */
+  /** The line ends of the events the gateway writes itself: the upstream's first event's CRLF, else LF. */
   const termOut = () => (sep === CRLF2 ? "\r\n\r\n" : "\n\n");
   const scan: DeltaScan = { structuredArguments: false };
-  /**
-   * The pending partial event, as the pieces it arrived in (copied: a read's
-   * buffer may be reused), joined once when its separator arrives: holding a
-   * large event costs no copy per read. `tail` is its last bytes, where a
-   * separator split across reads begins.
-   */
-  let held: Buffer[] = [];
-  let heldBytes = 0;
-  let tail: Buffer | undefined;
   let sawDone = false;
   let usage: StreamEnd["usage"];
   /** The upstream's chunk id (read from its first chunk), for a usage chunk the gateway adds. */
@@ -479,14 +473,21 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     let event = received;
     // [DONE] ends the answer: anything after it (in the same read) is neither relayed nor counted.
     if (sawDone) return undefined;
-    if (sep && !isPlainData(event, sep)) {
-      const plain = plainDataEvent(event, sep.length, termOut());
+    /** The length of the event's own line end, which its data ends before. */
+    let termLen: number;
+    const own = blankLineOf(event);
+    if (own && isPlainData(event, own)) termLen = own.length;
+    else {
+      const plain = plainDataEvent(event, termOut());
       if (plain === "keep") return event; // comments, keep-alives: pass through
       if (plain === "drop") return undefined;
       event = plain;
+      termLen = termOut().length;
     }
     let at = DATA.length;
     if (event[at] === SPACE) at++;
+    // Empty data is no chunk (the SDKs would fail parsing it as JSON): dropped, as plainDataEvent drops it.
+    if (at === event.length - termLen) return undefined;
     if (startsWithAt(event, at, DONE)) {
       sawDone = true;
       // Asked for usage and none came (an upstream that ignores include_usage): the
@@ -510,15 +511,16 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     chunkId ??= chunkIdOf(event, at);
     // Every error prefix starts `{"e` or `{"o` (a chunk starts `{"id"`).
     if (event[at] === OPEN_BRACE && event[at + 1] === QUOTE && (event[at + 2] === 0x65 || event[at + 2] === 0x6f) && ERROR_PREFIXES.some((p) => startsWithAt(event, at, p))) {
-      upstreamError = upstreamMessage(event.toString("utf8", at, event.length - (sep?.length ?? 2))).message;
+      upstreamError = upstreamMessage(event.toString("utf8", at, event.length - termLen)).message;
       return undefined;
     }
     let text = deltaTextBytes(event, scan);
     if (scan.structuredArguments) {
       // Rare (servers that send the arguments parsed): the event is rebuilt with them as text, then counted.
-      const rebuilt = textArgumentsEvent(event.toString("utf8", at, event.length - (sep?.length ?? 2)), termOut());
+      const rebuilt = textArgumentsEvent(event.toString("utf8", at, event.length - termLen), termOut());
       if (rebuilt) {
         event = rebuilt;
+        termLen = termOut().length;
         at = DATA.length + 1;
         text = deltaTextBytes(event, scan);
       }
@@ -538,7 +540,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       while (event[v] === SPACE) v++;
       if (event[v] === OPEN_BRACE) {
         const estimate = { promptTokens: opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars + text) };
-        const parsed = usageOf(event.toString("utf8", at, event.length - (sep?.length ?? 2)), estimate, opts.bounds);
+        const parsed = usageOf(event.toString("utf8", at, event.length - termLen), estimate, opts.bounds);
         if (parsed) {
           usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
           reported = true;
@@ -550,6 +552,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
           if (parsed.counted.rejected) {
             // Rare: the event is rebuilt around the checked figures (and still gets the model swap below).
             event = Buffer.from(`data: ${parsed.rewritten}${termOut()}`);
+            termLen = termOut().length;
             at = DATA.length + 1;
           }
         }
@@ -574,72 +577,26 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     return out;
   };
 
-  /** The first `pattern` in `buf`, counting one that starts in the held bytes' tail (a negative start). */
-  const findSep = (buf: Buffer, pattern: Buffer): { start: number; end: number } | undefined => {
-    if (tail) {
-      const window = Buffer.concat([tail, buf.subarray(0, pattern.length - 1)]);
-      const at = window.indexOf(pattern);
-      if (at !== -1) return { start: at - tail.length, end: at - tail.length + pattern.length };
-    }
-    const at = buf.indexOf(pattern);
-    return at === -1 ? undefined : { start: at, end: at + pattern.length };
+  /** Where `feed` puts what goes to the client. */
+  let feeding: Buffer[] = [];
+  /** Each complete upstream event; false (stop reading) once one has ended the stream or the answer ([DONE]). */
+  const onEvent = (received: Buffer): boolean => {
+    // A read that ended between the two bytes of a CRLF event's last line end: the event is complete
+    // (lib/sse.ts drops the LF that may follow), and is relayed as a CRLF event, as it would have been
+    // read whole. Rare (a read ending just there): the one copy it costs.
+    const n = received.length;
+    const event = received[n - 1] === CR && received[n - 2] === LF && received[n - 3] === CR ? Buffer.concat([received, LF1]) : received;
+    sep ??= blankLineOf(event) === CRLF2 ? CRLF2 : LF2;
+    const e = handle(event);
+    if (upstreamError !== undefined || pastBound || tooLarge) return false;
+    if (e) feeding.push(e);
+    return !sawDone;
   };
 
-  /** Splits a read into complete events, adding what goes to the client to `out`; keeps a trailing partial event for the next read. */
+  /** Splits a read into complete events, adding what goes to the client to `out`; a trailing partial event is held for the next read. */
   const feed = (chunk: Uint8Array, out: Buffer[]) => {
-    const buf = asBuffer(chunk);
-    let start = 0;
-    let first: { start: number; end: number } | undefined;
-    if (!sep) {
-      // vLLM ends events with \n\n; servers built on sse-starlette use \r\n\r\n.
-      // SSE also allows bare CR line ends (no server we know of uses them; a JSON text has no raw CR).
-      const lf = findSep(buf, LF2);
-      const crlf = findSep(buf, CRLF2);
-      const cr = findSep(buf, CR2);
-      if (crlf && (!lf || crlf.start < lf.start) && (!cr || crlf.start <= cr.start)) {
-        sep = CRLF2;
-        first = crlf;
-      } else if (lf && (!cr || lf.start < cr.start)) {
-        sep = LF2;
-        first = lf;
-      } else if (cr) {
-        sep = CR2;
-        first = cr;
-      }
-    }
-    if (sep && heldBytes > 0) {
-      first ??= findSep(buf, sep);
-      if (first) {
-        // The held event is complete: joined once, with the part of this read that ends it.
-        held.push(buf.subarray(0, first.end));
-        const event = Buffer.concat(held, heldBytes + first.end);
-        held = [];
-        heldBytes = 0;
-        tail = undefined;
-        start = first.end;
-        const e = handle(event);
-        if (upstreamError !== undefined || pastBound || tooLarge) return;
-        if (e) out.push(e);
-      }
-    }
-    if (sep && heldBytes === 0) {
-      for (;;) {
-        const idx = buf.indexOf(sep, start);
-        if (idx === -1) break;
-        const event = handle(buf.subarray(start, idx + sep.length));
-        start = idx + sep.length;
-        if (upstreamError !== undefined || pastBound || tooLarge) return;
-        if (event) out.push(event);
-      }
-    }
-    if (start < buf.length) {
-      if (heldBytes + buf.length - start > MAX_EVENT_BYTES) throw new Error("upstream sent an oversized SSE event");
-      // Copy: the rest may be a view into a chunk the runtime reuses.
-      const piece = Buffer.from(buf.subarray(start));
-      held.push(piece);
-      heldBytes += piece.length;
-      tail = piece.length >= 3 ? piece.subarray(piece.length - 3) : Buffer.concat([tail ?? Buffer.alloc(0), piece]).subarray(-3);
-    }
+    feeding = out;
+    framer.push(chunk, onEvent);
   };
 
   /** Writes events and pushes them out now (one write per upstream read, so no event waits for the next). */
@@ -826,12 +783,11 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       if (ended) return;
       if (r.done) {
         // No event at all, and one JSON document: a server that does not stream answered whole (whole-answer.ts).
-        const whole = sep === undefined && heldBytes > 0 && endedBecause === undefined ? wholeAnswer(Buffer.concat(held, heldBytes), opts.alias) : undefined;
-        if (whole && "error" in whole) upstreamError = upstreamMessage(Buffer.concat(held, heldBytes).toString("utf8")).message;
+        const body = sep === undefined && framer.pendingBytes > 0 && endedBecause === undefined ? framer.pending() : undefined;
+        const whole = body ? wholeAnswer(body, opts.alias) : undefined;
+        if (whole && "error" in whole) upstreamError = upstreamMessage(String(body)).message;
         else if (whole) {
-          held = [];
-          heldBytes = 0;
-          tail = undefined;
+          framer.reset();
           feed(whole.events, out);
         }
         // [DONE] ends a stream before its body does (finishAtDone): a body that ends first was cut off.

@@ -1,4 +1,5 @@
 import { isRecord } from "../lib/guards.ts";
+import { sseDataOf } from "../lib/sse.ts";
 
 /**
  * A streamed request answered with one JSON document: servers that do not
@@ -61,19 +62,16 @@ interface Acc {
  * chat completion they stand for (each choice's text, reasoning, refusal and
  * tool calls, its last finish_reason, the last usage), which is then shaped,
  * metered and bounded as any JSON answer. Undefined when the text is not SSE
- * chunks; `{ error }` when it carries an error event.
+ * chunks (no event with data, or data that is not a chunk); `{ error }` when
+ * it carries an error event.
  */
 export function sseAsCompletion(text: string): Record<string, unknown> | { error: string } | undefined {
-  if (!/^(data:|event:|id:|retry:|:)/.test(text.trimStart())) return undefined;
   const choices = new Map<number, Acc>();
   let head: Record<string, unknown> | undefined;
   let usage: unknown;
-  for (const event of text.split(/\r\n\r\n|\n\n|\r\r/)) {
-    const data = event
-      .split(/\r\n|\r|\n/)
-      .filter((l) => l.startsWith("data:"))
-      .map((l) => (l.charCodeAt(5) === 0x20 ? l.slice(6) : l.slice(5)))
-      .join("\n");
+  // Read as the SSE standard reads it (lib/sse.ts): an event the body ends before its blank line is none.
+  for (const data of sseDataOf(text)) {
+    // Empty data is no chunk (as the chat relay passes it over).
     if (data === "" || data === "[DONE]") continue;
     let v: unknown;
     try {

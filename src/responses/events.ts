@@ -4,107 +4,15 @@
  * The chat stream is read as it arrives and every read is translated and
  * written before the next read (stream-state.ts holds the state machine), so the
  * translation adds no waiting, only the parse and the re-serialisation of
- * one read's events. SSE framing follows the spec's rules: `\n`, `\r\n` or
- * `\r` line ends, `data:` with or without its space, and a read may end
- * anywhere, inside an event, a line end or a UTF-8 character. An event of
- * comments only (an upstream's `: ping`) is passed on as `: keep-alive`.
+ * one read's events. The events are read as the SSE standard reads them
+ * (lib/sse.ts; a read may end anywhere). An event of comments only (an
+ * upstream's `: ping`) is passed on as `: keep-alive`; one with empty data is
+ * no chunk and passed over, as the chat relay passes it over.
  */
 import type { RelayTransform } from "../lib/relay-transform.ts";
+import { COMMENT, SseReader } from "../lib/sse.ts";
 import { ChatToResponses } from "./stream-state.ts";
 import type { ResponseMeta, ResponseObject } from "./output.ts";
-
-/** One event larger than this without an end is not SSE we understand (as in inference/stream.ts). */
-const MAX_EVENT_BYTES = 8 * 1024 * 1024;
-const LF = 0x0a;
-const CR = 0x0d;
-const SPACE = 0x20;
-
-/** `data:` at the start (d a t a :). */
-const startsWithData = (b: Buffer): boolean => b.length > 5 && b[0] === 0x64 && b[1] === 0x61 && b[2] === 0x74 && b[3] === 0x61 && b[4] === 0x3a;
-
-/** What SseData gives for an event of comment lines only (a keep-alive), rather than its data. */
-export const COMMENT = Symbol("comment");
-
-const asBuffer = (u: Uint8Array): Buffer => (Buffer.isBuffer(u) ? u : Buffer.from(u.buffer, u.byteOffset, u.byteLength));
-
-/**
- * Incremental SSE `data` reader: returns the data of each event a read
- * completes, or COMMENT for an event with comment lines and no data (other
- * events without data are not events, as in the SSE spec). It works on bytes and decodes whole lines only (a line end byte
- * never occurs inside a UTF-8 sequence), so it needs no per-stream decoder,
- * and a partial line is held as the pieces it arrived in, joined once.
- */
-export class SseData {
-  private held: Buffer[] = [];
-  private heldBytes = 0;
-  private data: string[] = [];
-  private dataChars = 0;
-  /** The event being read has a comment line. */
-  private comment = false;
-
-  push(bytes: Uint8Array): (string | typeof COMMENT)[] {
-    let buf = asBuffer(bytes);
-    // The common case, and what the chat relay hands over: one whole event of one `data:` line
-    // ending in `\n\n`, with nothing held. Its data is decoded once, with no line splitting.
-    if (this.heldBytes === 0 && this.data.length === 0 && startsWithData(buf)) {
-      const lf = buf.indexOf(LF);
-      if (lf === buf.length - 2 && buf[lf + 1] === LF && buf.indexOf(CR) === -1) return [buf.toString("utf8", buf[5] === SPACE ? 6 : 5, lf)];
-    }
-    if (this.heldBytes > 0) {
-      const last = this.held[this.held.length - 1];
-      // No line end in this read (and none pending as a last `\r`): the held line just grows.
-      if (last?.[last.length - 1] !== CR && buf.indexOf(LF) === -1 && buf.indexOf(CR) === -1) {
-        this.hold(buf);
-        return [];
-      }
-      buf = Buffer.concat([...this.held, buf]);
-      this.held = [];
-      this.heldBytes = 0;
-    }
-    const events: (string | typeof COMMENT)[] = [];
-    let pos = 0;
-    let lf = buf.indexOf(LF);
-    let cr = buf.indexOf(CR);
-    for (;;) {
-      if (lf !== -1 && lf < pos) lf = buf.indexOf(LF, pos);
-      if (cr !== -1 && cr < pos) cr = buf.indexOf(CR, pos);
-      const end = lf === -1 ? cr : cr === -1 ? lf : Math.min(lf, cr);
-      if (end === -1) break;
-      let next = end + 1;
-      if (end === cr) {
-        // A `\r` at the end of the read may be the first half of `\r\n`: wait for the next read.
-        if (next === buf.length) break;
-        if (buf[next] === LF) next++;
-      }
-      this.line(buf.toString("utf8", pos, end), events);
-      pos = next;
-    }
-    if (pos < buf.length) this.hold(buf.subarray(pos));
-    return events;
-  }
-
-  /** Keeps a partial line, copied: it may be a view into a read the runtime reuses. */
-  private hold(piece: Buffer): void {
-    this.held.push(Buffer.from(piece));
-    this.heldBytes += piece.length;
-    if (this.heldBytes + this.dataChars > MAX_EVENT_BYTES) throw new Error("an oversized SSE event");
-  }
-
-  private line(line: string, events: (string | typeof COMMENT)[]): void {
-    if (line === "") {
-      if (this.data.length > 0) events.push(this.data.length === 1 ? (this.data[0] ?? "") : this.data.join("\n"));
-      else if (this.comment) events.push(COMMENT);
-      this.data = [];
-      this.dataChars = 0;
-      this.comment = false;
-    } else if (line.startsWith("data:")) {
-      const value = line.charCodeAt(5) === 32 ? line.slice(6) : line.slice(5);
-      this.data.push(value);
-      this.dataChars += value.length;
-    } else if (line.charCodeAt(0) === 0x3a) this.comment = true;
-    // Other fields (`event:`, `id:`, `retry:`) carry nothing for us; a comment's text neither.
-  }
-}
 
 /** The Responses translation as the chat relay applies it (`RelayTransform`), plus what a reader of a chat stream needs. */
 export interface ResponsesTransform extends RelayTransform {
@@ -131,7 +39,7 @@ export function responsesTransform(meta: ResponseMeta, onFinal: (r: ResponseObje
 /** A class, not an object of closures: an open stream holds one object and its state, with the methods shared. */
 class ResponsesRelayTransform implements ResponsesTransform {
   private readonly t: ChatToResponses;
-  private readonly sse = new SseData();
+  private readonly sse = new SseReader();
   private reported: Promise<void> | undefined;
 
   constructor(
@@ -166,7 +74,7 @@ class ResponsesRelayTransform implements ResponsesTransform {
     if (t.final) return "";
     let text = "";
     try {
-      for (const e of events) for (const data of this.sse.push(e)) text += data === COMMENT ? t.comment() : t.data(data);
+      for (const e of events) for (const data of this.sse.push(e)) text += data === COMMENT ? t.comment() : data === "" ? "" : t.data(data);
     } catch (e) {
       text += t.fail(`The model '${this.meta.model}' sent an unreadable stream: ${(e as Error).message}`, null);
     }

@@ -6,6 +6,7 @@ import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
 import { type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
+import { specData } from "../helpers/sse-spec.ts";
 import { CHAT_MODEL, EMBED_MODEL, TEST_PLANS, chatAlias, embedAlias, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
 setDefaultTimeout(30_000);
@@ -31,6 +32,8 @@ let scripted:
       open?: boolean;
       /** Writes each event's SSE text (its JSON given), instead of `data: <json>\n\n`. */
       frame?: (json: string) => string;
+      /** Sent before the first event (a byte order mark). */
+      prefix?: string;
     }
   | { completion: Record<string, unknown> }
   /** A stream that never ends: `event` again and again, as fast as it is read; `cancelled` once the gateway closed the call. */
@@ -61,7 +64,7 @@ const upstream = Bun.serve({
       const serialise = scripted.python ? pythonJson : JSON.stringify;
       const frame = scripted.frame ?? ((json: string) => `data: ${json}\n\n`);
       const events = (list: unknown[]) => list.map((e) => frame(serialise(e))).join("");
-      const text = events(scripted.events) + (scripted.done ? frame("[DONE]") : "") + events(scripted.after ?? []);
+      const text = (scripted.prefix ?? "") + events(scripted.events) + (scripted.done ? frame("[DONE]") : "") + events(scripted.after ?? []);
       if (!scripted.open) return new Response(text, { headers: { "content-type": "text/event-stream" } });
       const bytes = new TextEncoder().encode(text);
       return new Response(new ReadableStream({ start: (c) => c.enqueue(bytes) }), { headers: { "content-type": "text/event-stream" } });
@@ -534,6 +537,99 @@ describe("usage the upstream leaves out, or reports before the end", () => {
       expect(rec(await res.json()).usage).toEqual({ prompt_tokens: promptEstimate, completion_tokens: completion, total_tokens: promptEstimate + completion });
       const [row] = await rows(o.orgId);
       expect(row?.completionTokens).toBe(completion);
+    }
+  });
+});
+
+describe("an upstream's SSE is read as the SSE standard reads it (test/helpers/sse-spec.ts), streamed, whole and through the Responses API", () => {
+  afterEach(() => {
+    scripted = undefined;
+  });
+  /** 400 + 40 characters of text ≈ 110 tokens, with no usage reported: what is charged is what was read. */
+  const answer = () => [chunkOf([deltaOf({ role: "assistant", content: "a".repeat(400) })]), chunkOf([deltaOf({ content: "b".repeat(40) })]), chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }])];
+  const TEXT = "a".repeat(400) + "b".repeat(40);
+
+  /** The answer streamed (chat), answered whole (chat) and streamed through the Responses API, each as a client and its usage row see it. */
+  async function everyWay(frame: () => Partial<Extract<typeof scripted, { events: unknown[] }>>) {
+    const seen: { way: string; status: number | undefined; text: string; tokens: number | undefined; unreadable?: string[] }[] = [];
+    {
+      scripted = { events: answer(), done: true, ...frame() };
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
+      const data = specData(await res.text());
+      const chunks = data.filter((d) => d.startsWith("{")).map((d) => rec(JSON.parse(d)));
+      const text = chunks.flatMap((c) => ((c.choices as Record<string, unknown>[] | undefined) ?? []).map((ch) => String(rec(ch.delta).content ?? ""))).join("");
+      const [row] = await rows(o.orgId);
+      // Data no chat client can read (each event's data is parsed as JSON, but [DONE]).
+      const unreadable = data.filter((d) => d !== "[DONE]" && !d.startsWith("{"));
+      seen.push({ way: `streamed, ending ${JSON.stringify(data.at(-1)?.slice(0, 40))}`, status: row?.status, text, tokens: row?.completionTokens, unreadable });
+    }
+    {
+      scripted = { events: answer(), done: true, ...frame() };
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+      const body = rec(await res.json());
+      const text = String(rec(rec((body.choices as unknown[] | undefined)?.[0] ?? {}).message ?? {}).content ?? "");
+      const [row] = await rows(o.orgId);
+      seen.push({ way: "whole", status: row?.status, text, tokens: row?.completionTokens });
+    }
+    {
+      scripted = { events: answer(), done: true, ...frame() };
+      const o = await seedTestOrg(gw.database);
+      const r = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi", stream: true });
+      const last = (await r.text()).split("\n\n").find((b) => /^event: response\.(completed|incomplete|failed)\n/.test(b)) ?? "";
+      const response = rec(rec(JSON.parse(last.split("\ndata: ")[1] ?? "{}")).response ?? {});
+      const text = ((response.output as Record<string, unknown>[] | undefined) ?? []).flatMap((i) => ((i.content as Record<string, unknown>[] | undefined) ?? []).map((c) => String(c.text ?? ""))).join("");
+      const [row] = await rows(o.orgId);
+      seen.push({ way: `Responses, ${String(response.status)}`, status: row?.status, text, tokens: row?.completionTokens });
+    }
+    return seen;
+  }
+
+  test("a byte order mark before the first event is not part of its first line: the first event is relayed and charged", async () => {
+    // Before: the first event's first line read as the field `\uFEFFdata`: the event was dropped (chat streamed and whole), its 100 tokens neither sent nor charged.
+    const seen = await everyWay(() => ({ prefix: "\uFEFF" }));
+    expect(seen).toEqual([
+      { way: 'streamed, ending "[DONE]"', status: 200, text: TEXT, tokens: 110, unreadable: [] },
+      { way: "whole", status: 200, text: TEXT, tokens: 110 },
+      { way: "Responses, completed", status: 200, text: TEXT, tokens: 110 },
+    ]);
+  });
+
+  test("line ends that change between events (CRLF, then LF; LF, then CRLF; a blank line ended another way than its event's last line) still end each event", async () => {
+    const framings: [string, () => (json: string) => string][] = [
+      ["CRLF, then LF", () => {
+        let i = 0;
+        return (j) => (i++ === 0 ? `data: ${j}\r\n\r\n` : `data: ${j}\n\n`);
+      }],
+      ["LF, then CRLF", () => {
+        let i = 0;
+        return (j) => (i++ === 0 ? `data: ${j}\n\n` : `data: ${j}\r\n\r\n`);
+      }],
+      ["LF then CRLF, CRLF then LF", () => (j) => `data: ${j}\n\r\n`],
+    ];
+    for (const [name, frame] of framings) {
+      // Before: "CRLF, then LF" and "LF, then CRLF" were held unsplit until the body ended, then failed ("ended the stream
+      // early", 503, nothing relayed); "\n\r\n" ran every event into one, which no reader could parse.
+      const seen = await everyWay(() => ({ frame: frame() }));
+      expect(seen, name).toEqual([
+        { way: 'streamed, ending "[DONE]"', status: 200, text: TEXT, tokens: 110, unreadable: [] },
+        { way: "whole", status: 200, text: TEXT, tokens: 110 },
+        { way: "Responses, completed", status: 200, text: TEXT, tokens: 110 },
+      ]);
+    }
+  });
+
+  test("an event with empty data (`data:`, or `data` with no colon) carries no chunk: passed over, not relayed", async () => {
+    for (const empty of ["data:", "data: ", "data"]) {
+      // Before: relayed as `data: ` (which the SDKs fail on: they parse each event's data as JSON), and the Responses
+      // stream failed on it ("The model sent an unreadable stream").
+      const seen = await everyWay(() => ({ frame: (j) => `data: ${j}\n\n${empty}\n\n` }));
+      expect(seen, empty).toEqual([
+        { way: 'streamed, ending "[DONE]"', status: 200, text: TEXT, tokens: 110, unreadable: [] },
+        { way: "whole", status: 200, text: TEXT, tokens: 110 },
+        { way: "Responses, completed", status: 200, text: TEXT, tokens: 110 },
+      ]);
     }
   });
 });

@@ -1,4 +1,5 @@
 import { describe, expect, test } from "bun:test";
+import fc from "fast-check";
 import { errorBody } from "../../src/http/errors.ts";
 import { type EndStream, relayStream, type StreamEnd } from "../../src/inference/stream.ts";
 import { Breaker } from "../../src/inference/upstream/breaker.ts";
@@ -6,6 +7,7 @@ import { upstreamMessage } from "../../src/inference/upstream/error-body.ts";
 import type { ByteReader, Opened, Target } from "../../src/inference/upstream/index.ts";
 import { originOf } from "../../src/inference/upstream/origin.ts";
 import { createConnectProbe } from "../../src/inference/upstream/probe.ts";
+import { C, chunkText, cut, SPEC_ROWS, specData } from "../helpers/sse-spec.ts";
 
 const enc = new TextEncoder();
 const UP = "org/upstream-model";
@@ -18,7 +20,7 @@ const USAGE = `data: {"id":"c1","object":"chat.completion.chunk","created":1,"mo
 const DONE = "data: [DONE]\n\n";
 
 /** An Opened over scripted reads; `null` in the script means "fail this read", a number means "hang". */
-function fakeOpened(parts: (string | null | number)[]) {
+function fakeOpened(parts: (string | Uint8Array | null | number)[]) {
   const calls = { aborted: [] as string[], finished: [] as (boolean | null)[] };
   let i = 1;
   let reject: ((e: unknown) => void) | undefined;
@@ -31,7 +33,7 @@ function fakeOpened(parts: (string | null | number)[]) {
       if (p === undefined) return Promise.resolve({ done: true });
       if (p === null) return Promise.reject(new Error("reset"));
       if (typeof p === "number") return new Promise((_, rej) => (reject = rej));
-      return Promise.resolve({ done: false, value: enc.encode(p) });
+      return Promise.resolve({ done: false, value: typeof p === "string" ? enc.encode(p) : p });
     },
     cancel() {
       reject?.(new Error("cancelled"));
@@ -42,7 +44,7 @@ function fakeOpened(parts: (string | null | number)[]) {
   const opened: Opened = {
     target,
     reader,
-    first: enc.encode(String(parts[0])),
+    first: parts[0] instanceof Uint8Array ? parts[0] : enc.encode(String(parts[0])),
     abort(reason) {
       calls.aborted.push(reason);
       abortedWith ??= reason;
@@ -55,7 +57,7 @@ function fakeOpened(parts: (string | null | number)[]) {
   return { opened, calls };
 }
 
-async function relay(parts: (string | null | number)[], opts: { clientWantsUsage?: boolean; idleMs?: number } = {}) {
+async function relay(parts: (string | Uint8Array | null | number)[], opts: { clientWantsUsage?: boolean; idleMs?: number } = {}) {
   const { opened, calls } = fakeOpened(parts);
   let ended: StreamEnd | undefined;
   const s = relayStream(opened, {
@@ -246,6 +248,74 @@ describe("relayStream", () => {
     expect(calls.aborted[0]).toBe("shutting down");
     expect(calls.finished).toEqual([null]);
     expect(open.size).toBe(0);
+  });
+});
+
+describe("relayStream reads SSE as the standard does (test/helpers/sse-spec.ts)", () => {
+  /** Data compared as JSON where it is JSON: the relay puts a JSON text split over `data:` lines back on one line. */
+  const norm = (d: string) => {
+    try {
+      return JSON.stringify(JSON.parse(d));
+    } catch {
+      return d;
+    }
+  };
+  /** What the client reads of the relayed stream: its events' data, the relay's own error event at the end (no [DONE] came) left out. */
+  const relayed = async (parts: Uint8Array[]) => {
+    const data = specData((await relay(parts)).text);
+    if (data.at(-1)?.startsWith('{"error"')) data.pop();
+    return data.map(norm);
+  };
+
+  for (const row of SPEC_ROWS) {
+    test(row.name, async () => {
+      const bytes = enc.encode(row.input);
+      // An event with empty data is nothing a chat client can read (the SDKs parse every event's data as JSON): not relayed.
+      const want = row.data.filter((d) => d !== "").map(norm);
+      expect(await relayed([bytes]), "whole").toEqual(want);
+      for (let at = 1; at < bytes.length; at++) expect(await relayed(cut(bytes, [at])), `cut at ${at}`).toEqual(want);
+      expect(await relayed(cut(bytes, Array.from(bytes.keys()))), "a byte a read").toEqual(want);
+    });
+  }
+});
+
+describe("relayStream: any stream read in pieces gives what it gives read whole", () => {
+  const nl = fc.constantFrom("\n", "\r\n", "\r");
+  /** One chunk's event, framed any way SSE allows: its line ends, other fields, comments, its data over one or two lines. */
+  const event = fc.record({
+    text: fc.constantFrom("a", "é", "😀", ""),
+    comment: fc.boolean(),
+    field: fc.constantFrom("", "event: message", "id: 1", "retry: 10", "event"),
+    split: fc.boolean(),
+    ends: fc.array(nl, { minLength: 4, maxLength: 4 }),
+  });
+  const stream = fc.record({ bom: fc.boolean(), lead: fc.array(nl, { maxLength: 2 }), events: fc.array(event, { maxLength: 6 }), done: nl });
+
+  test("the same data reach the client however the reads fall (inside a CRLF, a character, a byte order mark), and the text is what the standard reads", async () => {
+    await fc.assert(
+      fc.asyncProperty(stream, fc.array(fc.nat({ max: 2_000 }), { maxLength: 10 }), async (s, at) => {
+        const text =
+          (s.bom ? "\uFEFF" : "") +
+          s.lead.join("") +
+          s.events
+            .map((e) => {
+              const [a = "\n", b = "\n", c = "\n", d = "\n"] = e.ends;
+              const data = C(e.text);
+              const lines = e.split ? `data: ${data.slice(0, 12)}${a}data: ${data.slice(12)}${b}` : `data: ${data}${a}`;
+              // The blank line's own end: after a CR, an LF would only finish that line end (CRLF), so a CRLF.
+              const blank = (e.split ? b : a) === "\r" && d === "\n" ? "\r\n" : d;
+              return `${e.comment ? `: note${c}` : ""}${e.field ? `${e.field}${c}` : ""}${lines}${blank}`;
+            })
+            .join("") +
+          `data: [DONE]${s.done}${s.done}`;
+        const bytes = enc.encode(text);
+        const whole = specData((await relay([bytes])).text);
+        expect(whole.at(-1)).toBe("[DONE]");
+        expect(whole.slice(0, -1).map((d) => chunkText(d)).join("")).toBe(s.events.map((e) => e.text).join(""));
+        expect(specData((await relay(cut(bytes, at))).text)).toEqual(whole);
+      }),
+      { numRuns: 400 },
+    );
   });
 });
 

@@ -1,8 +1,9 @@
 import { describe, expect, test } from "bun:test";
-import { COMMENT, responseEventStream, SseData } from "../../src/responses/events.ts";
+import { responseEventStream } from "../../src/responses/events.ts";
 import { plainTextDelta } from "../../src/responses/stream-state.ts";
 import { type ResponseObject, responseFromChat } from "../../src/responses/output.ts";
 import { until } from "../helpers/poll.ts";
+import { chunkText, cut, SPEC_ROWS } from "../helpers/sse-spec.ts";
 import { chunk, DONE, ERROR, enc, meta, ROLE, source, USAGE } from "../helpers/responses.ts";
 
 interface Ev {
@@ -409,68 +410,31 @@ describe("responseEventStream: the event sequence", () => {
   });
 });
 
-describe("SseData", () => {
-  test("multi-line data joins with \\n; an event over the size cap is refused", () => {
-    const s = new SseData();
-    expect(s.push(enc.encode("data: a\ndata: b\n\n"))).toEqual(["a\nb"]);
-    // A read ending in `\r` waits: with `\n` first in the next read it is one line end, not two (which would end the event).
-    expect(s.push(enc.encode("data: c\r"))).toEqual([]);
-    expect(s.push(enc.encode("\ndata: d\r\n\r"))).toEqual([]);
-    expect(s.push(enc.encode("\n"))).toEqual(["c\nd"]);
-    expect(() => s.push(new Uint8Array(9 * 1024 * 1024).fill(0x61))).toThrow("oversized");
-  });
 
-  test("a whole one-line event (the fast path) gives what the line parser gives for the same bytes", () => {
-    // The line parser's answer: the same event sent a byte at a time never takes the fast path.
-    const slow = (bytes: Uint8Array) => {
-      const s = new SseData();
-      const out: (string | typeof COMMENT)[] = [];
-      for (let i = 0; i < bytes.length; i++) out.push(...s.push(bytes.subarray(i, i + 1)));
-      return out;
-    };
-    const cases = [
-      'data: {"choices":[{"delta":{"content":"héllo 😀"}}]}\n\n',
-      'data:{"a":1}\n\n',
-      "data: \n\n",
-      "data:\n\n",
-      "data: [DONE]\n\n",
-      "data: a\ndata: b\n\n",
-      "data: a\r\n\r\n",
-      "data: a\rb\n\n",
-      "data: a\n\ndata: b\n\n",
-      "data: a\n\n\n",
-      ": comment\n\n",
-      ":\r\n\r\n",
-      ": a\n: b\n\n",
-      ": a\ndata: b\n\n",
-      "event: x\ndata: y\n\n",
-      "data: partial",
-      "data: a\n",
-      "datax: a\n\n",
-    ];
-    for (const c of cases) {
-      const bytes = enc.encode(c);
-      expect({ c, got: new SseData().push(bytes) }).toEqual({ c, got: slow(bytes) });
-    }
-    // After a held partial event the next read is not mistaken for a whole one.
-    const s = new SseData();
-    expect(s.push(enc.encode("data: a"))).toEqual([]);
-    expect(s.push(enc.encode("data: b\n\n"))).toEqual(["adata: b"]);
-  });
-});
-
-describe("SseData: comments", () => {
-  test("an event of comment lines only is COMMENT; with data it is its data; other fields alone are nothing", () => {
-    const s = new SseData();
-    expect(s.push(enc.encode(": ping\n\n"))).toEqual([COMMENT]);
-    expect(s.push(enc.encode(":\n\n: a\n: b\n\n"))).toEqual([COMMENT, COMMENT]);
-    expect(s.push(enc.encode(": a\ndata: b\n\n"))).toEqual(["b"]);
-    expect(s.push(enc.encode("event: ping\n\nid: 1\n\n"))).toEqual([]);
-    // Split anywhere, CRLF framing.
-    expect(s.push(enc.encode(": pi"))).toEqual([]);
-    expect(s.push(enc.encode("ng\r\n\r"))).toEqual([]);
-    expect(s.push(enc.encode("\ndata: x\r\n\r\n"))).toEqual([COMMENT, "x"]);
-  });
+describe("responseEventStream reads chat SSE as the standard does (test/helpers/sse-spec.ts)", () => {
+  /** The text the Responses stream gives for a chat stream read in `parts` (no [DONE]: it then fails, with the text so far). */
+  const textOf = async (parts: Uint8Array[]) => {
+    const { stream } = source(parts);
+    const out = await new Response(responseEventStream(stream, meta(), () => {})).text();
+    // Keep-alives (an upstream's comment-only events) are no events.
+    return parseEvents(out.replaceAll(": keep-alive\n\n", ""))
+      .filter((e) => e.type === "response.output_text.delta")
+      .map((e) => e.delta)
+      .join("");
+  };
+  for (const row of SPEC_ROWS) {
+    test(row.name, async () => {
+      const bytes = enc.encode(row.input);
+      // An event with empty data is no chunk: passed over (as the chat relay passes it over).
+      const want = row.data
+        .filter((d) => d !== "")
+        .map((d) => chunkText(d) ?? "")
+        .join("");
+      expect(await textOf([bytes]), "whole").toBe(want);
+      for (let at = 1; at < bytes.length; at++) expect(await textOf(cut(bytes, [at])), `cut at ${at}`).toBe(want);
+      expect(await textOf(cut(bytes, Array.from(bytes.keys()))), "a byte a read").toBe(want);
+    });
+  }
 });
 
 describe("plainTextDelta (chunks read without a full parse)", () => {

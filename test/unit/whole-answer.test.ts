@@ -1,6 +1,7 @@
 import { describe, expect, test } from "bun:test";
 import fc from "fast-check";
 import { sseAsCompletion, wholeAnswer } from "../../src/inference/whole-answer.ts";
+import { chunkText, SPEC_ROWS } from "../helpers/sse-spec.ts";
 
 /** A chat completion's choices as an upstream might send them: text, reasoning, refusal, tool calls. */
 const choiceArb = fc.record({
@@ -66,4 +67,17 @@ describe("whole answers", () => {
     const parsed = sseAsCompletion('data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","function":{"name":"f","arguments":{"q":1}}}]}}]}\n\n');
     expect(JSON.stringify(parsed)).toContain('"arguments":"{\\"q\\":1}"');
   });
+});
+
+describe("sseAsCompletion reads SSE as the standard does (test/helpers/sse-spec.ts)", () => {
+  for (const row of SPEC_ROWS) {
+    test(row.name, () => {
+      // Events with empty data carry no chunk and are passed over; the chunks' text is put together in order.
+      const texts = row.data.filter((d) => d !== "").map(chunkText);
+      const want = texts.length === 0 || texts.some((t) => t === undefined) ? undefined : texts.join("");
+      const got = sseAsCompletion(row.input);
+      const text = got && !("error" in got) ? (got.choices as { message: { content: unknown } }[])[0]?.message.content : undefined;
+      expect(text).toBe(want);
+    });
+  }
 });
