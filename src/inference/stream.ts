@@ -749,6 +749,11 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       }
       if (ended) return;
       if (upstreamError !== undefined) return fail(c, `The model '${opts.alias}' failed while generating: ${upstreamError}`);
+      // The transform failed the answer itself (its final events are sent): nothing more would be, so the
+      // upstream call is closed now and the stream ends as failed, rather than running silent to its end.
+      // Before [DONE] is looked at: a read that carried both ended as the failure the client saw, not as done.
+      const failed = tf?.failed();
+      if (failed !== undefined) return fail(c, failed);
       if (sawDone) return finishAtDone(c);
       if (pastBound && gen) return finishAtBound(c, gen);
       if (tooLarge) {
@@ -757,10 +762,6 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
           `The model '${opts.alias}' sent an answer larger than ${opts.maxTextBytes} bytes, the most the gateway holds for one answer (upstream.maxResponseBytes); the stream was ended.`,
         );
       }
-      // The transform failed the answer itself (its final events are sent): nothing more would be, so the
-      // upstream call is closed now and the stream ends as failed, rather than running silent to its end.
-      const failed = tf?.failed();
-      if (failed !== undefined) return fail(c, failed);
       waitingSince = performance.now();
       let r: Awaited<ReturnType<Opened["reader"]["read"]>>;
       try {

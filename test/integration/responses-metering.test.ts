@@ -40,8 +40,12 @@ interface Row {
 }
 
 async function usageRows(): Promise<Row[]> {
-  await gw.quota.flush();
-  const rows = await gw.database.rows<Row>(
+  return usageRowsOf(gw);
+}
+
+async function usageRowsOf(g: Gateway): Promise<Row[]> {
+  await g.quota.flush();
+  const rows = await g.database.rows<Row>(
     sql`select prompt_tokens, completion_tokens, status, streamed from usage_events where key_id = ${org.personalKeyId} order by id`,
   );
   return rows.map((r) => ({ ...r, prompt_tokens: Number(r.prompt_tokens), completion_tokens: Number(r.completion_tokens), status: Number(r.status) }));
@@ -279,5 +283,47 @@ describe("a chunk the translation cannot read", () => {
     expect(rows.map((r) => ({ status: r.status, streamed: r.streamed }))).toEqual([{ status: 503, streamed: true }]);
     // What was delivered (the first chunk's text and the unreadable one's), not the upstream's 60 tokens.
     expect(rows[0]?.completion_tokens ?? 0).toBeLessThan(10);
+  });
+});
+
+describe("a chunk the translation cannot read, in the same read as [DONE]", () => {
+  // Seen failing before the fix: the client got response.failed, but the relay looked at [DONE] before it
+  // looked at the translation, so the request was settled as a finished stream (status 200 in the usage
+  // record and the access log) rather than as the failed one the client saw.
+  let bad: ReturnType<typeof Bun.serve>;
+  let gw2: Gateway;
+
+  beforeAll(async () => {
+    const head = `{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":`;
+    bad = Bun.serve({
+      port: 0,
+      hostname: "127.0.0.1",
+      async fetch(req) {
+        await req.text();
+        // One write: the readable chunk, the unreadable one (not JSON), and [DONE] arrive in one read.
+        const body = `data: ${head}{"role":"assistant","content":"Hello"},"finish_reason":null}]}\n\ndata: ${head}{"content":" wor\n\ndata: [DONE]\n\n`;
+        return new Response(body, { headers: { "content-type": "text/event-stream" } });
+      },
+    });
+    gw2 = await startTestGateway({
+      aliases: { "svc-bad": chatAlias([{ baseUrl: `http://127.0.0.1:${bad.port}/v1` }]) },
+      plans: TEST_PLANS,
+      upstream: upstreamSettings({ attempts: 1 }),
+      responses: { enabled: true },
+    });
+  });
+  afterAll(async () => {
+    await gw2.stop();
+    bad.stop(true);
+  });
+
+  test("the response fails, and the request is recorded as the failed stream the client saw", async () => {
+    const before = (await usageRowsOf(gw2)).length;
+    const res = await post(gw2, "/v1/responses", org.personalKey, { model: "svc-bad", stream: true, input: "hi" });
+    expect(res.status).toBe(200);
+    const all = events(await res.text());
+    expect(all.slice(-2).map((e) => e.type)).toEqual(["response.failed", "error"]);
+    const rows = (await usageRowsOf(gw2)).slice(before);
+    expect(rows.map((r) => ({ status: r.status, streamed: r.streamed }))).toEqual([{ status: 503, streamed: true }]);
   });
 });
