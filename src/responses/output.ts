@@ -202,6 +202,19 @@ const hex = (bytes: number): string => Buffer.from(crypto.getRandomValues(new Ui
 /** Item ids: `msg_…`, `fc_…`, `rs_…` (OpenAI's prefixes) with 24 random bytes. */
 export const itemId = (prefix: "msg" | "fc" | "rs"): string => `${prefix}_${hex(24)}`;
 
+/**
+ * A function_call's call_id: the upstream's tool call id, unless it sent none
+ * or an earlier call of the same answer already has it (a server that numbers
+ * its calls, a model that writes the ids itself); then a new `call_…`. The
+ * SDKs key a response's calls by call_id (the openai SDK's stream helper
+ * refuses a repeated one), and a client answers each call by its id.
+ */
+export function callIdFor(upstream: string | undefined, used: Set<string>): string {
+  const id = upstream !== undefined && upstream !== "" && !used.has(upstream) ? upstream : `call_${hex(12)}`;
+  used.add(id);
+  return id;
+}
+
 /** A Response with no output yet (`response.created`), or the frame the final one is built in. */
 export function responseShell(meta: ResponseMeta, status: ResponseStatus): ResponseObject {
   const e = meta.echo;
@@ -325,9 +338,10 @@ export function responseFromChat(chat: Record<string, unknown>, meta: ResponseMe
     if (refusal) content.push({ type: "refusal", refusal });
     r.output.push({ type: "message", id: itemId("msg"), status: calls.length > 0 ? "completed" : itemStatus, role: "assistant", content });
   }
+  const callIds = new Set<string>();
   for (const call of calls) {
     const fn = isRecord(call.function) ? call.function : {};
-    const callId = str(call.id) || `call_${hex(12)}`;
+    const callId = callIdFor(str(call.id), callIds);
     r.output.push({ type: "function_call", id: itemId("fc"), call_id: callId, name: str(fn.name), arguments: argumentsText(fn.arguments), status: itemStatus });
   }
   return finish(r, end.status, { incomplete: end.incomplete, usage: usageFromChat(chat.usage) });

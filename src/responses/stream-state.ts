@@ -18,6 +18,7 @@
 import { isRecord } from "../lib/guards.ts";
 import {
   argumentsText,
+  callIdFor,
   endOf,
   type FunctionCallItem,
   finish,
@@ -110,6 +111,8 @@ export class ChatToResponses {
   private msg: OpenMessage | undefined;
   private rs: OpenReasoning | undefined;
   private readonly calls = new Map<number, Call>();
+  /** The call_ids given so far (at most MAX_CALLS): each call of the answer has its own. */
+  private readonly callIds = new Set<string>();
   private finishReason: unknown = null;
   private usage: ResponseUsage | undefined;
 
@@ -297,7 +300,7 @@ export class ChatToResponses {
     const item: FunctionCallItem = {
       type: "function_call",
       id: itemId("fc"),
-      call_id: call.callId ?? `call_${itemId("fc").slice(3, 27)}`,
+      call_id: callIdFor(call.callId, this.callIds),
       name: call.name,
       arguments: "",
       status: "in_progress",

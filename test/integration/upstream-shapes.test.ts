@@ -18,7 +18,10 @@ setDefaultTimeout(30_000);
  *  - `function.arguments` as a JSON object or array rather than a JSON string:
  *    every client gets the JSON text (the SDKs' types say string);
  *  - SSE comments (`: ping`) between chunks: chat passes them on as sent, a
- *    Responses stream as `: keep-alive`, in order, without a sequence_number.
+ *    Responses stream as `: keep-alive`, in order, without a sequence_number;
+ *  - parallel tool calls that share one id (a server that numbers its calls,
+ *    or a model that writes the ids itself and repeats one): chat passes them
+ *    on as sent, the Responses API gives each function_call its own call_id.
  */
 
 const ENC = new TextEncoder();
@@ -237,6 +240,85 @@ describe("tool-call arguments the upstream sends as a JSON object or array", () 
     for await (const part of r.fullStream) if (part.type === "tool-call") inputs.push(part.input);
     expect(errors).toEqual([]);
     expect(inputs).toEqual([ARGS, LIST, { city: "Bergen" }]);
+  });
+});
+
+describe("parallel tool calls sharing one id", () => {
+  // Seen failing before: both function_call items of a Responses answer carried call_id "call_0", and the
+  // openai SDK's responses.stream() threw "duplicate output item identity 'call:function_call:call_0'"
+  // (its accumulator keys items by call_id); a client answering both calls sent two outputs for one id.
+  const JSON_ANSWER = {
+    id: "c1",
+    object: "chat.completion",
+    created: 1,
+    model: CHAT_MODEL,
+    choices: [
+      {
+        index: 0,
+        message: {
+          role: "assistant",
+          content: null,
+          tool_calls: [
+            { id: "call_0", type: "function", function: { name: "get_weather", arguments: '{"city":"Oslo"}' } },
+            { id: "call_0", type: "function", function: { name: "get_weather", arguments: '{"city":"Bergen"}' } },
+          ],
+        },
+        finish_reason: "tool_calls",
+      },
+    ],
+    usage: { prompt_tokens: 7, completion_tokens: 9, total_tokens: 16 },
+  };
+  const STREAM = [
+    chunk({ role: "assistant", content: null }),
+    chunk({ tool_calls: [{ index: 0, id: "call_0", type: "function", function: { name: "get_weather", arguments: '{"city":"Oslo"}' } }] }),
+    chunk({ tool_calls: [{ index: 1, id: "call_0", type: "function", function: { name: "get_weather", arguments: '{"city":"Bergen"}' } }] }),
+    chunk({}, "tool_calls") + USAGE + DONE,
+  ];
+
+  beforeAll(() => {
+    script = { json: JSON_ANSWER, reads: STREAM };
+  });
+
+  /** The function_call items' call_ids: the first keeps the upstream's, the repeat gets a new `call_…`. */
+  function expectOwnIds(calls: Record<string, unknown>[]): void {
+    expect(calls.map((c) => c.arguments)).toEqual(['{"city":"Oslo"}', '{"city":"Bergen"}']);
+    expect(calls[0]?.call_id).toBe("call_0");
+    expect(calls[1]?.call_id).toMatch(/^call_[A-Za-z0-9]+$/);
+    expect(calls[1]?.call_id).not.toBe("call_0");
+  }
+
+  test("Responses, JSON and streamed: each function_call item has its own call_id", async () => {
+    const json = await post(gw, "/v1/responses", org.personalKey, { model: "svc-odd", input: "weather?", tools: TOOLS_RESPONSES, store: false });
+    expect(json.status).toBe(200);
+    expectOwnIds(arr(rec(await json.json()).output).map(rec));
+
+    const streamed = await post(gw, "/v1/responses", org.personalKey, { model: "svc-odd", input: "weather?", tools: TOOLS_RESPONSES, store: false, stream: true });
+    const all = events(await streamed.text());
+    const added = all.filter((e) => e.type === "response.output_item.added").map((e) => rec(e.item));
+    const done = all.filter((e) => e.type === "response.output_item.done").map((e) => rec(e.item));
+    const final = arr(rec(all.at(-1)?.response).output).map(rec);
+    expect(all.at(-1)?.type).toBe("response.completed");
+    expectOwnIds(final);
+    // The events name the same call_ids as the final response.
+    expect(added.map((i) => i.call_id)).toEqual(final.map((i) => i.call_id));
+    expect(done.map((i) => i.call_id)).toEqual(final.map((i) => i.call_id));
+  });
+
+  test("the openai SDK's responses.stream() and responses.create get two calls they can answer", async () => {
+    const client = new OpenAI({ baseURL: `${gw.url}/v1`, apiKey: org.personalKey, maxRetries: 0 });
+    const tools = [{ type: "function" as const, name: "get_weather", parameters: { type: "object", properties: { city: { type: "string" } } }, strict: false }];
+    const streamed = await client.responses.stream({ model: "svc-odd", input: "weather?", tools, store: false }).finalResponse();
+    const r = await client.responses.create({ model: "svc-odd", input: "weather?", tools, store: false });
+    for (const final of [streamed, r]) {
+      const ids = final.output.flatMap((i) => (i.type === "function_call" ? [i.call_id] : []));
+      expect(new Set(ids).size).toBe(2);
+    }
+  });
+
+  test("chat passes the ids on as sent", async () => {
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-odd", messages: [{ role: "user", content: "weather?" }], tools: TOOLS_CHAT });
+    const msg = rec(rec(arr(rec(await res.json()).choices)[0]).message);
+    expect(arr(msg.tool_calls).map((c) => rec(c).id)).toEqual(["call_0", "call_0"]);
   });
 });
 
