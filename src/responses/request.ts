@@ -99,6 +99,8 @@ const FunctionCallItem = T.Object(
     namespace: T.Optional(Nullable(T.String())),
     // The Agents SDK's programmatic tool calling echoes who made the call; nothing to forward.
     caller: T.Optional(JsonValue),
+    // A call of an asynchronous tool (the SDK's ResponseFunctionToolCall; the tool's own `async` is accepted too): nothing to forward.
+    async: T.Optional(Nullable(T.Boolean())),
   },
   Strict,
 );

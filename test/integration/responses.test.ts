@@ -406,7 +406,7 @@ describe("request translation (what the chat upstream receives)", () => {
     expect(sim.stats.requests).toBe(1 + 2);
   });
 
-  test("the SDK's other function-tool and tool-output fields are accepted and not forwarded; an image in a tool's output is refused with why", async () => {
+  test("the SDK's other function-tool, tool-call and tool-output fields are accepted and not forwarded; an image in a tool's output is refused with why", async () => {
     const tool = {
       type: "function",
       name: "lookup",
@@ -419,7 +419,8 @@ describe("request translation (what the chat upstream receives)", () => {
     };
     const input = [
       { role: "user", content: "look it up" },
-      { type: "function_call", call_id: "call_1", name: "lookup", arguments: "{}" },
+      // `async` is the SDK's ResponseFunctionToolCall field (an asynchronous tool's call, echoed back): was 400 "input[1].async".
+      { type: "function_call", call_id: "call_1", name: "lookup", arguments: "{}", async: false },
       { type: "function_call_output", call_id: "call_1", output: "42", name: "lookup", namespace: null },
     ];
     const res = await create({ model: "svc-fast", input, tools: [tool], store: false });
@@ -427,7 +428,10 @@ describe("request translation (what the chat upstream receives)", () => {
     await res.text();
     const sent = upstreamBody();
     expect(sent.tools).toEqual([{ type: "function", function: { name: "lookup", parameters: { type: "object", properties: {} }, strict: true } }]);
-    expect(arr(sent.messages).at(-1)).toEqual({ role: "tool", tool_call_id: "call_1", content: "42" });
+    expect(arr(sent.messages).slice(1)).toEqual([
+      { role: "assistant", content: null, tool_calls: [{ id: "call_1", type: "function", function: { name: "lookup", arguments: "{}" } }] },
+      { role: "tool", tool_call_id: "call_1", content: "42" },
+    ]);
     // Chat upstreams take text only in a tool result: the refusal says so and names the part.
     const image = [...input.slice(0, 2), { type: "function_call_output", call_id: "call_1", output: [{ type: "input_text", text: "see" }, { type: "input_image", image_url: "data:image/png;base64,AAAA" }] }];
     const refused = await create({ model: "svc-fast", input: image, tools: [tool], store: false });
