@@ -32,7 +32,12 @@ export interface ResponseEcho {
   temperature: number | null;
   top_logprobs: number | null;
   top_p: number | null;
-  tool_choice: "auto" | "none" | "required" | { type: "function"; name: string };
+  tool_choice:
+    | "auto"
+    | "none"
+    | "required"
+    | { type: "function"; name: string }
+    | { type: "allowed_tools"; mode: "auto" | "required"; tools: Array<{ type: "function"; name: string }> };
   tools: Array<{ type: "function"; name: string; description: string | null; parameters: Record<string, unknown> | null; strict: boolean | null }>;
   text: {
     format:

@@ -187,7 +187,22 @@ export type FunctionTool = Static<typeof FunctionTool>;
 
 const FunctionChoice = T.Object({ type: T.Literal("function"), name: T.String({ minLength: 1 }) }, Strict);
 const functionChoiceCheck = TypeCompiler.Compile(FunctionChoice);
-const ToolChoice = T.Union([T.Literal("auto"), T.Literal("none"), T.Literal("required"), FunctionChoice]);
+/**
+ * OpenAI's ToolChoiceAllowed (the Vercel AI SDK's `allowedTools`): the model may
+ * call only these of the request's tools, as `mode` says. Function tools only,
+ * by name (hosted entries are refused as hosted tools are).
+ */
+const AllowedChoice = T.Object(
+  {
+    type: T.Literal("allowed_tools"),
+    mode: T.Union([T.Literal("auto"), T.Literal("required")]),
+    tools: T.Array(T.Object({ type: T.Literal("function"), name: T.String({ minLength: 1 }) }, Strict), { minItems: 1 }),
+  },
+  Strict,
+);
+const allowedChoiceCheck = TypeCompiler.Compile(AllowedChoice);
+export type AllowedToolChoice = Static<typeof AllowedChoice>;
+const ToolChoice = T.Union([T.Literal("auto"), T.Literal("none"), T.Literal("required"), FunctionChoice, AllowedChoice]);
 
 const TextFormat = T.Union([
   T.Object({ type: T.Literal("text") }, Strict),
@@ -413,6 +428,42 @@ function checkTools(tools: Record<string, unknown>[]): void {
   }
 }
 
+/** Names shown in a message: the first few, each cut short (they come from the client). */
+const someNames = (names: readonly string[]): string =>
+  names
+    .slice(0, 5)
+    .map((n) => `'${n.slice(0, 64)}'`)
+    .join(", ") + (names.length > 5 ? ", …" : "");
+
+/** A tool_choice object (`tools` already checked): a function by name, or allowed_tools naming at least one of the request's function tools. */
+function checkToolChoice(choice: Record<string, unknown>, tools: readonly Record<string, unknown>[]): void {
+  if (choice.type === "allowed_tools") {
+    if (Array.isArray(choice.tools)) {
+      for (const [i, entry] of choice.tools.entries()) {
+        if (isRecord(entry) && typeof entry.type === "string" && entry.type !== "function") {
+          throw invalid(
+            `tool_choice.tools[${i}].type`,
+            `The allowed tool type '${entry.type}' is not supported: this gateway serves function tools only (no hosted tools such as web_search, file_search or code_interpreter).`,
+          );
+        }
+      }
+    }
+    const err = firstError(allowedChoiceCheck, choice, "/tool_choice");
+    if (err) throw err;
+    const allowed = (choice as AllowedToolChoice).tools.map((t) => t.name);
+    // Names that are not among the tools allow nothing more (the Vercel AI SDK sends such a name with a warning); none at all allows nothing.
+    if (!tools.some((t) => allowed.includes(String(t.name)))) {
+      throw invalid("tool_choice.tools", `None of the allowed tools (${someNames(allowed)}) is one of this request's function tools: name tools from 'tools'.`);
+    }
+    return;
+  }
+  if (choice.type !== "function") {
+    throw invalid("tool_choice", `The tool_choice type '${String(choice.type)}' is not supported: name a function tool, allowed_tools, or auto, none or required.`);
+  }
+  const err = firstError(functionChoiceCheck, choice, "/tool_choice");
+  if (err) throw err;
+}
+
 /** Validates a Responses body or throws a 400 AppError whose `param` names the field in the Responses format. */
 export function parseResponsesBody(raw: unknown): ResponsesBody {
   if (!isRecord(raw)) throw new AppError("invalid_request_error", "The request body must be a JSON object.");
@@ -451,12 +502,7 @@ export function parseResponsesBody(raw: unknown): ResponsesBody {
   if (raw.background === true) throw invalid("background", "Background responses are not supported by this gateway; send the request without background (streaming keeps long answers alive).");
   if (Array.isArray(raw.input)) checkInput(raw.input as Record<string, unknown>[]);
   if (Array.isArray(raw.tools)) checkTools(raw.tools as Record<string, unknown>[]);
-  const choice = raw.tool_choice;
-  if (isRecord(choice) && choice.type !== "function") {
-    throw invalid("tool_choice", `The tool_choice type '${String(choice.type)}' is not supported: name a function tool, or auto, none or required.`);
-  }
-  const choiceErr = isRecord(choice) ? firstError(functionChoiceCheck, choice, "/tool_choice") : undefined;
-  if (choiceErr) throw choiceErr;
+  if (isRecord(raw.tool_choice)) checkToolChoice(raw.tool_choice, Array.isArray(raw.tools) ? (raw.tools as Record<string, unknown>[]) : []);
   if (raw.input === undefined && raw.previous_response_id == null) throw invalid("input", "Missing required parameter: 'input'.");
   return raw as ResponsesBody;
 }

@@ -12,7 +12,8 @@ import { type ContentPart, type FunctionTool, type InputItem, isItemReference, t
  * fields (`messages[3].content[0]`, `max_tokens`); `responsesError` names the
  * Responses field they came from (`input[2].content[0]`, `max_output_tokens`).
  *
- * Forwarded: input/instructions (as messages), tools, tool_choice,
+ * Forwarded: input/instructions (as messages), tools (with allowed_tools: the
+ * allowed ones), tool_choice (allowed_tools: its mode),
  * parallel_tool_calls, text.format (response_format), max_output_tokens
  * (max_tokens), temperature, top_p, reasoning.effort (vLLM's
  * reasoning_effort), user (or else safety_identifier, as user), moderation. Everything
@@ -172,8 +173,18 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
 
   const chat: Record<string, unknown> = { model: body.model, messages };
   if (body.stream === true) chat.stream = true;
-  if (body.tools && body.tools.length > 0) {
-    chat.tools = body.tools.map((t) => ({
+  const choice = body.tool_choice;
+  // allowed_tools: only the allowed tools are offered (chat has no allow-list), the others are not sent.
+  const allowed = typeof choice === "object" && choice.type === "allowed_tools" ? new Set(choice.tools.map((t) => t.name)) : undefined;
+  /** Per tool sent upstream: its index in the request's tools (see param()). */
+  const toolOrigin: number[] = [];
+  const offered = (body.tools ?? []).filter((t, i) => {
+    if (allowed && !allowed.has(t.name)) return false;
+    toolOrigin.push(i);
+    return true;
+  });
+  if (offered.length > 0) {
+    chat.tools = offered.map((t) => ({
       type: "function",
       function: {
         name: t.name,
@@ -183,8 +194,9 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
       },
     }));
   }
-  const choice = body.tool_choice;
-  if (choice !== undefined) chat.tool_choice = typeof choice === "string" ? choice : { type: "function", function: { name: choice.name } };
+  if (choice !== undefined) {
+    chat.tool_choice = typeof choice === "string" ? choice : choice.type === "allowed_tools" ? choice.mode : { type: "function", function: { name: choice.name } };
+  }
   if (body.parallel_tool_calls != null) chat.parallel_tool_calls = body.parallel_tool_calls;
   const format = body.text?.format;
   if (format?.type === "json_object") chat.response_format = { type: "json_object" };
@@ -251,7 +263,7 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
     user: body.user ?? null,
   };
 
-  return { chat, echo, inputItems: storedItems(input), param: (p) => responsesParam(p, origin) };
+  return { chat, echo, inputItems: storedItems(input), param: (p) => responsesParam(p, origin, toolOrigin) };
 }
 
 /** A function_call_output that answers no function_call just before it (other calls and outputs between), in OpenAI's Responses words. */
@@ -270,13 +282,18 @@ const RENAMES: [RegExp, string][] = [
   [/^response_format(\.json_schema)?/, "text.format"],
   [/^reasoning_effort$/, "reasoning.effort"],
   [/^tool_choice\.function\.name$/, "tool_choice.name"],
-  [/^(tools\[\d+\])\.function/, "$1"],
   [/^stream_options.*$/, "stream"],
 ];
 
-/** A chat field's path → the Responses field it was translated from. */
-export function responsesParam(param: string | null, origin: readonly string[]): string | null {
+/**
+ * A chat field's path → the Responses field it was translated from. `origin`:
+ * per chat message, where it came from; `toolOrigin`: per chat tool, its index
+ * in the request's tools (they differ when allowed_tools left some out).
+ */
+export function responsesParam(param: string | null, origin: readonly string[], toolOrigin: readonly number[] = []): string | null {
   if (param === null) return null;
+  const tool = /^tools\[(\d+)\](?:\.function)?(.*)$/.exec(param);
+  if (tool) return `tools[${toolOrigin[Number(tool[1])] ?? tool[1]}]${tool[2]}`;
   const m = /^messages\[(\d+)\](.*)$/.exec(param);
   if (m) {
     const from = origin[Number(m[1])] ?? "input";

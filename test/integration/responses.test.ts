@@ -459,6 +459,25 @@ describe("request translation (what the chat upstream receives)", () => {
     expect({ status: json.status, output: statuses(json) }).toEqual({ status: "incomplete", output: expected });
   });
 
+  test("tool_choice allowed_tools (the Vercel AI SDK's allowedTools): the upstream gets only the allowed function tools and the mode as tool_choice; the Response echoes it as sent", async () => {
+    // Seen failing before: 400 "The tool_choice type 'allowed_tools' is not supported" (param tool_choice).
+    const fn = (name: string) => ({ type: "function", name, parameters: { type: "object", properties: {} }, strict: false });
+    const tools = [fn("get_weather"), fn("get_time"), fn("get_news")];
+    for (const mode of ["auto", "required"] as const) {
+      // A name that is not among the tools (the Vercel AI SDK sends such a one with a warning) allows nothing more.
+      const tool_choice = { type: "allowed_tools", mode, tools: [{ type: "function", name: "get_news" }, { type: "function", name: "get_weather" }, { type: "function", name: "nope" }] };
+      const res = await create({ model: "svc-fast", input: "hi", tools, tool_choice, store: false });
+      expect(res.status).toBe(200);
+      const r = rec(await res.json());
+      const sent = upstreamBody();
+      // In the request's order; the others are not offered.
+      expect(arr(sent.tools).map((t) => rec(rec(t).function).name)).toEqual(["get_weather", "get_news"]);
+      expect(sent.tool_choice).toBe(mode);
+      expect(r.tool_choice).toEqual(tool_choice);
+      expect(arr(r.tools).map((t) => rec(t).name)).toEqual(["get_weather", "get_time", "get_news"]);
+    }
+  });
+
   test("json_object format and tool_choice strings pass; the gateway's max_tokens bound under a quota applies", async () => {
     const quoted = await seedTestOrg(gw.database, { quotaTokens: 1_000_000 });
     const res = await create({ model: "svc-fast", input: "hi", text: { format: { type: "json_object" } }, tool_choice: "none", store: false }, quoted.personalKey);
@@ -483,6 +502,25 @@ describe("validation: 400 with the Responses param", () => {
     ["a function name with a space", { ...base, tools: [{ type: "function", name: "get weather" }] }, "tools[0].name", "letters, digits"],
     ["tool_choice required without tools", { ...base, tool_choice: "required" }, "tool_choice", "only allowed when 'tools'"],
     ["tool_choice naming a function not in tools", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "function", name: "g" } }, "tool_choice.name", "'g'"],
+    // allowed_tools: function tools only, in the SDK's shape, and at least one of them among the request's tools.
+    [
+      "allowed_tools naming a hosted tool",
+      { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "function", name: "f" }, { type: "web_search" }] } },
+      "tool_choice.tools[1].type",
+      "web_search",
+    ],
+    ["allowed_tools with an unknown field", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "function", name: "f" }], evil: 1 } }, "tool_choice.evil"],
+    ["allowed_tools with another mode", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "none", tools: [{ type: "function", name: "f" }] } }, "tool_choice.mode"],
+    ["allowed_tools with no tools", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [] } }, "tool_choice.tools"],
+    ["allowed_tools naming none of the request's tools", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "required", tools: [{ type: "function", name: "g" }] } }, "tool_choice.tools", "'g'"],
+    ["allowed_tools without tools", { ...base, tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "function", name: "g" }] } }, "tool_choice.tools"],
+    // A chat rule on an allowed tool names its place in the request's tools, not in the ones sent upstream.
+    [
+      "a chat rule on an allowed tool",
+      { ...base, tools: [{ type: "function", name: "f" }, { type: "function", name: "get weather" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "function", name: "get weather" }] } },
+      "tools[1].name",
+      "letters, digits",
+    ],
     ["input_file", { ...base, input: [{ role: "user", content: [{ type: "input_file", file_id: "file-1" }] }] }, "input[0].content[0]", "files API"],
     ["an image by file_id", { ...base, input: [{ role: "user", content: [{ type: "input_image", file_id: "file-1" }] }] }, "input[0].content[0].file_id", "files API"],
     ["an image in a system message", { ...base, input: [{ role: "system", content: [{ type: "input_image", image_url: "https://x.example/a.png" }] }] }, "input[0].content[0].type"],

@@ -286,6 +286,37 @@ for (const [api, model] of apis) {
   });
 }
 
+describe("Vercel AI SDK, Responses API only: openai.responses(id)", () => {
+  const clock = tool({ description: "The current time in a city", inputSchema: z.object({ city: z.string() }), execute: async ({ city }) => ({ city, time: "12:00" }) });
+
+  test("generateText and streamText with openai.responses(id): text, finish reason, usage", async () => {
+    const r = await generateText({ model: openai.responses("svc-fast"), prompt: "Say hi" });
+    expect([r.text, r.finishReason, r.usage.outputTokens]).toEqual([TEXT, "stop", 6]);
+    const s = streamText({ model: openai.responses("svc-fast"), prompt: "Say hi" });
+    expect([await s.text, await s.finishReason, (await s.usage).outputTokens]).toEqual([TEXT, "stop", 6]);
+  });
+
+  test("providerOptions.openai.allowedTools: only the allowed tool is offered and called, generateText and streamText", async () => {
+    // Seen failing before: APICallError 400 "The tool_choice type 'allowed_tools' is not supported".
+    const tools = { get_time: clock, get_weather: weather };
+    const providerOptions = { openai: { allowedTools: { toolNames: ["get_weather"], mode: "required" as const } } };
+    const r = await generateText({ model: openai.responses("svc-fast"), prompt: "What's the weather in Paris?", tools, providerOptions, stopWhen: isStepCount(1) });
+    expect(r.toolCalls.map((c) => c.toolName)).toEqual(["get_weather"]);
+    expect(r.warnings).toEqual([]);
+    const up = lastUpstream();
+    expect(arr(up.tools).map((t) => rec(rec(t).function).name)).toEqual(["get_weather"]);
+    expect(up.tool_choice).toBe("required");
+
+    const s = streamText({ model: openai.responses("svc-fast"), prompt: "What's the weather in Paris?", tools, providerOptions, stopWhen: isStepCount(1) });
+    const calls: string[] = [];
+    for await (const part of s.fullStream) {
+      if (part.type === "tool-call") calls.push(part.toolName);
+      if (part.type === "error") throw part.error;
+    }
+    expect(calls).toEqual(["get_weather"]);
+  });
+});
+
 describe("Vercel AI SDK: rate limit and quota", () => {
   // The AI SDK retries every 429 (it does not read x-should-retry), after
   // retry-after when that is at most 60 s, else after 2 s and 4 s: these
