@@ -37,7 +37,7 @@ export interface ResponseEcho {
     | "none"
     | "required"
     | { type: "function"; name: string }
-    | { type: "allowed_tools"; mode: "auto" | "required"; tools: Array<{ type: "function"; name: string }> };
+    | { type: "allowed_tools"; mode: "auto" | "required"; tools: Array<{ type: "function"; name: string } | { type: string }> };
   tools: Array<{ type: "function"; name: string; description: string | null; parameters: Record<string, unknown> | null; strict: boolean | null }>;
   text: {
     format:

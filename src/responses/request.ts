@@ -14,7 +14,8 @@ import { JsonValue } from "../lib/json-value.ts";
  * names the exact field (`input[2].content[0].text`).
  *
  * What the gateway cannot do is refused by name: `background`, hosted tools
- * (`web_search`, `file_search`, …), `input_file` parts and `file_id` images
+ * (`file_search`, `code_interpreter`, …; web search is accepted and not
+ * offered, see WebSearchTool), `input_file` parts and `file_id` images
  * (there is no files API), reusable `prompt`s, `conversation`s and access
  * programs other than the standard one.
  */
@@ -185,24 +186,45 @@ const FunctionTool = T.Object(
 const functionToolCheck = TypeCompiler.Compile(FunctionTool);
 export type FunctionTool = Static<typeof FunctionTool>;
 
+/** OpenAI's web search tools (WebSearchTool, WebSearchPreviewTool), by every name the SDK gives them. */
+const WEB_SEARCH_TYPES: readonly string[] = ["web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11"];
+export const isWebSearchType = (type: unknown): boolean => typeof type === "string" && WEB_SEARCH_TYPES.includes(type);
+/**
+ * A web search tool: accepted and not offered to the model (the gateway has no
+ * search; with `auto`, an answer without a search is one the API may give).
+ * Codex CLI sends one by default. Its settings are not used, so not checked
+ * beyond being bounded JSON: the SDKs send fields the SDK's types do not
+ * declare (Codex `search_content_types` on `web_search`, the Vercel AI SDK
+ * `filters.blocked_domains`).
+ */
+const WebSearchTool = T.Object({ type: T.String() }, { additionalProperties: JsonValue });
+const webSearchToolCheck = TypeCompiler.Compile(WebSearchTool);
+export type WebSearchTool = { type: string } & Record<string, unknown>;
+
 const FunctionChoice = T.Object({ type: T.Literal("function"), name: T.String({ minLength: 1 }) }, Strict);
 const functionChoiceCheck = TypeCompiler.Compile(FunctionChoice);
 /**
  * OpenAI's ToolChoiceAllowed (the Vercel AI SDK's `allowedTools`): the model may
- * call only these of the request's tools, as `mode` says. Function tools only,
- * by name (hosted entries are refused as hosted tools are).
+ * call only these of the request's tools, as `mode` says. Function tools by
+ * name; a web search entry allows nothing (there is no search); other hosted
+ * entries are refused as hosted tools are.
  */
+const AllowedFunction = T.Object({ type: T.Literal("function"), name: T.String({ minLength: 1 }) }, Strict);
+const AllowedWebSearch = T.Object({ type: T.String() }, Strict);
+const allowedFunctionCheck = TypeCompiler.Compile(AllowedFunction);
+const allowedWebSearchCheck = TypeCompiler.Compile(AllowedWebSearch);
 const AllowedChoice = T.Object(
   {
     type: T.Literal("allowed_tools"),
     mode: T.Union([T.Literal("auto"), T.Literal("required")]),
-    tools: T.Array(T.Object({ type: T.Literal("function"), name: T.String({ minLength: 1 }) }, Strict), { minItems: 1 }),
+    // Each entry checked by its type afterwards (checkToolChoice).
+    tools: T.Array(T.Object({ type: T.String() }), { minItems: 1 }),
   },
   Strict,
 );
 const allowedChoiceCheck = TypeCompiler.Compile(AllowedChoice);
-export type AllowedToolChoice = Static<typeof AllowedChoice>;
-const ToolChoice = T.Union([T.Literal("auto"), T.Literal("none"), T.Literal("required"), FunctionChoice, AllowedChoice]);
+export type AllowedToolChoice = { type: "allowed_tools"; mode: "auto" | "required"; tools: Array<Static<typeof AllowedFunction> | Static<typeof AllowedWebSearch>> };
+const ToolChoice = T.Union([T.Literal("auto"), T.Literal("none"), T.Literal("required"), FunctionChoice]);
 
 const TextFormat = T.Union([
   T.Object({ type: T.Literal("text") }, Strict),
@@ -237,9 +259,9 @@ const Body = T.Object(
     stream: T.Optional(Nullable(T.Boolean())),
     stream_options: T.Optional(Nullable(T.Object({ include_obfuscation: T.Optional(Nullable(T.Boolean())) }, Strict))),
     background: T.Optional(Nullable(T.Boolean())),
-    // Dispatched by tool type afterwards: function tools pass, hosted tools are refused by name.
+    // Dispatched by tool type afterwards: function tools pass, web search is accepted and not offered, other hosted tools are refused by name.
     tools: T.Optional(T.Array(T.Object({ type: T.String() }))),
-    tool_choice: T.Optional(T.Union([ToolChoice, T.Object({ type: T.String() })])),
+    tool_choice: T.Optional(T.Union([ToolChoice, AllowedChoice, T.Object({ type: T.String() })])),
     parallel_tool_calls: T.Optional(Nullable(T.Boolean())),
     max_tool_calls: T.Optional(Nullable(T.Integer({ minimum: 1 }))),
     text: T.Optional(Nullable(T.Object({ format: T.Optional(Nullable(TextFormat)), verbosity: T.Optional(Nullable(T.String())) }, Strict))),
@@ -305,9 +327,11 @@ const Body = T.Object(
 
 export type ResponsesBody = Omit<Static<typeof Body>, "input" | "tools" | "tool_choice"> & {
   input?: string | RequestItem[];
-  tools?: FunctionTool[];
-  tool_choice?: Static<typeof ToolChoice>;
+  tools?: (FunctionTool | WebSearchTool)[];
+  tool_choice?: Static<typeof ToolChoice> | AllowedToolChoice;
 };
+
+export const isFunctionTool = (t: FunctionTool | WebSearchTool): t is FunctionTool => t.type === "function";
 
 /** For the OpenAPI document. */
 export const ResponsesBodySchema = Body;
@@ -415,15 +439,13 @@ function checkInput(input: Record<string, unknown>[]): void {
   }
 }
 
+const HOSTED = "this gateway serves function tools only (no hosted tools such as file_search or code_interpreter; web search is accepted and not offered)";
+
 function checkTools(tools: Record<string, unknown>[]): void {
   for (const [i, tool] of tools.entries()) {
-    if (tool.type !== "function") {
-      throw invalid(
-        `tools[${i}].type`,
-        `The tool type '${String(tool.type)}' is not supported: this gateway serves function tools only (no hosted tools such as web_search, file_search or code_interpreter).`,
-      );
-    }
-    const err = firstError(functionToolCheck, tool, `/tools/${i}`);
+    const search = isWebSearchType(tool.type);
+    if (tool.type !== "function" && !search) throw invalid(`tools[${i}].type`, `The tool type '${String(tool.type)}' is not supported: ${HOSTED}.`);
+    const err = firstError(search ? webSearchToolCheck : functionToolCheck, tool, `/tools/${i}`);
     if (err) throw err;
   }
 }
@@ -438,22 +460,19 @@ const someNames = (names: readonly string[]): string =>
 /** A tool_choice object (`tools` already checked): a function by name, or allowed_tools naming at least one of the request's function tools. */
 function checkToolChoice(choice: Record<string, unknown>, tools: readonly Record<string, unknown>[]): void {
   if (choice.type === "allowed_tools") {
-    if (Array.isArray(choice.tools)) {
-      for (const [i, entry] of choice.tools.entries()) {
-        if (isRecord(entry) && typeof entry.type === "string" && entry.type !== "function") {
-          throw invalid(
-            `tool_choice.tools[${i}].type`,
-            `The allowed tool type '${entry.type}' is not supported: this gateway serves function tools only (no hosted tools such as web_search, file_search or code_interpreter).`,
-          );
-        }
-      }
-    }
     const err = firstError(allowedChoiceCheck, choice, "/tool_choice");
     if (err) throw err;
-    const allowed = (choice as AllowedToolChoice).tools.map((t) => t.name);
+    const allowed: string[] = [];
+    for (const [i, entry] of (choice.tools as Record<string, unknown>[]).entries()) {
+      const search = isWebSearchType(entry.type);
+      if (entry.type !== "function" && !search) throw invalid(`tool_choice.tools[${i}].type`, `The allowed tool type '${String(entry.type)}' is not supported: ${HOSTED}.`);
+      const e = firstError(search ? allowedWebSearchCheck : allowedFunctionCheck, entry, `/tool_choice/tools/${i}`);
+      if (e) throw e;
+      if (!search) allowed.push(String(entry.name));
+    }
     // Names that are not among the tools allow nothing more (the Vercel AI SDK sends such a name with a warning); none at all allows nothing.
-    if (!tools.some((t) => allowed.includes(String(t.name)))) {
-      throw invalid("tool_choice.tools", `None of the allowed tools (${someNames(allowed)}) is one of this request's function tools: name tools from 'tools'.`);
+    if (!tools.some((t) => t.type === "function" && allowed.includes(String(t.name)))) {
+      throw invalid("tool_choice.tools", `None of the allowed tools (${someNames(allowed)}) is one of this request's function tools: name function tools from 'tools'.`);
     }
     return;
   }

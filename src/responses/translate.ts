@@ -2,7 +2,16 @@ import { toolAnswerProblem } from "../inference/model.ts";
 import { AppError } from "../lib/errors.ts";
 import { isRecord } from "../lib/guards.ts";
 import type { ResponseEcho } from "./output.ts";
-import { type ContentPart, type FunctionTool, type InputItem, isItemReference, type MessageItem, type RequestItem, type ResponsesBody } from "./request.ts";
+import {
+  type ContentPart,
+  type FunctionTool,
+  type InputItem,
+  isFunctionTool,
+  isItemReference,
+  type MessageItem,
+  type RequestItem,
+  type ResponsesBody,
+} from "./request.ts";
 
 /**
  * A Responses request → the chat completions body the upstream gets (the
@@ -104,8 +113,11 @@ function oneOf<V extends string>(v: string | null | undefined, values: readonly 
   return values.find((x) => x === v) ?? null;
 }
 
-function echoTools(tools: FunctionTool[] | undefined): ResponseEcho["tools"] {
-  return (tools ?? []).map((t) => ({ type: "function", name: t.name, description: t.description ?? null, parameters: t.parameters ?? null, strict: t.strict ?? null }));
+/** The tools the model had: the function tools (web search is not offered). */
+function echoTools(tools: ResponsesBody["tools"]): ResponseEcho["tools"] {
+  return (tools ?? [])
+    .filter(isFunctionTool)
+    .map((t: FunctionTool) => ({ type: "function", name: t.name, description: t.description ?? null, parameters: t.parameters ?? null, strict: t.strict ?? null }));
 }
 
 /**
@@ -174,15 +186,17 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
   const chat: Record<string, unknown> = { model: body.model, messages };
   if (body.stream === true) chat.stream = true;
   const choice = body.tool_choice;
-  // allowed_tools: only the allowed tools are offered (chat has no allow-list), the others are not sent.
-  const allowed = typeof choice === "object" && choice.type === "allowed_tools" ? new Set(choice.tools.map((t) => t.name)) : undefined;
+  // Function tools only (web search is not offered); with allowed_tools only the allowed ones (chat has no allow-list).
+  const allowed =
+    typeof choice === "object" && choice.type === "allowed_tools" ? new Set(choice.tools.flatMap((t) => ("name" in t && typeof t.name === "string" ? [t.name] : []))) : undefined;
   /** Per tool sent upstream: its index in the request's tools (see param()). */
   const toolOrigin: number[] = [];
-  const offered = (body.tools ?? []).filter((t, i) => {
-    if (allowed && !allowed.has(t.name)) return false;
+  const offered: FunctionTool[] = [];
+  for (const [i, t] of (body.tools ?? []).entries()) {
+    if (!isFunctionTool(t) || (allowed && !allowed.has(t.name))) continue;
+    offered.push(t);
     toolOrigin.push(i);
-    return true;
-  });
+  }
   if (offered.length > 0) {
     chat.tools = offered.map((t) => ({
       type: "function",

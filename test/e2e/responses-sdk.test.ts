@@ -111,7 +111,7 @@ describe("openai SDK: client.responses", () => {
       (e: unknown) => e,
     );
     expect(unknown).toBeInstanceOf(OpenAI.NotFoundError);
-    const hosted = await client.responses.create({ model: "svc-fast", input: "x", tools: [{ type: "web_search" }] }).then(
+    const hosted = await client.responses.create({ model: "svc-fast", input: "x", tools: [{ type: "file_search", vector_store_ids: ["vs_1"] }] }).then(
       () => null,
       (e: unknown) => e,
     );

@@ -465,8 +465,13 @@ describe("request translation (what the chat upstream receives)", () => {
     const tools = [fn("get_weather"), fn("get_time"), fn("get_news")];
     for (const mode of ["auto", "required"] as const) {
       // A name that is not among the tools (the Vercel AI SDK sends such a one with a warning) allows nothing more.
-      const tool_choice = { type: "allowed_tools", mode, tools: [{ type: "function", name: "get_news" }, { type: "function", name: "get_weather" }, { type: "function", name: "nope" }] };
-      const res = await create({ model: "svc-fast", input: "hi", tools, tool_choice, store: false });
+      // A web search entry allows nothing (there is no search, as a web search tool is not offered).
+      const tool_choice = {
+        type: "allowed_tools",
+        mode,
+        tools: [{ type: "function", name: "get_news" }, { type: "function", name: "get_weather" }, { type: "function", name: "nope" }, { type: "web_search" }],
+      };
+      const res = await create({ model: "svc-fast", input: "hi", tools: [...tools, { type: "web_search" }], tool_choice, store: false });
       expect(res.status).toBe(200);
       const r = rec(await res.json());
       const sent = upstreamBody();
@@ -490,13 +495,105 @@ describe("request translation (what the chat upstream receives)", () => {
   });
 });
 
+describe("Codex CLI's request (codex-rs: ResponsesApiRequest and ResponseItem as serde writes them)", () => {
+  // Codex is not installed here: these are the bodies its Rust structs serialize to (codex-rs/codex-api
+  // common.rs, codex-rs/protocol models.rs) and the fields its SSE reader (sse/responses.rs) parses.
+  const SHELL = {
+    type: "function",
+    name: "shell",
+    description: "Runs a shell command and returns its output.",
+    strict: false,
+    parameters: { type: "object", properties: { command: { type: "array", items: { type: "string" } }, workdir: { type: "string" } }, required: ["command"], additionalProperties: false },
+  };
+  const body = (tools: unknown[]) => ({
+    model: "svc-fast",
+    instructions: "You are Codex, a coding agent.",
+    input: [
+      { type: "message", role: "developer", content: [{ type: "input_text", text: "<permissions instructions>" }] },
+      { type: "message", role: "user", content: [{ type: "input_text", text: "List the files." }] },
+      // Ids are skip_serializing; a reasoning item's encrypted_content is null when absent.
+      { type: "reasoning", summary: [{ type: "summary_text", text: "Run ls." }], encrypted_content: null },
+      { type: "function_call", name: "shell", arguments: '{"command":["ls"]}', call_id: "call_1" },
+      { type: "function_call_output", call_id: "call_1", output: "a.txt" },
+      { type: "message", role: "assistant", content: [{ type: "output_text", text: "One file." }] },
+      { type: "message", role: "user", content: [{ type: "input_text", text: "Say hi" }] },
+    ],
+    tools,
+    tool_choice: "auto",
+    parallel_tool_calls: false,
+    reasoning: null,
+    store: false,
+    stream: true,
+    include: [],
+    prompt_cache_key: "0199a2b3-1c2d-7e8f-9a0b-1c2d3e4f5a6b",
+  });
+
+  test("the default tools (function tools and web search in its cached mode): a stream Codex reads to response.completed; web search is not offered upstream", async () => {
+    // Seen failing before: 400 "The tool type 'web_search' is not supported" (param tools[1].type). Codex adds
+    // {"type": "web_search", "external_web_access": false} by default for every provider but Azure (its web
+    // search mode "cached"), so every request of an unchanged Codex was refused.
+    const res = await create(body([SHELL, { type: "web_search", external_web_access: false }]));
+    expect(res.status).toBe(200);
+    const events = (await res.text())
+      .split("\n\n")
+      .filter((e) => e.trim() !== "")
+      .map((e) => rec(JSON.parse(e.split("\n").find((l) => l.startsWith("data: "))?.slice(6) ?? "null")));
+    // What Codex's reader needs: response.created, output_text deltas, each output_item.done a ResponseItem it
+    // parses (a message of output_text parts), and response.completed with an id and usage (all five counts).
+    expect(events[0]?.type).toBe("response.created");
+    const text = events.filter((e) => e.type === "response.output_text.delta").map((e) => e.delta);
+    expect(text.join("")).toBe("token0 token1 token2 token3 token4 ");
+    const done = events.filter((e) => e.type === "response.output_item.done").map((e) => rec(e.item));
+    expect(done.map((i) => [i.type, i.role, arr(i.content).map((c) => rec(c).type)])).toEqual([["message", "assistant", ["output_text"]]]);
+    const completed = events.at(-1);
+    expect(completed?.type).toBe("response.completed");
+    const r = rec(completed?.response);
+    expect(String(r.id)).toMatch(/^resp_/);
+    const usage = rec(r.usage);
+    for (const n of [usage.input_tokens, usage.output_tokens, usage.total_tokens, rec(usage.input_tokens_details).cached_tokens, rec(usage.output_tokens_details).reasoning_tokens]) {
+      expect(Number.isInteger(n)).toBe(true);
+    }
+    // Upstream: the function tool only; the conversation as chat messages (the reasoning item dropped).
+    const sent = upstreamBody();
+    expect(arr(sent.tools).map((t) => rec(rec(t).function).name)).toEqual(["shell"]);
+    expect(sent.tool_choice).toBe("auto");
+    expect(sent.parallel_tool_calls).toBe(false);
+    expect(arr(sent.messages).map((m) => rec(m).role)).toEqual(["system", "system", "user", "assistant", "tool", "assistant", "user"]);
+    // The Response lists the tools the model had.
+    expect(arr(r.tools).map((t) => rec(t).name)).toEqual(["shell"]);
+  });
+
+  test("web search in every form the SDKs send (live, the preview tool, dated names, their settings) is accepted and not offered; other hosted tools are still refused", async () => {
+    const searches = [
+      { type: "web_search" },
+      { type: "web_search", external_web_access: true, search_content_types: ["text", "image"] },
+      { type: "web_search_2025_08_26", filters: { allowed_domains: ["example.com"], blocked_domains: ["bad.example"] }, search_context_size: "low" },
+      { type: "web_search_preview", user_location: { type: "approximate", city: "Oslo", country: "NO", region: null, timezone: "Europe/Oslo" } },
+      { type: "web_search_preview_2025_03_11", search_context_size: "high" },
+    ];
+    for (const search of searches) {
+      const res = await create({ model: "svc-fast", input: "hi", tools: [search], store: false, include: ["web_search_call.action.sources"] });
+      expect(res.status).toBe(200);
+      const r = rec(await res.json());
+      expect(r.tools).toEqual([]);
+      expect(upstreamBody().tools).toBeUndefined();
+    }
+    await expectError(await create({ model: "svc-fast", input: "hi", tools: [SHELL, { type: "file_search", vector_store_ids: ["vs_1"] }] }), 400, "invalid_request_error", "tools[1].type");
+    // A search the model must make cannot be made.
+    await expectError(await create({ model: "svc-fast", input: "hi", tools: [{ type: "web_search" }], tool_choice: { type: "web_search" } }), 400, "invalid_request_error", "tool_choice");
+    // Its settings are bounded JSON like every free-form field.
+    const deep = JSON.parse(`${"[".repeat(200)}${"]".repeat(200)}`);
+    await expectError(await create({ model: "svc-fast", input: "hi", tools: [{ type: "web_search", filters: deep }] }), 400, "invalid_request_error", "tools[0].filters");
+  });
+});
+
 describe("validation: 400 with the Responses param", () => {
   const base = { model: "svc-fast", input: "hi" };
   const cases: [name: string, body: Record<string, unknown>, param: string, messageHas?: string][] = [
     ["unknown top-level parameter", { ...base, evil_param: 1 }, "evil_param", "Unrecognized request argument"],
     ["unknown nested parameter", { ...base, reasoning: { effort: "low", evil: 1 } }, "reasoning.evil"],
     ["background", { ...base, background: true }, "background", "Background"],
-    ["a hosted tool", { ...base, tools: [{ type: "web_search" }] }, "tools[0].type", "web_search"],
+    ["a hosted tool", { ...base, tools: [{ type: "file_search", vector_store_ids: ["vs_1"] }] }, "tools[0].type", "file_search"],
     ["a hosted tool after a function", { ...base, tools: [{ type: "function", name: "f" }, { type: "code_interpreter", container: { type: "auto" } }] }, "tools[1].type", "code_interpreter"],
     ["a hosted tool_choice", { ...base, tool_choice: { type: "file_search" } }, "tool_choice", "file_search"],
     ["a function name with a space", { ...base, tools: [{ type: "function", name: "get weather" }] }, "tools[0].name", "letters, digits"],
@@ -505,14 +602,16 @@ describe("validation: 400 with the Responses param", () => {
     // allowed_tools: function tools only, in the SDK's shape, and at least one of them among the request's tools.
     [
       "allowed_tools naming a hosted tool",
-      { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "function", name: "f" }, { type: "web_search" }] } },
+      { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "function", name: "f" }, { type: "code_interpreter" }] } },
       "tool_choice.tools[1].type",
-      "web_search",
+      "code_interpreter",
     ],
     ["allowed_tools with an unknown field", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "function", name: "f" }], evil: 1 } }, "tool_choice.evil"],
     ["allowed_tools with another mode", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "none", tools: [{ type: "function", name: "f" }] } }, "tool_choice.mode"],
     ["allowed_tools with no tools", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [] } }, "tool_choice.tools"],
     ["allowed_tools naming none of the request's tools", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "required", tools: [{ type: "function", name: "g" }] } }, "tool_choice.tools", "'g'"],
+    ["allowed_tools naming web search only", { ...base, tools: [{ type: "function", name: "f" }, { type: "web_search" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "web_search" }] } }, "tool_choice.tools"],
+    ["an allowed web search entry with a field", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "function", name: "f" }, { type: "web_search", evil: 1 }] } }, "tool_choice.tools[1].evil"],
     ["allowed_tools without tools", { ...base, tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "function", name: "g" }] } }, "tool_choice.tools"],
     // A chat rule on an allowed tool names its place in the request's tools, not in the ones sent upstream.
     [

@@ -296,6 +296,15 @@ describe("Vercel AI SDK, Responses API only: openai.responses(id)", () => {
     expect([await s.text, await s.finishReason, (await s.usage).outputTokens]).toEqual([TEXT, "stop", 6]);
   });
 
+  test("openai.tools.webSearch() next to a function tool: accepted, web search not offered, the function tool called", async () => {
+    // Seen failing before: APICallError 400 "The tool type 'web_search' is not supported" (param tools[0].type).
+    const tools = { web_search: openai.tools.webSearch({ externalWebAccess: false, searchContextSize: "low" }), get_weather: weather };
+    const r = await generateText({ model: openai.responses("svc-fast"), prompt: "What's the weather in Paris?", tools, stopWhen: isStepCount(2) });
+    expect(r.steps.map((s) => s.toolCalls.map((c) => c.toolName))).toEqual([["get_weather"], []]);
+    expect(r.text).toBe(TEXT);
+    expect(arr(upstreamBodies()[0]?.tools).map((t) => rec(rec(t).function).name)).toEqual(["get_weather"]);
+  });
+
   test("providerOptions.openai.allowedTools: only the allowed tool is offered and called, generateText and streamText", async () => {
     // Seen failing before: APICallError 400 "The tool_choice type 'allowed_tools' is not supported".
     const tools = { get_time: clock, get_weather: weather };
