@@ -114,6 +114,19 @@ describe("Responses: function_call items of one turn, and their outputs", () => 
   });
 });
 
+describe("Responses: tool_choice allowed_tools over many tools", () => {
+  test("100,000 function tools and 100,000 allowed names, none of them a tool: 400 on tool_choice.tools", async () => {
+    // ~7 MB. Each tool's name was looked up in the list of allowed names: 10^10 comparisons.
+    const N = 100_000;
+    const tools = Array.from({ length: N }, (_, i) => ({ type: "function", name: `t${i}` }));
+    const allowed = Array.from({ length: N }, (_, i) => ({ type: "function", name: `a${i}` }));
+    const a = await post("/v1/responses", JSON.stringify({ model: "svc-fast", input: "go", tools, tool_choice: { type: "allowed_tools", mode: "auto", tools: allowed }, store: false }));
+    expect(a.status).toBe(400);
+    expect(a.body.error?.param).toBe("tool_choice.tools");
+    expect(a.body.error?.message).toBe("None of the allowed tools ('a0', 'a1', 'a2', 'a3', 'a4', …) is one of this request's function tools: name function tools from 'tools'.");
+  });
+});
+
 describe("image URLs: a host name of many dots", () => {
   test("15,000,000 dots before 'localhost': 400 on the URL (an internal host), at once", async () => {
     // The trailing dots of a name were stripped by /\.+$/, which tries every run of dots to the end: n²/2 steps (160,000 dots took 29 s here).

@@ -610,7 +610,12 @@ describe("validation: 400 with the Responses param", () => {
     ["allowed_tools with another mode", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "none", tools: [{ type: "function", name: "f" }] } }, "tool_choice.mode"],
     ["allowed_tools with no tools", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [] } }, "tool_choice.tools"],
     ["allowed_tools naming none of the request's tools", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "required", tools: [{ type: "function", name: "g" }] } }, "tool_choice.tools", "'g'"],
-    ["allowed_tools naming web search only", { ...base, tools: [{ type: "function", name: "f" }, { type: "web_search" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "web_search" }] } }, "tool_choice.tools"],
+    [
+      "allowed_tools naming web search only",
+      { ...base, tools: [{ type: "function", name: "f" }, { type: "web_search" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "web_search" }] } },
+      "tool_choice.tools",
+      "web search is not offered",
+    ],
     ["an allowed web search entry with a field", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "function", name: "f" }, { type: "web_search", evil: 1 }] } }, "tool_choice.tools[1].evil"],
     ["allowed_tools without tools", { ...base, tool_choice: { type: "allowed_tools", mode: "auto", tools: [{ type: "function", name: "g" }] } }, "tool_choice.tools"],
     // A chat rule on an allowed tool names its place in the request's tools, not in the ones sent upstream.
