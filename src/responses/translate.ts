@@ -21,8 +21,9 @@ import {
  * fields (`messages[3].content[0]`, `max_tokens`); `responsesError` names the
  * Responses field they came from (`input[2].content[0]`, `max_output_tokens`).
  *
- * Forwarded: input/instructions (as messages), tools (with allowed_tools: the
- * allowed ones), tool_choice (allowed_tools: its mode),
+ * Forwarded: input/instructions (as messages), function tools (with
+ * allowed_tools: the allowed ones; web search is not offered), tool_choice
+ * (allowed_tools: its mode),
  * parallel_tool_calls, text.format (response_format), max_output_tokens
  * (max_tokens), temperature, top_p, reasoning.effort (vLLM's
  * reasoning_effort), user (or else safety_identifier, as user), moderation. Everything
@@ -302,7 +303,8 @@ const RENAMES: [RegExp, string][] = [
 /**
  * A chat field's path → the Responses field it was translated from. `origin`:
  * per chat message, where it came from; `toolOrigin`: per chat tool, its index
- * in the request's tools (they differ when allowed_tools left some out).
+ * in the request's tools (they differ when web search tools or allowed_tools
+ * left some out).
  */
 export function responsesParam(param: string | null, origin: readonly string[], toolOrigin: readonly number[] = []): string | null {
   if (param === null) return null;
