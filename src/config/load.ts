@@ -100,6 +100,8 @@ export async function loadConfig(input: LoadInput): Promise<Config> {
   if (store !== undefined) responses.store = store;
   const retentionDays = envInt(env, "GATEWAY_RESPONSES_RETENTION_DAYS", problems);
   if (retentionDays !== undefined) responses.retentionDays = retentionDays;
+  // A string: the schema checks it is refuse or ignore, and names the field when not.
+  if (env.GATEWAY_RESPONSES_WEB_SEARCH) responses.webSearch = env.GATEWAY_RESPONSES_WEB_SEARCH;
   if (Object.keys(responses).length > 0) raw.responses = { ...(isRecord(raw.responses) ? raw.responses : {}), ...responses };
   for (const [k, v] of Object.entries(input.overrides ?? {})) set(k, v);
 

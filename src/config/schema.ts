@@ -190,6 +190,11 @@ export const ConfigSchema = T.Object(
           description: "Keep responses (their input, output, usage, metadata) in the database for retrieve and previous_response_id; false: never stored",
         }),
         retentionDays: Int({ minimum: 1, maximum: 3650, default: 30, description: "Days a stored response is kept; expired rows are deleted in the background" }),
+        webSearch: T.Union([T.Literal("refuse"), T.Literal("ignore")], {
+          default: "refuse",
+          description:
+            "Web search tools (web_search, web_search_preview) in a request: refuse (400 naming the tool) or ignore (accepted and not offered to the model, which answers without a search; Codex CLI sends one by default)",
+        }),
       },
       { additionalProperties: false, default: {} },
     ),

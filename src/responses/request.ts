@@ -14,8 +14,8 @@ import { JsonValue } from "../lib/json-value.ts";
  * names the exact field (`input[2].content[0].text`).
  *
  * What the gateway cannot do is refused by name: `background`, hosted tools
- * (`file_search`, `code_interpreter`, …; web search is accepted and not
- * offered, see WebSearchTool), `input_file` parts and `file_id` images
+ * (`file_search`, `code_interpreter`, …; web search too unless the operator
+ * set `responses.webSearch: "ignore"`, see WebSearchTool), `input_file` parts and `file_id` images
  * (there is no files API), reusable `prompt`s, `conversation`s and access
  * programs other than the standard one.
  */
@@ -190,7 +190,8 @@ export type FunctionTool = Static<typeof FunctionTool>;
 const WEB_SEARCH_TYPES: readonly string[] = ["web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11"];
 export const isWebSearchType = (type: unknown): boolean => typeof type === "string" && WEB_SEARCH_TYPES.includes(type);
 /**
- * A web search tool: accepted and not offered to the model (the gateway has no
+ * A web search tool, with `responses.webSearch: "ignore"` (refused otherwise):
+ * accepted and not offered to the model (the gateway has no
  * search; with `auto`, an answer without a search is one the API may give).
  * Codex CLI sends one by default. Its settings are not used, so not checked
  * beyond being bounded JSON: the SDKs send fields the SDK's types do not
@@ -259,7 +260,7 @@ const Body = T.Object(
     stream: T.Optional(Nullable(T.Boolean())),
     stream_options: T.Optional(Nullable(T.Object({ include_obfuscation: T.Optional(Nullable(T.Boolean())) }, Strict))),
     background: T.Optional(Nullable(T.Boolean())),
-    // Dispatched by tool type afterwards: function tools pass, web search is accepted and not offered, other hosted tools are refused by name.
+    // Dispatched by tool type afterwards: function tools pass, web search as the operator chose, other hosted tools are refused by name.
     tools: T.Optional(T.Array(T.Object({ type: T.String() }))),
     tool_choice: T.Optional(T.Union([ToolChoice, AllowedChoice, T.Object({ type: T.String() })])),
     parallel_tool_calls: T.Optional(Nullable(T.Boolean())),
@@ -439,12 +440,21 @@ function checkInput(input: Record<string, unknown>[]): void {
   }
 }
 
-const HOSTED = "this gateway serves function tools only (no hosted tools such as file_search or code_interpreter; web search is accepted and not offered)";
+const HOSTED = "this gateway serves function tools only (no hosted tools such as file_search or code_interpreter)";
 
-function checkTools(tools: Record<string, unknown>[]): void {
+/** What the operator chose for web search tools (config `responses.webSearch`). */
+export type WebSearchPolicy = "refuse" | "ignore";
+
+function checkTools(tools: Record<string, unknown>[], webSearch: WebSearchPolicy): void {
   for (const [i, tool] of tools.entries()) {
     const search = isWebSearchType(tool.type);
     if (tool.type !== "function" && !search) throw invalid(`tools[${i}].type`, `The tool type '${String(tool.type)}' is not supported: ${HOSTED}.`);
+    if (search && webSearch === "refuse") {
+      throw invalid(
+        `tools[${i}].type`,
+        `The tool type '${String(tool.type)}' is not supported: this gateway runs no web search. Send the request without it (Codex CLI: web_search = "disabled" in its config.toml).`,
+      );
+    }
     const err = firstError(search ? webSearchToolCheck : functionToolCheck, tool, `/tools/${i}`);
     if (err) throw err;
   }
@@ -488,8 +498,12 @@ function checkToolChoice(choice: Record<string, unknown>, tools: readonly Record
   if (err) throw err;
 }
 
-/** Validates a Responses body or throws a 400 AppError whose `param` names the field in the Responses format. */
-export function parseResponsesBody(raw: unknown): ResponsesBody {
+/**
+ * Validates a Responses body or throws a 400 AppError whose `param` names the
+ * field in the Responses format. `webSearch`: a web search tool is refused
+ * (the default), or accepted and not offered to the model (`ignore`).
+ */
+export function parseResponsesBody(raw: unknown, webSearch: WebSearchPolicy = "refuse"): ResponsesBody {
   if (!isRecord(raw)) throw new AppError("invalid_request_error", "The request body must be a JSON object.");
   for (const k in raw) if (!BODY_KEYS.has(k)) throw invalid(k, `Unrecognized request argument supplied: ${k}`);
   if (raw.prompt != null) throw invalid("prompt", "Reusable prompts are not supported by this gateway: send the instructions and input in the request.");
@@ -525,7 +539,7 @@ export function parseResponsesBody(raw: unknown): ResponsesBody {
   }
   if (raw.background === true) throw invalid("background", "Background responses are not supported by this gateway; send the request without background (streaming keeps long answers alive).");
   if (Array.isArray(raw.input)) checkInput(raw.input as Record<string, unknown>[]);
-  if (Array.isArray(raw.tools)) checkTools(raw.tools as Record<string, unknown>[]);
+  if (Array.isArray(raw.tools)) checkTools(raw.tools as Record<string, unknown>[], webSearch);
   if (isRecord(raw.tool_choice)) checkToolChoice(raw.tool_choice, Array.isArray(raw.tools) ? (raw.tools as Record<string, unknown>[]) : []);
   if (raw.input === undefined && raw.previous_response_id == null) throw invalid("input", "Missing required parameter: 'input'.");
   return raw as ResponsesBody;

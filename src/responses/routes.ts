@@ -133,7 +133,7 @@ export function createResponses(deps: ResponsesDeps) {
   }
 
   async function create(p: Principal, raw: unknown, request: Request, set: { headers: Record<string, string | number> }) {
-    const body = parseResponsesBody(raw);
+    const body = parseResponsesBody(raw, config.responses.webSearch);
     // The model first, as chat checks it first: an unknown alias is 404 model_not_found whatever else the request says.
     resolveAlias(config, body.model, p, "chat");
     const storeIt = store !== undefined && body.store !== false;

@@ -137,6 +137,7 @@ describe("README's configuration table", () => {
       GATEWAY_RESPONSES: ["on", (c) => c.responses.enabled, true],
       GATEWAY_RESPONSES_STORE: ["no", (c) => c.responses.store, false],
       GATEWAY_RESPONSES_RETENTION_DAYS: ["7", (c) => c.responses.retentionDays, 7],
+      GATEWAY_RESPONSES_WEB_SEARCH: ["ignore", (c) => c.responses.webSearch, "ignore"],
       UPSTREAM_BASE_URL: [upstream, (c) => c.aliases["svc-fast"]?.targets[0]?.baseUrl, upstream],
       // "(and optionally UPSTREAM_API_KEY)": by the variable's name, read when a request is sent.
       UPSTREAM_API_KEY: ["k-123", (c) => c.aliases["svc-embed"]?.targets[0]?.apiKeyEnv, "UPSTREAM_API_KEY"],

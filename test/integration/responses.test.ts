@@ -22,6 +22,8 @@ let sim: Simulator;
 let slow: Simulator;
 let gw: Gateway;
 let off: Gateway;
+/** Responses on with the default web search policy (refuse); `gw` ignores web search tools, as Codex needs. */
+let strict: Gateway;
 let org: SeededOrg;
 
 beforeAll(async () => {
@@ -30,8 +32,9 @@ beforeAll(async () => {
   slow = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 60_000, completionTokens: 2 });
   const aliases = { ...testAliases(sim.url), "svc-slow": chatAlias([{ baseUrl: slow.url }]) };
   const common = { aliases, plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 2 }, { idleMs: 120_000 }) };
-  gw = await startTestGateway({ ...common, responses: { enabled: true } });
+  gw = await startTestGateway({ ...common, responses: { enabled: true, webSearch: "ignore" } });
   off = await startTestGateway(common);
+  strict = await startTestGateway({ ...common, responses: { enabled: true } });
   org = await seedTestOrg(gw.database);
 });
 afterEach(() => {
@@ -41,6 +44,7 @@ afterEach(() => {
 afterAll(async () => {
   await gw.stop();
   await off.stop();
+  await strict.stop();
   await sim.stop();
   await slow.stop();
 });
@@ -495,7 +499,18 @@ describe("request translation (what the chat upstream receives)", () => {
   });
 });
 
-describe("Codex CLI's request (codex-rs: ResponsesApiRequest and ResponseItem as serde writes them)", () => {
+describe("web search tools by default (responses.webSearch: refuse)", () => {
+  test("are refused with 400 naming the tool, in every form; accepted where the operator set ignore (below)", async () => {
+    for (const search of [{ type: "web_search", external_web_access: false }, { type: "web_search_preview" }, { type: "web_search_2025_08_26" }]) {
+      const res = await post(strict, "/v1/responses", org.personalKey, { model: "svc-fast", input: "hi", tools: [{ type: "function", name: "f" }, search] });
+      const message = await expectError(res, 400, "invalid_request_error", "tools[1].type");
+      expect(message).toContain("runs no web search");
+      expect(message).toContain('web_search = "disabled"');
+    }
+  });
+});
+
+describe("Codex CLI's request (codex-rs: ResponsesApiRequest and ResponseItem as serde writes them), web search ignored (responses.webSearch: ignore)", () => {
   // Codex is not installed here: these are the bodies its Rust structs serialize to (codex-rs/codex-api
   // common.rs, codex-rs/protocol models.rs) and the fields its SSE reader (sse/responses.rs) parses.
   const SHELL = {

@@ -131,13 +131,19 @@ describe("precedence: file < env < flags", () => {
 });
 
 describe("environment variables of the responses API and the shared port", () => {
-  test("GATEWAY_RESPONSES, GATEWAY_RESPONSES_STORE, GATEWAY_RESPONSES_RETENTION_DAYS set responses.*, over the file", async () => {
-    expect((await loadConfig({ env: {} })).responses).toEqual({ enabled: false, store: true, retentionDays: 30 });
-    const f = file({ responses: { enabled: false, store: true, retentionDays: 7 } });
-    const c = await loadConfig({ env: { GATEWAY_RESPONSES: "1", GATEWAY_RESPONSES_STORE: "false", GATEWAY_RESPONSES_RETENTION_DAYS: "90" }, file: f });
-    expect(c.responses).toEqual({ enabled: true, store: false, retentionDays: 90 });
+  test("GATEWAY_RESPONSES, GATEWAY_RESPONSES_STORE, GATEWAY_RESPONSES_RETENTION_DAYS, GATEWAY_RESPONSES_WEB_SEARCH set responses.*, over the file", async () => {
+    expect((await loadConfig({ env: {} })).responses).toEqual({ enabled: false, store: true, retentionDays: 30, webSearch: "refuse" });
+    const f = file({ responses: { enabled: false, store: true, retentionDays: 7, webSearch: "ignore" } });
+    const c = await loadConfig({ env: { GATEWAY_RESPONSES: "1", GATEWAY_RESPONSES_STORE: "false", GATEWAY_RESPONSES_RETENTION_DAYS: "90", GATEWAY_RESPONSES_WEB_SEARCH: "refuse" }, file: f });
+    expect(c.responses).toEqual({ enabled: true, store: false, retentionDays: 90, webSearch: "refuse" });
     // Unset or empty: the file's values stand.
-    expect((await loadConfig({ env: { GATEWAY_RESPONSES: "", GATEWAY_RESPONSES_RETENTION_DAYS: "" }, file: f })).responses).toEqual({ enabled: false, store: true, retentionDays: 7 });
+    expect((await loadConfig({ env: { GATEWAY_RESPONSES: "", GATEWAY_RESPONSES_RETENTION_DAYS: "", GATEWAY_RESPONSES_WEB_SEARCH: "" }, file: f })).responses).toEqual({
+      enabled: false,
+      store: true,
+      retentionDays: 7,
+      webSearch: "ignore",
+    });
+    expect((await problems({ env: { GATEWAY_RESPONSES_WEB_SEARCH: "allow" } })).join("\n")).toContain("/responses/webSearch");
     expect(await problems({ env: { GATEWAY_RESPONSES_RETENTION_DAYS: "0" } })).toEqual(["/responses/retentionDays: Expected integer to be greater or equal to 1 (got 0)"]);
     expect(await problems({ env: { GATEWAY_RESPONSES_RETENTION_DAYS: "30d" } })).toEqual([`env GATEWAY_RESPONSES_RETENTION_DAYS: expected a whole number, got "30d"`]);
   });
