@@ -1,5 +1,7 @@
 import { isRecord } from "../lib/guards.ts";
 import { sseDataOf } from "../lib/sse.ts";
+import { charsToTokens } from "./tokens.ts";
+import { MAX_TOKEN_COUNT } from "./usage.ts";
 
 /**
  * A streamed request answered with one JSON document: servers that do not
@@ -64,11 +66,21 @@ interface Acc {
  * metered and bounded as any JSON answer. Undefined when the text is not SSE
  * chunks (no event with data, or data that is not a chunk); `{ error }` when
  * it carries an error event.
+ *
+ * Text after the last usage report (a server that reports on the first or on
+ * every chunk and never sends a final one) is not in that report: its
+ * characters are added to the report's completion count, ~4 a token, as the
+ * stream relay adds text delivered after a report (stream.ts). Before, such an
+ * answer was charged, and told, the count of the report alone (1 token for 404
+ * characters, inference-usage.test.ts).
  */
 export function sseAsCompletion(text: string): Record<string, unknown> | { error: string } | undefined {
   const choices = new Map<number, Acc>();
   let head: Record<string, unknown> | undefined;
-  let usage: unknown;
+  let usage: Record<string, unknown> | undefined;
+  /** Characters of generated text up to and including the last usage report's event, and after it. */
+  let reported = 0;
+  let unreported = 0;
   // Read as the SSE standard reads it (lib/sse.ts): an event the body ends before its blank line is none.
   for (const data of sseDataOf(text)) {
     // Empty data is no chunk (as the chat relay passes it over).
@@ -82,7 +94,7 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
     if (!isRecord(v)) return undefined;
     if (!Array.isArray(v.choices)) return "error" in v || v.object === "error" ? { error: data } : undefined;
     head ??= v;
-    if (isRecord(v.usage)) usage = v.usage;
+    let chars = 0;
     for (const c of v.choices) {
       if (!isRecord(c)) continue;
       const index = typeof c.index === "number" && Number.isSafeInteger(c.index) && c.index >= 0 && c.index < 128 ? c.index : 0;
@@ -92,10 +104,19 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
         choices.set(index, acc);
       }
       const d = isRecord(c.delta) ? c.delta : {};
-      if (typeof d.content === "string") acc.content.push(d.content);
+      if (typeof d.content === "string") {
+        acc.content.push(d.content);
+        chars += d.content.length;
+      }
       const reasoning = typeof d.reasoning_content === "string" ? d.reasoning_content : d.reasoning;
-      if (typeof reasoning === "string") acc.reasoning.push(reasoning);
-      if (typeof d.refusal === "string") acc.refusal.push(d.refusal);
+      if (typeof reasoning === "string") {
+        acc.reasoning.push(reasoning);
+        chars += reasoning.length;
+      }
+      if (typeof d.refusal === "string") {
+        acc.refusal.push(d.refusal);
+        chars += d.refusal.length;
+      }
       if (Array.isArray(d.tool_calls)) {
         for (const t of d.tool_calls) {
           if (!isRecord(t)) continue;
@@ -109,9 +130,10 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
           call.type ??= t.type;
           const fn = isRecord(t.function) ? t.function : {};
           if (typeof fn.name === "string") call.name += fn.name;
-          if (typeof fn.arguments === "string") call.arguments += fn.arguments;
           // Arguments sent parsed (an object or an array) are their JSON text, as in any answer (decisions.md).
-          else if (typeof fn.arguments === "object" && fn.arguments !== null) call.arguments += JSON.stringify(fn.arguments);
+          const args = typeof fn.arguments === "string" ? fn.arguments : typeof fn.arguments === "object" && fn.arguments !== null ? JSON.stringify(fn.arguments) : "";
+          call.arguments += args;
+          chars += args.length;
         }
       }
       if (typeof c.finish_reason === "string") acc.finish = c.finish_reason;
@@ -121,8 +143,15 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
         for (const lp of c.logprobs.content) acc.logprobs.push(lp);
       }
     }
+    // A report counts the text of its own event (as the relay counts it); what follows is not in it.
+    if (isRecord(v.usage)) {
+      usage = v.usage;
+      reported += unreported + chars;
+      unreported = 0;
+    } else unreported += chars;
   }
   if (!head) return undefined;
+  if (usage && unreported > 0) usage = withTextAfter(usage, reported, unreported);
   return {
     id: head.id,
     created: head.created,
@@ -141,4 +170,19 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
       }),
     ...(usage !== undefined ? { usage } : {}),
   };
+}
+
+/**
+ * A usage report with `after` characters of text that followed it added to
+ * its completion count (~4 a token). Only a count that is one (a whole
+ * number; 0 only when no text came before the report, else 0 is a
+ * placeholder): anything else is left for countUsage (usage.ts) to replace
+ * with the estimate of the whole answer, which holds that text already.
+ */
+function withTextAfter(usage: Record<string, unknown>, before: number, after: number): Record<string, unknown> {
+  const c = usage.completion_tokens;
+  if (typeof c !== "number" || !Number.isSafeInteger(c) || c < 0 || c > MAX_TOKEN_COUNT || (c === 0 && before > 0)) return usage;
+  const completion = Math.min(MAX_TOKEN_COUNT, c + charsToTokens(after));
+  const p = usage.prompt_tokens;
+  return { ...usage, completion_tokens: completion, ...(typeof p === "number" ? { total_tokens: p + completion } : {}) };
 }

@@ -730,6 +730,30 @@ describe("an upstream that streams a non-streamed request", () => {
     expect([row?.status, row?.promptTokens, row?.completionTokens]).toEqual([200, 9, 321]);
   });
 
+  test("usage reported mid-stream, then more text: what came after the report is charged too, and the answer says so, [DONE] or not", async () => {
+    for (const done of [false, true]) {
+      const o = await seedTestOrg(gw.database);
+      // As a server reporting usage on every chunk (or only the first) does: 1 token so far, then 400 characters more with no report.
+      scripted = {
+        events: [
+          chunkOf([deltaOf({ role: "assistant", content: "abcd" })], { usage: { prompt_tokens: 9, completion_tokens: 1, total_tokens: 10 } }),
+          ...Array.from({ length: 10 }, () => chunkOf([deltaOf({ content: "x".repeat(40) })])),
+        ],
+        done,
+      };
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+      expect(res.status).toBe(200);
+      const body = rec(await res.json());
+      const [choice] = body.choices as Record<string, unknown>[];
+      expect(String(rec(choice?.message).content).length).toBe(404);
+      // The reported token, plus 400 characters ≈ 100 tokens delivered after the report: as a stream is charged.
+      // Before: charged (and told) 1 completion token for the 404 characters the client received.
+      expect(body.usage).toEqual({ prompt_tokens: 9, completion_tokens: 101, total_tokens: 110 });
+      const [row] = await rows(o.orgId);
+      expect([row?.status, row?.promptTokens, row?.completionTokens]).toEqual([200, 9, 101]);
+    }
+  });
+
   test("an error event in the stream is the upstream's error, with its message", async () => {
     const o = await seedTestOrg(gw.database);
     scripted = { events: [{ error: { message: "the engine is overloaded", type: "ServiceUnavailable", code: 503 } }], done: false };
