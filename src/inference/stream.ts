@@ -490,11 +490,14 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     if (at === event.length - termLen) return undefined;
     if (startsWithAt(event, at, DONE)) {
       sawDone = true;
-      // Asked for usage and none came (an upstream that ignores include_usage): the
-      // client gets what is counted, as a JSON answer carries it, before [DONE].
-      if (usage === undefined && opts.clientWantsUsage) {
+      // Asked for usage and none came (an upstream that ignores include_usage), or text came after the
+      // last report (a server that reports on the first or on every chunk): the client gets what is
+      // counted, as a JSON answer carries it, before [DONE]. Before, such a client's last word on usage
+      // was the early report (1 completion token) while the record charged the text after it too.
+      if (opts.clientWantsUsage && (usage === undefined || deliveredChars > charsAtUsage)) {
         // Never past the bound the upstream was sent (usage.ts): that is what is charged.
-        usage = { promptTokens: opts.promptEstimate ?? 0, completionTokens: Math.min(charsToTokens(deliveredChars), opts.bounds?.completionTokens ?? Number.POSITIVE_INFINITY) };
+        const completion = usage === undefined ? charsToTokens(deliveredChars) : usage.completionTokens + charsToTokens(deliveredChars - charsAtUsage);
+        usage = { promptTokens: usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: Math.min(completion, opts.bounds?.completionTokens ?? Number.POSITIVE_INFINITY) };
         charsAtUsage = deliveredChars;
         const chunk = {
           id: chunkId ?? "",

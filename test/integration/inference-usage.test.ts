@@ -410,6 +410,42 @@ describe("usage the upstream leaves out, or reports before the end", () => {
     expect(rec(final.usage)).toMatchObject({ output_tokens: 20, total_tokens: rec(final.usage).input_tokens as number + 20 });
   });
 
+  test("streamed, usage reported mid-stream, then more text, the client asking for usage: a usage chunk with what is charged comes before [DONE] (chat), and the Response carries it (Responses API)", async () => {
+    const events = [
+      chunkOf([deltaOf({ role: "assistant", content: "abcd" })], { usage: { prompt_tokens: 9, completion_tokens: 1, total_tokens: 10 } }),
+      ...Array.from({ length: 10 }, () => chunkOf([deltaOf({ content: "x".repeat(40) })])),
+      chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]),
+    ];
+    scripted = { events, done: true };
+    const o = await seedTestOrg(gw.database);
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
+    expect(res.status).toBe(200);
+    const data = sseData(await res.text());
+    expect(data.at(-1)).toBe("[DONE]");
+    // The upstream's report, then the figures charged: its token plus 400 characters ≈ 100 tokens after it.
+    // Before: the client's last word on usage was the upstream's 1 completion token, and the record said 101.
+    const reports = data.filter((d) => d.includes('"usage"')).map((d) => rec(JSON.parse(d)).usage);
+    expect(reports.at(-1)).toEqual({ prompt_tokens: 9, completion_tokens: 101, total_tokens: 110 });
+    expect(rec(JSON.parse(data.at(-2) ?? "null")).choices).toEqual([]);
+    const [row] = await rows(o.orgId);
+    expect([row?.promptTokens, row?.completionTokens]).toEqual([9, 101]);
+    // A report that covers all the text (the usual final one): nothing added, relayed as sent.
+    scripted = { events: [...events, chunkOf([], { usage: { prompt_tokens: 9, completion_tokens: 120, total_tokens: 129 } })], done: true };
+    const whole = sseData(await (await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } })).text());
+    expect(whole.filter((d) => d.includes('"usage"')).map((d) => rec(JSON.parse(d)).usage)).toEqual([
+      { prompt_tokens: 9, completion_tokens: 1, total_tokens: 10 },
+      { prompt_tokens: 9, completion_tokens: 120, total_tokens: 129 },
+    ]);
+
+    // The Responses API asks chat for usage: its final event and stored Response carry the figures charged.
+    scripted = { events, done: true };
+    const r = await seedTestOrg(gw.database);
+    const final = await completedResponse(r);
+    expect(rec(final.usage)).toMatchObject({ input_tokens: 9, output_tokens: 101, total_tokens: 110 });
+    const [responseRow] = await rows(r.orgId);
+    expect([responseRow?.promptTokens, responseRow?.completionTokens]).toEqual([9, 101]);
+  });
+
   test("streamed without usage from a server writing Python's separators (`\"content\": \"…\"`): every delta's text counts all the same", async () => {
     const promptEstimate = await estimateOf(true);
     const o = await seedTestOrg(gw.database);
