@@ -235,8 +235,10 @@ function startsWithAt(b: Buffer, at: number, prefix: Buffer): boolean {
 
 /**
  * The usage in an event's JSON, its counts checked (usage.ts). When one had
- * to be replaced, `rewritten` is the event's JSON with the replaced figures,
- * so the client never sees what the upstream made up.
+ * to be replaced, or its total_tokens is not the sum of the two (or absent),
+ * `rewritten` is the event's JSON with the figures counted and their sum, so
+ * the client never sees what the upstream made up, nor a total other than
+ * what is charged (a JSON answer's usage is rebuilt the same way).
  */
 function usageOf(
   payload: string,
@@ -252,8 +254,8 @@ function usageOf(
   if (!isRecord(v) || !isRecord(v.usage)) return undefined;
   const counted = countUsage(v.usage, estimate, bounds);
   const onlyUsage = Array.isArray(v.choices) && v.choices.length === 0;
-  if (!counted.rejected) return { counted, onlyUsage, rewritten: undefined };
   const { promptTokens: p, completionTokens: c } = counted;
+  if (!counted.rejected && v.usage.total_tokens === p + c) return { counted, onlyUsage, rewritten: undefined };
   const usage = { ...v.usage, prompt_tokens: p, completion_tokens: c, total_tokens: p + c };
   return { counted, onlyUsage, rewritten: JSON.stringify({ ...v, usage }) };
 }
@@ -552,7 +554,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
             charsAtUsage = deliveredChars;
             return undefined;
           }
-          if (parsed.counted.rejected) {
+          if (parsed.rewritten !== undefined) {
             // Rare: the event is rebuilt around the checked figures (and still gets the model swap below).
             event = Buffer.from(`data: ${parsed.rewritten}${termOut()}`);
             termLen = termOut().length;

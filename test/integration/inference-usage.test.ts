@@ -312,6 +312,25 @@ describe("usage figures an upstream makes up are clamped", () => {
     }
     expect(warnings()).toEqual([]);
   });
+
+  test("a total_tokens other than the sum of the parts (or none) is the sum in what the client sees, streamed or not, as the record counts it", async () => {
+    const details = { prompt_tokens_details: { cached_tokens: 4 } };
+    for (const total of [99_999, 0, undefined]) {
+      usage = { prompt_tokens: 12, completion_tokens: 3, ...(total !== undefined ? { total_tokens: total } : {}), ...details };
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+      expect(rec(await res.json()).usage).toEqual({ prompt_tokens: 12, completion_tokens: 3, total_tokens: 15 });
+      const s = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
+      const data = sseData(await s.text());
+      // Before: the streamed chunk was relayed as sent (total_tokens 99999, or none) while 15 were charged.
+      expect(rec(JSON.parse(String(data.at(-2)))).usage).toEqual({ prompt_tokens: 12, completion_tokens: 3, total_tokens: 15, ...details });
+      const charged = (await rows(o.orgId)).map((r) => [r.requests, r.promptTokens, r.completionTokens]);
+      expect(charged).toEqual([
+        [1, 12, 3],
+        [1, 12, 3],
+      ]);
+    }
+  });
 });
 
 /** One streamed chat request of `o`'s, read to the end: its usage row, recorded with status 200. */
