@@ -10,7 +10,7 @@ import { type EndStream, relayStream } from "./stream.ts";
 import { sseAsCompletion } from "./whole-answer.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
-import { type UsageBounds, countUsage } from "./usage.ts";
+import { type Counted, type UsageBounds, countUsage } from "./usage.ts";
 import {
   DEFAULT_IMAGE_TOKENS,
   charsToTokens,
@@ -253,6 +253,22 @@ export function createInferenceService(deps: ServiceDeps) {
     log.warn("upstream sent implausible usage; counted the gateway's estimate instead", { alias: name, target: target.label, ...rejected, request_id: requestId });
   }
 
+  /**
+   * The warnings a checked usage calls for. `reservedCap`: the prompt's reservation when it was the prompt
+   * count's bound (under a quota, on an alias without a context window); a count above it is what an image
+   * above imageTokens makes as well as a made-up one, so it is said once per alias (promptOverReserve), with
+   * the upstream's figure, not at every request.
+   */
+  function checkedUsage(name: string, target: Target, counted: Counted, reservedCap: number | undefined, requestId: string): void {
+    let rejected = counted.rejected;
+    if (rejected && reservedCap !== undefined && counted.promptOver !== undefined) {
+      promptOverReserve(name, counted.promptOver, reservedCap, requestId);
+      const { prompt_tokens: _, ...rest } = rejected;
+      rejected = rest.completion_tokens === undefined ? undefined : rest;
+    }
+    if (rejected) implausibleUsage(name, target, rejected, requestId);
+  }
+
   async function chat(principal: Principal, raw: unknown): Promise<CheckedCall> {
     const start = performance.now();
     const body = parseChatBody(raw);
@@ -300,10 +316,13 @@ export function createInferenceService(deps: ServiceDeps) {
 
     // What the upstream may generate at most: n × the larger of the bounds it was sent (a server may take
     // either); and no prompt is longer than the context window. A count above its bound is capped (usage.ts),
-    // so no upstream figure overshoots the reservation by more than the prompt can.
+    // so no upstream figure overshoots the reservation by more than the prompt can. Without a window, under a
+    // quota, the prompt's reservation is its bound: nothing else would bound a count (10^9 claimed for "hi"
+    // was charged against a quota of 100,000).
     const told = Math.max(body.max_tokens ?? 0, body.max_completion_tokens ?? 0);
+    const reservedCap = alias.contextWindow === undefined && metered ? promptReserve : undefined;
     const bounds: UsageBounds = {
-      promptTokens: alias.contextWindow ?? Number.POSITIVE_INFINITY,
+      promptTokens: alias.contextWindow ?? reservedCap ?? Number.POSITIVE_INFINITY,
       completionTokens: told > 0 ? choices * told : Number.POSITIVE_INFINITY,
     };
 
@@ -333,7 +352,7 @@ export function createInferenceService(deps: ServiceDeps) {
         if (!shaped) throw badUpstreamAnswer(name, res.target);
         const rawUsage = isRecord(parsed) && isRecord(parsed.usage) ? parsed.usage : undefined;
         const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionChars) }, bounds);
-        if (counted.rejected) implausibleUsage(name, res.target, counted.rejected, ctx.requestId);
+        checkedUsage(name, res.target, counted, reservedCap, ctx.requestId);
         const { promptTokens, completionTokens } = counted;
         promptOverReserve(name, promptTokens, metered ? promptReserve : undefined, ctx.requestId);
         shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens };
@@ -354,7 +373,7 @@ export function createInferenceService(deps: ServiceDeps) {
     }
     // A bound was sent: an upstream that streams past it is cut there (stream.ts).
     const generation = told > 0 ? { maxTokens: told, choices } : undefined;
-    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, promptReserve: metered ? promptReserve : undefined, bounds, generation, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform, beforeClose: ctx.beforeClose });
+    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, promptReserve: metered ? promptReserve : undefined, reservedCap, bounds, generation, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform, beforeClose: ctx.beforeClose });
   }
 
   /**
@@ -372,6 +391,8 @@ export function createInferenceService(deps: ServiceDeps) {
       promptEstimate: number;
       /** The prompt tokens the quota reserved (its bound); undefined without a quota. */
       promptReserve: number | undefined;
+      /** promptReserve when it is also the prompt count's bound (no context window); see checkedUsage. */
+      reservedCap: number | undefined;
       bounds: UsageBounds;
       generation: { maxTokens: number; choices: number } | undefined;
       ticket: Ticket;
@@ -399,7 +420,7 @@ export function createInferenceService(deps: ServiceDeps) {
       promptEstimate,
       bounds: r.bounds,
       ...(r.generation ? { generation: r.generation } : {}),
-      onImplausibleUsage: (rejected) => implausibleUsage(name, target, rejected, r.requestId),
+      onImplausibleUsage: (counted) => checkedUsage(name, target, counted, r.reservedCap, r.requestId),
       open,
       errorBody: deps.wire.errorBody,
       onEnd(end) {

@@ -81,8 +81,8 @@ export interface RelayOptions {
    * what it holds is bounded as a non-streamed answer is (upstream.maxResponseBytes).
    */
   maxTextBytes?: number;
-  /** The usage chunk carried implausible counts; they were replaced before the client saw them. */
-  onImplausibleUsage?(rejected: Record<string, string>): void;
+  /** The usage chunk carried implausible counts (`counted.rejected`); they were replaced before the client saw them. */
+  onImplausibleUsage?(counted: Counted): void;
   onEnd(end: StreamEnd): void;
   /** The wire's error body (src/http/errors.ts) for the error event a failed stream ends with. */
   errorBody(code: ErrorCode, message: string): unknown;
@@ -549,7 +549,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
         if (parsed) {
           usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
           reported = true;
-          if (parsed.counted.rejected) opts.onImplausibleUsage?.(parsed.counted.rejected);
+          if (parsed.counted.rejected) opts.onImplausibleUsage?.(parsed.counted);
           if (!opts.clientWantsUsage && parsed.onlyUsage) {
             charsAtUsage = deliveredChars;
             return undefined;

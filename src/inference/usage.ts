@@ -21,6 +21,8 @@ export interface Counted {
   completionTokens: number;
   /** The upstream's figures that were replaced (clipped for logging); undefined when all were plausible or absent. */
   rejected: { prompt_tokens?: string; completion_tokens?: string } | undefined;
+  /** The upstream's prompt count when it was a count but above its bound (so capped): for the caller's own word on it. */
+  promptOver?: number;
 }
 
 const plausible = (v: unknown): v is number => typeof v === "number" && Number.isInteger(v) && v >= 0 && v <= MAX_TOKEN_COUNT;
@@ -41,7 +43,8 @@ const UNBOUNDED: UsageBounds = { promptTokens: Number.POSITIVE_INFINITY, complet
  *
  * `bounds`: a completion count above n × max_tokens as sent (Infinity when
  * the upstream was sent no bound), or a prompt count above the alias's
- * context window, is no model's: it is capped at the bound and reported like
+ * context window (or, under a quota on an alias without one, above what was
+ * reserved for the prompt), is no model's: it is capped at the bound and reported like
  * any implausible figure. The completion is never charged past its bound,
  * the estimate neither: an upstream that ran past its max_tokens delivered
  * text nobody reserved, and charging it would overshoot the quota (the
@@ -52,11 +55,13 @@ const UNBOUNDED: UsageBounds = { promptTokens: Number.POSITIVE_INFINITY, complet
  */
 export function countUsage(usage: Record<string, unknown> | undefined, estimate: { promptTokens: number; completionTokens: number }, bounds = UNBOUNDED): Counted {
   let rejected: Counted["rejected"];
+  let promptOver: number | undefined;
   const pick = (key: "prompt_tokens" | "completion_tokens", fallback: number, bound: number): number => {
     const v = usage?.[key];
     if (plausible(v) && v > bound) {
       rejected ??= {};
       rejected[key] = clip(v);
+      if (key === "prompt_tokens") promptOver = v;
       return Math.min(v, Math.max(bound, fallback));
     }
     // Zero for work the gateway saw done (a prompt sent, text delivered) is a placeholder, not a count.
@@ -70,5 +75,5 @@ export function countUsage(usage: Record<string, unknown> | undefined, estimate:
   const promptTokens = pick("prompt_tokens", estimate.promptTokens, bounds.promptTokens);
   // The estimate capped first: past the bound it is no fallback either, and a count above the bound then comes to the bound.
   const completionTokens = pick("completion_tokens", Math.min(estimate.completionTokens, bounds.completionTokens), bounds.completionTokens);
-  return { promptTokens, completionTokens, rejected };
+  return promptOver === undefined ? { promptTokens, completionTokens, rejected } : { promptTokens, completionTokens, rejected, promptOver };
 }

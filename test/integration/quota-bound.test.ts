@@ -94,7 +94,8 @@ beforeAll(async () => {
         await held;
       }
       const completion = Math.min(Number(body.max_tokens ?? 5), 5);
-      const prompt = countPrompt(body);
+      // An upstream whose prompt count is made up (a bug, a proxy counting a whole session): 10^9, still "plausible".
+      const prompt = (body.messages as { content?: unknown }[])[0]?.content === "made-up count" ? 1_000_000_000 : countPrompt(body);
       if (body.stream === true) {
         const chunk = (o: Record<string, unknown>) => `data: ${JSON.stringify({ id: "chatcmpl-x", object: "chat.completion.chunk", created: 1, model: body.model, ...o })}\n\n`;
         return new Response(
@@ -463,4 +464,58 @@ describe("a prompt counted above what was reserved", () => {
       await gw2.stop();
     }
   });
+
+  test("on an alias without a context window, under a quota: charged at most what was reserved, so no count passes the quota", async () => {
+    const lines: string[] = [];
+    const gw2 = await startGateway({
+      config: await testConfig({
+        aliases: { "svc-nowindow": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }], { contextWindow: undefined, imageTokens: 100 }) },
+        plans: TEST_PLANS,
+        upstream: upstreamSettings({ attempts: 1 }),
+        quota: { leaseTokens: 20_000, flushMs: 100, maxBuffered: 100_000 },
+      }),
+      database: db,
+      log: createLogger("warn", (l) => lines.push(l)),
+    });
+    try {
+      const image = [{ type: "image_url", image_url: { url: "data:image/png;base64,AAAA" } }];
+      const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 100_000, quotaWindow: "day" });
+      const ask = (content: unknown, stream: boolean) =>
+        fetch(`${gw2.url}/v1/chat/completions`, {
+          method: "POST",
+          headers: { authorization: `Bearer ${org.serviceKey}`, "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-nowindow", messages: [{ role: "user", content }], max_tokens: 5, stream, ...(stream ? { stream_options: { include_usage: true } } : {}) }),
+        });
+      // The prompt's bound: 512 for the template, 16 for the message, the text's bytes (or imageTokens).
+      const claim = 512 + 16 + utf8("made-up count");
+      const imaged = 512 + 16 + 100;
+      for (const stream of [false, true]) {
+        const res = await ask("made-up count", stream);
+        expect(res.status).toBe(200);
+        const text = await res.text();
+        // What the client is told is what is charged.
+        const told = stream ? JSON.parse(text.split("\n\n").filter((e) => e.includes('"usage"')).at(-1)?.slice(6) ?? "null") : JSON.parse(text);
+        expect(told.usage).toEqual({ prompt_tokens: claim, completion_tokens: 5, total_tokens: claim + 5 });
+        const img = await ask(image, stream);
+        expect(img.status).toBe(200);
+        await img.arrayBuffer();
+      }
+      // Before: 2 × 10^9 + … tokens charged against a quota of 100,000 (nothing but a window bounded the count).
+      expect(await usedOn(gw2, org.orgId)).toBe(2 * (claim + 5) + 2 * (imaged + 5));
+      const next = await ask("hi", false);
+      expect(next.status).toBe(200);
+      await next.arrayBuffer();
+      const warned = lines.map((l) => JSON.parse(l) as Record<string, unknown>).filter((l) => String(l.msg).includes("above what was reserved"));
+      expect(warned).toHaveLength(1);
+      expect(warned[0]).toMatchObject({ alias: "svc-nowindow", prompt_tokens: 1_000_000_000, reserved_prompt_tokens: claim });
+    } finally {
+      await gw2.stop();
+    }
+  });
 });
+
+async function usedOn(g: Gateway, orgId: string): Promise<number> {
+  for (let i = 0; i < 2; i++) await g.quota.flush();
+  const rows = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, orgId));
+  return rows.reduce((a, r) => a + r.used, 0);
+}
