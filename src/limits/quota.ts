@@ -217,6 +217,11 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   let lastSweep = 0;
   /** How long a starved request waits for other instances' unused lease: they look for requests at every flush. */
   const shareWaitMs = Math.min(3 * opts.flushMs + 250, MAX_SHARE_WAIT_MS);
+  /**
+   * stop() has begun: no lease is taken from here on. Its final write returns what is held; a lease
+   * taken after it (a request that waited for one through a drain cut short) was never returned.
+   */
+  let stopping = false;
 
   /**
    * Another instance found the shared counter empty while we hold unused
@@ -451,7 +456,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
    */
   function refill(s: OrgState): Promise<void> {
     if (s.refill) return s.refill;
-    if (s.leaseUnanswered) {
+    // Stopping: a request that still wants lease is refused (503), never given one that nothing returns.
+    if (s.leaseUnanswered || stopping) {
       s.leaseError = true;
       return Promise.resolve();
     }
@@ -583,7 +589,11 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       // Without a lease we cannot know the budget: refuse honestly, not as budget_exceeded.
       throw new AppError(
         "service_unavailable",
-        s.leaseError ? "The usage quota store is temporarily unreachable; retry with backoff." : "The usage quota is being refilled under heavy load; retry shortly.",
+        stopping
+          ? "The gateway is shutting down; retry the request."
+          : s.leaseError
+            ? "The usage quota store is temporarily unreachable; retry with backoff."
+            : "The usage quota is being refilled under heavy load; retry shortly.",
       );
     }
     refillAhead(s);
@@ -707,7 +717,10 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         s.granted -= convert;
         const ended = s.start < periodStart(s.period, current);
         let give = 0;
-        if ((final || ended) && s.inflight === 0) give = s.granted;
+        // The last write of the period or of the instance: all but what requests still in flight reserved
+        // (what they use is written by no later write; kept as lease, it is never admitted twice). Before, the
+        // final write kept a lease's worth more when a request was in flight, stranded until the period ended.
+        if (final || ended) give = Math.max(0, s.granted - s.inflight);
         else if (s.sharedFree <= 0) give = Math.max(0, s.granted - s.inflight);
         // Unused lease beyond what the next lease would be goes back at every write (a lease taken ahead of
         // need on top of the last one, reservations settled far below their size), so a SIGKILL strands at
@@ -773,6 +786,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     start: writer.start,
     flush: writer.flush,
     async stop() {
+      stopping = true;
       // A lease taken ahead of need may still be out: its tokens land on the row after the final write, and were
       // stranded there (counted as leased) until the period ended. Each is bounded (boundedTx), so this wait is.
       await Promise.all([...states.values()].map((s) => s.refill));

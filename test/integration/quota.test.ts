@@ -571,6 +571,45 @@ describe("a graceful stop that cannot write", () => {
   });
 });
 
+describe("a stop while requests are still under way", () => {
+  test("a request waiting for another instance's lease takes none once its instance has stopped: refused (503), nothing stranded", async () => {
+    const db = await sharedDatabase();
+    const p = await org(1_000);
+    const a = createQuota(db, log, { leaseTokens: 100, flushMs: 200, maxBuffered: 1000 });
+    const b = createQuota(db, log, { leaseTokens: 100, flushMs: 200, maxBuffered: 1000 });
+    a.start();
+    b.start();
+    try {
+      // A holds the quota for a request in flight; B's request waits for A to give some back.
+      const held = await a.admit(p, 900);
+      const waiting = rejectionOf(b.admit(p, 200));
+      await Bun.sleep(100);
+      // B stops meanwhile (a drain cut short: a second stop signal, a short drainMs); then A's request ends.
+      await b.stop();
+      a.settle(held, { promptTokens: 50, completionTokens: 50 }, outcome);
+      expect(await waiting).toMatchObject({ code: "service_unavailable", message: "The gateway is shutting down; retry the request." });
+    } finally {
+      await a.stop();
+    }
+    // Before: B's wait went on past its final write and leased 257 tokens that nothing would return until the
+    // period ended (and the request it admitted was settled where no write would ever take it).
+    expect(await counters(p.orgId)).toEqual({ used: 100, leased: 0 });
+  });
+
+  test("the final write keeps as lease only what requests still in flight reserved", async () => {
+    const db = await sharedDatabase();
+    const p = await org(100_000);
+    const q = createQuota(db, log, { leaseTokens: 1_000, flushMs: 60_000, maxBuffered: 1000 });
+    const inFlight = await q.admit(p, 100);
+    q.settle(await q.admit(p, 50), { promptTokens: 20, completionTokens: 10 }, outcome);
+    expect(await counters(p.orgId)).toEqual({ used: 0, leased: 1_000 });
+    await q.stop();
+    // Before: 970 (the 100 in flight, and a lease's worth more that nothing would return until the period ended).
+    expect(await counters(p.orgId)).toEqual({ used: 30, leased: 100 });
+    expect(inFlight.settled).toBe(false);
+  });
+});
+
 describe("a graceful stop after a failed write", () => {
   test("writes the batch kept from the failed write, then returns the unused lease", async () => {
     const db = await sharedDatabase();
