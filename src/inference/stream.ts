@@ -544,7 +544,9 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       let v = u + USAGE.length;
       while (event[v] === SPACE) v++;
       if (event[v] === OPEN_BRACE) {
-        const estimate = { promptTokens: opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars + text) };
+        // A report that leaves the prompt out (a server reporting it on the first chunk, the completion on the
+        // last) keeps the count reported before; before, the estimate took its place.
+        const estimate = { promptTokens: usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars + text) };
         const parsed = usageOf(event.toString("utf8", at, event.length - termLen), estimate, opts.bounds);
         if (parsed) {
           usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };

@@ -145,7 +145,8 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
     }
     // A report counts the text of its own event (as the relay counts it); what follows is not in it.
     if (isRecord(v.usage)) {
-      usage = v.usage;
+      // A report that leaves the prompt out (reported on the first chunk, the completion on the last) keeps the earlier count, as the relay does.
+      usage = v.usage.prompt_tokens === undefined && usage?.prompt_tokens !== undefined ? { ...v.usage, prompt_tokens: usage.prompt_tokens } : v.usage;
       reported += unreported + chars;
       unreported = 0;
     } else unreported += chars;

@@ -374,6 +374,29 @@ describe("usage the upstream leaves out, or reports before the end", () => {
     }
   });
 
+  test("usage reported in parts (the prompt on the first chunk, the completion on the last): the prompt count is kept when the last report leaves it out, streamed or not", async () => {
+    const promptEstimate = await estimateOf(true);
+    // 12 prompt tokens reported (the estimate of "hi" is less), then 20 characters, then the completion alone.
+    expect(promptEstimate).not.toBe(12);
+    const events = [
+      chunkOf([deltaOf({ role: "assistant", content: "a".repeat(20) })], { usage: { prompt_tokens: 12 } }),
+      chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]),
+      chunkOf([], { usage: { completion_tokens: 7 } }),
+    ];
+    for (const stream of [true, false]) {
+      scripted = { events, done: true };
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream, ...(stream ? { stream_options: { include_usage: true } } : {}) });
+      expect(res.status).toBe(200);
+      const text = await res.text();
+      const told = stream ? rec(JSON.parse(sseData(text).at(-2) ?? "null")).usage : rec(JSON.parse(text)).usage;
+      // Before: the prompt the upstream counted was forgotten for the estimate, since the last report left it out.
+      expect(told).toEqual({ prompt_tokens: 12, completion_tokens: 7, total_tokens: 19 });
+      const [row] = await rows(o.orgId);
+      expect([row?.promptTokens, row?.completionTokens]).toEqual([12, 7]);
+    }
+  });
+
   test("streamed without usage: every delta's text counts (reasoning, refusal, each choice and each tool call of an event)", async () => {
     const promptEstimate = await estimateOf(true);
     const o = await seedTestOrg(gw.database);
