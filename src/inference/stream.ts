@@ -1,16 +1,37 @@
 import type { ErrorCode } from "../lib/errors.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
-import { readEvent, SseFramer } from "../lib/sse.ts";
+import { SseFramer } from "../lib/sse.ts";
 import type { Opened } from "./upstream/index.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import { isRecord } from "../lib/guards.ts";
+import {
+  blankLineOf,
+  CRLF2,
+  carriesUsage,
+  choiceIndexOf,
+  chunkIdOf,
+  type DeltaScan,
+  dataAt,
+  deltaTextBytes,
+  finishes,
+  isDone,
+  isErrorEvent,
+  isPlainData,
+  LF2,
+  plainDataEvent,
+  swapFields,
+  textArgumentsEvent,
+  withAlias,
+  withWholeLineEnd,
+} from "./chunk-bytes.ts";
 import { charsToTokens } from "./tokens.ts";
 import { type Counted, type UsageBounds, countUsage } from "./usage.ts";
 import { wholeAnswer } from "./whole-answer.ts";
 
 /**
  * SSE passthrough: the upstream's bytes go to the client event by event, with
- * no JSON parse or re-serialisation of ordinary chunks. Per event we only
+ * no JSON parse or re-serialisation of ordinary chunks (what an event's bytes
+ * say is read in chunk-bytes.ts; this module is the relay). Per event we only
  *  - swap the upstream model id for the alias (a byte search for
  *    `"model":"<upstream id>"`, the first occurrence, which is the top-level key:
  *    inside JSON strings quotes are escaped, so the pattern cannot match content);
@@ -104,134 +125,8 @@ export interface RelayOptions {
 /** Ends an open stream the way a mid-stream upstream failure does: an error event, then a clean close. */
 export type EndStream = (message: string) => void;
 
-const LF2 = Buffer.from("\n\n");
-const CRLF2 = Buffer.from("\r\n\r\n");
-const LF1 = Buffer.from("\n");
-const LF = 0x0a;
-const CR = 0x0d;
-const DATA = Buffer.from("data:");
-const DONE = Buffer.from("[DONE]");
-const USAGE = Buffer.from('"usage":');
-const CHOICES = Buffer.from('"choices":');
-const DELTA = Buffer.from('"delta":');
-const INDEX = Buffer.from('"index":');
-const FINISH_REASON = Buffer.from('"finish_reason":');
-/** A chunk's `"id"` near its start (vLLM writes it first): a JSON string, escapes included. */
-const CHUNK_ID = /^\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){0,256}")/;
-
-/** The id of a chunk (`data` from `at`), or "" when it has none we can read: looked up once per stream. */
-function chunkIdOf(event: Buffer, at: number): string {
-  const m = CHUNK_ID.exec(event.toString("utf8", at, Math.min(event.length, at + 300)));
-  if (!m?.[1]) return "";
-  try {
-    const id = JSON.parse(m[1]) as unknown;
-    return typeof id === "string" ? id : "";
-  } catch {
-    return "";
-  }
-}
-/** Keys whose string values are delta text; the value's quote may follow a space (Python's default separators). */
-const TEXT_FIELDS = ['"content":', '"arguments":', '"refusal":'].map((s) => Buffer.from(s));
-const ARGUMENTS = TEXT_FIELDS[1];
-/** vLLM's reasoning text, under its older name, its newer one, or both (the same text): counted once. */
-const REASONING_FIELDS = ['"reasoning_content":', '"reasoning":'].map((s) => Buffer.from(s));
-const ERROR_PREFIXES = ['{"error"', '{"object":"error"', '{"object": "error"'].map((s) => Buffer.from(s));
 /** How long the rest of an upstream's body may take after [DONE] (normally the end of its chunked framing, at once). */
 const DRAIN_MS = 1_000;
-const QUOTE = 0x22;
-const BACKSLASH = 0x5c;
-const SPACE = 0x20;
-const OPEN_BRACE = 0x7b;
-const OPEN_BRACKET = 0x5b;
-
-/** Length of the JSON string starting at `start` (just after its opening quote), escapes included. */
-function jsonStringBytes(b: Buffer, start: number): number {
-  for (let i = start; i < b.length; i++) {
-    const c = b[i];
-    if (c === BACKSLASH) i++;
-    else if (c === QUOTE) return i - start;
-  }
-  return b.length - start;
-}
-
-/** What a scan of an event's delta text saw besides its bytes (one per stream, reused for each event). */
-interface DeltaScan {
-  /** A tool call's arguments are a JSON object or array, not a string (`textArgumentsEvent`). */
-  structuredArguments: boolean;
-}
-
-/**
- * Bytes of every string value of `field` (a key with its colon) in the event:
- * each choice's (`n`), each parallel tool call's. `"content":"…"` and
- * `"content": "…"` alike: servers built on Python's json write the second.
- * With `scan`, a value that opens an object or an array is noted there.
- */
-function fieldBytes(event: Buffer, field: Buffer, scan?: DeltaScan): number {
-  let n = 0;
-  let at = event.indexOf(field);
-  while (at !== -1) {
-    let v = at + field.length;
-    while (event[v] === SPACE) v++;
-    if (event[v] !== QUOTE) {
-      if (scan && (event[v] === OPEN_BRACE || event[v] === OPEN_BRACKET)) scan.structuredArguments = true;
-      at = event.indexOf(field, v);
-      continue;
-    }
-    const len = jsonStringBytes(event, v + 1);
-    n += len;
-    at = event.indexOf(field, v + 1 + len);
-  }
-  return n;
-}
-
-/** Bytes of delta text in the event; `scan` notes tool-call arguments that are not a string. */
-function deltaTextBytes(event: Buffer, scan: DeltaScan): number {
-  scan.structuredArguments = false;
-  let n = 0;
-  for (const f of TEXT_FIELDS) n += fieldBytes(event, f, f === ARGUMENTS ? scan : undefined);
-  let reasoning = 0;
-  for (const f of REASONING_FIELDS) reasoning = Math.max(reasoning, fieldBytes(event, f));
-  return n + reasoning;
-}
-
-/**
- * The index of the one choice an event carries (vLLM sends each choice in an
- * event of its own, `"choices":[{"index":K,"delta":…`), or -1 when it carries
- * several or its index is not found before its delta: such an event counts
- * only towards the stream's total. `"delta":` is found only as a key (inside
- * a JSON string its closing quote would be escaped); a tool call's `"index"`
- * lies inside the delta, after it.
- */
-function choiceIndexOf(event: Buffer, at: number): number {
-  const c = event.indexOf(CHOICES, at);
-  if (c === -1) return -1;
-  const d = event.indexOf(DELTA, c);
-  if (d === -1 || event.indexOf(DELTA, d + DELTA.length) !== -1) return -1;
-  const i = event.lastIndexOf(INDEX, d);
-  if (i < c) return -1;
-  let v = i + INDEX.length;
-  while (event[v] === SPACE) v++;
-  let k = 0;
-  const first = v;
-  for (let b = event[v]; b !== undefined && b >= 0x30 && b <= 0x39 && v - first < 4; b = event[++v]) k = k * 10 + b - 0x30;
-  return v === first ? -1 : k;
-}
-
-/** The event gives a finish_reason (a string, not null); asked of one-choice events only. */
-function finishes(event: Buffer, at: number): boolean {
-  const f = event.indexOf(FINISH_REASON, at);
-  if (f === -1) return false;
-  let v = f + FINISH_REASON.length;
-  while (event[v] === SPACE) v++;
-  return event[v] === QUOTE;
-}
-
-/** Byte by byte: the prefixes are a few bytes, shorter than a call into Buffer.compare costs. */
-function startsWithAt(b: Buffer, at: number, prefix: Buffer): boolean {
-  if (b.length - at < prefix.length) return false;
-  for (let i = 0; i < prefix.length; i++) if (b[at + i] !== prefix[i]) return false;
-  return true;
-}
 
 /**
  * The usage in an event's JSON, its counts checked (usage.ts). When one had
@@ -260,131 +155,12 @@ function usageOf(
   return { counted, onlyUsage, rewritten: JSON.stringify({ ...v, usage }) };
 }
 
-/**
- * The event with each tool call's `function.arguments` that is a JSON object
- * or array replaced by its JSON text: some OpenAI-compatible servers send the
- * arguments parsed, where the SDKs take a string (the openai SDK appends it to
- * the text so far, "[object Object]"; the Vercel AI SDK refuses the chunk).
- * Only an event whose scan saw such arguments is parsed. Undefined when there
- * is nothing to replace or it cannot be done (the event then goes on as sent).
- */
-function textArgumentsEvent(payload: string, term: string): Buffer | undefined {
-  let v: unknown;
-  try {
-    v = JSON.parse(payload);
-  } catch {
-    return undefined;
-  }
-  if (!isRecord(v) || !Array.isArray(v.choices)) return undefined;
-  let replaced = false;
-  try {
-    for (const c of v.choices) {
-      if (!isRecord(c) || !isRecord(c.delta) || !Array.isArray(c.delta.tool_calls)) continue;
-      for (const tc of c.delta.tool_calls) {
-        if (!isRecord(tc) || !isRecord(tc.function)) continue;
-        const args = tc.function.arguments;
-        if (typeof args !== "object" || args === null) continue;
-        tc.function.arguments = JSON.stringify(args);
-        replaced = true;
-      }
-    }
-    return replaced ? Buffer.from(`data: ${JSON.stringify(v)}${term}`) : undefined;
-  } catch {
-    // Nesting too deep to serialise again (JSON.stringify recurses: a RangeError): as sent.
-    return undefined;
-  }
-}
-
 function errorEvent(opts: RelayOptions, message: string): Uint8Array {
   return Buffer.from(`data: ${JSON.stringify(opts.errorBody("service_unavailable", message))}\n\n`);
 }
 
-interface SwapFields {
-  modelField: Buffer;
-  /** As servers using Python's default separators write it: `"model": "…"`. */
-  spacedModelField: Buffer;
-  aliasField: Buffer;
-  swapModel: boolean;
-}
-
-/**
- * The byte patterns of the model swap, made once per target and alias (both
- * come from the configuration, so the cache is as small as it is) rather than
- * four buffers and a string round trip per stream.
- */
-const swapFieldCache = new WeakMap<Opened["target"], Map<string, SwapFields>>();
-function swapFields(target: Opened["target"], alias: string): SwapFields {
-  let byAlias = swapFieldCache.get(target);
-  if (!byAlias) {
-    byAlias = new Map();
-    swapFieldCache.set(target, byAlias);
-  }
-  let f = byAlias.get(alias);
-  if (!f) {
-    const modelField = Buffer.from(target.modelField);
-    const aliasField = Buffer.from(`"model":${JSON.stringify(alias)}`);
-    f = {
-      modelField,
-      spacedModelField: Buffer.from(modelField.toString().replace('"model":', '"model": ')),
-      aliasField,
-      swapModel: !modelField.equals(aliasField),
-    };
-    byAlias.set(alias, f);
-  }
-  return f;
-}
-
-/** The line end an event (its blank line included) ends with, when it is `\n\n` or `\r\n\r\n` (the only ones a plain event has). */
-function blankLineOf(event: Buffer): Buffer | undefined {
-  const n = event.length;
-  if (event[n - 1] !== LF) return undefined;
-  if (event[n - 2] === LF) return LF2;
-  return event[n - 2] === CR && event[n - 3] === LF && event[n - 4] === CR ? CRLF2 : undefined;
-}
-
-/**
- * Whether an event (its terminator `sep` included) is one `data:` line, as
- * vLLM's all are, rather than anything else SSE allows: other fields
- * (`event:`, `id:`, `retry:`), comment lines, data over several `data:`
- * lines, other line ends. Two byte searches.
- */
-function isPlainData(event: Buffer, sep: Buffer): boolean {
-  if (!startsWithAt(event, 0, DATA)) return false;
-  const end = event.length - sep.length;
-  const lf = event.indexOf(LF);
-  return sep === LF2 ? lf === end && event.indexOf(CR) === -1 : lf === end + 1 && event.indexOf(CR) === end;
-}
-
-/**
- * An event that is not one `data:` line, as what the chat wire carries
- * (OpenAI's streams have nothing but `data:` lines and comments), read the
- * way an SSE client reads it (lib/sse.ts): its `data:` lines joined (a JSON
- * text split over lines is made one line again), the other fields dropped.
- * Without this, such events were relayed unread: their text and usage
- * uncounted, their error and bound unchecked. `keep` for an event of
- * comments only (a keep-alive, passed on as it is), `drop` for one without
- * data or with empty data (nothing a chat client can read: the SDKs parse
- * each event's data as JSON).
- */
-export function plainDataEvent(event: Buffer, term: string): Buffer | "keep" | "drop" {
-  const { data, comments, others } = readEvent(event);
-  if (data === undefined) return comments > 0 && others === 0 ? "keep" : "drop";
-  if (data === "") return "drop";
-  let payload = data;
-  if (data.includes("\n")) {
-    try {
-      // The line feeds SSE joins with are white space to JSON, and JSON has no raw line feed inside a string.
-      payload = JSON.stringify(JSON.parse(data));
-    } catch {
-      // Not JSON: relayed as its lines, as it came (a client fails on it as it would on the upstream's).
-      payload = data.replaceAll("\n", "\ndata: ");
-    }
-  }
-  return Buffer.from(`data: ${payload}${term}`);
-}
-
 export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint8Array> {
-  const { modelField, spacedModelField, aliasField, swapModel } = swapFields(up.target, opts.alias);
+  const swap = swapFields(up.target, opts.alias);
   const tf = opts.transform;
   /** The upstream's events, as SSE reads them (lib/sse.ts). */
   const framer = new SseFramer();
@@ -486,11 +262,10 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       event = plain;
       termLen = termOut().length;
     }
-    let at = DATA.length;
-    if (event[at] === SPACE) at++;
+    let at = dataAt(event);
     // Empty data is no chunk (the SDKs would fail parsing it as JSON): dropped, as plainDataEvent drops it.
     if (at === event.length - termLen) return undefined;
-    if (startsWithAt(event, at, DONE)) {
+    if (isDone(event, at)) {
       sawDone = true;
       // Asked for usage and none came (an upstream that ignores include_usage), or text came after the
       // last report (a server that reports on the first or on every chunk): the client gets what is
@@ -514,8 +289,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       return event;
     }
     chunkId ??= chunkIdOf(event, at);
-    // Every error prefix starts `{"e` or `{"o` (a chunk starts `{"id"`).
-    if (event[at] === OPEN_BRACE && event[at + 1] === QUOTE && (event[at + 2] === 0x65 || event[at + 2] === 0x6f) && ERROR_PREFIXES.some((p) => startsWithAt(event, at, p))) {
+    if (isErrorEvent(event, at)) {
       upstreamError = upstreamMessage(event.toString("utf8", at, event.length - termLen)).message;
       return undefined;
     }
@@ -526,7 +300,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       if (rebuilt) {
         event = rebuilt;
         termLen = termOut().length;
-        at = DATA.length + 1;
+        at = dataAt(event);
         text = deltaTextBytes(event, scan);
       }
     }
@@ -539,60 +313,39 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       return undefined;
     }
     let reported = false;
-    const u = event.indexOf(USAGE, at);
-    if (u !== -1) {
-      let v = u + USAGE.length;
-      while (event[v] === SPACE) v++;
-      if (event[v] === OPEN_BRACE) {
-        // A report that leaves the prompt out (a server reporting it on the first chunk, the completion on the
-        // last) keeps the count reported before; before, the estimate took its place.
-        const estimate = { promptTokens: usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars + text) };
-        const parsed = usageOf(event.toString("utf8", at, event.length - termLen), estimate, opts.bounds);
-        if (parsed) {
-          usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
-          reported = true;
-          if (parsed.counted.rejected) opts.onImplausibleUsage?.(parsed.counted);
-          if (!opts.clientWantsUsage && parsed.onlyUsage) {
-            charsAtUsage = deliveredChars;
-            return undefined;
-          }
-          if (parsed.rewritten !== undefined) {
-            // Rare: the event is rebuilt around the checked figures (and still gets the model swap below).
-            event = Buffer.from(`data: ${parsed.rewritten}${termOut()}`);
-            termLen = termOut().length;
-            at = DATA.length + 1;
-          }
+    if (carriesUsage(event, at)) {
+      // A report that leaves the prompt out (a server reporting it on the first chunk, the completion on the
+      // last) keeps the count reported before; before, the estimate took its place.
+      const estimate = { promptTokens: usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars + text) };
+      const parsed = usageOf(event.toString("utf8", at, event.length - termLen), estimate, opts.bounds);
+      if (parsed) {
+        usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
+        reported = true;
+        if (parsed.counted.rejected) opts.onImplausibleUsage?.(parsed.counted);
+        if (!opts.clientWantsUsage && parsed.onlyUsage) {
+          charsAtUsage = deliveredChars;
+          return undefined;
+        }
+        if (parsed.rewritten !== undefined) {
+          // Rare: the event is rebuilt around the checked figures (and still gets the model swap below).
+          event = Buffer.from(`data: ${parsed.rewritten}${termOut()}`);
+          termLen = termOut().length;
+          at = dataAt(event);
         }
       }
     }
     deliveredChars += text;
     if (reported) charsAtUsage = deliveredChars;
     // A transform re-serialises the events (the Responses API names the alias itself): no swap to make.
-    if (!swapModel || tf) return event;
-    let field = modelField;
-    let m = event.indexOf(field, at);
-    if (m === -1) {
-      // Servers that serialise with Python's default separators write `"model": "…"`.
-      field = spacedModelField;
-      m = event.indexOf(field, at);
-      if (m === -1) return event;
-    }
-    const out = Buffer.allocUnsafe(event.length - field.length + aliasField.length);
-    event.copy(out, 0, 0, m);
-    aliasField.copy(out, m);
-    event.copy(out, m + aliasField.length, m + field.length);
-    return out;
+    if (!swap.swapModel || tf) return event;
+    return withAlias(event, at, swap);
   };
 
   /** Where `feed` puts what goes to the client. */
   let feeding: Buffer[] = [];
   /** Each complete upstream event; false (stop reading) once one has ended the stream or the answer ([DONE]). */
   const onEvent = (received: Buffer): boolean => {
-    // A read that ended between the two bytes of a CRLF event's last line end: the event is complete
-    // (lib/sse.ts drops the LF that may follow), and is relayed as a CRLF event, as it would have been
-    // read whole. Rare (a read ending just there): the one copy it costs.
-    const n = received.length;
-    const event = received[n - 1] === CR && received[n - 2] === LF && received[n - 3] === CR ? Buffer.concat([received, LF1]) : received;
+    const event = withWholeLineEnd(received);
     sep ??= blankLineOf(event) === CRLF2 ? CRLF2 : LF2;
     const e = handle(event);
     if (upstreamError !== undefined || pastBound || tooLarge) return false;
