@@ -1,9 +1,10 @@
 import { and, eq, sql } from "drizzle-orm";
 import { recordAudit } from "../audit/record.ts";
-import { boundedCall, boundedTx } from "../db/bounded.ts";
+import { type Bound, BoundFull, boundedCall, boundedTx, createBound, maxOutAtOnce } from "../db/bounded.ts";
 import type { Database } from "../db/client.ts";
 import { usageCounters } from "../db/schema.ts";
 import { AppError } from "../lib/errors.ts";
+import type { Logger } from "../lib/log.ts";
 import { SYSTEM_ACTOR_ID } from "../lib/ids.ts";
 import { type QuotaPeriod, periodEnd } from "./period.ts";
 
@@ -73,4 +74,57 @@ export function budgetExceeded(s: SpentPeriod, t: number, want: number): AppErro
     null,
     headers,
   );
+}
+
+/** The budget_exceeded audit writes of one quota manager (quota.ts refuses, this records). */
+export interface BudgetRecorder {
+  /** Records the period's budget_exceeded in the background (at most once); returns at once. */
+  record(spent: SpentPeriod): void;
+  /** Writes given up on that have not settled (db/bounded.ts). */
+  unanswered(): number;
+}
+
+/**
+ * The period's budget_exceeded audit row, written in the background: at
+ * most one write at a time per organisation and period, none once one has
+ * been written or found written (recordBudgetExceeded marks the counter
+ * row), and at most maxOutAtOnce(dbPoolMax) at once in all. A write given up
+ * on stays out, and keeps its place, until the database answers it.
+ */
+export function createBudgetRecorder(database: Database, log: Logger, now: () => number, bound?: Bound): BudgetRecorder {
+  const budgetWrites = bound ?? createBound("budget_exceeded audit write", maxOutAtOnce(database.poolMax), log);
+  /** Organisation periods whose budget_exceeded write is out, or done (the row says so): no other is sent. Bounded. */
+  const budgetOut = new Set<string>();
+  const budgetDone = new Set<string>();
+
+  function record(spent: SpentPeriod): void {
+    const k = `${spent.orgId}|${spent.start}`;
+    if (budgetOut.has(k) || budgetDone.has(k)) return;
+    if (budgetOut.size >= 10_000) return;
+    budgetOut.add(k);
+    const done = (marked: boolean) => {
+      budgetOut.delete(k);
+      if (!marked) return; // no counter row yet: a later refusal (after a lease made one) tries again
+      if (budgetDone.size >= 10_000) budgetDone.clear();
+      budgetDone.add(k);
+    };
+    /** Given up on: the write runs on and keeps its place until the database answers it. */
+    let stillOut = false;
+    budgetWrites
+      .run(
+        () => recordBudgetExceeded(database, spent, now()),
+        (running) => {
+          stillOut = true;
+          running.then(done, () => budgetOut.delete(k));
+        },
+      )
+      .then(done, (e: Error) => {
+        // Refused at once while earlier writes are unanswered: the bound logged that once.
+        if (!(e instanceof BoundFull)) log.warn("budget_exceeded audit write failed", { org_id: spent.orgId, err: e.message });
+        // Refused or failed: the next refusal tries again.
+        if (!stillOut) budgetOut.delete(k);
+      });
+  }
+
+  return { record, unanswered: () => budgetWrites.unanswered() };
 }

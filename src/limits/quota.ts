@@ -8,7 +8,7 @@ import { usageCounters } from "../db/schema.ts";
 import { AppError } from "../lib/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import { type Metering, type RequestOutcome, type Ticket, type UsageReport, clampTokens } from "./metering.ts";
-import { type SpentPeriod, budgetExceeded, recordBudgetExceeded } from "./budget.ts";
+import { budgetExceeded, createBudgetRecorder } from "./budget.ts";
 import { type QuotaPeriod, periodEnd, periodStart } from "./period.ts";
 import { type CounterDelta, type CounterSource, createUsageWriter } from "./usage-writer.ts";
 import { firstSeen } from "../lib/once.ts";
@@ -199,10 +199,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   const states = new Map<string, OrgState>();
   const unmetered = new Map<string, Unmetered>();
   const leases = opts.leaseBound ?? createBound("quota lease", maxOutAtOnce(database.poolMax), log);
-  const budgetWrites = opts.budgetAuditBound ?? createBound("budget_exceeded audit write", maxOutAtOnce(database.poolMax), log);
-  /** Organisation periods whose budget_exceeded write is out, or done (the row says so): no other is sent. Bounded. */
-  const budgetOut = new Set<string>();
-  const budgetDone = new Set<string>();
+  const budgetAudit = createBudgetRecorder(database, log, now, opts.budgetAuditBound);
 
   const key = (orgId: string, start: number) => `${orgId}|${start}`;
   /**
@@ -489,45 +486,9 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     return s.refill;
   }
 
-  /**
-   * The period's budget_exceeded audit row, written in the background: at
-   * most one write at a time per organisation and period, none once one has
-   * been written or found written (recordBudgetExceeded marks the counter
-   * row), and at most maxOutAtOnce(dbPoolMax) at once in all. A write given up
-   * on stays out, and keeps its place, until the database answers it.
-   */
-  function recordExceeded(spent: SpentPeriod): void {
-    const k = key(spent.orgId, spent.start);
-    if (budgetOut.has(k) || budgetDone.has(k)) return;
-    if (budgetOut.size >= 10_000) return;
-    budgetOut.add(k);
-    const done = (marked: boolean) => {
-      budgetOut.delete(k);
-      if (!marked) return; // no counter row yet: a later refusal (after a lease made one) tries again
-      if (budgetDone.size >= 10_000) budgetDone.clear();
-      budgetDone.add(k);
-    };
-    /** Given up on: the write runs on and keeps its place until the database answers it. */
-    let stillOut = false;
-    budgetWrites
-      .run(
-        () => recordBudgetExceeded(database, spent, now()),
-        (running) => {
-          stillOut = true;
-          running.then(done, () => budgetOut.delete(k));
-        },
-      )
-      .then(done, (e: Error) => {
-        // Refused at once while earlier writes are unanswered: the bound logged that once.
-        if (!(e instanceof BoundFull)) log.warn("budget_exceeded audit write failed", { org_id: spent.orgId, err: e.message });
-        // Refused or failed: the next refusal tries again.
-        if (!stillOut) budgetOut.delete(k);
-      });
-  }
-
   function exceeded(s: OrgState, t: number, want: number): AppError {
     const spent = { orgId: s.orgId, quota: s.quota, period: s.period, start: s.start };
-    recordExceeded(spent);
+    budgetAudit.record(spent);
     return budgetExceeded(spent, t, want);
   }
 
@@ -792,6 +753,6 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       await Promise.all([...states.values()].map((s) => s.refill));
       await writer.stop();
     },
-    stats: () => ({ orgs: states.size, settings: orgs.size, ...writer.stats(), unansweredLeases: leases.unanswered(), unansweredBudgetWrites: budgetWrites.unanswered() }),
+    stats: () => ({ orgs: states.size, settings: orgs.size, ...writer.stats(), unansweredLeases: leases.unanswered(), unansweredBudgetWrites: budgetAudit.unanswered() }),
   };
 }
