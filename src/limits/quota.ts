@@ -10,6 +10,7 @@ import type { Logger } from "../lib/log.ts";
 import { type Metering, type RequestOutcome, type Ticket, type UsageReport, clampTokens } from "./metering.ts";
 import { budgetExceeded, createBudgetRecorder } from "./budget.ts";
 import { type QuotaPeriod, periodEnd, periodStart } from "./period.ts";
+import { type OrgQuota, createQuotaSettings } from "./quota-settings.ts";
 import { type CounterDelta, type CounterSource, createUsageWriter } from "./usage-writer.ts";
 import { firstSeen } from "../lib/once.ts";
 
@@ -64,26 +65,6 @@ import { firstSeen } from "../lib/once.ts";
 const LEASE_SHARE = 0.25;
 /** Longest a request waits for other instances to return unused lease before it is refused. */
 const MAX_SHARE_WAIT_MS = 5_000;
-/** An organisation's newest quota setting is forgotten once it has had no request for this long and holds no period state. */
-const SETTING_IDLE_MS = 3_600_000;
-
-/**
- * What this instance knows of one organisation's quota: the newest setting
- * seen, by the time its principal was read (Principal.readAt), and the state
- * of its current period. Admission and the period's state follow this
- * setting, never an older principal's: a request whose key was checked
- * before a change (its body read after) carries the old setting.
- */
-interface OrgQuota {
-  orgId: string;
-  /** null: no quota. */
-  tokens: number | null;
-  period: QuotaPeriod;
-  /** When the principal that carried this setting was read; -Infinity when it did not say. */
-  readAt: number;
-  current: OrgState | undefined;
-  lastUsed: number;
-}
 
 interface OrgState {
   orgId: string;
@@ -202,16 +183,9 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   const budgetAudit = createBudgetRecorder(database, log, now, opts.budgetAuditBound);
 
   const key = (orgId: string, start: number) => `${orgId}|${start}`;
-  /**
-   * Each organisation's newest quota setting and its current period's state, for the request path: one
-   * lookup, no key string or date math per request. Pruned with the states (cut): a setting is kept while
-   * its organisation has a period state, and for SETTING_IDLE_MS after its last request.
-   */
-  const orgs = new Map<string, OrgQuota>();
-  /** The last principal applied and its organisation's entry: the inference path asks quotaOf, then admits, in one turn. */
-  let lastPrincipal: Principal | undefined;
-  let lastOrg: OrgQuota | undefined;
-  let lastSweep = 0;
+  /** Each organisation's newest quota setting and its current period's state (quota-settings.ts). */
+  const settings = createQuotaSettings<OrgState>(now);
+  const orgOf = settings.of;
   /** How long a starved request waits for other instances' unused lease: they look for requests at every flush. */
   const shareWaitMs = Math.min(3 * opts.flushMs + 250, MAX_SHARE_WAIT_MS);
   /**
@@ -248,34 +222,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     }
   }
 
-  /**
-   * The organisation's entry, with the principal's setting applied when it is
-   * the newest seen. A quota change reaches us through the key cache (org:<id>
-   * invalidation); a principal read before the one whose setting the entry
-   * has (a request whose key was checked before the change, its body read
-   * after) is held to the newer setting, whether the change set a first quota,
-   * lowered or raised it, or changed its period. Before, such a request was
-   * admitted as its principal said: unlimited, against the old period's
-   * quota, or (the first of its organisation in a new period) against the old
-   * quota, far beyond the new one. A principal without readAt counts as newest.
-   */
-  function orgOf(p: Principal): OrgQuota {
-    if (p === lastPrincipal && lastOrg !== undefined) return lastOrg;
-    let o = orgs.get(p.orgId);
-    if (o === undefined) {
-      o = { orgId: p.orgId, tokens: p.quotaTokens, period: p.quotaPeriod, readAt: p.readAt ?? Number.NEGATIVE_INFINITY, current: undefined, lastUsed: now() };
-      orgs.set(p.orgId, o);
-    } else if (p.readAt === undefined || p.readAt >= o.readAt) {
-      o.tokens = p.quotaTokens;
-      o.period = p.quotaPeriod;
-      if (p.readAt !== undefined) o.readAt = p.readAt;
-    }
-    lastPrincipal = p;
-    lastOrg = o;
-    return o;
-  }
-
-  function stateFor(o: OrgQuota, tokens: number, t: number): OrgState {
+  function stateFor(o: OrgQuota<OrgState>, tokens: number, t: number): OrgState {
     let s = o.current;
     if (!s || t >= s.end || t < s.start || s.period !== o.period) s = periodState(o, tokens, t);
     if (tokens !== s.quota) changeQuota(s, tokens);
@@ -305,7 +252,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   }
 
   /** The state of the period containing `t`, made when new (with the organisation's newest quota); it becomes the organisation's current one. */
-  function periodState(o: OrgQuota, tokens: number, t: number): OrgState {
+  function periodState(o: OrgQuota<OrgState>, tokens: number, t: number): OrgState {
     const period = o.period;
     const start = periodStart(period, t);
     const k = key(o.orgId, start);
@@ -695,19 +642,12 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         if (u > 0 || convert + give > 0) deltas.push({ orgId: s.orgId, start: s.start, used: u, leased: -(convert + give) });
         if (ended && s.inflight === 0) {
           states.delete(k);
-          const o = orgs.get(s.orgId);
+          const o = settings.get(s.orgId);
           if (o?.current === s) o.current = undefined;
         }
       }
       // Settings of organisations with no period state and no request for a while (an hour): at most one sweep a minute.
-      if (current - lastSweep >= 60_000) {
-        lastSweep = current;
-        for (const [id, o] of orgs) {
-          if (o.current !== undefined || current - o.lastUsed < SETTING_IDLE_MS) continue;
-          orgs.delete(id);
-          if (lastOrg === o) lastPrincipal = lastOrg = undefined;
-        }
-      }
+      settings.sweep(current);
       for (const [k, u] of unmetered) {
         if (u.pending > 0) deltas.push({ orgId: u.orgId, start: u.start, used: u.pending, leased: 0 });
         unmetered.delete(k);
@@ -753,6 +693,6 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       await Promise.all([...states.values()].map((s) => s.refill));
       await writer.stop();
     },
-    stats: () => ({ orgs: states.size, settings: orgs.size, ...writer.stats(), unansweredLeases: leases.unanswered(), unansweredBudgetWrites: budgetAudit.unanswered() }),
+    stats: () => ({ orgs: states.size, settings: settings.size(), ...writer.stats(), unansweredLeases: leases.unanswered(), unansweredBudgetWrites: budgetAudit.unanswered() }),
   };
 }
