@@ -10,7 +10,7 @@ import { type EndStream, relayStream } from "./stream.ts";
 import { sseAsCompletion } from "./whole-answer.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
-import { type Counted, type UsageBounds, countUsage } from "./usage.ts";
+import { type Counted, type UsageBounds, countUsage, usageDetails } from "./usage.ts";
 import {
   DEFAULT_IMAGE_TOKENS,
   charsToTokens,
@@ -355,7 +355,8 @@ export function createInferenceService(deps: ServiceDeps) {
         checkedUsage(name, res.target, counted, reservedCap, ctx.requestId);
         const { promptTokens, completionTokens } = counted;
         promptOverReserve(name, promptTokens, metered ? promptReserve : undefined, ctx.requestId);
-        shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens };
+        // The counts charged, and the upstream's breakdowns of them (cached, reasoning tokens…), checked, as a stream passes them on.
+        shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens, ...usageDetails(rawUsage, promptTokens, completionTokens) };
         // Serialised before settling: an answer that cannot be is a failure, settled once as one.
         const reply = JSON.stringify(shaped.out);
         metering.settle(ticket, { promptTokens, completionTokens }, outcome(name, target, 200, start, false));

@@ -77,3 +77,43 @@ export function countUsage(usage: Record<string, unknown> | undefined, estimate:
   const completionTokens = pick("completion_tokens", Math.min(estimate.completionTokens, bounds.completionTokens), bounds.completionTokens);
   return promptOver === undefined ? { promptTokens, completionTokens, rejected } : { promptTokens, completionTokens, rejected, promptOver };
 }
+
+/** The counts the openai SDK's CompletionUsage names in each breakdown (7.x); each is part of the count it details. */
+const PROMPT_DETAILS = ["cached_tokens", "cache_write_tokens", "audio_tokens", "image_tokens", "text_tokens"] as const;
+const COMPLETION_DETAILS = ["reasoning_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens", "audio_tokens", "text_tokens"] as const;
+
+export interface UsageDetails {
+  prompt_tokens_details?: Record<string, number>;
+  completion_tokens_details?: Record<string, number>;
+}
+
+/** The known counts of one breakdown that are integers from 0 to `part` (the count charged that they are part of); undefined when none is. */
+function detailsOf(v: unknown, fields: readonly string[], part: number): Record<string, number> | undefined {
+  if (typeof v !== "object" || v === null || Array.isArray(v)) return undefined;
+  const from = v as Record<string, unknown>;
+  const out: Record<string, number> = {};
+  let kept = 0;
+  for (const k of fields) {
+    const n = from[k];
+    if (typeof n !== "number" || !Number.isInteger(n) || n < 0 || n > part) continue;
+    out[k] = n;
+    kept++;
+  }
+  return kept > 0 ? out : undefined;
+}
+
+/**
+ * The upstream's `prompt_tokens_details` and `completion_tokens_details`
+ * (cached, reasoning, audio… tokens: what LangChain's usage metadata, the
+ * openai SDK's CompletionUsage and the Vercel AI SDK's cachedInputTokens and
+ * reasoningTokens read), checked as any upstream figure: only the fields the
+ * SDK names, each an integer from 0 to the count charged it is part of (a
+ * cached count above the prompt charged is no breakdown of it); anything else
+ * is dropped, and a breakdown left empty (or not an object: vLLM sends
+ * `null`) is left out. They change nothing that is charged.
+ */
+export function usageDetails(usage: Record<string, unknown> | undefined, promptTokens: number, completionTokens: number): UsageDetails {
+  const prompt = detailsOf(usage?.prompt_tokens_details, PROMPT_DETAILS, promptTokens);
+  const completion = detailsOf(usage?.completion_tokens_details, COMPLETION_DETAILS, completionTokens);
+  return { ...(prompt ? { prompt_tokens_details: prompt } : {}), ...(completion ? { completion_tokens_details: completion } : {}) };
+}

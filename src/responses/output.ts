@@ -262,16 +262,17 @@ export function responseShell(meta: ResponseMeta, status: ResponseStatus): Respo
 
 const count = (v: unknown): number => (typeof v === "number" && Number.isFinite(v) && v > 0 ? Math.floor(v) : 0);
 
-/** Chat usage -> Responses usage; the upstream's cached and reasoning token counts when it reports them. */
+/** Chat usage -> Responses usage; the upstream's cached, cache-write and reasoning token counts when it reports them. */
 export function usageFromChat(u: unknown): ResponseUsage | undefined {
   if (!isRecord(u)) return undefined;
   const input = count(u.prompt_tokens);
   const output = count(u.completion_tokens);
   const cached = isRecord(u.prompt_tokens_details) ? count(u.prompt_tokens_details.cached_tokens) : 0;
+  const written = isRecord(u.prompt_tokens_details) ? count(u.prompt_tokens_details.cache_write_tokens) : 0;
   const reasoning = isRecord(u.completion_tokens_details) ? count(u.completion_tokens_details.reasoning_tokens) : 0;
   return {
     input_tokens: input,
-    input_tokens_details: { cached_tokens: Math.min(cached, input), cache_write_tokens: 0 },
+    input_tokens_details: { cached_tokens: Math.min(cached, input), cache_write_tokens: Math.min(written, input) },
     output_tokens: output,
     output_tokens_details: { reasoning_tokens: Math.min(reasoning, output) },
     total_tokens: input + output,

@@ -1,5 +1,6 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { eq } from "drizzle-orm";
+import OpenAI from "openai";
 import { usageReport } from "../../src/admin/usage.ts";
 import { usageEvents } from "../../src/db/schema.ts";
 import { createLogger } from "../../src/lib/log.ts";
@@ -319,7 +320,7 @@ describe("usage figures an upstream makes up are clamped", () => {
       usage = { prompt_tokens: 12, completion_tokens: 3, ...(total !== undefined ? { total_tokens: total } : {}), ...details };
       const o = await seedTestOrg(gw.database);
       const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
-      expect(rec(await res.json()).usage).toEqual({ prompt_tokens: 12, completion_tokens: 3, total_tokens: 15 });
+      expect(rec(await res.json()).usage).toEqual({ prompt_tokens: 12, completion_tokens: 3, total_tokens: 15, ...details });
       const s = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
       const data = sseData(await s.text());
       // Before: the streamed chunk was relayed as sent (total_tokens 99999, or none) while 15 were charged.
@@ -330,6 +331,67 @@ describe("usage figures an upstream makes up are clamped", () => {
         [1, 12, 3],
       ]);
     }
+  });
+
+  test("non-streamed: the upstream's prompt_tokens_details and completion_tokens_details are passed on (chat, the openai SDK, the Responses API), their known integer counts only, each within the count it is part of; what is charged is unchanged", async () => {
+    const promptDetails = { cached_tokens: 8, audio_tokens: 0, cache_write_tokens: 2, image_tokens: 0, text_tokens: 12 };
+    const completionDetails = { reasoning_tokens: 20, audio_tokens: 0, accepted_prediction_tokens: 1, rejected_prediction_tokens: 0, text_tokens: 10 };
+    usage = { prompt_tokens: 12, completion_tokens: 30, total_tokens: 42, prompt_tokens_details: promptDetails, completion_tokens_details: completionDetails };
+    const o = await seedTestOrg(gw.database);
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+    expect(res.status).toBe(200);
+    // Before: { prompt_tokens: 12, completion_tokens: 30, total_tokens: 42 } alone, where the stream passed the details on.
+    expect(rec(await res.json()).usage).toEqual(usage);
+    const s = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
+    expect(rec(JSON.parse(String(sseData(await s.text()).at(-2)))).usage).toEqual(usage);
+    // As a typed client reads them.
+    const client = new OpenAI({ baseURL: `${gw.url}/v1`, apiKey: o.personalKey, maxRetries: 0 });
+    const typed = await client.chat.completions.create({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] });
+    expect([typed.usage?.prompt_tokens_details?.cached_tokens, typed.usage?.completion_tokens_details?.reasoning_tokens]).toEqual([8, 20]);
+    // The Responses API answered whole takes them from the chat answer.
+    const r = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi" });
+    expect(r.status).toBe(200);
+    expect(rec(await r.json()).usage).toEqual({
+      input_tokens: 12,
+      input_tokens_details: { cached_tokens: 8, cache_write_tokens: 2 },
+      output_tokens: 30,
+      output_tokens_details: { reasoning_tokens: 20 },
+      total_tokens: 42,
+    });
+    // Four requests (rows sum those of one key, alias, target and status): each charged 12 and 30.
+    const charged = (await rows(o.orgId)).reduce((n, row) => ({ requests: n.requests + row.requests, prompt: n.prompt + row.promptTokens, completion: n.completion + row.completionTokens }), { requests: 0, prompt: 0, completion: 0 });
+    expect(charged).toEqual({ requests: 4, prompt: 4 * 12, completion: 4 * 30 });
+
+    // Hostile details: a count that is no integer from 0 to the count it is part of, a field no client knows, or details
+    // that are not an object, are dropped; details left empty are left out.
+    for (const [sent, kept] of [
+      [
+        {
+          prompt_tokens_details: { cached_tokens: 13, audio_tokens: -1, image_tokens: "3", text_tokens: 2.5, secret: 5 },
+          completion_tokens_details: { reasoning_tokens: 31, audio_tokens: 1e20, accepted_prediction_tokens: 30, rejected_prediction_tokens: null, text_tokens: { n: 1 } },
+        },
+        { completion_tokens_details: { accepted_prediction_tokens: 30 } },
+      ],
+      [{ prompt_tokens_details: null, completion_tokens_details: [5] }, {}],
+      [{ prompt_tokens_details: "8", completion_tokens_details: 20 }, {}],
+    ] as const) {
+      usage = { prompt_tokens: 12, completion_tokens: 30, total_tokens: 42, ...sent };
+      lines.length = 0;
+      const json = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+      expect(rec(await json.json()).usage).toEqual({ prompt_tokens: 12, completion_tokens: 30, total_tokens: 42, ...kept });
+    }
+    // Within the counts charged when the upstream's count was replaced: the estimate of "hi" is less than 12 cached tokens.
+    const promptEstimate = await estimateOf(false);
+    expect(promptEstimate).toBeLessThan(12);
+    usage = { prompt_tokens: 1e20, completion_tokens: 30, total_tokens: 1e20, prompt_tokens_details: { cached_tokens: 12, audio_tokens: 0 }, completion_tokens_details: { reasoning_tokens: 20 } };
+    const replaced = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+    expect(rec(await replaced.json()).usage).toEqual({
+      prompt_tokens: promptEstimate,
+      completion_tokens: 30,
+      total_tokens: promptEstimate + 30,
+      prompt_tokens_details: { audio_tokens: 0 },
+      completion_tokens_details: { reasoning_tokens: 20 },
+    });
   });
 });
 
