@@ -25,7 +25,7 @@ import {
   withWholeLineEnd,
 } from "./chunk-bytes.ts";
 import { charsToTokens } from "./tokens.ts";
-import { type Counted, type UsageBounds, countUsage } from "./usage.ts";
+import { type Counted, type UsageBounds, countUsage, detailsAsSent, usageDetails } from "./usage.ts";
 import { wholeAnswer } from "./whole-answer.ts";
 
 /**
@@ -133,7 +133,9 @@ const DRAIN_MS = 1_000;
  * to be replaced, or its total_tokens is not the sum of the two (or absent),
  * `rewritten` is the event's JSON with the figures counted and their sum, so
  * the client never sees what the upstream made up, nor a total other than
- * what is charged (a JSON answer's usage is rebuilt the same way).
+ * what is charged (a JSON answer's usage is rebuilt the same way); likewise
+ * when a breakdown (`prompt_tokens_details`, `completion_tokens_details`)
+ * holds a count that is not a known one within its part (usageDetails).
  */
 function usageOf(
   payload: string,
@@ -150,8 +152,11 @@ function usageOf(
   const counted = countUsage(v.usage, estimate, bounds);
   const onlyUsage = Array.isArray(v.choices) && v.choices.length === 0;
   const { promptTokens: p, completionTokens: c } = counted;
-  if (!counted.rejected && v.usage.total_tokens === p + c) return { counted, onlyUsage, rewritten: undefined };
-  const usage = { ...v.usage, prompt_tokens: p, completion_tokens: c, total_tokens: p + c };
+  // The breakdowns (cached, reasoning tokens…) checked as a JSON answer's are (usage.ts).
+  const details = usageDetails(v.usage, p, c);
+  if (!counted.rejected && v.usage.total_tokens === p + c && detailsAsSent(v.usage, details)) return { counted, onlyUsage, rewritten: undefined };
+  const { prompt_tokens_details: _p, completion_tokens_details: _c, ...rest } = v.usage;
+  const usage = { ...rest, prompt_tokens: p, completion_tokens: c, total_tokens: p + c, ...details };
   return { counted, onlyUsage, rewritten: JSON.stringify({ ...v, usage }) };
 }
 

@@ -117,3 +117,19 @@ export function usageDetails(usage: Record<string, unknown> | undefined, promptT
   const completion = detailsOf(usage?.completion_tokens_details, COMPLETION_DETAILS, completionTokens);
   return { ...(prompt ? { prompt_tokens_details: prompt } : {}), ...(completion ? { completion_tokens_details: completion } : {}) };
 }
+
+/**
+ * The breakdowns were sent as checked (each absent, null, or an object of
+ * known valid counts only), so a streamed usage chunk carrying them need not
+ * be rewritten. `checked` is usageDetails of the same usage.
+ */
+export function detailsAsSent(usage: Record<string, unknown>, checked: UsageDetails): boolean {
+  for (const k of ["prompt_tokens_details", "completion_tokens_details"] as const) {
+    const sent = usage[k];
+    if (sent === undefined || sent === null) continue;
+    const kept = checked[k];
+    // Each kept count is one sent as it is: as many as were sent means all of them.
+    if (kept === undefined || Object.keys(sent as object).length !== Object.keys(kept).length) return false;
+  }
+  return true;
+}

@@ -380,6 +380,17 @@ describe("usage figures an upstream makes up are clamped", () => {
       const json = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
       expect(rec(await json.json()).usage).toEqual({ prompt_tokens: 12, completion_tokens: 30, total_tokens: 42, ...kept });
     }
+    // Streamed, the usage chunk is checked the same way (the Vercel AI SDK refuses a chunk whose cached_tokens is a string).
+    usage = {
+      prompt_tokens: 12,
+      completion_tokens: 30,
+      total_tokens: 42,
+      prompt_tokens_details: { cached_tokens: "8", audio_tokens: 0 },
+      completion_tokens_details: { reasoning_tokens: 31, secret: 1 },
+    };
+    const hostile = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
+    // Before: relayed as sent.
+    expect(rec(JSON.parse(String(sseData(await hostile.text()).at(-2)))).usage).toEqual({ prompt_tokens: 12, completion_tokens: 30, total_tokens: 42, prompt_tokens_details: { audio_tokens: 0 } });
     // Within the counts charged when the upstream's count was replaced: the estimate of "hi" is less than 12 cached tokens.
     const promptEstimate = await estimateOf(false);
     expect(promptEstimate).toBeLessThan(12);
