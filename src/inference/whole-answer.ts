@@ -72,7 +72,9 @@ interface Acc {
  * characters are added to the report's completion count, ~4 a token, as the
  * stream relay adds text delivered after a report (stream.ts). Before, such an
  * answer was charged, and told, the count of the report alone (1 token for 404
- * characters, inference-usage.test.ts).
+ * characters, inference-usage.test.ts). `[DONE]` ends the answer, as it ends
+ * a stream: text, usage and errors sent after it are dropped (before, they
+ * were put into the answer and charged, or failed it).
  */
 export function sseAsCompletion(text: string): Record<string, unknown> | { error: string } | undefined {
   const choices = new Map<number, Acc>();
@@ -83,8 +85,10 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
   let unreported = 0;
   // Read as the SSE standard reads it (lib/sse.ts): an event the body ends before its blank line is none.
   for (const data of sseDataOf(text)) {
+    // [DONE] ends the answer: what follows is neither in it nor charged, as the stream relay drops it (stream.ts).
+    if (data === "[DONE]") break;
     // Empty data is no chunk (as the chat relay passes it over).
-    if (data === "" || data === "[DONE]") continue;
+    if (data === "") continue;
     let v: unknown;
     try {
       v = JSON.parse(data);

@@ -905,6 +905,30 @@ describe("an upstream that streams a non-streamed request", () => {
     }
   });
 
+  test("[DONE] ends the answer, as it ends a stream: text, usage and errors sent after it are neither in the answer nor charged", async () => {
+    for (const after of [
+      [chunkOf([deltaOf({ content: "x".repeat(400) })]), chunkOf([], { usage: { prompt_tokens: 9, completion_tokens: 500, total_tokens: 509 } })],
+      Array.from({ length: 10 }, () => chunkOf([deltaOf({ content: "x".repeat(400) })])),
+      [{ error: { message: "the engine is overloaded", type: "ServiceUnavailable", code: 503 } }],
+    ]) {
+      const o = await seedTestOrg(gw.database);
+      scripted = {
+        events: [chunkOf([deltaOf({ role: "assistant", content: "abcd" })]), chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]), chunkOf([], { usage: { prompt_tokens: 9, completion_tokens: 10, total_tokens: 19 } })],
+        done: true,
+        after,
+      };
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+      // Before: 200 with the text after [DONE] appended (and charged ~100 tokens a 400 characters past the report), or a 503 for the error after it.
+      expect(res.status).toBe(200);
+      const body = rec(await res.json());
+      const [choice] = body.choices as Record<string, unknown>[];
+      expect(rec(choice?.message).content).toBe("abcd");
+      expect(body.usage).toEqual({ prompt_tokens: 9, completion_tokens: 10, total_tokens: 19 });
+      const [row] = await rows(o.orgId);
+      expect([row?.status, row?.promptTokens, row?.completionTokens]).toEqual([200, 9, 10]);
+    }
+  });
+
   test("an error event in the stream is the upstream's error, with its message", async () => {
     const o = await seedTestOrg(gw.database);
     scripted = { events: [{ error: { message: "the engine is overloaded", type: "ServiceUnavailable", code: 503 } }], done: false };

@@ -67,6 +67,21 @@ describe("whole answers", () => {
     const parsed = sseAsCompletion('data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","function":{"name":"f","arguments":{"q":1}}}]}}]}\n\n');
     expect(JSON.stringify(parsed)).toContain('"arguments":"{\\"q\\":1}"');
   });
+
+  test("[DONE] ends the answer: whatever follows it (text, usage, an error, what is not SSE) changes nothing", () => {
+    const answer = 'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"abcd"}}]}\n\ndata: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1}}\n\ndata: [DONE]\n\n';
+    const whole = sseAsCompletion(answer);
+    expect(JSON.stringify(whole)).toContain('"content":"abcd"');
+    fc.assert(
+      fc.property(fc.string({ unit: "binary", maxLength: 200 }), (after) => {
+        for (const rest of [after, `data: ${after}\n\n`]) expect(sseAsCompletion(answer + rest)).toEqual(whole);
+      }),
+      { numRuns: 500 },
+    );
+    // Before: text after [DONE] was appended (and charged past the report), an error after it failed the answer.
+    expect(sseAsCompletion(`${answer}data: {"choices":[{"index":0,"delta":{"content":"xxxx"}}]}\n\n`)).toEqual(whole);
+    expect(sseAsCompletion(`${answer}data: {"error":{"message":"x"}}\n\n`)).toEqual(whole);
+  });
 });
 
 describe("sseAsCompletion reads SSE as the standard does (test/helpers/sse-spec.ts)", () => {
