@@ -1,14 +1,21 @@
 import type { ChatBody, ChatMessage, EmbeddingsBody } from "./model.ts";
 
 /**
- * Token estimates without a tokenizer: ~4 characters per token, the rule of
- * thumb for English BPE vocabularies. They size quota reservations before a
- * request goes upstream and stand in for usage only when the upstream never
- * reported it (a stream cut off before its usage chunk), so nothing goes
- * uncounted. The upstream's own usage always wins when it arrives.
+ * Token estimates without a tokenizer: ~4 bytes of UTF-8 per token, the rule
+ * of thumb for English BPE vocabularies (one byte a character there). They
+ * stand in for usage only when the upstream never reported it (a stream cut
+ * off before its usage chunk, a server that never reports), so nothing goes
+ * uncounted; the upstream's own usage always wins when it arrives. Quota
+ * reservations use the prompt's bound (promptTokenBound), not the estimate.
+ * Bytes, not characters: a CJK character is 3 bytes and about one token, an
+ * accented Latin or a Cyrillic one 2 bytes; counted in UTF-16 units such a
+ * prompt was charged a quarter to a sixth of its tokens (decisions.md,
+ * Upstream token counts).
  */
 
 export const charsToTokens = (chars: number): number => Math.ceil(chars / 4);
+
+const utf8 = (s: string): number => Buffer.byteLength(s, "utf8");
 
 /** What an image costs before the upstream says: OpenAI's flat price for a low-detail image. */
 const IMAGE_TOKENS = 85;
@@ -16,29 +23,30 @@ const IMAGE_TOKENS = 85;
 const PER_MESSAGE = 4;
 
 function messageTokens(m: ChatMessage): number {
-  let chars = 0;
+  let bytes = 0;
   let images = 0;
   const c = m.content;
-  if (typeof c === "string") chars += c.length;
+  if (typeof c === "string") bytes += utf8(c);
   else if (Array.isArray(c)) {
     for (const p of c) {
       const part = p as { type: string; text?: unknown; refusal?: unknown };
-      if (typeof part.text === "string") chars += part.text.length;
-      else if (typeof part.refusal === "string") chars += part.refusal.length;
+      if (typeof part.text === "string") bytes += utf8(part.text);
+      else if (typeof part.refusal === "string") bytes += utf8(part.refusal);
       else if (part.type === "image_url") images++;
     }
   }
   if (m.role === "assistant" && m.tool_calls) {
-    for (const t of m.tool_calls) chars += t.function.name.length + t.function.arguments.length;
+    for (const t of m.tool_calls) bytes += utf8(t.function.name) + utf8(t.function.arguments);
   }
-  return PER_MESSAGE + charsToTokens(chars) + images * IMAGE_TOKENS;
+  return PER_MESSAGE + charsToTokens(bytes) + images * IMAGE_TOKENS;
 }
 
+/** The prompt's estimate: ~4 bytes of its text a token, plus the template's overhead and each image's flat price. */
 export function estimatePromptTokens(body: ChatBody): number {
   let tokens = 3;
   for (const m of body.messages) tokens += messageTokens(m);
   // Tool definitions are rendered into the prompt by the chat template.
-  if (body.tools) tokens += charsToTokens(JSON.stringify(body.tools).length);
+  if (body.tools) tokens += charsToTokens(utf8(JSON.stringify(body.tools)));
   return tokens;
 }
 
@@ -58,7 +66,6 @@ const BOUND_PER_PART = 32;
 /** What one image may cost when the alias does not say (`imageTokens`): a 1024×1024 image on most open VLMs. */
 export const DEFAULT_IMAGE_TOKENS = 2_048;
 
-const utf8 = (s: string): number => Buffer.byteLength(s, "utf8");
 const maybe = (s: unknown): number => (typeof s === "string" ? utf8(s) : 0);
 
 /**

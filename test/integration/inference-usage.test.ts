@@ -671,6 +671,29 @@ describe("usage the upstream leaves out, or reports before the end", () => {
     }
   });
 
+  test("without the upstream's count, a prompt in a dense script (CJK) is charged its UTF-8 bytes ÷ 4, as delivered text is: streamed, cut off or whole", async () => {
+    // 400 characters, 1,200 bytes: ~1 token a character on common BPE vocabularies, 300 at 4 bytes a token.
+    const prompt = "你好".repeat(200);
+    const expected = 3 + 4 + 1_200 / 4;
+    const cases: [string, NonNullable<typeof scripted>, boolean][] = [
+      ["whole", { completion: { choices: [{ index: 0, message: { role: "assistant", content: "abcd" }, finish_reason: "stop" }] } }, false],
+      ["streamed", { events: [chunkOf([deltaOf({ role: "assistant", content: "abcd" })]), chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }])], done: true }, true],
+      ["cut off", { events: [chunkOf([deltaOf({ role: "assistant", content: "abcd" })])], done: false }, true],
+    ];
+    for (const [name, script, stream] of cases) {
+      scripted = script;
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(prompt), stream });
+      expect(res.status, name).toBe(200);
+      await res.text();
+      const [row] = await rows(o.orgId);
+      // Before: 3 + 4 + 400 / 4 = 107, a third of the bytes' count and a quarter of a tokenizer's.
+      expect([name, row?.promptTokens, row?.completionTokens]).toEqual([name, expected, 1]);
+    }
+    // ASCII text is one byte a character: its estimate is as before ("hi": 3 + 4 + 1).
+    expect(await estimateOf(false)).toBe(8);
+  });
+
   test("non-streamed without usage: reasoning and refusal text count as completion, for the client and the record", async () => {
     const promptEstimate = await estimateOf(false);
     const cases: [Record<string, unknown>, number][] = [

@@ -83,12 +83,23 @@ describe("parseEmbeddingsBody", () => {
 });
 
 describe("token estimates", () => {
-  test("~4 characters a token plus per-message overhead, images at a flat cost", () => {
+  test("~4 bytes of UTF-8 a token plus per-message overhead, images at a flat cost", () => {
     const body = parseChatBody({
       model: "m",
       messages: [{ role: "user", content: [{ type: "text", text: "x".repeat(400) }, { type: "image_url", image_url: { url: "https://a/b.png" } }] }],
     });
     expect(estimatePromptTokens(body)).toBe(3 + 4 + 100 + 85);
+    // 2 bytes a character (é), 3 (漢), 4 (an emoji, two UTF-16 units): each counted by its bytes, tool calls and tools too.
+    const dense = parseChatBody({
+      model: "m",
+      messages: [
+        { role: "user", content: "é".repeat(100) },
+        { role: "assistant", content: "漢".repeat(100), tool_calls: [{ id: "c", type: "function", function: { name: "f", arguments: "😀".repeat(100) } }] },
+      ],
+      tools: [{ type: "function", function: { name: "f", description: "漢".repeat(100) } }],
+    });
+    const toolsJson = JSON.stringify(dense.tools);
+    expect(estimatePromptTokens(dense)).toBe(3 + (4 + 50) + (4 + Math.ceil((300 + 1 + 400) / 4)) + Math.ceil((toolsJson.length + 200) / 4));
     expect(estimateEmbeddingTokens(parseEmbeddingsBody({ model: "e", input: ["abcd", "abcdefgh"] }))).toBe(3);
     expect(estimateEmbeddingTokens(parseEmbeddingsBody({ model: "e", input: [[1, 2, 3], [4]] }))).toBe(4);
   });
@@ -234,7 +245,7 @@ describe("the prompt's bound (what the quota reserves)", () => {
     const body = parseChatBody({ model: "m", messages: [{ role: "user", content: "漢".repeat(10_000) }] });
     expect(promptTokenBound(body, 1, 8_192)).toBe(8_192);
     expect(promptTokenBound(body, 1, undefined)).toBeGreaterThanOrEqual(30_000);
-    // The estimate would have been ~2,500: the bound is what a byte-level tokenizer could count.
-    expect(estimatePromptTokens(body)).toBeLessThan(3_000);
+    // The estimate is a quarter of the bytes (before: of the UTF-16 units, 2,507); the bound is what a byte-level tokenizer could count.
+    expect(estimatePromptTokens(body)).toBe(3 + 4 + 7_500);
   });
 });
