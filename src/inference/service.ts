@@ -132,7 +132,8 @@ function embeddingAnswerLimit(body: EmbeddingsBody, aliasDimensions: number | un
   return Math.max(configured, inputs * (body.dimensions ?? aliasDimensions ?? 4096) * 24 + 64 * 1024);
 }
 
-const stringLength = (v: unknown): number => (typeof v === "string" ? v.length : 0);
+/** UTF-8 bytes of a string (0 for anything else): the estimates count bytes (tokens.ts). */
+const stringBytes = (v: unknown): number => (typeof v === "string" ? Buffer.byteLength(v, "utf8") : 0);
 
 /**
  * A tool call whose `function.arguments` is a JSON object or array (some
@@ -152,24 +153,24 @@ function withTextArguments(call: unknown): unknown {
  * `message.refusal` and `logprobs` are always sent, null when the upstream
  * sent none, as OpenAI sends them.
  */
-function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unknown>; completionChars: number } | undefined {
+function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unknown>; completionBytes: number } | undefined {
   if (!isRecord(raw) || !Array.isArray(raw.choices)) return undefined;
-  let completionChars = 0;
+  let completionBytes = 0;
   const choices = raw.choices.map((c: unknown, i: number) => {
     const choice = isRecord(c) ? c : {};
     const m = isRecord(choice.message) ? choice.message : {};
     const content = typeof m.content === "string" ? m.content : null;
-    completionChars += content?.length ?? 0;
+    completionBytes += stringBytes(content);
     const message: Record<string, unknown> = { role: "assistant", content, refusal: null };
     if (Array.isArray(m.tool_calls) && m.tool_calls.length > 0) {
       message.tool_calls = m.tool_calls.map(withTextArguments);
-      completionChars += JSON.stringify(m.tool_calls).length;
+      completionBytes += stringBytes(JSON.stringify(m.tool_calls));
     }
     for (const k of ["reasoning_content", "reasoning", "refusal"] as const) {
       if (typeof m[k] === "string") message[k] = m[k];
     }
     // Generated text too, for the estimate when the upstream reports no usage; the reasoning once under either name.
-    completionChars += Math.max(stringLength(m.reasoning_content), stringLength(m.reasoning)) + stringLength(m.refusal);
+    completionBytes += Math.max(stringBytes(m.reasoning_content), stringBytes(m.reasoning)) + stringBytes(m.refusal);
     return {
       index: int(choice.index) ?? i,
       message,
@@ -185,7 +186,7 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
       model: alias,
       choices,
     },
-    completionChars,
+    completionBytes,
   };
 }
 
@@ -351,7 +352,7 @@ export function createInferenceService(deps: ServiceDeps) {
         const shaped = shapeCompletion(parsed, name);
         if (!shaped) throw badUpstreamAnswer(name, res.target);
         const rawUsage = isRecord(parsed) && isRecord(parsed.usage) ? parsed.usage : undefined;
-        const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionChars) }, bounds);
+        const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionBytes) }, bounds);
         checkedUsage(name, res.target, counted, reservedCap, ctx.requestId);
         const { promptTokens, completionTokens } = counted;
         promptOverReserve(name, promptTokens, metered ? promptReserve : undefined, ctx.requestId);

@@ -67,7 +67,7 @@ export interface StreamEnd {
   outcome: "done" | "failed" | "ended" | "client_gone" | "bound";
   /**
    * The upstream's last usage report, when it sent one, plus the text
-   * delivered after that report (~4 characters a token): a server that
+   * delivered after that report (~4 bytes a token): a server that
    * reports usage early (on the first chunk, or on every chunk) and is then
    * cut off has not counted what followed.
    */
@@ -428,7 +428,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
    * bound would: a chunk with finish_reason "length" for each choice not yet
    * finished, the usage chunk when the client asked for it, then [DONE]. The
    * completion is charged at most the bound: what the upstream counted or the
-   * text delivered (~4 characters a token), but never less than the events of
+   * text delivered (~4 bytes a token), but never less than the events of
    * text seen (each at least one token), and never more than n × max_tokens.
    */
   const finishAtBound = async (c: ReadableStreamDirectController, g: NonNullable<RelayOptions["generation"]>) => {

@@ -187,12 +187,13 @@ export function choiceCount(body: ChatBody): number {
   return body.n ?? 1;
 }
 
+/** An embedding request's estimate: ~4 bytes of each input's text a token (at least 1), a token list its own length. */
 export function estimateEmbeddingTokens(body: EmbeddingsBody): number {
   const input = body.input;
-  if (typeof input === "string") return Math.max(1, charsToTokens(input.length));
+  if (typeof input === "string") return Math.max(1, charsToTokens(utf8(input)));
   let tokens = 0;
   for (const item of input) {
-    if (typeof item === "string") tokens += Math.max(1, charsToTokens(item.length));
+    if (typeof item === "string") tokens += Math.max(1, charsToTokens(utf8(item)));
     else if (typeof item === "number") tokens += 1;
     else tokens += item.length;
   }

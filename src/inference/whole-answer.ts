@@ -3,6 +3,8 @@ import { sseDataOf } from "../lib/sse.ts";
 import { charsToTokens } from "./tokens.ts";
 import { MAX_TOKEN_COUNT } from "./usage.ts";
 
+const utf8 = (s: string): number => Buffer.byteLength(s, "utf8");
+
 /**
  * A streamed request answered with one JSON document: servers that do not
  * stream (or ignore `stream: true`) send the whole chat completion, and some
@@ -68,8 +70,8 @@ interface Acc {
  * it carries an error event.
  *
  * Text after the last usage report (a server that reports on the first or on
- * every chunk and never sends a final one) is not in that report: its
- * characters are added to the report's completion count, ~4 a token, as the
+ * every chunk and never sends a final one) is not in that report: its UTF-8
+ * bytes are added to the report's completion count, ~4 a token, as the
  * stream relay adds text delivered after a report (stream.ts). Before, such an
  * answer was charged, and told, the count of the report alone (1 token for 404
  * characters, inference-usage.test.ts). `[DONE]` ends the answer, as it ends
@@ -80,7 +82,7 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
   const choices = new Map<number, Acc>();
   let head: Record<string, unknown> | undefined;
   let usage: Record<string, unknown> | undefined;
-  /** Characters of generated text up to and including the last usage report's event, and after it. */
+  /** UTF-8 bytes of generated text up to and including the last usage report's event, and after it (the estimates count bytes, tokens.ts). */
   let reported = 0;
   let unreported = 0;
   // Read as the SSE standard reads it (lib/sse.ts): an event the body ends before its blank line is none.
@@ -98,7 +100,7 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
     if (!isRecord(v)) return undefined;
     if (!Array.isArray(v.choices)) return "error" in v || v.object === "error" ? { error: data } : undefined;
     head ??= v;
-    let chars = 0;
+    let bytes = 0;
     for (const c of v.choices) {
       if (!isRecord(c)) continue;
       const index = typeof c.index === "number" && Number.isSafeInteger(c.index) && c.index >= 0 && c.index < 128 ? c.index : 0;
@@ -110,16 +112,16 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
       const d = isRecord(c.delta) ? c.delta : {};
       if (typeof d.content === "string") {
         acc.content.push(d.content);
-        chars += d.content.length;
+        bytes += utf8(d.content);
       }
       const reasoning = typeof d.reasoning_content === "string" ? d.reasoning_content : d.reasoning;
       if (typeof reasoning === "string") {
         acc.reasoning.push(reasoning);
-        chars += reasoning.length;
+        bytes += utf8(reasoning);
       }
       if (typeof d.refusal === "string") {
         acc.refusal.push(d.refusal);
-        chars += d.refusal.length;
+        bytes += utf8(d.refusal);
       }
       if (Array.isArray(d.tool_calls)) {
         for (const t of d.tool_calls) {
@@ -137,7 +139,7 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
           // Arguments sent parsed (an object or an array) are their JSON text, as in any answer (decisions.md).
           const args = typeof fn.arguments === "string" ? fn.arguments : typeof fn.arguments === "object" && fn.arguments !== null ? JSON.stringify(fn.arguments) : "";
           call.arguments += args;
-          chars += args.length;
+          bytes += utf8(args);
         }
       }
       if (typeof c.finish_reason === "string") acc.finish = c.finish_reason;
@@ -151,9 +153,9 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
     if (isRecord(v.usage)) {
       // A report that leaves the prompt out (reported on the first chunk, the completion on the last) keeps the earlier count, as the relay does.
       usage = v.usage.prompt_tokens === undefined && usage?.prompt_tokens !== undefined ? { ...v.usage, prompt_tokens: usage.prompt_tokens } : v.usage;
-      reported += unreported + chars;
+      reported += unreported + bytes;
       unreported = 0;
-    } else unreported += chars;
+    } else unreported += bytes;
   }
   if (!head) return undefined;
   if (usage && unreported > 0) usage = withTextAfter(usage, reported, unreported);
@@ -178,7 +180,7 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
 }
 
 /**
- * A usage report with `after` characters of text that followed it added to
+ * A usage report with `after` bytes of text that followed it added to
  * its completion count (~4 a token). Only a count that is one (a whole
  * number; 0 only when no text came before the report, else 0 is a
  * placeholder): anything else is left for countUsage (usage.ts) to replace

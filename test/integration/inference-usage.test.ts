@@ -694,6 +694,43 @@ describe("usage the upstream leaves out, or reports before the end", () => {
     expect(await estimateOf(false)).toBe(8);
   });
 
+  test("without the upstream's count, an answer in a dense script (CJK) is charged its UTF-8 bytes ÷ 4 whole as streamed, and embedding input likewise", async () => {
+    // 400 characters, 1,200 bytes: 300 tokens at 4 bytes a token.
+    const text = "你好".repeat(200);
+    const charged: [string, number | undefined][] = [];
+    const cases: [string, NonNullable<typeof scripted>, boolean][] = [
+      ["streamed", { events: [chunkOf([deltaOf({ role: "assistant", content: text })]), chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }])], done: true }, true],
+      ["whole", { completion: { choices: [{ index: 0, message: { role: "assistant", content: text }, finish_reason: "stop" }] } }, false],
+      ["whole, reasoning and a tool call", { completion: { choices: [{ index: 0, message: { role: "assistant", content: null, reasoning_content: text, tool_calls: [{ id: "c", type: "function", function: { name: "f", arguments: text } }] }, finish_reason: "tool_calls" }] } }, false],
+      // Sent as SSE to a non-streamed request: a report of 1 token on the first chunk, the text after it.
+      ["whole, from SSE", { events: [chunkOf([deltaOf({ role: "assistant", content: "" })], { usage: { prompt_tokens: 9, completion_tokens: 1 } }), chunkOf([deltaOf({ content: text })])], done: true }, false],
+    ];
+    for (const [name, script, stream] of cases) {
+      scripted = script;
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream });
+      expect(res.status, name).toBe(200);
+      await res.text();
+      const [row] = await rows(o.orgId);
+      charged.push([name, row?.completionTokens]);
+    }
+    // Before: 300 streamed, 100 whole (UTF-16 units ÷ 4), 101 from SSE; the reasoning and the call's arguments
+    // (with the call's JSON around them) were 100 and 100 + 12.
+    const callJson = JSON.stringify([{ id: "c", type: "function", function: { name: "f", arguments: "" } }]).length;
+    expect(charged).toEqual([
+      ["streamed", 300],
+      ["whole", 300],
+      ["whole, reasoning and a tool call", 300 + Math.ceil((1_200 + callJson) / 4)],
+      ["whole, from SSE", 1 + 300],
+    ]);
+    // Embeddings whose upstream reports no count: 1,200 bytes ≈ 300 tokens (before: 100).
+    scripted = undefined;
+    usage = {};
+    const o = await seedTestOrg(gw.database);
+    const res = await post(gw, "/v1/embeddings", o.personalKey, { model: "svc-embed", input: text });
+    expect(rec(await res.json()).usage).toEqual({ prompt_tokens: 300, total_tokens: 300 });
+  });
+
   test("non-streamed without usage: reasoning and refusal text count as completion, for the client and the record", async () => {
     const promptEstimate = await estimateOf(false);
     const cases: [Record<string, unknown>, number][] = [
