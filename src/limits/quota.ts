@@ -454,8 +454,10 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     const least = Math.min(want, Math.max(1, Math.ceil(minimum ?? want)));
     const s = stateFor(o, o.tokens, t);
     // More than the whole quota can never be granted: refused before any lease, so that no such
-    // figure (up to Infinity: n × an unbounded max_tokens) reaches the lease arithmetic.
-    if (!(least <= s.quota) || !Number.isFinite(want)) throw exceeded(s, t, least);
+    // figure (up to Infinity: n × an unbounded max_tokens) reaches the lease arithmetic. Refused for its
+    // own size, in any window, not for want of what the window's usage left: no billing.budget_exceeded
+    // event (it marks the quota running out, once a window; before, such a request took it).
+    if (!(least <= s.quota) || !Number.isFinite(want)) throw budgetExceeded({ orgId: s.orgId, quota: s.quota, period: s.period, start: s.start }, t, least);
     // An exhausted period is re-checked every few seconds: other instances may return leases, or the quota may grow.
     if (s.exhausted && t - s.checkedAt > 5_000) s.exhausted = false;
     if (available(s) < want) return undefined;

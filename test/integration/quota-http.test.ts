@@ -652,6 +652,55 @@ describe("budget exceeded over HTTP", () => {
     }
     expect(n).toBe(1);
   });
+
+  test("billing.budget_exceeded (docs/decisions.md, Budget exceeded): not for a request larger than the whole quota; at the first request the window's usage leaves too little for, though smaller ones still fit; once a window", async () => {
+    const quota = 2_000;
+    const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: quota, quotaWindow: "day" });
+    /** The organisation's billing.budget_exceeded events, read as its operators read them. */
+    const events = async () => {
+      const r = await fetch(`${gwA.url}/v1/audit-events?action=billing.budget_exceeded`, { headers: { authorization: `Bearer ${org.serviceKey}` } });
+      expect(r.status).toBe(200);
+      return ((await r.json()) as { data: { action: string; details: Record<string, unknown> }[] }).data;
+    };
+    const ok = await chat(gwA, org.serviceKey, { max_tokens: 10 });
+    expect(ok.status).toBe(200);
+    await ok.arrayBuffer();
+
+    // Larger than the whole quota: refused, as it would be in any window, but the quota is not spent.
+    const tooLarge = await chat(gwA, org.serviceKey, { max_tokens: 5 * quota });
+    expect(tooLarge.status).toBe(429);
+    expect((await errorOf(tooLarge)).code).toBe("budget_exceeded");
+    // Before: the window's one event was written for it (and none came when the quota later ran out).
+    const deadline = Date.now() + 1_000;
+    while (Date.now() < deadline && (await events()).length === 0) await Bun.sleep(50);
+    expect(await events()).toEqual([]);
+
+    // Within the quota, more than the 2,000 - 27 left: the window's usage left it too little. Recorded.
+    const left = quota - (PROMPT_TOKENS + 10);
+    const maxTokens = quota - PROMPT_RESERVE;
+    expect(PROMPT_RESERVE + maxTokens).toBeGreaterThan(left);
+    const refused = await chat(gwA, org.serviceKey, { max_tokens: maxTokens });
+    expect(refused.status).toBe(429);
+    expect((await errorOf(refused)).code).toBe("budget_exceeded");
+    await until(async () => (await events()).length === 1, "the budget_exceeded audit event", 10_000, 50);
+    expect((await events())[0]?.details).toMatchObject({ quota_tokens: quota, window: "day" });
+    // A smaller request still fits what is left (the event marks the first refusal for want of what is left).
+    const small = await chat(gwA, org.serviceKey, { max_tokens: 10 });
+    expect(small.status).toBe(200);
+    await small.arrayBuffer();
+    // Until nothing fits: still the one event.
+    for (let i = 0; i < 10; i++) {
+      const res = await chat(gwA, org.serviceKey);
+      await res.arrayBuffer();
+      if (res.status === 429) break;
+      expect(res.status).toBe(200);
+    }
+    const last = await chat(gwA, org.serviceKey, { max_tokens: 1 });
+    expect(last.status).toBe(429);
+    await last.arrayBuffer();
+    await Bun.sleep(200);
+    expect(await events()).toHaveLength(1);
+  });
 });
 
 describe("quota store unreachable", () => {
