@@ -1,6 +1,8 @@
 /**
  * What one non-streamed chat request allocates in the gateway's request
- * thread: `bun run bench/census.ts [--requests N] [--warmup N] > /dev/null`
+ * thread: `bun run bench/census.ts [--requests N] [--warmup N] > /dev/null`;
+ * with `--stream` (or `--responses`, a Responses stream with `store: false`)
+ * and `--tokens N`, what one streamed request of N upstream chunks allocates
  * (the access log goes to standard output, the figures to standard error).
  *
  * A gateway in this process (embedded database in memory, access log on,
@@ -30,11 +32,20 @@ import { firstLine } from "./lib.ts";
 
 const { values: args } = parseArgs({
   args: Bun.argv.slice(2),
-  options: { requests: { type: "string", default: "300" }, warmup: { type: "string", default: "3000" }, windows: { type: "string", default: "5" } },
+  options: {
+    requests: { type: "string", default: "300" },
+    warmup: { type: "string", default: "3000" },
+    windows: { type: "string", default: "5" },
+    // Streamed requests instead (chat, or the Responses API with `store: false`), and the upstream's tokens per answer:
+    // the difference between two token counts over their difference is what one more chunk leaves.
+    stream: { type: "boolean", default: false },
+    responses: { type: "boolean", default: false },
+    tokens: { type: "string", default: "16" },
+  },
 });
 const N = Number(args.requests);
 
-const sim = Bun.spawn(["bun", "run", "src/main.ts", "simulate-upstream", "--port", "0", "--ttft-ms", "0", "--inter-token-ms", "0", "--tokens", "16"], {
+const sim = Bun.spawn(["bun", "run", "src/main.ts", "simulate-upstream", "--port", "0", "--ttft-ms", "0", "--inter-token-ms", "0", "--tokens", String(Number(args.tokens))], {
   stdout: "pipe",
   stderr: "inherit",
 });
@@ -49,6 +60,7 @@ writeFileSync(
     accessLog: true,
     metrics: { enabled: true, listen: "127.0.0.1:0" },
     plans: { Bench: { requestsPerMinute: 100_000_000 } },
+    responses: { enabled: true },
     aliases: { "svc-fast": { targets: [{ baseUrl: simUrl, model: "sim/bench-model", weight: 1 }] } },
   }),
 );
@@ -60,8 +72,11 @@ const key = (await createKey(gw.database, { orgId: org.id, kind: "service", scop
 
 /** A client process that sends `n` sequential requests and exits. */
 async function client(n: number): Promise<void> {
-  const body = JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "Summarise the plot of Hamlet in two sentences." }], max_tokens: 64 });
-  const code = `const h={"content-type":"application/json",authorization:${JSON.stringify(`Bearer ${key}`)}};for(let i=0;i<${n};i++){const r=await fetch(${JSON.stringify(`${gw.url}/v1/chat/completions`)},{method:"POST",headers:h,body:${JSON.stringify(body)}});if(r.status!==200){console.error(r.status,await r.text());process.exit(1)}await r.arrayBuffer()}`;
+  const body = args.responses
+    ? JSON.stringify({ model: "svc-fast", input: "Summarise the plot of Hamlet in two sentences.", stream: true, store: false })
+    : JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "Summarise the plot of Hamlet in two sentences." }], max_tokens: 64, ...(args.stream ? { stream: true } : {}) });
+  const path = args.responses ? "/v1/responses" : "/v1/chat/completions";
+  const code = `const h={"content-type":"application/json",authorization:${JSON.stringify(`Bearer ${key}`)}};for(let i=0;i<${n};i++){const r=await fetch(${JSON.stringify(`${gw.url}${path}`)},{method:"POST",headers:h,body:${JSON.stringify(body)}});if(r.status!==200){console.error(r.status,await r.text());process.exit(1)}await r.arrayBuffer()}`;
   const p = Bun.spawn(["bun", "-e", code], { stdout: "inherit", stderr: "inherit" });
   if ((await p.exited) !== 0) throw new Error("client failed");
 }
