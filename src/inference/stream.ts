@@ -25,7 +25,7 @@ import {
   withWholeLineEnd,
 } from "./chunk-bytes.ts";
 import { charsToTokens } from "./tokens.ts";
-import { type Counted, type UsageBounds, countUsage, detailsAsSent, usageDetails } from "./usage.ts";
+import { type Counted, type UsageBounds, type UsageDetails, countUsage, detailsAsSent, usageDetails } from "./usage.ts";
 import { wholeAnswer } from "./whole-answer.ts";
 
 /**
@@ -141,7 +141,7 @@ function usageOf(
   payload: string,
   estimate: { promptTokens: number; completionTokens: number },
   bounds: UsageBounds | undefined,
-): { counted: Counted; onlyUsage: boolean; rewritten: string | undefined } | undefined {
+): { counted: Counted; onlyUsage: boolean; details: UsageDetails; rewritten: string | undefined } | undefined {
   let v: unknown;
   try {
     v = JSON.parse(payload);
@@ -154,10 +154,10 @@ function usageOf(
   const { promptTokens: p, completionTokens: c } = counted;
   // The breakdowns (cached, reasoning tokens…) checked as a JSON answer's are (usage.ts).
   const details = usageDetails(v.usage, p, c);
-  if (!counted.rejected && v.usage.total_tokens === p + c && detailsAsSent(v.usage, details)) return { counted, onlyUsage, rewritten: undefined };
+  if (!counted.rejected && v.usage.total_tokens === p + c && detailsAsSent(v.usage, details)) return { counted, onlyUsage, details, rewritten: undefined };
   const { prompt_tokens_details: _p, completion_tokens_details: _c, ...rest } = v.usage;
   const usage = { ...rest, prompt_tokens: p, completion_tokens: c, total_tokens: p + c, ...details };
-  return { counted, onlyUsage, rewritten: JSON.stringify({ ...v, usage }) };
+  return { counted, onlyUsage, details, rewritten: JSON.stringify({ ...v, usage }) };
 }
 
 function errorEvent(opts: RelayOptions, message: string): Uint8Array {
@@ -176,6 +176,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   const scan: DeltaScan = { structuredArguments: false };
   let sawDone = false;
   let usage: StreamEnd["usage"];
+  /** The breakdowns (cached, reasoning tokens…) of the upstream's last usage report, checked: a usage chunk the gateway adds after it keeps them. */
+  let usageBreakdowns: UsageDetails = {};
   /** The upstream's chunk id (read from its first chunk), for a usage chunk the gateway adds. */
   let chunkId: string | undefined;
   let deliveredChars = 0;
@@ -287,7 +289,13 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
           created: Math.floor(Date.now() / 1000),
           model: opts.alias,
           choices: [],
-          usage: { prompt_tokens: usage.promptTokens, completion_tokens: usage.completionTokens, total_tokens: usage.promptTokens + usage.completionTokens },
+          // The last report's breakdowns, checked again within the counts charged (the completion only grew).
+          usage: {
+            prompt_tokens: usage.promptTokens,
+            completion_tokens: usage.completionTokens,
+            total_tokens: usage.promptTokens + usage.completionTokens,
+            ...usageDetails(usageBreakdowns as Record<string, unknown>, usage.promptTokens, usage.completionTokens),
+          },
         };
         return Buffer.concat([Buffer.from(`data: ${JSON.stringify(chunk)}${termOut()}`), event]);
       }
@@ -325,6 +333,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       const parsed = usageOf(event.toString("utf8", at, event.length - termLen), estimate, opts.bounds);
       if (parsed) {
         usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
+        usageBreakdowns = parsed.details;
         reported = true;
         if (parsed.counted.rejected) opts.onImplausibleUsage?.(parsed.counted);
         if (!opts.clientWantsUsage && parsed.onlyUsage) {

@@ -561,6 +561,27 @@ describe("usage the upstream leaves out, or reports before the end", () => {
     expect([responseRow?.promptTokens, responseRow?.completionTokens]).toEqual([9, 101]);
   });
 
+  test("streamed, usage with its breakdowns reported mid-stream, then more text, the client asking for usage: the usage chunk the gateway adds keeps the breakdowns (chat), and the Response's cached and reasoning tokens are the upstream's (Responses API)", async () => {
+    const details = { prompt_tokens_details: { cached_tokens: 8 }, completion_tokens_details: { reasoning_tokens: 1 } };
+    const events = [
+      chunkOf([deltaOf({ role: "assistant", content: "abcd" })], { usage: { prompt_tokens: 9, completion_tokens: 1, total_tokens: 10, ...details } }),
+      ...Array.from({ length: 10 }, () => chunkOf([deltaOf({ content: "x".repeat(40) })])),
+      chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]),
+    ];
+    scripted = { events, done: true };
+    const o = await seedTestOrg(gw.database);
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
+    expect(res.status).toBe(200);
+    const reports = sseData(await res.text())
+      .filter((d) => d.includes('"usage"'))
+      .map((d) => rec(JSON.parse(d)).usage);
+    // As a JSON answer (and an SSE answer to a non-streamed request) carries them for the same upstream.
+    expect(reports.at(-1)).toEqual({ prompt_tokens: 9, completion_tokens: 101, total_tokens: 110, ...details });
+    const r = await seedTestOrg(gw.database);
+    const final = await completedResponse(r);
+    expect(rec(final.usage)).toMatchObject({ input_tokens: 9, input_tokens_details: { cached_tokens: 8 }, output_tokens: 101, output_tokens_details: { reasoning_tokens: 1 } });
+  });
+
   test("streamed without usage from a server writing Python's separators (`\"content\": \"…\"`): every delta's text counts all the same", async () => {
     const promptEstimate = await estimateOf(true);
     const o = await seedTestOrg(gw.database);
