@@ -81,24 +81,6 @@ describe("SseReader", () => {
   });
 });
 
-describe("SseReader reads SSE as the standard does (test/helpers/sse-spec.ts)", () => {
-  const read = (parts: Uint8Array[]) => {
-    const s = new SseReader();
-    const out: (string | typeof COMMENT)[] = [];
-    for (const p of parts) out.push(...s.push(p));
-    // Comment-only events (keep-alives, passed on by the translation) are not data.
-    return out.filter((d) => d !== COMMENT);
-  };
-  for (const row of SPEC_ROWS) {
-    test(row.name, () => {
-      const bytes = enc.encode(row.input);
-      expect(read([bytes]), "whole").toEqual(row.data);
-      for (let at = 1; at < bytes.length; at++) expect(read(cut(bytes, [at])), `cut at ${at}`).toEqual(row.data);
-      expect(read(cut(bytes, Array.from(bytes.keys()))), "a byte a read").toEqual(row.data);
-    });
-  }
-});
-
 describe("SseReader: comments", () => {
   test("an event of comment lines only is COMMENT; with data it is its data; other fields alone are nothing", () => {
     const s = new SseReader();
