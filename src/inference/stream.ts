@@ -454,7 +454,9 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     }
     if (opts.clientWantsUsage) {
       const { promptTokens: p, completionTokens: t } = usage;
-      closing.push(Buffer.from(`${head}[],"usage":{"prompt_tokens":${p},"completion_tokens":${t},"total_tokens":${p + t}}}${term}`));
+      // The last report's breakdowns, checked again within the counts charged, as the chunk added before [DONE] keeps them.
+      const counts = { prompt_tokens: p, completion_tokens: t, total_tokens: p + t, ...usageDetails(usageBreakdowns as Record<string, unknown>, p, t) };
+      closing.push(Buffer.from(`${head}[],"usage":${JSON.stringify(counts)}}${term}`));
     }
     closing.push(Buffer.from(`data: [DONE]${term}`));
     try {

@@ -1078,6 +1078,24 @@ describe("an upstream that ignores max_tokens", () => {
     }
   });
 
+  test("streamed: ended at its bound after a usage report with breakdowns, the client asking for usage: the closing usage chunk keeps them", async () => {
+    // Seen failing before: the usage chunk written when the bound ends a stream had the three counts only, where
+    // the chunk the relay adds before [DONE] (and a JSON answer) keeps the last report's checked breakdowns.
+    const details = { prompt_tokens_details: { cached_tokens: 8 }, completion_tokens_details: { reasoning_tokens: 1 } };
+    scripted = {
+      events: [
+        chunkOf([deltaOf({ role: "assistant", content: "abcd" })], { usage: { prompt_tokens: 9, completion_tokens: 1, total_tokens: 10, ...details } }),
+        ...Array.from({ length: 10 }, () => chunkOf([deltaOf({ content: "x".repeat(40) })])),
+      ],
+      done: true,
+    };
+    const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), max_tokens: 5, stream: true, stream_options: { include_usage: true } });
+    const data = sseData(await res.text());
+    expect(choicesOf(data).finishes).toEqual([[0, "length"]]);
+    expect(rec(JSON.parse(data.at(-2) ?? "null")).usage).toEqual({ prompt_tokens: 9, completion_tokens: 5, total_tokens: 14, ...details });
+  });
+
   test("streamed: exactly max_tokens chunks of text (the upstream keeping its bound) pass unchanged", async () => {
     scripted = {
       events: [
