@@ -455,9 +455,15 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     const s = stateFor(o, o.tokens, t);
     // More than the whole quota can never be granted: refused before any lease, so that no such
     // figure (up to Infinity: n × an unbounded max_tokens) reaches the lease arithmetic. Refused for its
-    // own size, in any window, not for want of what the window's usage left: no billing.budget_exceeded
-    // event (it marks the quota running out, once a window; before, such a request took it).
-    if (!(least <= s.quota) || !Number.isFinite(want)) throw budgetExceeded({ orgId: s.orgId, quota: s.quota, period: s.period, start: s.start }, t, least);
+    // own size: it takes the window's billing.budget_exceeded event (the quota running out, once a window)
+    // only when this instance already knows the window has nothing left for it (the database granted
+    // nothing, or the quota was lowered below what is used and held), with no database look of its own.
+    // Before, any such request took the event while the quota had room, and none came when it ran out.
+    if (!(least <= s.quota) || !Number.isFinite(want)) {
+      const spent = { orgId: s.orgId, quota: s.quota, period: s.period, start: s.start };
+      if ((s.exhausted || s.sharedFree < 0) && available(s) <= 0) budgetAudit.record(spent);
+      throw budgetExceeded(spent, t, least);
+    }
     // An exhausted period is re-checked every few seconds: other instances may return leases, or the quota may grow.
     if (s.exhausted && t - s.checkedAt > 5_000) s.exhausted = false;
     if (available(s) < want) return undefined;

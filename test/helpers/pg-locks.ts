@@ -5,7 +5,7 @@ import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { testAliases, upstreamSettings } from "../integration/inference-fixtures.ts";
-import { TEST_DATABASE_URL, errorOf, startTestGateway } from "./harness.ts";
+import { TEST_DATABASE_URL, bearer, errorOf, startTestGateway } from "./harness.ts";
 import { createScratchDatabase, type ScratchPostgres } from "./process.ts";
 
 /**
@@ -53,6 +53,24 @@ export async function sessionsWaiting(db: Database, like: string): Promise<numbe
         where datname = current_database() and wait_event_type = 'Lock' and query ilike ${like}`,
   );
   return r?.n ?? -1;
+}
+
+/**
+ * The max_tokens whose chat request ("hello", as the lock tests send it) reserves exactly `quota`: its
+ * prompt's bound read from the 429 of one larger than the whole quota, which says what it needs (such a
+ * refusal takes no audit row while the quota has room). A request of it fits the quota but not what any
+ * usage left: refused for want of what is left, so it takes the period's billing.budget_exceeded event.
+ */
+export async function wholeQuotaMaxTokens(url: string, key: string, quota: number): Promise<number> {
+  const big = quota * 5;
+  const res = await fetch(`${url}/v1/chat/completions`, {
+    method: "POST",
+    headers: { ...bearer(key), "content-type": "application/json" },
+    body: JSON.stringify({ model: "svc-fast", max_tokens: big, messages: [{ role: "user", content: "hello" }] }),
+  });
+  const needs = Number(/needs \((\d+)\)/.exec((await errorOf(res)).message)?.[1]);
+  if (res.status !== 429 || !(needs > big)) throw new Error(`expected a 429 saying what the request needs, got ${res.status} (${needs})`);
+  return quota - (needs - big);
 }
 
 export interface Outcome {

@@ -3,7 +3,7 @@ import { sql } from "drizzle-orm";
 import { openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { TEST_DATABASE_URL, bearer, type SeededOrg, seedOrg } from "../helpers/harness.ts";
-import { type Outcome, lockTable, sessionsWaiting, timedCall, useScene } from "../helpers/pg-locks.ts";
+import { type Outcome, lockTable, sessionsWaiting, timedCall, useScene, wholeQuotaMaxTokens } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
 
 setDefaultTimeout(60_000);
@@ -126,10 +126,12 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
       const other = await seedOrg(scene.held, { quotaTokens: null });
       expect((await chat(gw.url, org.serviceKey)).status).toBe(200); // its counter row exists from now on
       expect((await call(`${gw.url}/v1/me`, { headers: bearer(other.serviceKey) })).status).toBe(200);
+      // Each reserving the whole quota, more than the first request left: refused for want of what is left, each
+      // refusal asking for the period's audit row (one larger than the whole quota asks for none while the quota has room).
+      const fits = await wholeQuotaMaxTokens(gw.url, org.serviceKey, 1_000);
       locked = await lock("audit_events");
       const s = sampler("%");
-      // More than the whole quota: refused at once, each refusal asking for the period's audit row.
-      const refused = await Promise.all(Array.from({ length: 50 }, () => chat(gw.url, org.serviceKey, 5_000)));
+      const refused = await Promise.all(Array.from({ length: 50 }, () => chat(gw.url, org.serviceKey, fits)));
       await Bun.sleep(500);
       const most = await s.stop();
       expect(tally(refused)).toEqual({ "429 budget_exceeded": 50 });

@@ -4,7 +4,7 @@ import { sql } from "drizzle-orm";
 import { ANSWER_TIMEOUT_MS, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { TEST_DATABASE_URL, bearer, type SeededOrg, seedOrg } from "../helpers/harness.ts";
-import { type Outcome, lockTable, sessionsWaiting, timedCall, useScene } from "../helpers/pg-locks.ts";
+import { type Outcome, lockTable, sessionsWaiting, timedCall, useScene, wholeQuotaMaxTokens } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
 
 setDefaultTimeout(60_000);
@@ -137,8 +137,11 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
       async prepare(gw) {
         const org = await seedOrg(scene.held, { quotaTokens: 1_000, quotaWindow: "day" });
         expect((await chat(gw.url, org.serviceKey)).status).toBe(200); // its counter row exists from now on
-        // More than the whole quota: refused at once; the refusal writes the period's audit row in the background.
-        return async () => [await chat(gw.url, org.serviceKey, 5_000)];
+        // One whose reservation is the whole quota, more than the first request left: refused for want of what is
+        // left, and the refusal writes the period's audit row in the background (one larger than the whole quota
+        // takes none while the quota has room: decisions.md, budget_exceeded).
+        const fits = await wholeQuotaMaxTokens(gw.url, org.serviceKey, 1_000);
+        return async () => [await chat(gw.url, org.serviceKey, fits)];
       },
       outcomes: { "429 budget_exceeded": 1 },
     },
