@@ -20,6 +20,7 @@ import {
   estimateEmbeddingTokens,
   estimatePromptTokens,
   promptTokenBound,
+  stringBytes,
 } from "./tokens.ts";
 import { ClientGone, type Opened, type Target, type Upstream, timeoutsFor } from "./upstream/index.ts";
 import { isRecord } from "../lib/guards.ts";
@@ -131,9 +132,6 @@ function embeddingAnswerLimit(body: EmbeddingsBody, aliasDimensions: number | un
   const inputs = Array.isArray(body.input) && typeof body.input[0] !== "number" ? body.input.length : 1;
   return Math.max(configured, inputs * (body.dimensions ?? aliasDimensions ?? 4096) * 24 + 64 * 1024);
 }
-
-/** UTF-8 bytes of a string (0 for anything else): the estimates count bytes (tokens.ts). */
-const stringBytes = (v: unknown): number => (typeof v === "string" ? Buffer.byteLength(v, "utf8") : 0);
 
 /**
  * A tool call whose `function.arguments` is a JSON object or array (some

@@ -164,6 +164,21 @@ function errorEvent(opts: RelayOptions, message: string): Uint8Array {
   return Buffer.from(`data: ${JSON.stringify(opts.errorBody("service_unavailable", message))}\n\n`);
 }
 
+/**
+ * A stream's completion so far: the last usage report plus the text delivered
+ * after it (~4 bytes a token), or before any report the delivered text alone.
+ * Module functions, not closures: an open stream holds none of them.
+ */
+function completionSoFar(usage: StreamEnd["usage"], delivered: number, atUsage: number): number {
+  return usage === undefined ? charsToTokens(delivered) : usage.completionTokens + charsToTokens(delivered - atUsage);
+}
+
+/** The usage of a chunk the gateway writes itself: the counts charged and the last report's breakdowns, checked again within them. */
+function usageOut(u: { promptTokens: number; completionTokens: number }, breakdowns: UsageDetails) {
+  const { promptTokens: p, completionTokens: t } = u;
+  return { prompt_tokens: p, completion_tokens: t, total_tokens: p + t, ...usageDetails(breakdowns as Record<string, unknown>, p, t) };
+}
+
 export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint8Array> {
   const swap = swapFields(up.target, opts.alias);
   const tf = opts.transform;
@@ -227,7 +242,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
     opts.open?.delete(endStream);
     // Only the upstream's own failures count against its breaker.
     up.finish(outcome === "done" ? true : outcome === "failed" ? false : null);
-    const reported = usage && { promptTokens: usage.promptTokens, completionTokens: usage.completionTokens + charsToTokens(deliveredChars - charsAtUsage) };
+    const reported = usage && { promptTokens: usage.promptTokens, completionTokens: completionSoFar(usage, deliveredChars, charsAtUsage) };
     opts.onEnd({ outcome, usage: reported, deliveredChars, ...(reason ? { reason } : {}) });
   };
 
@@ -280,7 +295,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       // was the early report (1 completion token) while the record charged the text after it too.
       if (opts.clientWantsUsage && (usage === undefined || deliveredChars > charsAtUsage)) {
         // Never past the bound the upstream was sent (usage.ts): that is what is charged.
-        const completion = usage === undefined ? charsToTokens(deliveredChars) : usage.completionTokens + charsToTokens(deliveredChars - charsAtUsage);
+        const completion = completionSoFar(usage, deliveredChars, charsAtUsage);
         usage = { promptTokens: usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: Math.min(completion, opts.bounds?.completionTokens ?? Number.POSITIVE_INFINITY) };
         charsAtUsage = deliveredChars;
         const chunk = {
@@ -290,12 +305,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
           model: opts.alias,
           choices: [],
           // The last report's breakdowns, checked again within the counts charged (the completion only grew).
-          usage: {
-            prompt_tokens: usage.promptTokens,
-            completion_tokens: usage.completionTokens,
-            total_tokens: usage.promptTokens + usage.completionTokens,
-            ...usageDetails(usageBreakdowns as Record<string, unknown>, usage.promptTokens, usage.completionTokens),
-          },
+          usage: usageOut(usage, usageBreakdowns),
         };
         return Buffer.concat([Buffer.from(`data: ${JSON.stringify(chunk)}${termOut()}`), event]);
       }
@@ -442,8 +452,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
    */
   const finishAtBound = async (c: ReadableStreamDirectController, g: NonNullable<RelayOptions["generation"]>) => {
     up.abort("the upstream went past max_tokens");
-    const counted = usage ? usage.completionTokens + charsToTokens(deliveredChars - charsAtUsage) : charsToTokens(deliveredChars);
-    const completion = Math.min(g.maxTokens * g.choices, Math.max(counted, textEvents));
+    const completion = Math.min(g.maxTokens * g.choices, Math.max(completionSoFar(usage, deliveredChars, charsAtUsage), textEvents));
     usage = { promptTokens: usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: completion };
     charsAtUsage = deliveredChars;
     const term = termOut();
@@ -453,10 +462,8 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       if (!finished?.[k]) closing.push(Buffer.from(`${head}[{"index":${k},"delta":{},"logprobs":null,"finish_reason":"length"}]}${term}`));
     }
     if (opts.clientWantsUsage) {
-      const { promptTokens: p, completionTokens: t } = usage;
-      // The last report's breakdowns, checked again within the counts charged, as the chunk added before [DONE] keeps them.
-      const counts = { prompt_tokens: p, completion_tokens: t, total_tokens: p + t, ...usageDetails(usageBreakdowns as Record<string, unknown>, p, t) };
-      closing.push(Buffer.from(`${head}[],"usage":${JSON.stringify(counts)}}${term}`));
+      // With the last report's breakdowns, as the chunk added before [DONE] has them.
+      closing.push(Buffer.from(`${head}[],"usage":${JSON.stringify(usageOut(usage, usageBreakdowns))}}${term}`));
     }
     closing.push(Buffer.from(`data: [DONE]${term}`));
     try {

@@ -15,7 +15,8 @@ import type { ChatBody, ChatMessage, EmbeddingsBody } from "./model.ts";
 
 export const charsToTokens = (chars: number): number => Math.ceil(chars / 4);
 
-const utf8 = (s: string): number => Buffer.byteLength(s, "utf8");
+/** UTF-8 bytes of a string: what the estimates count (service.ts and whole-answer.ts count answers with it too). */
+export const utf8 = (s: string): number => Buffer.byteLength(s, "utf8");
 
 /** What an image costs before the upstream says: OpenAI's flat price for a low-detail image. */
 const IMAGE_TOKENS = 85;
@@ -66,7 +67,8 @@ const BOUND_PER_PART = 32;
 /** What one image may cost when the alias does not say (`imageTokens`): a 1024×1024 image on most open VLMs. */
 export const DEFAULT_IMAGE_TOKENS = 2_048;
 
-const maybe = (s: unknown): number => (typeof s === "string" ? utf8(s) : 0);
+/** UTF-8 bytes of a string; 0 for anything else. */
+export const stringBytes = (s: unknown): number => (typeof s === "string" ? utf8(s) : 0);
 
 /**
  * The most bytes a string takes in any JSON rendering a template makes of it,
@@ -139,7 +141,7 @@ function renderedBytes(v: unknown, depth: number): number {
 export function promptTokenBound(body: ChatBody, imageTokens: number, contextWindow: number | undefined): number {
   let bound = BOUND_PER_REQUEST;
   for (const m of body.messages) {
-    bound += BOUND_PER_MESSAGE + maybe(m.name);
+    bound += BOUND_PER_MESSAGE + stringBytes(m.name);
     const c = m.content;
     if (m.role === "tool") {
       bound += jsonTextBytes(m.tool_call_id);
@@ -157,11 +159,11 @@ export function promptTokenBound(body: ChatBody, imageTokens: number, contextWin
       for (const p of c) {
         const part = p as { type: string; text?: unknown; refusal?: unknown };
         if (part.type === "image_url") bound += imageTokens;
-        else bound += maybe(part.text) + maybe(part.refusal);
+        else bound += stringBytes(part.text) + stringBytes(part.refusal);
       }
     }
     if (m.role === "assistant") {
-      bound += maybe(m.refusal) + maybe(m.reasoning_content) + maybe(m.reasoning);
+      bound += stringBytes(m.refusal) + stringBytes(m.reasoning_content) + stringBytes(m.reasoning);
       if (m.function_call) bound += BOUND_PER_MESSAGE + jsonTextBytes(m.function_call.name) + jsonTextBytes(m.function_call.arguments);
       if (m.tool_calls) {
         for (const t of m.tool_calls) bound += BOUND_PER_MESSAGE + jsonTextBytes(t.id) + jsonTextBytes(t.function.name) + jsonTextBytes(t.function.arguments);

@@ -1,9 +1,7 @@
 import { isRecord } from "../lib/guards.ts";
 import { sseDataOf } from "../lib/sse.ts";
-import { charsToTokens } from "./tokens.ts";
+import { charsToTokens, utf8 } from "./tokens.ts";
 import { MAX_TOKEN_COUNT } from "./usage.ts";
-
-const utf8 = (s: string): number => Buffer.byteLength(s, "utf8");
 
 /**
  * A streamed request answered with one JSON document: servers that do not
