@@ -564,11 +564,16 @@ describe("upstream HTTP/1.1 client", () => {
   test("idle connections are closed after idleMs", async () => {
     // Longer than the 3 s default, so a lower bound alone (which a busy machine cannot break)
     // tells an applied option from an ignored one.
-    const { srv, ep } = setup((s) => s.write(okResponse("x")), { idleMs: 4_000 });
+    // The clock starts when the server has written its answer: the client cannot have taken
+    // the connection back (and started its idle time) before that, so the bound is exact.
+    let answeredAt = Number.POSITIVE_INFINITY;
+    const { srv, ep } = setup((s) => {
+      s.write(okResponse("x"));
+      answeredAt = performance.now();
+    }, { idleMs: 4_000 });
     await (await ep.request(post())).text();
-    const idleFrom = performance.now();
     await until(() => srv.peers[0]?.closed === true, 15_000);
-    expect((srv.peers[0]?.closedAt ?? 0) - idleFrom).toBeGreaterThanOrEqual(4_000);
+    expect((srv.peers[0]?.closedAt ?? 0) - answeredAt).toBeGreaterThanOrEqual(4_000);
   });
 
   test("at most 512 idle connections per origin by default (the rest are closed as they finish), and those close after the default idle time", async () => {
