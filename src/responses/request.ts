@@ -499,6 +499,20 @@ function checkToolChoice(choice: Record<string, unknown>, tools: readonly Record
 }
 
 /**
+ * `tool_choice: "required"` with tools that are all web search tools (accepted
+ * under `ignore`, not offered): the model would be sent none. Chat's rule
+ * would then say tool_choice "is only allowed when 'tools' are specified",
+ * untrue of this request; without any tools it is right, and chat says it.
+ */
+function checkRequired(tools: readonly Record<string, unknown>[]): void {
+  if (tools.length === 0 || tools.some((t) => t.type === "function")) return;
+  throw invalid(
+    "tool_choice",
+    "Invalid value for 'tool_choice': 'required' needs a function tool the model can call, and this request's tools are web search tools only, which this gateway does not offer to the model (it runs no web search). Add a function tool, or send tool_choice 'auto'.",
+  );
+}
+
+/**
  * Validates a Responses body or throws a 400 AppError whose `param` names the
  * field in the Responses format. `webSearch`: a web search tool is refused
  * (the default), or accepted and not offered to the model (`ignore`).
@@ -541,6 +555,7 @@ export function parseResponsesBody(raw: unknown, webSearch: WebSearchPolicy = "r
   if (Array.isArray(raw.input)) checkInput(raw.input as Record<string, unknown>[]);
   if (Array.isArray(raw.tools)) checkTools(raw.tools as Record<string, unknown>[], webSearch);
   if (isRecord(raw.tool_choice)) checkToolChoice(raw.tool_choice, Array.isArray(raw.tools) ? (raw.tools as Record<string, unknown>[]) : []);
+  if (raw.tool_choice === "required") checkRequired(Array.isArray(raw.tools) ? (raw.tools as Record<string, unknown>[]) : []);
   if (raw.input === undefined && raw.previous_response_id == null) throw invalid("input", "Missing required parameter: 'input'.");
   return raw as ResponsesBody;
 }

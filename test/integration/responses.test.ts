@@ -613,6 +613,9 @@ describe("validation: 400 with the Responses param", () => {
     ["a hosted tool_choice", { ...base, tool_choice: { type: "file_search" } }, "tool_choice", "file_search"],
     ["a function name with a space", { ...base, tools: [{ type: "function", name: "get weather" }] }, "tools[0].name", "letters, digits"],
     ["tool_choice required without tools", { ...base, tool_choice: "required" }, "tool_choice", "only allowed when 'tools'"],
+    // Web search tools are accepted and not offered (responses.webSearch: ignore): the request had tools, the model none.
+    // Was chat's "'tool_choice' is only allowed when 'tools' are specified", untrue of a request that specified them.
+    ["tool_choice required with only web search tools", { ...base, tools: [{ type: "web_search" }], tool_choice: "required" }, "tool_choice", "web search tools only"],
     ["tool_choice naming a function not in tools", { ...base, tools: [{ type: "function", name: "f" }], tool_choice: { type: "function", name: "g" } }, "tool_choice.name", "'g'"],
     // allowed_tools: function tools only, in the SDK's shape, and at least one of them among the request's tools.
     [
