@@ -1,7 +1,7 @@
 import { type TSchema, Type as T } from "@sinclair/typebox";
 import { CATEGORIES } from "../audit/record.ts";
 import { ChatBodySchema, EmbeddingsBodySchema } from "../inference/model.ts";
-import { ResponsesBodySchema } from "../responses/request.ts";
+import { InputTokensBodySchema, ResponsesBodySchema } from "../responses/request.ts";
 import type { ErrorCode } from "../lib/errors.ts";
 import { codesWithStatus } from "./errors.ts";
 
@@ -122,6 +122,14 @@ const ResponseObject = T.Object(
   { ...Open, description: "OpenAI's Response object; the request fields it echoes (instructions, tools, text, metadata, …) as OpenAI's type declares them" },
 );
 const ResponseDeleted = T.Object({ id: T.String(), object: T.Literal("response"), deleted: T.Literal(true) });
+const ResponseInputTokens = T.Object(
+  { object: T.Literal("response.input_tokens"), input_tokens: T.Integer({ minimum: 0 }) },
+  {
+    additionalProperties: false,
+    description:
+      "input_tokens is the gateway's estimate (~4 bytes of UTF-8 a token, the chat template's overhead per message, a flat price per image, the tools' JSON), not the model's tokenizer: the figure usage falls back on when an upstream reports none",
+  },
+);
 const ResponseItemList = T.Object({
   object: T.Literal("list"),
   data: T.Array(T.Object({ id: T.String(), type: T.String({ description: "message, function_call, function_call_output or reasoning" }) }, Open)),
@@ -252,6 +260,8 @@ export function openApiDocument(buildVersion: string, opts: { responses?: boolea
               ResponsesRequest: json(ResponsesBodySchema),
               Response: json(ResponseObject),
               ResponseDeleted: json(ResponseDeleted),
+              ResponsesInputTokensRequest: json(InputTokensBodySchema),
+              ResponseInputTokens: json(ResponseInputTokens),
               ResponseItemList: json(ResponseItemList),
             }
           : {}),
@@ -391,6 +401,8 @@ function responsesPaths(secured: { security: { bearer: never[] }[] }) {
   const id = { name: "id", in: "path", required: true, schema: { type: "string" }, description: "resp_…" };
   const notStored = "not_found (no such response, or not this key's: deleted, expired, another owner's; also previous_response_id on create)";
   const withNotFound = (r: Record<string, unknown>) => ({ ...r, "404": { ...(r["404"] as Record<string, unknown>), description: notStored } });
+  /** The one 400 an operation that reads no body answers. */
+  const with400 = (r: Record<string, unknown>, why: string) => ({ ...r, "400": { ...(r["400"] as Record<string, unknown>), description: `invalid_request_error (${why})` } });
   return {
     "/v1/responses": {
       post: {
@@ -433,6 +445,38 @@ function responsesPaths(secured: { security: { bearer: never[] }[] }) {
         ...secured,
         parameters: [id],
         responses: { "200": admitted("Deleted", jsonContent("ResponseDeleted")), ...withNotFound(errors(401, 403, 404, 429, 500, 503)) },
+      },
+    },
+    "/v1/responses/input_tokens": {
+      post: {
+        operationId: "countResponseInputTokens",
+        summary: "The input tokens a Responses request would have: the gateway's estimate (no tokenizer), nothing generated",
+        description:
+          "The request is validated and translated as POST /v1/responses does it (previous_response_id and item references included), with the fields of the SDK's InputTokenCountParams only. " +
+          "Rate limited as every request with a key; not charged to the quota.",
+        ...secured,
+        requestBody: { required: true, content: jsonContent("ResponsesInputTokensRequest") },
+        responses: { "200": admitted("The estimate", jsonContent("ResponseInputTokens")), ...withNotFound(errors(400, 401, 403, 404, 429, 500, 503)) },
+      },
+    },
+    "/v1/responses/compact": {
+      post: {
+        operationId: "compactResponse",
+        summary: "Not supported: always 400 after the key check",
+        description:
+          "OpenAI's compaction returns an encrypted item only OpenAI's models can read; the models here are served through chat completions. The body is not read.",
+        ...secured,
+        responses: with400(errors(400, 401, 403, 429, 500, 503), "always: compaction is not supported"),
+      },
+    },
+    "/v1/responses/{id}/cancel": {
+      post: {
+        operationId: "cancelResponse",
+        summary: "Cancel a background response: none runs here, so a stored response of the caller's is 400 (OpenAI's answer for one not created in background)",
+        description: "Any body is ignored.",
+        ...secured,
+        parameters: [id],
+        responses: with400(withNotFound(errors(400, 401, 403, 404, 429, 500, 503)), "a stored response of the caller's: none was created in background"),
       },
     },
     "/v1/responses/{id}/input_items": {

@@ -102,7 +102,7 @@ const NO_USAGE: UsageReport = { promptTokens: 0, completionTokens: 0 };
 const int = (v: unknown): number | undefined => (typeof v === "number" && Number.isFinite(v) ? Math.max(0, Math.round(v)) : undefined);
 
 /** Alias-dependent rules: capabilities (images, tools) and the context window. */
-function checkChatAgainstAlias(body: ChatBody, name: string, alias: AliasConfig): void {
+export function checkChatAgainstAlias(body: ChatBody, name: string, alias: AliasConfig): void {
   const image = alias.capabilities.includes("images") ? undefined : firstImage(body.messages);
   if (image) throw new AppError("invalid_request_error", `The model '${name}' does not accept image input.`, image);
   if (!alias.capabilities.includes("tools") && body.tools && body.tools.length > 0) {

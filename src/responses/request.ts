@@ -520,6 +520,52 @@ function checkRequired(tools: readonly Record<string, unknown>[]): void {
 export function parseResponsesBody(raw: unknown, webSearch: WebSearchPolicy = "refuse"): ResponsesBody {
   if (!isRecord(raw)) throw new AppError("invalid_request_error", "The request body must be a JSON object.");
   for (const k in raw) if (!BODY_KEYS.has(k)) throw invalid(k, `Unrecognized request argument supplied: ${k}`);
+  return checkBody(raw, webSearch);
+}
+
+/**
+ * The body of POST /v1/responses/input_tokens: the fields of the SDK's
+ * InputTokenCountParams, each checked as POST /v1/responses checks it (the
+ * same schema and rules); create's other fields (stream, store,
+ * max_output_tokens, …) are unknown parameters there, as in OpenAI's API.
+ * `personality` (a style preset of OpenAI's models, at most 64 characters)
+ * is accepted and ignored: it changes no count of the gateway's.
+ */
+const MAX_PERSONALITY = 64;
+const InputTokensBody = T.Object(
+  {
+    model: Body.properties.model,
+    input: Body.properties.input,
+    instructions: Body.properties.instructions,
+    previous_response_id: Body.properties.previous_response_id,
+    conversation: Body.properties.conversation,
+    tools: Body.properties.tools,
+    tool_choice: Body.properties.tool_choice,
+    parallel_tool_calls: Body.properties.parallel_tool_calls,
+    reasoning: Body.properties.reasoning,
+    text: Body.properties.text,
+    truncation: Body.properties.truncation,
+    personality: T.Optional(T.String({ maxLength: MAX_PERSONALITY })),
+  },
+  { ...Strict, description: "The fields of POST /v1/responses that a count takes, each checked as there; unknown fields (create's stream, store, max_output_tokens, …) are refused" },
+);
+const COUNT_KEYS = new Set(Object.keys(InputTokensBody.properties));
+
+/** For the OpenAPI document. */
+export const InputTokensBodySchema = InputTokensBody;
+
+export function parseInputTokensBody(raw: unknown, webSearch: WebSearchPolicy = "refuse"): ResponsesBody {
+  if (!isRecord(raw)) throw new AppError("invalid_request_error", "The request body must be a JSON object.");
+  for (const k in raw) if (!COUNT_KEYS.has(k)) throw invalid(k, `Unrecognized request argument supplied: ${k}`);
+  const { personality, ...rest } = raw;
+  if (personality !== undefined && (typeof personality !== "string" || personality.length > MAX_PERSONALITY)) {
+    throw invalid("personality", `Invalid 'personality': expected a string of at most ${MAX_PERSONALITY} characters.`);
+  }
+  return checkBody(rest, webSearch);
+}
+
+/** The checks after the top-level keys: the schema, then the rules it cannot say. */
+function checkBody(raw: Record<string, unknown>, webSearch: WebSearchPolicy): ResponsesBody {
   if (raw.prompt != null) throw invalid("prompt", "Reusable prompts are not supported by this gateway: send the instructions and input in the request.");
   if (raw.conversation != null) {
     throw invalid("conversation", "Conversations are not supported by this gateway: chain responses with previous_response_id instead.");

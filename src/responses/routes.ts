@@ -9,9 +9,10 @@ import { resolveAlias } from "../inference/aliases.ts";
 import type { Logger } from "../lib/log.ts";
 import { type ChatService, callChat } from "./chat-call.ts";
 import { responsesTransform } from "./events.ts";
+import { inputTokens } from "./input-tokens.ts";
 import { listItems } from "./list.ts";
 import { type ResponseMeta, responseFromChat } from "./output.ts";
-import { type InputItem, isItemReference, parseResponsesBody, type ResponsesBody } from "./request.ts";
+import { type InputItem, isItemReference, parseInputTokensBody, parseResponsesBody, type ResponsesBody } from "./request.ts";
 import type { Bound } from "../db/bounded.ts";
 import { createResponseStore, type ResponseStore, writeSpacingFor } from "./store.ts";
 import { type Translation, newItemId, responsesError, toChat } from "./translate.ts";
@@ -19,8 +20,11 @@ import { type Translation, newItemId, responsesError, toChat } from "./translate
 /**
  * The Responses API (config `responses.enabled`): POST /v1/responses on the
  * chat aliases, and GET/DELETE /v1/responses/{id} with its input items when
- * responses are stored. Mounted only when enabled, so otherwise these paths
- * are unknown routes (404) and absent from /openapi.json.
+ * responses are stored; POST /v1/responses/input_tokens (an estimate),
+ * /v1/responses/{id}/cancel (nothing here runs in background, so nothing can
+ * be cancelled) and /v1/responses/compact (refused). Mounted only when
+ * enabled, so otherwise these paths are unknown routes (404) and absent from
+ * /openapi.json.
  */
 
 export interface ResponsesDeps {
@@ -40,6 +44,17 @@ const STORE_WAIT_MS = 5_000;
 function notFound(id: string): AppError {
   return new AppError("not_found", `No response with id '${id}' was found.`);
 }
+
+/** Cancelling a response not created in background, in vLLM's words (OpenAI documents only that it fails), and why none is here. */
+const NOT_CANCELLABLE =
+  "Cannot cancel a synchronous response: only responses created with background: true can be cancelled, and this gateway runs no background responses (it refuses background). A response is complete when its answer has been sent; to stop one while it streams, close the connection.";
+
+/**
+ * OpenAI's compaction answers an encrypted item that only OpenAI's own models
+ * can read back; a chat-completions upstream has no such thing to make or read.
+ */
+const NO_COMPACTION =
+  "Compaction (POST /v1/responses/compact) is not supported by this gateway: OpenAI's compaction returns an encrypted item only OpenAI's own models can read, and the models here are served through chat completions. Send the conversation (shortened or summarised as you choose) as input, or chain responses with previous_response_id.";
 
 export function createResponses(deps: ResponsesDeps) {
   const { config, log } = deps;
@@ -161,6 +176,15 @@ export function createResponses(deps: ResponsesDeps) {
     return new Response(answer.body, { headers: answer.headers });
   }
 
+  /** POST /v1/responses/input_tokens: the request translated as create translates it, and its prompt estimated (input-tokens.ts). */
+  async function count(p: Principal, raw: unknown) {
+    const body = parseInputTokensBody(raw, config.responses.webSearch);
+    const alias = resolveAlias(config, body.model, p, "chat");
+    const replay = await replayed(p, body.previous_response_id);
+    const t = toChat({ ...body, input: await resolveReferences(p, body.input) }, replay, false);
+    return inputTokens(t, alias);
+  }
+
   /** Stored: the relay closes the stream only once the row is written, so a client that reads to the end can use the id at once. */
   function streamTransform(p: Principal, meta: ResponseMeta, inputItems: Translation["inputItems"] | undefined) {
     return responsesTransform(meta, (final) => (inputItems ? save(p, meta, inputItems, final) : undefined));
@@ -194,6 +218,35 @@ export function createResponses(deps: ResponsesDeps) {
             } finally {
               answered(request, reply);
             }
+          },
+          { auth: { scope: "inference" }, parse: "none" },
+        )
+        // Nothing is generated: the model's answer is not waited for, but the stored conversation may be read.
+        .post(
+          "/v1/responses/input_tokens",
+          async ({ principal, request, server }) => {
+            try {
+              return await count(principal, await readInferenceBody(request, server, config));
+            } finally {
+              answered(request, undefined);
+            }
+          },
+          { auth: { scope: "inference" }, parse: "none" },
+        )
+        // After the key check, whatever the body (not read).
+        .post(
+          "/v1/responses/compact",
+          () => {
+            throw new AppError("invalid_request_error", NO_COMPACTION);
+          },
+          { auth: { scope: "inference" }, parse: "none" },
+        )
+        // Ownership as retrieve (another's, unknown, deleted or expired: 404); any body is ignored (not read).
+        .post(
+          "/v1/responses/:id/cancel",
+          async ({ principal, params }) => {
+            if (!store || !ID.test(params.id) || !(await store.owns(principal, params.id))) throw notFound(params.id);
+            throw new AppError("invalid_request_error", NOT_CANCELLABLE);
           },
           { auth: { scope: "inference" }, parse: "none" },
         )

@@ -311,6 +311,16 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
     return { response, inputItems: parseArray(row.input_items).filter((i): i is StoredItem => typeof i.id === "string" && typeof i.type === "string") };
   }
 
+  /** Whether response `id` is this caller's and unexpired, read without its content (cancel answers on that alone). */
+  async function owns(p: Principal, id: string): Promise<boolean> {
+    const rows = await read<{ one: number }>(
+      "cancel",
+      sql`
+      select 1 as one from responses where id = ${id} and org_id = ${p.orgId} and ${owner(p)} and expires_at > now()`,
+    );
+    return rows.length > 0;
+  }
+
   async function remove(p: Principal, id: string): Promise<boolean> {
     const rows = await read<{ id: string }>(
       "delete",
@@ -441,6 +451,7 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
   return {
     save,
     get,
+    owns,
     remove,
     conversation,
     items,

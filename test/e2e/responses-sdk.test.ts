@@ -14,9 +14,10 @@ setDefaultTimeout(60_000);
  * The Responses API of the COMPILED binary (`serve --demo` turns it on),
  * driven by the unmodified official `openai` SDK (responses.create JSON and
  * stream, responses.stream().finalResponse(), retrieve, delete,
- * inputItems.list) and by the OpenAI Agents SDK running an agent with one
- * function tool to a final answer on its default transport (Responses). Only
- * the base URL and the key are set. The demo's simulated upstream speaks chat
+ * inputItems.list, inputTokens.count; cancel and compact refused) and by the
+ * OpenAI Agents SDK running an agent with one function tool to a final
+ * answer on its default transport (Responses). Only the base URL and the key
+ * are set. The demo's simulated upstream speaks chat
  * completions only: it calls the first tool when the last user message says
  * "weather", and answers in text once the tool's result is in.
  */
@@ -103,6 +104,18 @@ describe("openai SDK: client.responses", () => {
     const final = await client.responses.stream({ model: "svc-fast", input: "Say hi" }).finalResponse();
     expect(final.status).toBe("completed");
     expect(final.output_text.length).toBeGreaterThan(0);
+  });
+
+  test("inputTokens.count (the gateway's estimate), cancel and compact (400: nothing runs in background, no compaction)", async () => {
+    const counted = await client.responses.inputTokens.count({ model: "svc-fast", instructions: "Be brief.", input: "Say hi" });
+    expect(counted.object).toBe("response.input_tokens");
+    const r = await client.responses.create({ model: "svc-fast", instructions: "Be brief.", input: "Say hi" });
+    // The demo's simulated upstream counts a prompt as the gateway estimates one.
+    expect(counted.input_tokens).toBe(r.usage?.input_tokens ?? -1);
+    const refused = (p: Promise<unknown>) => p.then(() => null, (e: unknown) => e);
+    expect(await refused(client.responses.cancel(r.id))).toBeInstanceOf(OpenAI.BadRequestError);
+    expect(await refused(client.responses.cancel("resp_doesnotexist"))).toBeInstanceOf(OpenAI.NotFoundError);
+    expect(await refused(client.responses.compact({ model: "svc-fast", input: "Say hi" }))).toBeInstanceOf(OpenAI.BadRequestError);
   });
 
   test("errors map to the SDK's classes", async () => {

@@ -41,5 +41,8 @@ test("with responses.enabled, the Responses operations are served and documented
     "GET /v1/responses/{id}",
     "GET /v1/responses/{id}/input_items",
     "POST /v1/responses",
+    "POST /v1/responses/compact",
+    "POST /v1/responses/input_tokens",
+    "POST /v1/responses/{id}/cancel",
   ]);
 });

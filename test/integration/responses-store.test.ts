@@ -641,6 +641,8 @@ describe("damaged rows and database failures", () => {
         await get(`/v1/responses/${id}`, org.personalKey, "DELETE"),
         await create({ model: "svc-fast", input: "x", previous_response_id: id }),
         await create({ model: "svc-fast", input: [{ type: "item_reference", id: "msg_1" }] }),
+        await get(`/v1/responses/${id}/cancel`, org.personalKey, "POST"),
+        await post(gw, "/v1/responses/input_tokens", org.personalKey, { model: "svc-fast", input: "x", previous_response_id: id }),
       ]) {
         const err = await errorOf(res);
         expect({ status: res.status, code: err.code }).toEqual({ status: 503, code: "service_unavailable" });

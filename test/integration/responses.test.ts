@@ -65,6 +65,9 @@ describe("off by default", () => {
       ["GET", "/v1/responses/resp_1"],
       ["DELETE", "/v1/responses/resp_1"],
       ["GET", "/v1/responses/resp_1/input_items"],
+      ["POST", "/v1/responses/resp_1/cancel"],
+      ["POST", "/v1/responses/input_tokens"],
+      ["POST", "/v1/responses/compact"],
     ] as const) {
       const res = await fetch(`${off.url}${path}`, { method, headers: { authorization: `Bearer ${org.personalKey}` } });
       const unknown = await fetch(`${off.url}/v1/nope`, { method, headers: { authorization: `Bearer ${org.personalKey}` } });
@@ -79,6 +82,9 @@ describe("off by default", () => {
     expect(Object.keys(rec(on.paths)).filter((p) => p.includes("responses"))).toEqual([
       "/v1/responses",
       "/v1/responses/{id}",
+      "/v1/responses/input_tokens",
+      "/v1/responses/compact",
+      "/v1/responses/{id}/cancel",
       "/v1/responses/{id}/input_items",
     ]);
   });
