@@ -73,53 +73,146 @@ export function isErrorEvent(event: Buffer, at: number): boolean {
   return event[at] === OPEN_BRACE && event[at + 1] === QUOTE && (event[at + 2] === 0x65 || event[at + 2] === 0x6f) && ERROR_PREFIXES.some((p) => startsWithAt(event, at, p));
 }
 
-/** Length of the JSON string starting at `start` (just after its opening quote), escapes included. */
+/**
+ * Set by jsonStringBytes: the string it measured holds a backslash, so its
+ * length as sent is not its text's UTF-8 bytes (decodedBytes counts those).
+ * One flag, not a second return value: this runs for every string of every
+ * streamed event, and a string without escapes (nearly all of them) costs no
+ * more than before.
+ */
+let escaped = false;
+
+/** Length of the JSON string starting at `start` (just after its opening quote) as sent, escapes included; notes an escape in `escaped`. */
 function jsonStringBytes(b: Buffer, start: number): number {
   for (let i = start; i < b.length; i++) {
     const c = b[i];
-    if (c === BACKSLASH) i++;
-    else if (c === QUOTE) return i - start;
+    if (c === BACKSLASH) {
+      escaped = true;
+      i++;
+    } else if (c === QUOTE) return i - start;
   }
   return b.length - start;
+}
+
+const U = 0x75;
+
+/** The value of the 4 hex digits at `at` (before `end`), or -1 when they are not 4 hex digits. */
+function hex4(b: Buffer, at: number, end: number): number {
+  if (at + 4 > end) return -1;
+  let v = 0;
+  for (let i = at; i < at + 4; i++) {
+    const c = b[i] ?? 0;
+    const d = c >= 0x30 && c <= 0x39 ? c - 0x30 : c >= 0x61 && c <= 0x66 ? c - 0x57 : c >= 0x41 && c <= 0x46 ? c - 0x37 : -1;
+    if (d < 0) return -1;
+    v = v * 16 + d;
+  }
+  return v;
+}
+
+/**
+ * UTF-8 bytes of the text a JSON string's bytes (`start` to `end`, between
+ * its quotes) stand for, read without parsing: a byte that is no escape is
+ * one byte of the text; `\n`, `\"`, `\\`, `\/` and the other one-letter
+ * escapes one byte each; `\uXXXX` the bytes of its code point (1 to 3), a
+ * surrogate pair 4, a lone surrogate 3 (U+FFFD, as TextEncoder and
+ * Buffer.byteLength make it). So a server that writes non-ASCII as `\uXXXX`
+ * (Python's json.dumps default) is counted what one writing UTF-8 is, and
+ * what a whole answer, parsed, is counted (tokens.ts utf8). A malformed escape
+ * counts one byte for its backslash and letter: never less than one a string
+ * that has text, never more than it was sent as.
+ */
+function decodedBytes(b: Buffer, start: number, end: number): number {
+  let n = 0;
+  for (let i = start; i < end; i++) {
+    if (b[i] !== BACKSLASH) {
+      n++;
+      continue;
+    }
+    n++;
+    i++;
+    if (b[i] !== U) continue;
+    const cu = hex4(b, i + 1, end);
+    if (cu < 0) continue;
+    i += 4;
+    if (cu < 0x80) continue;
+    if (cu < 0x800) {
+      n += 1;
+      continue;
+    }
+    if (cu >= 0xd800 && cu <= 0xdbff && b[i + 1] === BACKSLASH && b[i + 2] === U) {
+      const low = hex4(b, i + 3, end);
+      if (low >= 0xdc00 && low <= 0xdfff) {
+        // A surrogate pair: one code point beyond the BMP, 4 bytes.
+        n += 3;
+        i += 6;
+        continue;
+      }
+    }
+    // The rest of the BMP, and a lone surrogate (U+FFFD): 3 bytes.
+    n += 2;
+  }
+  return n;
 }
 
 /** What a scan of an event's delta text saw besides its bytes (one per stream, reused for each event). */
 export interface DeltaScan {
   /** A tool call's arguments are a JSON object or array, not a string (`textArgumentsEvent`). */
   structuredArguments: boolean;
+  /**
+   * The delta text's bytes as sent, escapes included (deltaTextBytes counts
+   * the text's own UTF-8 bytes): the Responses API bounds what it holds by
+   * these, since it writes the text again as JSON (stream.ts, maxTextBytes).
+   */
+  sentBytes: number;
 }
 
 /**
- * Bytes of every string value of `field` (a key with its colon) in the event:
- * each choice's (`n`), each parallel tool call's. `"content":"…"` and
- * `"content": "…"` alike: servers built on Python's json write the second.
- * With `scan`, a value that opens an object or an array is noted there.
+ * UTF-8 bytes of the text of every string value of `field` (a key with its
+ * colon) in the event: each choice's (`n`), each parallel tool call's.
+ * `"content":"…"` and `"content": "…"` alike: servers built on Python's json
+ * write the second. Adds the strings' bytes as sent to `scan.sentBytes`; a
+ * value that opens an object or an array is noted there when `structured`.
  */
-function fieldBytes(event: Buffer, field: Buffer, scan?: DeltaScan): number {
+function fieldBytes(event: Buffer, field: Buffer, scan: DeltaScan, structured: boolean): number {
   let n = 0;
   let at = event.indexOf(field);
   while (at !== -1) {
     let v = at + field.length;
     while (event[v] === SPACE) v++;
     if (event[v] !== QUOTE) {
-      if (scan && (event[v] === OPEN_BRACE || event[v] === OPEN_BRACKET)) scan.structuredArguments = true;
+      if (structured && (event[v] === OPEN_BRACE || event[v] === OPEN_BRACKET)) scan.structuredArguments = true;
       at = event.indexOf(field, v);
       continue;
     }
+    escaped = false;
     const len = jsonStringBytes(event, v + 1);
-    n += len;
+    // Only a string with an escape is read again, byte by byte; the rest are their length as sent.
+    n += escaped ? decodedBytes(event, v + 1, v + 1 + len) : len;
+    scan.sentBytes += len;
     at = event.indexOf(field, v + 1 + len);
   }
   return n;
 }
 
-/** Bytes of delta text in the event; `scan` notes tool-call arguments that are not a string. */
+/**
+ * UTF-8 bytes of the delta text in the event (its decoded text, whatever
+ * escapes it was written with); `scan` notes tool-call arguments that are not
+ * a string, and the text's bytes as sent.
+ */
 export function deltaTextBytes(event: Buffer, scan: DeltaScan): number {
   scan.structuredArguments = false;
+  scan.sentBytes = 0;
   let n = 0;
-  for (const f of TEXT_FIELDS) n += fieldBytes(event, f, f === ARGUMENTS ? scan : undefined);
+  for (const f of TEXT_FIELDS) n += fieldBytes(event, f, scan, f === ARGUMENTS);
+  const sent = scan.sentBytes;
   let reasoning = 0;
-  for (const f of REASONING_FIELDS) reasoning = Math.max(reasoning, fieldBytes(event, f));
+  let reasoningSent = 0;
+  for (const f of REASONING_FIELDS) {
+    scan.sentBytes = 0;
+    reasoning = Math.max(reasoning, fieldBytes(event, f, scan, false));
+    reasoningSent = Math.max(reasoningSent, scan.sentBytes);
+  }
+  scan.sentBytes = sent + reasoningSent;
   return n + reasoning;
 }
 

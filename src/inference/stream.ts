@@ -72,7 +72,7 @@ export interface StreamEnd {
    * cut off has not counted what followed.
    */
   usage: { promptTokens: number; completionTokens: number } | undefined;
-  /** Bytes of delta text delivered to the client. */
+  /** UTF-8 bytes of the delta text delivered to the client (its text, whatever escapes the upstream wrote it with). */
   deliveredChars: number;
   reason?: string;
 }
@@ -95,11 +95,15 @@ export interface RelayOptions {
    */
   generation?: { maxTokens: number; choices: number };
   /**
-   * The most delta text (bytes, as `deliveredChars` counts them) the stream
-   * may carry; an event that would pass it is dropped and the stream fails
-   * there, its upstream call closed. Set for a transform that holds the whole
-   * answer (the Responses API keeps it for its final event and the store):
-   * what it holds is bounded as a non-streamed answer is (upstream.maxResponseBytes).
+   * The most delta text the stream may carry, in bytes as sent (escapes
+   * included: `DeltaScan.sentBytes`, not the UTF-8 bytes of the text that
+   * `deliveredChars` counts); an event that would pass it is dropped and the
+   * stream fails there, its upstream call closed. Set for a transform that
+   * holds the whole answer (the Responses API keeps it for its final event
+   * and the store): what it holds is bounded as a non-streamed answer is
+   * (upstream.maxResponseBytes), and it writes that text as JSON again,
+   * where a control character takes the 6 bytes of `\u0001` it may have
+   * been sent as: counted decoded, 8 MiB could come out as 48.
    */
   maxTextBytes?: number;
   /** The usage chunk carried implausible counts (`counted.rejected`); they were replaced before the client saw them. */
@@ -188,14 +192,17 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
   let sep: Buffer | undefined;
   /** The line ends of the events the gateway writes itself: the upstream's first event's CRLF, else LF. */
   const termOut = () => (sep === CRLF2 ? "\r\n\r\n" : "\n\n");
-  const scan: DeltaScan = { structuredArguments: false };
+  const scan: DeltaScan = { structuredArguments: false, sentBytes: 0 };
   let sawDone = false;
   let usage: StreamEnd["usage"];
   /** The breakdowns (cached, reasoning tokens…) of the upstream's last usage report, checked: a usage chunk the gateway adds after it keeps them. */
   let usageBreakdowns: UsageDetails = {};
   /** The upstream's chunk id (read from its first chunk), for a usage chunk the gateway adds. */
   let chunkId: string | undefined;
+  /** UTF-8 bytes of the delta text delivered (its decoded text, whatever escapes it was sent with): what the estimate counts. */
   let deliveredChars = 0;
+  /** The same text's bytes as sent, escapes included: what maxTextBytes bounds. */
+  let sentChars = 0;
   /** deliveredChars when the last usage report arrived (that event's own text included): what followed is not in it. */
   let charsAtUsage = 0;
   let ended = false;
@@ -331,7 +338,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       pastBound = true;
       return undefined;
     }
-    if (opts.maxTextBytes !== undefined && deliveredChars + text > opts.maxTextBytes) {
+    if (opts.maxTextBytes !== undefined && sentChars + scan.sentBytes > opts.maxTextBytes) {
       tooLarge = true;
       return undefined;
     }
@@ -359,6 +366,7 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
       }
     }
     deliveredChars += text;
+    sentChars += scan.sentBytes;
     if (reported) charsAtUsage = deliveredChars;
     // A transform re-serialises the events (the Responses API names the alias itself): no swap to make.
     if (!swap.swapModel || tf) return event;

@@ -8,7 +8,7 @@ import { type Gateway, startGateway } from "../../src/server.ts";
 import { type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
 import { specData } from "../helpers/sse-spec.ts";
-import { CHAT_MODEL, EMBED_MODEL, TEST_PLANS, chatAlias, embedAlias, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+import { CHAT_MODEL, EMBED_MODEL, TEST_PLANS, arr, chatAlias, embedAlias, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
 setDefaultTimeout(30_000);
 
@@ -27,6 +27,8 @@ let scripted:
       events: unknown[];
       done: boolean;
       python?: boolean;
+      /** Every UTF-16 unit outside ASCII written as `\uXXXX`, as Python's json.dumps writes it by default. */
+      ascii?: boolean;
       /** Events sent after [DONE]. */
       after?: unknown[];
       /** The body is never ended (no final chunk, connection kept). */
@@ -36,7 +38,7 @@ let scripted:
       /** Sent before the first event (a byte order mark). */
       prefix?: string;
     }
-  | { completion: Record<string, unknown> }
+  | { completion: Record<string, unknown>; ascii?: boolean }
   /** A stream that never ends: `event` again and again, as fast as it is read; `cancelled` once the gateway closed the call. */
   | { endless: unknown; cancelled: boolean }
   | undefined;
@@ -59,10 +61,13 @@ const upstream = Bun.serve({
       });
       return new Response(stream, { headers: { "content-type": "text/event-stream" } });
     }
-    if (scripted && "completion" in scripted) return Response.json({ id: "c1", created: 1, model: CHAT_MODEL, object: "chat.completion", ...scripted.completion });
+    if (scripted && "completion" in scripted) {
+      const answer = { id: "c1", created: 1, model: CHAT_MODEL, object: "chat.completion", ...scripted.completion };
+      return scripted.ascii ? new Response(asciiJson(answer), { headers: { "content-type": "application/json" } }) : Response.json(answer);
+    }
     if (scripted && "events" in scripted) {
       // Without [DONE] the stream just ends: cut off, as a dying upstream's would be.
-      const serialise = scripted.python ? pythonJson : JSON.stringify;
+      const serialise = scripted.ascii ? asciiJson : scripted.python ? pythonJson : JSON.stringify;
       const frame = scripted.frame ?? ((json: string) => `data: ${json}\n\n`);
       const events = (list: unknown[]) => list.map((e) => frame(serialise(e))).join("");
       const text = (scripted.prefix ?? "") + events(scripted.events) + (scripted.done ? frame("[DONE]") : "") + events(scripted.after ?? []);
@@ -89,6 +94,11 @@ function pythonJson(v: unknown): string {
   if (Array.isArray(v)) return `[${v.map(pythonJson).join(", ")}]`;
   if (v !== null && typeof v === "object") return `{${Object.entries(v).map(([k, x]) => `${JSON.stringify(k)}: ${pythonJson(x)}`).join(", ")}}`;
   return JSON.stringify(v);
+}
+
+/** JSON as Python's json.dumps writes it by default: pythonJson with every UTF-16 unit outside ASCII as `\uXXXX`. */
+function asciiJson(v: unknown): string {
+  return pythonJson(v).replace(/[\u0080-\uffff]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, "0")}`);
 }
 
 const lines: Record<string, unknown>[] = [];
@@ -750,6 +760,52 @@ describe("usage the upstream leaves out, or reports before the end", () => {
     const o = await seedTestOrg(gw.database);
     const res = await post(gw, "/v1/embeddings", o.personalKey, { model: "svc-embed", input: text });
     expect(rec(await res.json()).usage).toEqual({ prompt_tokens: 300, total_tokens: 300 });
+  });
+
+  test("without the upstream's count, text its server escapes (`\\uXXXX` for CJK, `\\n`, `\\\"`) is charged its UTF-8 bytes ÷ 4 as unescaped text is: streamed (the usage chunk the gateway adds, the record, the Response) and whole (JSON, SSE)", async () => {
+    // 50 × (6 CJK characters, a line feed, a quoted CJK character): 50 × 24 = 1,200 bytes of UTF-8, 300 tokens;
+    // as Python's json.dumps writes it, 50 × 48 bytes (each CJK character `\uXXXX`, 6 bytes; `\n` and `\"` 2).
+    const text = '你好，世界。\n"引"'.repeat(50);
+    expect(Buffer.byteLength(text)).toBe(1_200);
+    const streamed = [chunkOf([deltaOf({ role: "assistant", content: text.slice(0, 100) })]), chunkOf([deltaOf({ content: text.slice(100) })]), chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }])];
+    const charged: [string, unknown, number | undefined][] = [];
+    for (const ascii of [false, true]) {
+      const how = ascii ? "escaped" : "UTF-8";
+      // Streamed without a usage chunk, the client asking for usage: the gateway adds it with what it charges.
+      scripted = { events: streamed, done: true, ascii };
+      let o = await seedTestOrg(gw.database);
+      let res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, stream_options: { include_usage: true } });
+      const data = sseData(await res.text());
+      expect(data.at(-1)).toBe("[DONE]");
+      charged.push([`streamed, ${how}`, rec(rec(JSON.parse(data.at(-2) ?? "null")).usage).completion_tokens, (await rows(o.orgId))[0]?.completionTokens]);
+      // The same stream through the Responses API: its final usage and the record.
+      o = await seedTestOrg(gw.database);
+      const final = await completedResponse(o);
+      charged.push([`Responses API, ${how}`, rec(final.usage).output_tokens, (await rows(o.orgId))[0]?.completionTokens]);
+      // A JSON answer without usage, and an SSE answer to a non-streamed request without usage.
+      for (const [name, script] of [
+        ["whole", { completion: { choices: [{ index: 0, message: { role: "assistant", content: text }, finish_reason: "stop" }] }, ascii }],
+        ["whole, from SSE", { events: streamed, done: true, ascii }],
+      ] as [string, NonNullable<typeof scripted>][]) {
+        scripted = script;
+        o = await seedTestOrg(gw.database);
+        res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+        const body = rec(await res.json());
+        expect(rec(rec(arr(body.choices)[0]).message).content).toBe(text);
+        charged.push([`${name}, ${how}`, rec(body.usage).completion_tokens, (await rows(o.orgId))[0]?.completionTokens]);
+      }
+    }
+    // Before: the escaped stream was charged (and told) 600, twice the whole answer's 300 for the same text.
+    expect(charged).toEqual([
+      ["streamed, UTF-8", 300, 300],
+      ["Responses API, UTF-8", 300, 300],
+      ["whole, UTF-8", 300, 300],
+      ["whole, from SSE, UTF-8", 300, 300],
+      ["streamed, escaped", 300, 300],
+      ["Responses API, escaped", 300, 300],
+      ["whole, escaped", 300, 300],
+      ["whole, from SSE, escaped", 300, 300],
+    ]);
   });
 
   test("non-streamed without usage: reasoning and refusal text count as completion, for the client and the record", async () => {

@@ -57,7 +57,7 @@ function fakeOpened(parts: (string | Uint8Array | null | number)[]) {
   return { opened, calls };
 }
 
-async function relay(parts: (string | Uint8Array | null | number)[], opts: { clientWantsUsage?: boolean; idleMs?: number } = {}) {
+async function relay(parts: (string | Uint8Array | null | number)[], opts: { clientWantsUsage?: boolean; idleMs?: number; maxTextBytes?: number } = {}) {
   const { opened, calls } = fakeOpened(parts);
   let ended: StreamEnd | undefined;
   const s = relayStream(opened, {
@@ -66,6 +66,7 @@ async function relay(parts: (string | Uint8Array | null | number)[], opts: { cli
     idleMs: opts.idleMs ?? 10_000,
     signal: new AbortController().signal,
     errorBody,
+    ...(opts.maxTextBytes !== undefined ? { maxTextBytes: opts.maxTextBytes } : {}),
     onEnd: (e) => {
       ended = e;
     },
@@ -174,9 +175,21 @@ describe("relayStream", () => {
     expect(JSON.parse(last.slice(6)).error.code).toBe("service_unavailable");
     expect(r.ended?.outcome).toBe("failed");
     expect(r.ended?.usage).toBeUndefined();
-    // "abcdefgh" + q\\\"uote: JSON escapes count as sent
-    expect(r.ended?.deliveredChars).toBe(8 + 9);
+    // "abcdefgh" + q\"uote: the text's UTF-8 bytes, not its escapes as sent (9 bytes before)
+    expect(r.ended?.deliveredChars).toBe(8 + 7);
     expect(r.calls.finished).toEqual([false]);
+  });
+
+  test("maxTextBytes bounds the text's bytes as sent (escapes included), though it is charged its UTF-8 bytes", async () => {
+    // 100 control characters: 100 bytes of text, sent (and written again as JSON by the Responses API) as 600.
+    const text = "\u0001".repeat(100);
+    const r = await relay([chunk(text), chunk(text), DONE], { maxTextBytes: 1_000 });
+    expect(r.ended?.outcome).toBe("failed");
+    expect(r.text).toContain("larger than 1000 bytes");
+    // The first event was delivered: 100 bytes of text.
+    expect(r.ended?.deliveredChars).toBe(100);
+    const passes = await relay([chunk(text), DONE], { maxTextBytes: 600 });
+    expect([passes.ended?.outcome, passes.ended?.deliveredChars]).toEqual(["done", 100]);
   });
 
   test("a stream that ends without [DONE] is reported as failed", async () => {
