@@ -427,7 +427,12 @@ export function createInferenceService(deps: ServiceDeps) {
         deps.streams?.dec();
         // Without the upstream's count (stream cut off), estimate from what the client received;
         // either way never past the bound the upstream was sent (usage.ts): that is all that was reserved.
-        const counted = end.usage ?? { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) };
+        // A stream the upstream (or the gateway's shutdown) ended before any text reached the client, with
+        // no report, delivered nothing and failed through no fault of the client's: charged nothing, as
+        // the same failure of a JSON answer is (settleFailure). Before, it was charged the prompt estimate.
+        // A client that left (499) is charged as before.
+        const nothing = end.usage === undefined && end.deliveredChars === 0 && (end.outcome === "failed" || end.outcome === "ended");
+        const counted = end.usage ?? (nothing ? NO_USAGE : { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) });
         const usage = { promptTokens: counted.promptTokens, completionTokens: Math.min(counted.completionTokens, r.bounds.completionTokens) };
         promptOverReserve(name, usage.promptTokens, r.promptReserve, r.requestId);
         // "ended" (cut at shutdown) is a 503 like an upstream failure: the client got the same error event.

@@ -151,4 +151,17 @@ describe("access log", () => {
     expect(line.error).toBe("service_unavailable");
     expect(line.completion_tokens).toBe(4);
   });
+
+  test("a stream the upstream breaks off before any text is logged with no tokens, as its usage record has them", async () => {
+    // The role chunk only, then the connection drops.
+    sim.setFault({ kind: "drop-mid-stream", afterChunks: 1 });
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", stream: true, messages: userMessages() });
+    const id = String(res.headers.get("x-request-id"));
+    expect(sseData(await res.text()).at(-1)).toContain('"error"');
+    await eventually(() => accessLines(id).length === 1);
+    const line = accessLines(id)[0] ?? {};
+    expect(line.status).toBe(503);
+    // Before: the prompt estimate (8 tokens for "hi"), for a stream that delivered nothing.
+    expect([line.prompt_tokens, line.completion_tokens]).toEqual([0, 0]);
+  });
 });

@@ -5,7 +5,7 @@ import { usageReport } from "../../src/admin/usage.ts";
 import { usageEvents } from "../../src/db/schema.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
-import { type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
+import { type SeededOrg, sharedDatabase, startTestGateway, testConfig } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
 import { specData } from "../helpers/sse-spec.ts";
 import { CHAT_MODEL, EMBED_MODEL, TEST_PLANS, arr, chatAlias, embedAlias, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
@@ -107,7 +107,12 @@ let org: SeededOrg;
 
 beforeAll(async () => {
   const config = await testConfig({
-    aliases: { "svc-fast": chatAlias([{ baseUrl: base }]), "svc-embed": embedAlias([{ baseUrl: base }]) },
+    aliases: {
+      "svc-fast": chatAlias([{ baseUrl: base }]),
+      "svc-embed": embedAlias([{ baseUrl: base }]),
+      // An upstream that goes silent is cut after 400 ms here (10 s on svc-fast).
+      "svc-idle": chatAlias([{ baseUrl: base }], { timeouts: { connectMs: 2_000, firstByteMs: 10_000, idleMs: 400 } }),
+    },
     plans: TEST_PLANS,
     upstream: upstreamSettings({ attempts: 1 }),
     responses: { enabled: true },
@@ -826,6 +831,114 @@ describe("usage the upstream leaves out, or reports before the end", () => {
       const [row] = await rows(o.orgId);
       expect(row?.completionTokens).toBe(completion);
     }
+  });
+});
+
+describe("a stream that fails before it delivered any text, without a usage report, is charged nothing, as a failed JSON request is", () => {
+  afterEach(() => {
+    scripted = undefined;
+  });
+
+  /** The record of one request of a fresh organisation: [status, prompt tokens, completion tokens]. */
+  async function charged(send: (o: SeededOrg) => Promise<void>): Promise<[number | undefined, number | undefined, number | undefined]> {
+    const o = await seedTestOrg(gw.database);
+    await send(o);
+    const [row] = await rows(o.orgId);
+    return [row?.status, row?.promptTokens, row?.completionTokens];
+  }
+  const chat = (o: SeededOrg, model = "svc-fast", stream = true, init: RequestInit = {}) =>
+    post(gw, "/v1/chat/completions", o.personalKey, { model, messages: userMessages(), stream, ...(stream ? { stream_options: { include_usage: true } } : {}) }, init);
+  const role = chunkOf([deltaOf({ role: "assistant", content: "" })]);
+  const upstreamError = { error: { message: "the engine died", type: "InternalServerError", code: 500 } };
+
+  test("cut off, an upstream error event, idle, or cut at shutdown: the chat stream's record is 503 with no tokens; the client got its error event and no usage", async () => {
+    const promptEstimate = await estimateOf(true);
+    const failures: [string, NonNullable<typeof scripted>, string][] = [
+      ["cut off", { events: [role], done: false }, "svc-fast"],
+      ["an error event", { events: [role, upstreamError], done: false }, "svc-fast"],
+      ["idle", { events: [role], done: false, open: true }, "svc-idle"],
+    ];
+    const got: [string, ...unknown[]][] = [];
+    for (const [name, script, model] of failures) {
+      scripted = script;
+      let told: string[] = [];
+      const row = await charged(async (o) => {
+        told = sseData(await (await chat(o, model)).text());
+      });
+      expect(told.at(-1), name).toContain('"error"');
+      expect(told.filter((d) => d.includes('"usage"')), name).toEqual([]);
+      got.push([name, ...row]);
+    }
+    // Cut by the gateway's own shutdown (drainMs over): an instance of its own on the same database.
+    scripted = { events: [role], done: false, open: true };
+    const stopping = await startTestGateway({ aliases: { "svc-fast": chatAlias([{ baseUrl: base }]) }, plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 1 }), drainMs: 200 });
+    const o = await seedTestOrg(gw.database);
+    const res = await post(stopping, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
+    const reader = res.body?.getReader();
+    if (!reader) throw new Error("no body");
+    // The role chunk reached the client: the stream is open, then the gateway stops.
+    expect(new TextDecoder().decode((await reader.read()).value)).toContain('"role":"assistant"');
+    const stopped = stopping.stop();
+    let rest = "";
+    for (let r = await reader.read(); !r.done; r = await reader.read()) rest += new TextDecoder().decode(r.value);
+    await stopped;
+    expect(rest).toContain("shutting down");
+    const [row] = await rows(o.orgId);
+    got.push(["shutdown", row?.status, row?.promptTokens, row?.completionTokens]);
+    // The same failure on a non-streamed request (an SSE answer with the upstream's error event): nothing, as before.
+    scripted = { events: [role, upstreamError], done: false };
+    got.push(["non-streamed, an error event", ...(await charged(async (o) => void (await (await chat(o, "svc-fast", false)).text())))]);
+    // Before: each stream was charged the prompt estimate, though the client got nothing and the failure was not its own.
+    expect(got).toEqual([
+      ["cut off", 503, 0, 0],
+      ["an error event", 503, 0, 0],
+      ["idle", 503, 0, 0],
+      ["shutdown", 503, 0, 0],
+      ["non-streamed, an error event", 503, 0, 0],
+    ]);
+    expect(promptEstimate).toBeGreaterThan(0);
+  });
+
+  test("Responses API: a stream that fails before any text is recorded as 503 with no tokens, and its failed Response says no usage", async () => {
+    for (const script of [
+      { events: [role], done: false },
+      { events: [role, upstreamError], done: false },
+    ]) {
+      scripted = script;
+      let failed: Record<string, unknown> = {};
+      const row = await charged(async (o) => {
+        const r = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi", stream: true });
+        const last = (await r.text()).split("\n\n").find((e) => e.startsWith("event: response.failed"));
+        failed = rec(rec(JSON.parse(last?.split("data: ")[1] ?? "null")).response);
+      });
+      expect(failed.status).toBe("failed");
+      expect(failed.usage).toBeUndefined();
+      // Before: [503, the prompt estimate, 0], while the Response said no usage.
+      expect(row).toEqual([503, 0, 0]);
+    }
+  });
+
+  test("what is still charged: a usage report that came before the failure, text delivered before it, and a client that left (499)", async () => {
+    const promptEstimate = await estimateOf(true);
+    // A report (9 prompt tokens, none generated yet), then the upstream fails: the report is charged.
+    scripted = { events: [chunkOf([deltaOf({ role: "assistant", content: "" })], { usage: { prompt_tokens: 9, completion_tokens: 0, total_tokens: 9 } })], done: false };
+    expect(await charged(async (o) => void (await (await chat(o)).text()))).toEqual([503, 9, 0]);
+    // Text delivered, then the upstream fails: the prompt estimate and the text (4 bytes, 1 token).
+    scripted = { events: [chunkOf([deltaOf({ role: "assistant", content: "abcd" })])], done: false };
+    expect(await charged(async (o) => void (await (await chat(o)).text()))).toEqual([503, promptEstimate, 1]);
+    // The client leaves after the role chunk, before any text: charged the prompt estimate, as before.
+    scripted = { events: [role], done: false, open: true };
+    const row = await charged(async (o) => {
+      const ac = new AbortController();
+      const res = await chat(o, "svc-fast", true, { signal: ac.signal });
+      const reader = res.body?.getReader();
+      if (!reader) throw new Error("no body");
+      await reader.read();
+      ac.abort();
+      await reader.read().catch(() => undefined);
+      await until(async () => (await rows(o.orgId)).length > 0, "the record of the client that left", 10_000, 20);
+    });
+    expect(row).toEqual([499, promptEstimate, 0]);
   });
 });
 
