@@ -7,7 +7,7 @@ import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
 import type { ImageUrlCheck } from "./image-url.ts";
 import { type EndStream, relayStream } from "./stream.ts";
-import { sseAsCompletion } from "./whole-answer.ts";
+import { countTextAfterReport, type ReportedText, sseAsCompletion } from "./whole-answer.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
 import { type Counted, type UsageBounds, countUsage, usageDetails } from "./usage.ts";
@@ -339,9 +339,11 @@ export function createInferenceService(deps: ServiceDeps) {
         const res = await upstream.complete(name, alias, "/chat/completions", payloadFor, ctx);
         target = res.target;
         let parsed = parseJson(res.body);
+        /** Text around the last usage report of an answer sent as SSE: the report does not count what followed it. */
+        const reported: ReportedText = { before: 0, after: 0 };
         if (parsed === undefined) {
           // A server that streams what it was asked for whole (whole-answer.ts).
-          const assembled = sseAsCompletion(res.body);
+          const assembled = sseAsCompletion(res.body, reported);
           if (assembled && "error" in assembled && typeof assembled.error === "string") {
             throw new AppError("service_unavailable", `The model '${name}' failed while generating: ${upstreamMessage(assembled.error).message}`);
           }
@@ -350,7 +352,12 @@ export function createInferenceService(deps: ServiceDeps) {
         const shaped = shapeCompletion(parsed, name);
         if (!shaped) throw badUpstreamAnswer(name, res.target);
         const rawUsage = isRecord(parsed) && isRecord(parsed.usage) ? parsed.usage : undefined;
-        const counted = countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionBytes) }, bounds);
+        // Text after the report is added to its count once the report is checked, as a stream's is: a
+        // warning names only what the upstream sent, never a sum the gateway made.
+        const counted =
+          rawUsage && reported.after > 0
+            ? countTextAfterReport(rawUsage, promptEstimate, reported, bounds)
+            : countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionBytes) }, bounds);
         checkedUsage(name, res.target, counted, reservedCap, ctx.requestId);
         const { promptTokens, completionTokens } = counted;
         promptOverReserve(name, promptTokens, metered ? promptReserve : undefined, ctx.requestId);

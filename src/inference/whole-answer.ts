@@ -1,7 +1,7 @@
 import { isRecord } from "../lib/guards.ts";
 import { sseDataOf } from "../lib/sse.ts";
 import { charsToTokens, utf8 } from "./tokens.ts";
-import { MAX_TOKEN_COUNT } from "./usage.ts";
+import { type Counted, MAX_TOKEN_COUNT, type UsageBounds, countUsage } from "./usage.ts";
 
 /**
  * A streamed request answered with one JSON document: servers that do not
@@ -58,6 +58,12 @@ interface Acc {
   logprobs: unknown[] | undefined;
 }
 
+/** UTF-8 bytes of an answer's generated text up to and including its last usage report's event (`before`), and after it (`after`). */
+export interface ReportedText {
+  before: number;
+  after: number;
+}
+
 /**
  * The other way round: a non-streamed request answered with SSE (a server
  * that streams whatever it is asked). The chunks are put together into the
@@ -67,21 +73,25 @@ interface Acc {
  * chunks (no event with data, or data that is not a chunk); `{ error }` when
  * it carries an error event.
  *
- * Text after the last usage report (a server that reports on the first or on
- * every chunk and never sends a final one) is not in that report: its UTF-8
- * bytes are added to the report's completion count, ~4 a token, as the
- * stream relay adds text delivered after a report (stream.ts). Before, such an
- * answer was charged, and told, the count of the report alone (1 token for 404
+ * The completion's `usage` is the upstream's last report as it sent it (with
+ * the prompt count of an earlier report when it leaves that out): only
+ * figures the upstream sent, so that a warning about them (usage.ts) names
+ * nothing else. Text after that report (a server that reports on the first or
+ * on every chunk and never sends a final one) is not in it: `reported` gets
+ * the bytes of text before and after the report, and countTextAfterReport
+ * adds the latter to the checked count, ~4 bytes a token, as the stream relay
+ * adds text delivered after a report (stream.ts). Before, such an answer was
+ * charged, and told, the count of the report alone (1 token for 404
  * characters, inference-usage.test.ts). `[DONE]` ends the answer, as it ends
  * a stream: text, usage and errors sent after it are dropped (before, they
  * were put into the answer and charged, or failed it).
  */
-export function sseAsCompletion(text: string): Record<string, unknown> | { error: string } | undefined {
+export function sseAsCompletion(text: string, reported?: ReportedText): Record<string, unknown> | { error: string } | undefined {
   const choices = new Map<number, Acc>();
   let head: Record<string, unknown> | undefined;
   let usage: Record<string, unknown> | undefined;
   /** UTF-8 bytes of generated text up to and including the last usage report's event, and after it (the estimates count bytes, tokens.ts). */
-  let reported = 0;
+  let before = 0;
   let unreported = 0;
   // Read as the SSE standard reads it (lib/sse.ts): an event the body ends before its blank line is none.
   for (const data of sseDataOf(text)) {
@@ -151,12 +161,15 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
     if (isRecord(v.usage)) {
       // A report that leaves the prompt out (reported on the first chunk, the completion on the last) keeps the earlier count, as the relay does.
       usage = v.usage.prompt_tokens === undefined && usage?.prompt_tokens !== undefined ? { ...v.usage, prompt_tokens: usage.prompt_tokens } : v.usage;
-      reported += unreported + bytes;
+      before += unreported + bytes;
       unreported = 0;
     } else unreported += bytes;
   }
   if (!head) return undefined;
-  if (usage && unreported > 0) usage = withTextAfter(usage, reported, unreported);
+  if (reported) {
+    reported.before = usage ? before : 0;
+    reported.after = usage ? unreported : 0;
+  }
   return {
     id: head.id,
     created: head.created,
@@ -178,16 +191,19 @@ export function sseAsCompletion(text: string): Record<string, unknown> | { error
 }
 
 /**
- * A usage report with `after` bytes of text that followed it added to
- * its completion count (~4 a token). Only a count that is one (a whole
- * number; 0 only when no text came before the report, else 0 is a
- * placeholder): anything else is left for countUsage (usage.ts) to replace
- * with the estimate of the whole answer, which holds that text already.
+ * The counts of an answer whose last usage report text followed
+ * (`reported.after` bytes): the report checked as the upstream sent it
+ * (countUsage, the completion's estimate being the text before it, so a 0
+ * sent before any text is a count, not a placeholder), then the text after
+ * it added, ~4 bytes a token, never past the completion's bound: what the
+ * relay charges a stream that did the same (stream.ts, service.ts). The
+ * warnings `rejected` calls for name only what the upstream sent. Before,
+ * the text was added to the report first and the sum checked, so a sum past
+ * the bound was logged as "implausible usage" the upstream had sent (101
+ * completion tokens, where it had sent 1).
  */
-function withTextAfter(usage: Record<string, unknown>, before: number, after: number): Record<string, unknown> {
-  const c = usage.completion_tokens;
-  if (typeof c !== "number" || !Number.isSafeInteger(c) || c < 0 || c > MAX_TOKEN_COUNT || (c === 0 && before > 0)) return usage;
-  const completion = Math.min(MAX_TOKEN_COUNT, c + charsToTokens(after));
-  const p = usage.prompt_tokens;
-  return { ...usage, completion_tokens: completion, ...(typeof p === "number" ? { total_tokens: p + completion } : {}) };
+export function countTextAfterReport(usage: Record<string, unknown>, promptEstimate: number, reported: ReportedText, bounds: UsageBounds): Counted {
+  const counted = countUsage(usage, { promptTokens: promptEstimate, completionTokens: charsToTokens(reported.before) }, bounds);
+  const completionTokens = Math.min(bounds.completionTokens, MAX_TOKEN_COUNT, counted.completionTokens + charsToTokens(reported.after));
+  return { ...counted, completionTokens };
 }

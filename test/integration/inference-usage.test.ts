@@ -1179,6 +1179,31 @@ describe("an upstream that streams a non-streamed request", () => {
     }
   });
 
+  test("text after the report past the bound: charged the bound, and a warning names only figures the upstream sent", async () => {
+    // max_tokens 10; a report on the first chunk, then 400 characters (~100 tokens) with no report.
+    const after = Array.from({ length: 10 }, () => chunkOf([deltaOf({ content: "x".repeat(40) })]));
+    const cases: [string, Record<string, unknown>, string | undefined][] = [
+      // The upstream's count (1) is plausible: the text after it takes the charge past the bound, which caps it; nothing to warn about.
+      ["a plausible report", { prompt_tokens: 9, completion_tokens: 1, total_tokens: 10 }, undefined],
+      // The upstream's count (50) is above the bound itself: the warning names 50, what it sent.
+      ["a report above the bound", { prompt_tokens: 9, completion_tokens: 50, total_tokens: 59 }, "50"],
+    ];
+    for (const [name, report, named] of cases) {
+      scripted = { events: [chunkOf([deltaOf({ role: "assistant", content: "abcd" })], { usage: report }), ...after], done: true };
+      lines.length = 0;
+      const o = await seedTestOrg(gw.database);
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), max_tokens: 10 });
+      expect(res.status, name).toBe(200);
+      expect(rec(await res.json()).usage, name).toEqual({ prompt_tokens: 9, completion_tokens: 10, total_tokens: 19 });
+      const [row] = await rows(o.orgId);
+      expect([name, row?.promptTokens, row?.completionTokens]).toEqual([name, 9, 10]);
+      // Before: "upstream sent implausible usage" with completion_tokens "101" and "150": the report plus the
+      // gateway's own estimate of the text after it, figures the upstream never sent.
+      const implausible = lines.filter((l) => String(l.msg).startsWith("upstream sent implausible usage"));
+      expect([name, implausible.map((l) => l.completion_tokens)]).toEqual([name, named === undefined ? [] : [named]]);
+    }
+  });
+
   test("an error event in the stream is the upstream's error, with its message", async () => {
     const o = await seedTestOrg(gw.database);
     scripted = { events: [{ error: { message: "the engine is overloaded", type: "ServiceUnavailable", code: 503 } }], done: false };
