@@ -161,8 +161,12 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     completionBytes += stringBytes(content);
     const message: Record<string, unknown> = { role: "assistant", content, refusal: null };
     if (Array.isArray(m.tool_calls) && m.tool_calls.length > 0) {
-      message.tool_calls = m.tool_calls.map(withTextArguments);
-      completionBytes += stringBytes(JSON.stringify(m.tool_calls));
+      const calls = m.tool_calls.map(withTextArguments);
+      message.tool_calls = calls;
+      // Each call's arguments (as text), as a stream of the same answer counts them (chunk-bytes.ts): the
+      // call's JSON around them is the gateway's serialisation, not generated text. Before, that JSON
+      // was counted too, so the same answer was charged ~16 tokens a call more whole than streamed.
+      for (const call of calls) if (isRecord(call) && isRecord(call.function)) completionBytes += stringBytes(call.function.arguments);
     }
     for (const k of ["reasoning_content", "reasoning", "refusal"] as const) {
       if (typeof m[k] === "string") message[k] = m[k];

@@ -738,6 +738,20 @@ describe("usage the upstream leaves out, or reports before the end", () => {
       ["streamed", { events: [chunkOf([deltaOf({ role: "assistant", content: text })]), chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }])], done: true }, true],
       ["whole", { completion: { choices: [{ index: 0, message: { role: "assistant", content: text }, finish_reason: "stop" }] } }, false],
       ["whole, reasoning and a tool call", { completion: { choices: [{ index: 0, message: { role: "assistant", content: null, reasoning_content: text, tool_calls: [{ id: "c", type: "function", function: { name: "f", arguments: text } }] }, finish_reason: "tool_calls" }] } }, false],
+      // The same answer streamed: the reasoning, then the call opened with its name, then its arguments.
+      [
+        "streamed, reasoning and a tool call",
+        {
+          events: [
+            chunkOf([deltaOf({ role: "assistant", reasoning_content: text })]),
+            chunkOf([deltaOf({ tool_calls: [{ index: 0, id: "c", type: "function", function: { name: "f", arguments: "" } }] })]),
+            chunkOf([deltaOf({ tool_calls: [{ index: 0, function: { arguments: text } }] })]),
+            chunkOf([{ index: 0, delta: {}, finish_reason: "tool_calls" }]),
+          ],
+          done: true,
+        },
+        true,
+      ],
       // Sent as SSE to a non-streamed request: a report of 1 token on the first chunk, the text after it.
       ["whole, from SSE", { events: [chunkOf([deltaOf({ role: "assistant", content: "" })], { usage: { prompt_tokens: 9, completion_tokens: 1 } }), chunkOf([deltaOf({ content: text })])], done: true }, false],
     ];
@@ -751,12 +765,13 @@ describe("usage the upstream leaves out, or reports before the end", () => {
       charged.push([name, row?.completionTokens]);
     }
     // Before: 300 streamed, 100 whole (UTF-16 units ÷ 4), 101 from SSE; the reasoning and the call's arguments
-    // (with the call's JSON around them) were 100 and 100 + 12.
-    const callJson = JSON.stringify([{ id: "c", type: "function", function: { name: "f", arguments: "" } }]).length;
+    // were 100 and 100 + 12 whole; then 300 and 300 + 16 whole (the call's JSON around its arguments, ~60
+    // bytes, counted as generated text), 600 streamed. Now a call's arguments, as a stream counts them.
     expect(charged).toEqual([
       ["streamed", 300],
       ["whole", 300],
-      ["whole, reasoning and a tool call", 300 + Math.ceil((1_200 + callJson) / 4)],
+      ["whole, reasoning and a tool call", 600],
+      ["streamed, reasoning and a tool call", 600],
       ["whole, from SSE", 1 + 300],
     ]);
     // Embeddings whose upstream reports no count: 1,200 bytes ≈ 300 tokens (before: 100).
