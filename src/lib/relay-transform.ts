@@ -8,8 +8,11 @@
 export interface RelayTransform {
   /** What to send before the first upstream event ("" for nothing). */
   start(): string;
-  /** One read's complete SSE events, exactly as the relay would send them -> what to send instead ("" for nothing). */
-  events(events: readonly Uint8Array[]): string;
+  /**
+   * One read's complete SSE events, exactly as the relay would send them -> what to send instead,
+   * as text or as bytes ("" for nothing; bytes are never empty).
+   */
+  events(events: readonly Uint8Array[]): string | Uint8Array;
   /**
    * Why the transform ended the answer itself (it failed it: a chunk it could
    * not read), or undefined. The relay then ends the stream as failed at once,

@@ -246,15 +246,26 @@ export class SseReader {
     else if (e.comments > 0) this.out.push(COMMENT);
   };
 
+  /**
+   * Where the data of `buf` starts when it is the common case, and what the
+   * chat relay hands over: one whole event of one `data:` line ending in
+   * `\n\n`, read where an event starts. Its data is then buf[at, length - 2),
+   * and the read is taken without `push` (the state after it is the same).
+   * -1 for any other read.
+   */
+  wholeDataAt(buf: Buffer): number {
+    if (!startsWithData(buf) || !this.framer.atEventStart(buf[0])) return -1;
+    const lf = buf.indexOf(LF);
+    if (lf !== buf.length - 2 || buf[lf + 1] !== LF || buf.indexOf(CR) !== -1) return -1;
+    return buf[5] === SPACE ? 6 : 5;
+  }
+
   /** With `last`, the stream ends with this read: an event without its end is dropped. */
   push(bytes: Uint8Array, last = false): SseMessage[] {
     const buf = asBuffer(bytes);
-    // The common case, and what the chat relay hands over: one whole event of one `data:` line
-    // ending in `\n\n`. Its data is decoded once, with no line splitting.
-    if (startsWithData(buf) && this.framer.atEventStart(buf[0])) {
-      const lf = buf.indexOf(LF);
-      if (lf === buf.length - 2 && buf[lf + 1] === LF && buf.indexOf(CR) === -1) return [buf.toString("utf8", buf[5] === SPACE ? 6 : 5, lf)];
-    }
+    // The common case: its data is decoded once, with no line splitting.
+    const at = this.wholeDataAt(buf);
+    if (at !== -1) return [buf.toString("utf8", at, buf.length - 2)];
     const out: SseMessage[] = [];
     this.out = out;
     this.framer.push(buf, this.onEvent, last);

@@ -9,8 +9,9 @@
  * upstream's `: ping`) is passed on as `: keep-alive`; one with empty data is
  * no chunk and passed over, as the chat relay passes it over.
  */
+import { ByteWriter } from "../lib/byte-writer.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
-import { COMMENT, SseReader } from "../lib/sse.ts";
+import { asBuffer, COMMENT, SseReader } from "../lib/sse.ts";
 import { ChatToResponses } from "./stream-state.ts";
 import type { ResponseMeta, ResponseObject } from "./output.ts";
 
@@ -35,6 +36,9 @@ export interface ResponsesTransform extends RelayTransform {
 export function responsesTransform(meta: ResponseMeta, onFinal: (r: ResponseObject) => void | Promise<void>): ResponsesTransform {
   return new ResponsesRelayTransform(meta, onFinal);
 }
+
+/** Where a read's events are put together: one for every stream (each `events` call fills and empties it). */
+const written = new ByteWriter();
 
 /** A class, not an object of closures: an open stream holds one object and its state, with the methods shared. */
 class ResponsesRelayTransform implements ResponsesTransform {
@@ -68,18 +72,39 @@ class ResponsesRelayTransform implements ResponsesTransform {
     return this.t.start();
   }
 
-  events(events: readonly Uint8Array[]): string {
+  /**
+   * The events of a read as text, or as bytes once a plain text delta went
+   * from the upstream's bytes to its event's (`ChatToResponses.plainText`):
+   * what was written so far is `written`'s bytes, then `text`.
+   */
+  events(events: readonly Uint8Array[]): string | Uint8Array {
     const t = this.t;
     // After the final event the chat stream still runs to its end (it ends right after [DONE]).
     if (t.final) return "";
+    const out = written;
+    out.reset();
     let text = "";
     try {
-      for (const e of events) for (const data of this.sse.push(e)) text += data === COMMENT ? t.comment() : data === "" ? "" : t.data(data);
+      for (const e of events) {
+        const b = asBuffer(e);
+        const at = this.sse.wholeDataAt(b);
+        if (at === -1) {
+          for (const data of this.sse.push(b)) text += data === COMMENT ? t.comment() : data === "" ? "" : t.data(data);
+          continue;
+        }
+        out.string(text);
+        text = "";
+        if (t.plainText(b, at, b.length - 2, out)) continue;
+        const data = b.toString("utf8", at, b.length - 2);
+        if (data !== "") text = t.data(data);
+      }
     } catch (e) {
       text += t.fail(`The model '${this.meta.model}' sent an unreadable stream: ${(e as Error).message}`, null);
     }
     if (t.final) void this.report(t.final);
-    return text;
+    if (out.length === 0) return text;
+    out.string(text);
+    return out.take();
   }
 
   failed(): string | undefined {
@@ -128,7 +153,7 @@ export function responseEventStream(
     reader.cancel("client disconnected").catch(() => {});
   };
 
-  const write = async (c: ReadableStreamDirectController, text: string): Promise<boolean> => {
+  const write = async (c: ReadableStreamDirectController, text: string | Uint8Array): Promise<boolean> => {
     if (text === "") return true;
     try {
       const w = c.write(text);

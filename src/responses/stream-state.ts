@@ -3,6 +3,8 @@
  * payloads in, Responses SSE text out, no I/O (events.ts wraps it in a
  * stream). Each input payload yields its events at once; nothing is held
  * back for later input, so the client sees a token when the upstream sent it.
+ * A plain text delta is taken as bytes and written as bytes (`plainText`:
+ * its text is never decoded on the way); every other chunk as a string.
  *
  * Items follow the order the upstream's deltas open them: a `reasoning` item
  * for `reasoning_content`/`reasoning` text, a `message` item for `content`
@@ -15,7 +17,9 @@
  * `response.incomplete`) waits for `[DONE]`, since the usage chunk comes after
  * the finish_reason chunk.
  */
+import type { ByteWriter } from "../lib/byte-writer.ts";
 import { isRecord } from "../lib/guards.ts";
+import { isStringifiedText, JsonText } from "./json-text.ts";
 import {
   argumentsText,
   callIdFor,
@@ -38,10 +42,24 @@ import {
   usageFromChat,
 } from "./output.ts";
 
+/**
+ * A message's output_text part while it is open: its text held as JSON string
+ * content (part.text is set from it when the part is done, or the answer ends
+ * with it open), and the fields every delta event of it carries, written once.
+ */
+interface OpenText {
+  part: OutputText;
+  at: number;
+  text: JsonText;
+  /** `"item_id":"…","output_index":…,"content_index":…` */
+  fields: string;
+  /** `,` + fields + `,"delta":"`, as bytes (the delta events the upstream's bytes go into). */
+  deltaHead: Buffer | undefined;
+}
 interface OpenMessage {
   item: MessageItem;
   index: number;
-  text?: { part: OutputText; at: number };
+  text?: OpenText;
   refusal?: { part: OutputRefusal; at: number };
 }
 interface OpenReasoning {
@@ -96,6 +114,35 @@ export function plainTextDelta(payload: string): string | undefined {
   }
   return typeof text === "string" ? text : undefined;
 }
+
+const PLAIN_HEAD_BYTES = Buffer.from(PLAIN_HEAD);
+const PLAIN_TAIL_BYTES = Buffer.from(PLAIN_TAIL);
+const USAGE_KEY = Buffer.from('"usage"');
+const ERROR_KEY = Buffer.from('"error"');
+
+/**
+ * `plainTextDelta` on the chunk's bytes (b[from..to), not decoded): where the
+ * text's JSON string content starts (it ends where PLAIN_TAIL starts), or -1.
+ * The chunk passes the same checks, and the text must be as JSON.stringify
+ * would write it (`isStringifiedText`): any other text, one plainTextDelta
+ * would take included, is -1, for the decoding path.
+ */
+export function plainTextAt(b: Buffer, from: number, to: number): number {
+  const end = to - PLAIN_TAIL_BYTES.length;
+  if (b[from] !== 0x7b || end < from || b.compare(PLAIN_TAIL_BYTES, 0, PLAIN_TAIL_BYTES.length, end, to) !== 0) return -1;
+  const at = b.indexOf(PLAIN_HEAD_BYTES, from);
+  if (at === -1 || at + PLAIN_HEAD_BYTES.length > end) return -1;
+  const u = b.lastIndexOf(USAGE_KEY, at);
+  const e = b.lastIndexOf(ERROR_KEY, at);
+  if ((u !== -1 && u >= from) || (e !== -1 && e >= from)) return -1;
+  const start = at + PLAIN_HEAD_BYTES.length;
+  return isStringifiedText(b, start, end) ? start : -1;
+}
+
+/** What a text delta event holds before its sequence number. */
+const TEXT_DELTA_START = Buffer.from('event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":');
+/** And after its delta's content (a delta taken from the upstream's bytes has no logprobs). */
+const TEXT_DELTA_END = Buffer.from('","logprobs":[]}\n\n');
 
 export class ChatToResponses {
   /**
@@ -240,25 +287,55 @@ export class ChatToResponses {
     return this.msg;
   }
 
-  private textPart(m: OpenMessage): { part: OutputText; at: number } {
+  private textPart(m: OpenMessage): OpenText {
     if (!m.text) {
       const part: OutputText = { type: "output_text", text: "", annotations: [], logprobs: [] };
-      m.text = { part, at: m.item.content.length };
+      const at = m.item.content.length;
+      m.text = { part, at, text: new JsonText(), fields: `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${at}`, deltaHead: undefined };
       m.item.content.push(part);
-      this.emit("response.content_part.added", `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${m.text.at},"part":${q(part)}`);
+      this.emit("response.content_part.added", `${m.text.fields},"part":${q(part)}`);
     }
     return m.text;
   }
 
   private textDelta(delta: string, logprobs: Logprob[] | undefined): void {
-    const m = this.openMessage();
-    const text = this.textPart(m);
-    text.part.text += delta;
+    const text = this.textPart(this.openMessage());
+    const quoted = q(delta);
+    text.text.appendQuoted(quoted);
     if (logprobs && logprobs.length > 0) for (const lp of logprobs) text.part.logprobs.push(lp);
-    this.emit(
-      "response.output_text.delta",
-      `"item_id":"${m.item.id}","output_index":${m.index},"content_index":${text.at},"delta":${q(delta)},"logprobs":${eventLogprobs(logprobs)}`,
-    );
+    this.emit("response.output_text.delta", `${text.fields},"delta":${quoted},"logprobs":${eventLogprobs(logprobs)}`);
+  }
+
+  /**
+   * One whole SSE event's data, b[from..to), when it is a plain text delta
+   * whose text the upstream escaped as JSON.stringify would (`plainTextAt`):
+   * its events are written to `out` (those already queued first), the text
+   * going from the upstream's bytes to the event's without being decoded, and
+   * true. False, with nothing written, for any other chunk (`data` reads it).
+   */
+  plainText(b: Buffer, from: number, to: number, out: ByteWriter): boolean {
+    if (this.final || this.finishReason !== null) return false;
+    const start = plainTextAt(b, from, to);
+    if (start === -1) return false;
+    const end = to - PLAIN_TAIL_BYTES.length;
+    if (start === end) return true;
+    const text = this.textPart(this.openMessage());
+    text.text.appendContent(b, start, end);
+    // The item and part it opened (and the end of a reasoning item before it) go first.
+    out.string(this.take());
+    text.deltaHead ??= Buffer.from(`,${text.fields},"delta":"`);
+    out.bytes(TEXT_DELTA_START);
+    out.int(this.seq++);
+    out.bytes(text.deltaHead);
+    out.bytes(b, start, end);
+    out.bytes(TEXT_DELTA_END);
+    return true;
+  }
+
+  /** part.text from the text held, for the done events and any Response built while the part is open. */
+  private settleText(m: OpenMessage | undefined): void {
+    const t = m?.text;
+    if (t && t.text.byteLength > 0) t.part.text = t.text.text();
   }
 
   private refusalDelta(delta: string): void {
@@ -329,6 +406,7 @@ export class ChatToResponses {
     const m = this.msg;
     if (!m) return;
     this.msg = undefined;
+    this.settleText(m);
     const id = `"item_id":"${m.item.id}","output_index":${m.index}`;
     m.item.content.forEach((part, i) => {
       if (part.type === "output_text") this.emit("response.output_text.done", `${id},"content_index":${i},"text":${q(part.text)},"logprobs":${eventLogprobs(part.logprobs)}`);
@@ -370,6 +448,7 @@ export class ChatToResponses {
 
   /** Items still open when the answer stops short: reported as incomplete, without their done events. */
   private markOpenIncomplete(): void {
+    this.settleText(this.msg);
     for (const item of this.output) if (item.status === "in_progress") item.status = "incomplete";
   }
 

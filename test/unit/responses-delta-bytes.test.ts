@@ -1,0 +1,339 @@
+/**
+ * A plain text delta goes from the upstream's bytes to the Responses event's
+ * bytes without being decoded (stream-state.ts `plainText`); every other chunk
+ * is decoded, parsed and escaped again (`data`). These tests pin that the two
+ * paths write the same bytes, so the byte path cannot drift from the other.
+ */
+import { describe, expect, test } from "bun:test";
+import { ByteWriter } from "../../src/lib/byte-writer.ts";
+import { responsesTransform } from "../../src/responses/events.ts";
+import { isStringifiedText, JsonText } from "../../src/responses/json-text.ts";
+import type { ResponseObject } from "../../src/responses/output.ts";
+import { plainTextAt, plainTextDelta } from "../../src/responses/stream-state.ts";
+import { chunk, DONE, meta, ROLE, USAGE } from "../helpers/responses.ts";
+
+/** A small seeded generator, so a failure can be run again (FUZZ_SEED). */
+function rng(seed: number) {
+  let s = seed >>> 0 || 1;
+  const next = () => {
+    s ^= s << 13;
+    s >>>= 0;
+    s ^= s >>> 17;
+    s ^= s << 5;
+    s >>>= 0;
+    return s / 2 ** 32;
+  };
+  return { next, int: (n: number) => Math.floor(next() * n), pick: <T>(xs: readonly T[]): T => xs[Math.floor(next() * xs.length)] as T };
+}
+const SEED = Number(process.env.FUZZ_SEED ?? 20261128);
+
+/** Code units worth trying: quotes, backslashes, controls, the escapes' own letters, non-ASCII, both halves of a pair alone, U+2028. */
+const UNITS = ['"', "\\", "/", "u", "0", "a", "F", " ", "\b", "\f", "\n", "\r", "\t", "\u0000", "\u0001", "\u001f", "\u007f", "é", "€", "\u2028", "\u2029", "\ufeff", "\ufffd", "😀", "\ud83d", "\ude00", "}", "]", ","];
+const randomText = (r: ReturnType<typeof rng>, max = 12): string => {
+  let t = "";
+  const n = r.int(max + 1);
+  for (let i = 0; i < n; i++) t += r.pick(UNITS);
+  return t;
+};
+
+/** The JSON string content (no quotes) JSON.stringify writes for `s`, as UTF-8. */
+const stringified = (s: string): Buffer => Buffer.from(JSON.stringify(s).slice(1, -1));
+
+/** Another spelling of the same text, as other servers write it: any character may be a \u escape (either case), `/` as `\/`, a pair as two escapes. */
+function otherSpelling(s: string, r: ReturnType<typeof rng>): string {
+  let out = "";
+  for (const ch of s) {
+    const roll = r.next();
+    if (roll < 0.3) {
+      for (let i = 0; i < ch.length; i++) {
+        const hex = ch.charCodeAt(i).toString(16).padStart(4, "0");
+        out += `\\u${r.next() < 0.5 ? hex : hex.toUpperCase()}`;
+      }
+    } else if (ch === "/" && roll < 0.6) out += "\\/";
+    else out += JSON.stringify(ch).slice(1, -1);
+  }
+  return out;
+}
+
+describe("isStringifiedText: the upstream's escaping taken only as JSON.stringify writes it", () => {
+  test("JSON.stringify's own output is taken for every well-formed string (random strings); a lone surrogate's escape is left to the decoding path", () => {
+    const r = rng(SEED);
+    let lone = 0;
+    for (let i = 0; i < 5_000; i++) {
+      const s = randomText(r, 16);
+      const b = stringified(s);
+      // A lone surrogate is written as a \u escape, which is taken for no character (a pair's two escapes are one raw character).
+      if (!s.isWellFormed()) lone++;
+      expect({ b: b.toString(), ok: isStringifiedText(b, 0, b.length) }).toEqual({ b: b.toString(), ok: s.isWellFormed() });
+    }
+    expect(lone).toBeGreaterThan(100);
+  });
+
+  test("bytes taken are exactly what decoding and escaping again writes (random bytes: escapes, quotes, UTF-8 good and bad)", () => {
+    const r = rng(SEED + 1);
+    const PIECES = ["a", " ", '"', "\\", "\\\\", '\\"', "\\/", "\\n", "\\t", "\\b", "\\f", "\\r", "\\x", "\\u", "\\u00", "\\u001f", "\\u001F", "\\u0000", "\\u000a", "\\u0008", "\\u0041", "\\u00e9", "\\ud83d", "\\ude00", "\\ud83d\\ude00", "0", "1f", "\n", "\u0001"];
+    const BYTES = [[0xc3, 0xa9], [0xc3], [0xa9], [0xe2, 0x82, 0xac], [0xe2, 0x82], [0xf0, 0x9f, 0x98, 0x80], [0xf0, 0x9f], [0xc0, 0x80], [0xc1, 0xbf], [0xe0, 0x80, 0x80], [0xed, 0xa0, 0x80], [0xed, 0x9f, 0xbf], [0xf4, 0x90, 0x80, 0x80], [0xf4, 0x8f, 0xbf, 0xbf], [0xf5, 0x80, 0x80, 0x80], [0xff], [0x80], [0xe2, 0x80, 0xa8], [0x7f]];
+    let taken = 0;
+    for (let i = 0; i < 20_000; i++) {
+      const parts: Buffer[] = [];
+      const n = 1 + r.int(6);
+      for (let j = 0; j < n; j++) parts.push(r.next() < 0.6 ? Buffer.from(r.pick(PIECES)) : Buffer.from(r.pick(BYTES)));
+      const b = Buffer.concat(parts);
+      if (!isStringifiedText(b, 0, b.length)) continue;
+      taken++;
+      // Decoded as the slow path decodes it (UTF-8, then JSON.parse), then escaped again: the same bytes.
+      const text = JSON.parse(`"${b.toString("utf8")}"`) as string;
+      expect({ b: [...b], again: [...stringified(text)] }).toEqual({ b: [...b], again: [...b] });
+    }
+    expect(taken).toBeGreaterThan(2_000);
+  });
+
+  test("each spelling JSON.stringify would not write is left to the decoding path", () => {
+    const no = ["\\/", "\\u0041", "\\u00e9", "\\u00E9", "\\u001F", "\\u000a", "\\u0008", "\\u0009", "\\u000c", "\\u000d", "\\ud83d\\ude00", "\\ud83d", "\\x", "\\", "a\\", "\\u00", '"', 'a"b', "\n", "\u0001"];
+    for (const s of no) expect({ s, ok: isStringifiedText(Buffer.from(s), 0, Buffer.byteLength(s)) }).toEqual({ s, ok: false });
+    const badUtf8 = [[0x80], [0xc0, 0x80], [0xc1, 0xbf], [0xc3], [0xe0, 0x9f, 0xbf], [0xed, 0xa0, 0x80], [0xe2, 0x82], [0xf0, 0x8f, 0xbf, 0xbf], [0xf4, 0x90, 0x80, 0x80], [0xf5, 0x80, 0x80, 0x80], [0xff]];
+    for (const bytes of badUtf8) expect({ bytes, ok: isStringifiedText(Buffer.from(bytes), 0, bytes.length) }).toEqual({ bytes, ok: false });
+    const yes = ["", "plain", '\\"\\\\\\b\\f\\n\\r\\t', "\\u0000\\u001f\\u000b\\u001b", "é€😀\u2028\u2029\u007f\ufeff\ufffd", "\ud7ff\ue000\u{10ffff}"];
+    for (const s of yes) expect({ s, ok: isStringifiedText(Buffer.from(s), 0, Buffer.byteLength(s)) }).toEqual({ s, ok: true });
+    // Only the range given is read: an escape cut at its end is not taken.
+    const cut = Buffer.from("ab\\u001f");
+    expect(isStringifiedText(cut, 0, cut.length - 1)).toBe(false);
+    expect(isStringifiedText(cut, 0, 2)).toBe(true);
+  });
+});
+
+describe("plainTextAt: plainTextDelta on the chunk's bytes", () => {
+  test("takes a chunk only when plainTextDelta does, with the same text, and every stringified plain delta", () => {
+    const r = rng(SEED + 2);
+    const body = (t: string, over = "") => `{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m"${over},"choices":[{"index":0,"delta":{"content":"${t}"},"logprobs":null,"finish_reason":null}]}`;
+    let taken = 0;
+    for (let i = 0; i < 5_000; i++) {
+      const text = randomText(r);
+      const spellings = [JSON.stringify(text).slice(1, -1), otherSpelling(text, r), text.replaceAll('"', ""), text];
+      for (const s of spellings) {
+        for (const payload of [body(s), body(s, ',"usage":null'), body(s, ',"error":1'), ` ${body(s)}`, `${body(s)} `, `${body(s)}}`]) {
+          const b = Buffer.from(`data: ${payload}\n\n`);
+          const at = plainTextAt(b, 6, b.length - 2);
+          if (at === -1) continue;
+          taken++;
+          const end = b.length - 2 - '"},"logprobs":null,"finish_reason":null}]}'.length;
+          // What the decoding path reads: the data decoded (a lone surrogate in `payload` was written as U+FFFD).
+          const slow = plainTextDelta(b.toString("utf8", 6, b.length - 2));
+          expect({ payload, slow }).toEqual({ payload, slow: JSON.parse(`"${b.toString("utf8", at, end)}"`) });
+        }
+      }
+      const canonical = Buffer.from(`data: ${body(JSON.stringify(text).slice(1, -1))}\n\n`);
+      if (text.isWellFormed()) expect(plainTextAt(canonical, 6, canonical.length - 2)).not.toBe(-1);
+    }
+    expect(taken).toBeGreaterThan(5_000);
+  });
+});
+
+/** Item ids are random and completed_at is the clock: the same stream translated twice is the same up to them. */
+const normalise = (s: string) => s.replace(/"(msg|fc|rs)_[0-9a-f]+"/g, '"$1_x"').replace(/"completed_at":\d+/g, '"completed_at":0');
+const text = (out: string | Uint8Array) => (typeof out === "string" ? out : Buffer.from(out).toString("utf8"));
+
+/** A chat stream through the transform as the relay drives it: one read per event (whole events, so plain deltas take the byte path). */
+function whole(events: (string | Buffer)[]) {
+  const finals: ResponseObject[] = [];
+  const tf = responsesTransform(meta({ store: false }), (r) => {
+    finals.push(r);
+  });
+  const outs = [tf.start(), ...events.map((e) => tf.events([Buffer.from(e)]))];
+  return { outs, text: outs.map(text).join(""), finals };
+}
+
+/** The same stream with each event cut in two reads: each is read by the decoding path (as a stream split anywhere is). */
+function split(events: (string | Buffer)[]) {
+  const finals: ResponseObject[] = [];
+  const tf = responsesTransform(meta({ store: false }), (r) => {
+    finals.push(r);
+  });
+  const outs: (string | Uint8Array)[] = [tf.start()];
+  for (const e of events) {
+    const b = Buffer.from(e);
+    const cut = Math.max(1, b.length >> 1);
+    outs.push(tf.events([b.subarray(0, cut)]), tf.events([b.subarray(cut)]));
+  }
+  return { outs, text: outs.map(text).join(""), finals };
+}
+
+/** A plain text delta exactly as vLLM writes it, with its text's JSON string content as given. */
+const raw = (content: string) =>
+  `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"chat-small","choices":[{"index":0,"delta":{"content":"${content}"},"logprobs":null,"finish_reason":null}]}\n\n`;
+
+describe("the text delta event's bytes", () => {
+  test("pinned: quotes, backslashes, control characters, \\u00xx, raw UTF-8 (2, 3 and 4 bytes), U+2028 and DEL, taken as bytes", () => {
+    const tf = responsesTransform(meta({ store: false }), () => {});
+    const start = text(tf.start());
+    expect(tf.events([Buffer.from(ROLE)])).toBe(""); // an empty delta opens nothing
+    const first = tf.events([Buffer.from(chunk({ content: 'a"b\\c\u0001\u001f\n\t é€😀\u2028\u007f/' }))]);
+    expect(first).toBeInstanceOf(Uint8Array);
+    const msg = /"id":"(msg_[0-9a-f]{48})"/.exec(text(first))?.[1];
+    expect(msg).toBeDefined();
+    expect(text(first)).toBe(
+      `event: response.output_item.added\ndata: {"type":"response.output_item.added","sequence_number":2,"output_index":0,"item":{"type":"message","id":"${msg}","status":"in_progress","role":"assistant","content":[]}}\n\n` +
+        `event: response.content_part.added\ndata: {"type":"response.content_part.added","sequence_number":3,"item_id":"${msg}","output_index":0,"content_index":0,"part":{"type":"output_text","text":"","annotations":[],"logprobs":[]}}\n\n` +
+        `event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":4,"item_id":"${msg}","output_index":0,"content_index":0,"delta":"a\\"b\\\\c\\u0001\\u001f\\n\\t é€😀\u2028\u007f/","logprobs":[]}\n\n`,
+    );
+    // The same text spelt otherwise by the upstream (\/, \u0041, escaped non-ASCII, a pair as two escapes): the same event, decoded and escaped again.
+    const second = tf.events([Buffer.from(raw("\\/\\u0041\\u00e9\\ud83d\\ude00\\u001F"))]);
+    expect(typeof second).toBe("string");
+    expect(second).toBe(
+      `event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":5,"item_id":"${msg}","output_index":0,"content_index":0,"delta":"/Aé😀\\u001f","logprobs":[]}\n\n`,
+    );
+    const third = tf.events([Buffer.from(chunk({ content: "!" }))]);
+    expect(text(third)).toBe(
+      `event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":6,"item_id":"${msg}","output_index":0,"content_index":0,"delta":"!","logprobs":[]}\n\n`,
+    );
+    const done = text(tf.events([Buffer.from(chunk({}, "stop"))]));
+    expect(done.split("\n\n")[0]).toBe(
+      `event: response.output_text.done\ndata: {"type":"response.output_text.done","sequence_number":7,"item_id":"${msg}","output_index":0,"content_index":0,"text":"a\\"b\\\\c\\u0001\\u001f\\n\\t é€😀\u2028\u007f//Aé😀\\u001f!","logprobs":[]}`,
+    );
+    expect(start).toContain('"sequence_number":1,');
+  });
+
+  test("a surrogate pair sent as two lone halves in two chunks: each delta a lone escape, the text the pair", () => {
+    const events = [ROLE, raw("\\ud83d"), raw("\\ude00"), raw("x"), chunk({}, "stop"), USAGE, DONE];
+    const w = whole(events);
+    expect(w.text).toContain('"delta":"\\ud83d"');
+    expect(w.text).toContain('"delta":"\\ude00"');
+    expect(w.text).toContain('"text":"😀x"');
+    expect(w.finals[0]?.output_text).toBe("😀x");
+    expect(normalise(w.text)).toBe(normalise(split(events).text));
+  });
+
+  test("an unescaped quote or control character in the text is not passed on: the chunk is read as JSON, as before", () => {
+    // The quote ends the string: the chunk is JSON whose content is "a" (and a field "x" of the delta, ignored).
+    const injected = [ROLE, raw('a","x":"b'), chunk({}, "stop"), DONE];
+    const w = whole(injected);
+    expect(normalise(w.text)).toBe(normalise(split(injected).text));
+    expect(w.text).toContain('"delta":"a","logprobs":[]}');
+    expect(w.text).not.toContain('"x"');
+    expect(w.finals[0]?.output_text).toBe("a");
+    const broken = [ROLE, raw('a"b'), chunk({}, "stop"), DONE];
+    expect(normalise(whole(broken).text)).toBe(normalise(split(broken).text));
+    expect(whole(broken).text).toContain("response.failed");
+    const control = [ROLE, raw("a\u0001b"), chunk({}, "stop"), DONE];
+    expect(normalise(whole(control).text)).toBe(normalise(split(control).text));
+    expect(whole(control).text).toContain("response.failed");
+  });
+
+  test("bytes that are not UTF-8 in the text (a stray continuation, a cut or overlong sequence, a surrogate, past U+10FFFF) are decoded as before, never passed on", () => {
+    const bad = [[0x80], [0xc3], [0xc0, 0xaf], [0xe2, 0x82], [0xed, 0xa0, 0x80], [0xf4, 0x90, 0x80, 0x80], [0xff]];
+    for (const bytes of bad) {
+      const [head, tail] = raw("a|b").split("|");
+      const event = Buffer.concat([Buffer.from(head ?? ""), Buffer.from(bytes), Buffer.from(tail ?? "")]);
+      const events = [ROLE, event, chunk({ content: "c" }), chunk({}, "stop"), USAGE, DONE];
+      const w = whole(events);
+      expect(w.outs[2]).toBeString();
+      expect(w.outs[3]).toBeInstanceOf(Uint8Array);
+      expect(normalise(w.text)).toBe(normalise(split(events).text));
+      expect(w.finals[0]?.output_text).toBe(`a${Buffer.from(bytes).toString("utf8")}bc`);
+      const sent = Buffer.concat(w.outs.map((o) => (typeof o === "string" ? Buffer.from(o) : o)));
+      expect(sent.includes(Buffer.from(bytes))).toBe(false);
+    }
+  });
+
+  test("random answers: whole events (bytes where the upstream escaped as JSON.stringify) and events cut in two (decoded) give the same bytes", () => {
+    const r = rng(SEED + 3);
+    let byBytes = 0;
+    for (let run = 0; run < 400; run++) {
+      const texts: string[] = [];
+      const events = [ROLE];
+      let spliced = false;
+      const n = 1 + r.int(8);
+      for (let i = 0; i < n; i++) {
+        const t = r.next() < 0.05 ? randomText(r, 400) : randomText(r);
+        const roll = r.next();
+        if (roll < 0.6) {
+          texts.push(t);
+          events.push(chunk({ content: t }));
+        } else if (roll < 0.8) {
+          texts.push(t);
+          events.push(raw(otherSpelling(t, r)));
+        } else if (roll < 0.9) {
+          // Not a plain delta (logprobs, a role): the full parse, within the same part.
+          texts.push(t);
+          events.push(chunk({ content: t, role: "assistant" }));
+        } else {
+          // Raw text spliced in unescaped: not JSON, or not one string; the stream may fail there.
+          events.push(raw(t));
+          spliced = true;
+        }
+      }
+      events.push(chunk({}, r.next() < 0.5 ? "stop" : "length"), USAGE, DONE);
+      const w = whole(events);
+      const s = split(events);
+      byBytes += w.outs.filter((o) => o instanceof Uint8Array).length;
+      expect({ run, events, out: normalise(w.text) }).toEqual({ run, events, out: normalise(s.text) });
+      expect(normalise(JSON.stringify(w.finals))).toBe(normalise(JSON.stringify(s.finals)));
+      // With no text spliced in, the deltas are the texts and the text is their join.
+      if (!spliced) {
+        const deltas = w.text
+          .split("\n\n")
+          .filter((e) => e.startsWith("event: response.output_text.delta\n"))
+          .map((e) => (JSON.parse(e.slice(e.indexOf("data: ") + 6)) as { delta: string }).delta);
+        expect(deltas).toEqual(texts.filter((t) => t !== ""));
+        expect(w.finals[0]?.output_text).toBe(texts.join(""));
+      }
+    }
+    expect(byBytes).toBeGreaterThan(400);
+  });
+
+  test("a client gone mid-answer: the cancelled Response has the text so far, bytes and decoded pieces joined", () => {
+    const finals: ResponseObject[] = [];
+    const tf = responsesTransform(meta({ store: false }), (r) => {
+      finals.push(r);
+    });
+    tf.start();
+    for (const e of [ROLE, chunk({ content: "caf" }), raw("\\u00e9 "), chunk({ content: "ok" })]) tf.events([Buffer.from(e)]);
+    tf.cancel();
+    expect(finals).toHaveLength(1);
+    expect(finals[0]).toMatchObject({ status: "cancelled", output_text: "café ok", output: [{ status: "incomplete", content: [{ text: "café ok" }] }] });
+  });
+});
+
+describe("JsonText and ByteWriter", () => {
+  test("JsonText: pieces from bytes and from JSON.stringify joined, past its starting room, decoded once", () => {
+    const t = new JsonText();
+    expect(t.text()).toBe("");
+    let want = "";
+    for (let i = 0; i < 300; i++) {
+      const piece = `${i}:"é😀\n\\`;
+      want += piece;
+      if (i % 2 === 0) t.appendQuoted(JSON.stringify(piece));
+      else {
+        const b = Buffer.from(`xx${JSON.stringify(piece).slice(1, -1)}yy`);
+        t.appendContent(b, 2, b.length - 2);
+      }
+    }
+    t.appendQuoted('""');
+    expect(t.text()).toBe(want);
+    expect(t.text()).toBe(want);
+  });
+
+  test("ByteWriter: integers as String() writes them, UTF-8 strings, bytes; past its room and back", () => {
+    const w = new ByteWriter();
+    for (const v of [0, 7, 9, 10, 99, 100, 12345, 2 ** 31, Number.MAX_SAFE_INTEGER]) {
+      w.reset();
+      w.int(v);
+      expect(Buffer.from(w.take()).toString()).toBe(String(v));
+    }
+    w.reset();
+    w.string("é😀");
+    w.bytes(Buffer.from("abcdef"), 1, 3);
+    w.string("");
+    w.int(42);
+    expect(Buffer.from(w.take()).toString()).toBe("é😀bc42");
+    const big = "x".repeat(200_000);
+    w.reset();
+    w.string("<");
+    w.string(big);
+    w.bytes(Buffer.from(">"));
+    expect(Buffer.from(w.take()).toString()).toBe(`<${big}>`);
+    w.reset();
+    w.string("after");
+    expect(Buffer.from(w.take()).toString()).toBe("after");
+  });
+});
