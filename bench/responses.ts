@@ -14,9 +14,8 @@
  *    `store: false`, and Responses stored (the default). RSS per held stream is
  *    (peak - before) / N; the target is Responses <= 1.5x chat.
  */
-import { COMMENT, SseReader } from "../src/lib/sse.ts";
 import { echo } from "../test/helpers/responses.ts";
-import { ChatToResponses } from "../src/responses/stream-state.ts";
+import { responsesTransform } from "../src/responses/events.ts";
 import { gcSummary } from "./gc-log.ts";
 import type { LoadSpec, PairedRound } from "./inference.ts";
 import { median, streamLine } from "./lib.ts";
@@ -149,19 +148,18 @@ export async function responsesPhase(ctx: ResponsesPhaseContext): Promise<void> 
 
 /** The translation alone, in this process: CPU per upstream chunk (what it can add to a gap), from the gateway's own modules. */
 function translationCost(): void {
-  const enc = new TextEncoder();
   const chunk = (i: number) =>
-    enc.encode(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"svc-fast","choices":[{"index":0,"delta":{"content":"token${i} "},"logprobs":null,"finish_reason":null}]}\n\n`);
+    Buffer.from(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"svc-fast","choices":[{"index":0,"delta":{"content":"token${i} "},"logprobs":null,"finish_reason":null}]}\n\n`);
   const chunks = Array.from({ length: 40 }, (_, i) => chunk(i));
   const meta = { id: "resp_bench", createdAt: 0, model: "svc-fast", echo: echo({ store: false }) };
   const times: number[] = [];
   for (let s = 0; s < 2_000; s++) {
-    const t = new ChatToResponses(meta);
-    const sse = new SseReader();
+    // As the relay runs it: one read's events in, the bytes to write out.
+    const t = responsesTransform(meta, () => {});
     t.start();
     for (const c of chunks) {
       const t0 = performance.now();
-      for (const d of sse.push(c)) if (d !== COMMENT) t.data(d);
+      t.events([c]);
       times.push(performance.now() - t0);
     }
   }
