@@ -1,5 +1,5 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { Ajv2020 } from "ajv/dist/2020.js";
+import type { Ajv2020 } from "ajv/dist/2020.js";
 import { createKey } from "../../src/admin/service.ts";
 import { upstreamAliases } from "../../src/config/load.ts";
 import { DEFAULT_PLANS } from "../../src/config/schema.ts";
@@ -8,6 +8,7 @@ import { isRecord } from "../../src/lib/guards.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, freshDatabase, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { componentValidator, withAbsoluteRefs } from "../helpers/openapi.ts";
 
 // Two gateways, a simulator and a database of its own on a busy machine.
 setDefaultTimeout(60_000);
@@ -57,31 +58,13 @@ beforeAll(async () => {
   });
   const res = await fetch(`${gw.url}/openapi.json`);
   doc = (await res.json()) as Json;
-  ajv = new Ajv2020({ strict: true, allErrors: true });
-  ajv.addFormat("uuid", /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i);
-  ajv.addFormat("date-time", /^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$/);
   // Each component schema under an id of its own; the document's local refs point there.
-  for (const [name, schema] of Object.entries((doc.components as { schemas: Json }).schemas)) {
-    ajv.addSchema(withAbsoluteRefs(schema) as Json, `${SCHEMAS}${name}`);
-  }
+  ajv = componentValidator(doc);
 }, 120_000);
 afterAll(async () => {
   await gw.stop();
   await sim.stop();
 });
-
-const SCHEMAS = "https://gateway.test/schemas/";
-
-/** A copy with `#/components/schemas/X` refs made absolute (`SCHEMAS` + X), so they resolve outside the document. */
-function withAbsoluteRefs(node: unknown): unknown {
-  if (Array.isArray(node)) return node.map(withAbsoluteRefs);
-  if (!isRecord(node)) return node;
-  const out: Json = {};
-  for (const [k, v] of Object.entries(node)) {
-    out[k] = k === "$ref" && typeof v === "string" ? v.replace("#/components/schemas/", SCHEMAS) : withAbsoluteRefs(v);
-  }
-  return out;
-}
 
 function at(path: string[]): unknown {
   let node: unknown = doc;

@@ -1,10 +1,9 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import SwaggerParser from "@apidevtools/swagger-parser";
-import { Ajv2020 } from "ajv/dist/2020.js";
 import { createKey } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { SCHEMAS, componentValidator, expectSchema, validOpenApi } from "../helpers/openapi.ts";
 import { until } from "../helpers/poll.ts";
 import { CHAT_MODEL, TEST_PLANS, arr, chatAlias, eventually, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -833,23 +832,12 @@ describe("every error path of chat applies", () => {
 
 describe("the OpenAPI document", () => {
   test("describes the real answers: create, retrieve, input items, delete, and errors", async () => {
-    const doc = rec(await (await fetch(`${gw.url}/openapi.json`)).json());
-    await SwaggerParser.validate(structuredClone(doc) as never);
-    const ajv = new Ajv2020({ strict: true });
-    ajv.addFormat("uuid", /^[0-9a-f-]{36}$/i);
-    ajv.addFormat("date-time", /^\d{4}-/);
-    const base = "https://gateway.test/schemas/";
-    for (const [name, schema] of Object.entries(rec(rec(doc.components).schemas))) {
-      ajv.addSchema(JSON.parse(JSON.stringify(schema).replaceAll("#/components/schemas/", base)), `${base}${name}`);
-    }
-    const conforms = (name: string, body: unknown) => {
-      const validate = ajv.getSchema(`${base}${name}`);
-      if (!validate) throw new Error(`no schema ${name}`);
-      if (!validate(body)) throw new Error(`${name}: ${ajv.errorsText(validate.errors)}`);
-    };
+    const doc = await validOpenApi(gw.url);
+    const ajv = componentValidator(doc);
+    const conforms = (name: string, body: unknown) => expectSchema(ajv, name, body);
     const body = { model: "svc-fast", input: "hi" };
     conforms("ResponsesRequest", body);
-    expect(ajv.getSchema(`${base}ResponsesRequest`)?.({ ...body, evil: 1 })).toBe(false);
+    expect(ajv.getSchema(`${SCHEMAS}ResponsesRequest`)?.({ ...body, evil: 1 })).toBe(false);
     const r = rec(await (await create(body)).json());
     conforms("Response", r);
     conforms("Response", await (await fetch(`${gw.url}/v1/responses/${String(r.id)}`, { headers: { authorization: `Bearer ${org.personalKey}` } })).json());
