@@ -35,6 +35,19 @@ const chunk = (delta: Record<string, unknown>, finish: string | null = null) =>
 const USAGE = `data: ${JSON.stringify({ id: "c1", object: "chat.completion.chunk", created: 1, model: CHAT_MODEL, choices: [], usage: { prompt_tokens: 7, completion_tokens: 9, total_tokens: 16 } })}\n\n`;
 const DONE = "data: [DONE]\n\n";
 
+/** A whole chat answer (finish_reason tool_calls) calling get_weather once per [id, arguments] pair, arguments as given. */
+function toolCallsAnswer(calls: [id: string, args: unknown][]): Record<string, unknown> {
+  const tool_calls = calls.map(([id, args]) => ({ id, type: "function", function: { name: "get_weather", arguments: args } }));
+  return {
+    id: "c1",
+    object: "chat.completion",
+    created: 1,
+    model: CHAT_MODEL,
+    choices: [{ index: 0, message: { role: "assistant", content: null, tool_calls }, finish_reason: "tool_calls" }],
+    usage: { prompt_tokens: 7, completion_tokens: 9, total_tokens: 16 },
+  };
+}
+
 /** What the scripted upstream answers: a JSON answer and the stream's reads (each a string, or a pause until `release`). */
 interface Script {
   json: Record<string, unknown>;
@@ -126,28 +139,11 @@ describe("tool-call arguments the upstream sends as a JSON object or array", () 
   // Seen failing before: the Responses API turned them into "" (JSON and streamed: `str(fn.arguments)` in
   // output.ts and stream-state.ts), so the client's function call lost its arguments, and chat passed the
   // object on as sent, where the openai SDK and the Vercel AI SDK take a string.
-  const JSON_ANSWER = {
-    id: "c1",
-    object: "chat.completion",
-    created: 1,
-    model: CHAT_MODEL,
-    choices: [
-      {
-        index: 0,
-        message: {
-          role: "assistant",
-          content: null,
-          tool_calls: [
-            { id: "call_a", type: "function", function: { name: "get_weather", arguments: ARGS } },
-            { id: "call_b", type: "function", function: { name: "get_weather", arguments: LIST } },
-            { id: "call_c", type: "function", function: { name: "get_weather", arguments: '{"city":"Bergen"}' } },
-          ],
-        },
-        finish_reason: "tool_calls",
-      },
-    ],
-    usage: { prompt_tokens: 7, completion_tokens: 9, total_tokens: 16 },
-  };
+  const JSON_ANSWER = toolCallsAnswer([
+    ["call_a", ARGS],
+    ["call_b", LIST],
+    ["call_c", '{"city":"Bergen"}'],
+  ]);
   /** Whole objects in deltas, one written with Python's separators (`"arguments": {…}`), and a string call alongside. */
   const STREAM = [
     chunk({ role: "assistant", content: null }),
@@ -247,27 +243,10 @@ describe("parallel tool calls sharing one id", () => {
   // Seen failing before: both function_call items of a Responses answer carried call_id "call_0", and the
   // openai SDK's responses.stream() threw "duplicate output item identity 'call:function_call:call_0'"
   // (its accumulator keys items by call_id); a client answering both calls sent two outputs for one id.
-  const JSON_ANSWER = {
-    id: "c1",
-    object: "chat.completion",
-    created: 1,
-    model: CHAT_MODEL,
-    choices: [
-      {
-        index: 0,
-        message: {
-          role: "assistant",
-          content: null,
-          tool_calls: [
-            { id: "call_0", type: "function", function: { name: "get_weather", arguments: '{"city":"Oslo"}' } },
-            { id: "call_0", type: "function", function: { name: "get_weather", arguments: '{"city":"Bergen"}' } },
-          ],
-        },
-        finish_reason: "tool_calls",
-      },
-    ],
-    usage: { prompt_tokens: 7, completion_tokens: 9, total_tokens: 16 },
-  };
+  const JSON_ANSWER = toolCallsAnswer([
+    ["call_0", '{"city":"Oslo"}'],
+    ["call_0", '{"city":"Bergen"}'],
+  ]);
   const STREAM = [
     chunk({ role: "assistant", content: null }),
     chunk({ tool_calls: [{ index: 0, id: "call_0", type: "function", function: { name: "get_weather", arguments: '{"city":"Oslo"}' } }] }),
