@@ -112,6 +112,23 @@ async function flushAll(): Promise<void> {
 }
 
 /**
+ * Three small requests (max_tokens 10) on gwA in turn, each of which must be served, with the usage written
+ * after each (so the instance's lease goes back between them); the tokens they used.
+ */
+async function threeSmallServed(key: string): Promise<number> {
+  let received = 0;
+  for (let i = 0; i < 3; i++) {
+    const res = await chat(gwA, key, { max_tokens: 10 });
+    expect(`request ${i}: ${res.status}`).toBe(`request ${i}: 200`);
+    // Read first, then add (see docs/testing.md).
+    const { usage } = (await res.json()) as { usage: { total_tokens: number } };
+    received += usage.total_tokens;
+    await flushAll();
+  }
+  return received;
+}
+
+/**
  * Waits until a quota of at most 1,000 has reached `gw` (the key cache's org invalidation): until a
  * reservation above it (max_tokens 2,000) is refused outright. On Postgres the invalidation comes by NOTIFY,
  * a little after the change commits, so a probe may still be admitted under the old setting: it asks the
@@ -341,15 +358,7 @@ describe("a reservation larger than what remains", () => {
     expect(big.status).toBe(429);
     expect((await errorOf(big)).code).toBe("budget_exceeded");
     // 10,000 tokens remain: each of these fits, also after a write has given this instance's lease back.
-    let received = 0;
-    for (let i = 0; i < 3; i++) {
-      const res = await chat(gwA, org.serviceKey, { max_tokens: 10 });
-      expect(`request ${i}: ${res.status}`).toBe(`request ${i}: 200`);
-      // Read first, then add (see docs/testing.md).
-      const { usage } = (await res.json()) as { usage: { total_tokens: number } };
-      received += usage.total_tokens;
-      await flushAll();
-    }
+    const received = await threeSmallServed(org.serviceKey);
     expect(received).toBe(3 * (PROMPT_TOKENS + 10));
     expect((await used(org.orgId)).used).toBe(received);
   });
@@ -550,15 +559,7 @@ describe("a reservation larger than the whole quota", () => {
       expect(res.status).toBe(429);
       expect((await errorOf(res)).code).toBe("budget_exceeded");
     }
-    let received = 0;
-    for (let i = 0; i < 3; i++) {
-      const res = await chat(gwA, org.serviceKey, { max_tokens: 10 });
-      expect(`request ${i}: ${res.status}`).toBe(`request ${i}: 200`);
-      // Read first, then add (see docs/testing.md).
-      const { usage } = (await res.json()) as { usage: { total_tokens: number } };
-      received += usage.total_tokens;
-      await flushAll();
-    }
+    const received = await threeSmallServed(org.serviceKey);
     expect((await used(org.orgId)).used).toBe(received);
   });
 });
