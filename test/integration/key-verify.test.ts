@@ -6,7 +6,7 @@ import type { Principal } from "../../src/auth/types.ts";
 import { AUTH_CHANNEL, type KeyVerifier, createKeyVerifier, lookupKey } from "../../src/auth/verify.ts";
 import type { Database } from "../../src/db/client.ts";
 import { apiKeys } from "../../src/db/schema.ts";
-import { seedOrg, sharedDatabase } from "../helpers/harness.ts";
+import { type SeededOrg, seedOrg, sharedDatabase } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
 
 setDefaultTimeout(30_000);
@@ -67,66 +67,76 @@ function verifierWith(lookup: (hash: string) => Promise<Principal | null>): KeyV
   return createKeyVerifier(db, { ttlMs: 60_000, max: 1_000, negativeTtlMs: 60_000, negativeMax: 1_000, lookup });
 }
 
+type PausingLookup = ReturnType<typeof pausingLookup>;
+
+/**
+ * One race: an organisation, a lookup that pauses after its first read, a
+ * started verifier over it (`lookupOf` may route some hashes past the pause),
+ * and a listener for the auth-channel `message` (a function of the org).
+ * Whatever `race` does, the lookup is released and both are stopped after it.
+ */
+async function racing(
+  message: string | ((org: SeededOrg) => string),
+  race: (r: { org: SeededOrg; l: PausingLookup; verifier: KeyVerifier; note: { seen: Promise<void> } }) => Promise<void>,
+  lookupOf: (l: PausingLookup) => (hash: string) => Promise<Principal | null> = (l) => l.lookup,
+): Promise<void> {
+  const org = await seedOrg(db);
+  const l = pausingLookup([1]);
+  const verifier = verifierWith(lookupOf(l));
+  await verifier.start();
+  const note = await delivered(typeof message === "string" ? message : message(org));
+  try {
+    await race({ org, l, verifier, note });
+  } finally {
+    l.release();
+    await note.stop();
+    await verifier.stop();
+  }
+}
+
 describe("revocation racing a lookup", () => {
   test("a row read before the revocation committed is not cached after the NOTIFY passed", async () => {
-    const org = await seedOrg(db);
-    const l = pausingLookup([1]);
-    const verifier = verifierWith(l.lookup);
-    await verifier.start();
-    const note = await delivered(`key:${org.serviceKeyId}`);
-    try {
-      const first = verifier.verify(org.serviceKey);
-      await l.firstReadDone; // the unrevoked row is in hand
-      await revokeKey(db, org.serviceKeyId);
-      await note.seen; // the invalidation has passed while the lookup was still out
-      l.release();
-      // The request that raced the revocation may be served (it read before the commit)…
-      expect((await first).status).toBe("valid");
-      // …but what it read is not remembered: the next request reads the revoked row.
-      expect((await verifier.verify(org.serviceKey)).status).toBe("revoked");
-      expect(l.reads()).toBe(2);
-    } finally {
-      l.release();
-      await note.stop();
-      await verifier.stop();
-    }
+    await racing(
+      (org) => `key:${org.serviceKeyId}`,
+      async ({ org, l, verifier, note }) => {
+        const first = verifier.verify(org.serviceKey);
+        await l.firstReadDone; // the unrevoked row is in hand
+        await revokeKey(db, org.serviceKeyId);
+        await note.seen; // the invalidation has passed while the lookup was still out
+        l.release();
+        // The request that raced the revocation may be served (it read before the commit)…
+        expect((await first).status).toBe("valid");
+        // …but what it read is not remembered: the next request reads the revoked row.
+        expect((await verifier.verify(org.serviceKey)).status).toBe("revoked");
+        expect(l.reads()).toBe(2);
+      },
+    );
   });
 
   test("a request arriving after the NOTIFY does not join a lookup that started before it", async () => {
-    const org = await seedOrg(db);
-    const l = pausingLookup([1]);
-    const verifier = verifierWith(l.lookup);
-    await verifier.start();
-    const note = await delivered(`key:${org.serviceKeyId}`);
-    try {
-      const first = verifier.verify(org.serviceKey);
-      await l.firstReadDone;
-      await revokeKey(db, org.serviceKeyId);
-      await note.seen;
-      // The old lookup is still paused; this one must read afresh (not wait for it and share its row).
-      const second = verifier.verify(org.serviceKey).then((v) => v.status);
-      const deadline = Bun.sleep(5_000).then(() => "still waiting for the lookup that began before the NOTIFY");
-      expect(await Promise.race([second, deadline])).toBe("revoked");
-      l.release();
-      await first;
-      expect((await verifier.verify(org.serviceKey)).status).toBe("revoked");
-    } finally {
-      l.release();
-      await note.stop();
-      await verifier.stop();
-    }
+    await racing(
+      (org) => `key:${org.serviceKeyId}`,
+      async ({ org, l, verifier, note }) => {
+        const first = verifier.verify(org.serviceKey);
+        await l.firstReadDone;
+        await revokeKey(db, org.serviceKeyId);
+        await note.seen;
+        // The old lookup is still paused; this one must read afresh (not wait for it and share its row).
+        const second = verifier.verify(org.serviceKey).then((v) => v.status);
+        const deadline = Bun.sleep(5_000).then(() => "still waiting for the lookup that began before the NOTIFY");
+        expect(await Promise.race([second, deadline])).toBe("revoked");
+        l.release();
+        await first;
+        expect((await verifier.verify(org.serviceKey)).status).toBe("revoked");
+      },
+    );
   });
 
   test("a new key elsewhere does not stop a valid key read meanwhile from being cached", async () => {
     // "new" only means an unknown key may now exist: it cannot make a row in hand stale.
     // (Under a steady stream of key creations, discarding such reads left keys uncached,
     // so an outage answered 503 for keys that had just been verified.)
-    const org = await seedOrg(db);
-    const l = pausingLookup([1]);
-    const verifier = verifierWith(l.lookup);
-    await verifier.start();
-    const note = await delivered("new");
-    try {
+    await racing("new", async ({ org, l, verifier, note }) => {
       const first = verifier.verify(org.serviceKey);
       await l.firstReadDone;
       await db.db.execute(sql`select pg_notify(${AUTH_CHANNEL}, 'new')`);
@@ -135,40 +145,31 @@ describe("revocation racing a lookup", () => {
       expect((await first).status).toBe("valid");
       expect((await verifier.verify(org.serviceKey)).status).toBe("valid");
       expect(l.reads()).toBe(1); // served from the cache
-    } finally {
-      l.release();
-      await note.stop();
-      await verifier.stop();
-    }
+    });
   });
 
   test("a key created while its first lookup was out is not remembered as unknown", async () => {
-    const org = await seedOrg(db);
     // Minted here, inserted only after the lookup has read "no such row".
     const minted = mintKey("gw");
-    const l = pausingLookup([1]);
-    const verifier = verifierWith(async (hash) => (hash === minted.hash ? l.lookup(hash) : lookupKey(db, hash)));
-    await verifier.start();
-    const note = await delivered("new");
-    try {
-      const first = verifier.verify(minted.key);
-      await l.firstReadDone;
-      // As `keys create` does it (its secret is minted inside, so the row is written here): row and NOTIFY in one transaction.
-      await db.db.transaction(async (tx) => {
-        await tx
-          .insert(apiKeys)
-          .values({ orgId: org.orgId, kind: "service", hash: minted.hash, prefix: minted.prefix, scopes: ["inference"], expiresAt: new Date(Date.now() + 86_400_000) });
-        await tx.execute(sql`select pg_notify(${AUTH_CHANNEL}, 'new')`);
-      });
-      await note.seen;
-      l.release();
-      expect((await first).status).toBe("unknown");
-      expect((await verifier.verify(minted.key)).status).toBe("valid");
-    } finally {
-      l.release();
-      await note.stop();
-      await verifier.stop();
-    }
+    await racing(
+      "new",
+      async ({ org, l, verifier, note }) => {
+        const first = verifier.verify(minted.key);
+        await l.firstReadDone;
+        // As `keys create` does it (its secret is minted inside, so the row is written here): row and NOTIFY in one transaction.
+        await db.db.transaction(async (tx) => {
+          await tx
+            .insert(apiKeys)
+            .values({ orgId: org.orgId, kind: "service", hash: minted.hash, prefix: minted.prefix, scopes: ["inference"], expiresAt: new Date(Date.now() + 86_400_000) });
+          await tx.execute(sql`select pg_notify(${AUTH_CHANNEL}, 'new')`);
+        });
+        await note.seen;
+        l.release();
+        expect((await first).status).toBe("unknown");
+        expect((await verifier.verify(minted.key)).status).toBe("valid");
+      },
+      (l) => async (hash) => (hash === minted.hash ? l.lookup(hash) : lookupKey(db, hash)),
+    );
   });
 });
 
