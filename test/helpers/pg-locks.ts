@@ -12,8 +12,9 @@ import { createScratchDatabase, type ScratchPostgres } from "./process.ts";
  * What the Postgres-only "the database does not answer" tests share
  * (pg-key-lookups, pg-pool-bounds, …): their scratch database and
  * simulator (useScene), a table locked by another session, a
- * count of the sessions waiting on a lock, a request timed with its error
- * code, and a gauge read off /metrics.
+ * count of the sessions waiting on a lock (and its most, sampled), a
+ * request (a chat request) timed with its error code, those outcomes
+ * tallied, and a gauge read off /metrics.
  */
 
 /** Another session locks `table`: every statement that reads or writes it waits on the server; nothing else does. */
@@ -91,6 +92,45 @@ export async function timedCall(url: string, init: RequestInit, deadlineMs: numb
   } catch (e) {
     return { status: 0, code: (e as Error).name, ms: Date.now() - t };
   }
+}
+
+/** A chat request as the lock tests send it ("hello", `maxTokens`), timed: timedCall's outcome. */
+export function timedChat(url: string, key: string, deadlineMs: number, maxTokens = 5): Promise<Outcome> {
+  return timedCall(
+    `${url}/v1/chat/completions`,
+    {
+      method: "POST",
+      headers: { ...bearer(key), "content-type": "application/json" },
+      body: JSON.stringify({ model: "svc-fast", max_tokens: maxTokens, messages: [{ role: "user", content: "hello" }] }),
+    },
+    deadlineMs,
+  );
+}
+
+/** How many outcomes had each `status code` ("503 service_unavailable", "200 null", …). */
+export function tally(rs: Outcome[]): Record<string, number> {
+  const m: Record<string, number> = {};
+  for (const r of rs) m[`${r.status} ${r.code}`] = (m[`${r.status} ${r.code}`] ?? 0) + 1;
+  return m;
+}
+
+/** Samples sessionsWaiting(db, like) every 50 ms until stopped; stop() gives the most seen. */
+export function waitingSampler(db: Database, like: string): { stop(): Promise<number> } {
+  let most = 0;
+  let on = true;
+  const done = (async () => {
+    while (on) {
+      most = Math.max(most, await sessionsWaiting(db, like));
+      await Bun.sleep(50);
+    }
+  })();
+  return {
+    async stop() {
+      on = false;
+      await done;
+      return most;
+    },
+  };
 }
 
 /** A metric's value on a /metrics page (a line `name value`, no labels); NaN when absent. */

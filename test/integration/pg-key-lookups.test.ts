@@ -4,7 +4,7 @@ import { sql } from "drizzle-orm";
 import { createKeyVerifier } from "../../src/auth/verify.ts";
 import { ANSWER_TIMEOUT_MS, openDatabase } from "../../src/db/client.ts";
 import { TEST_DATABASE_URL, bearer, seedOrg } from "../helpers/harness.ts";
-import { gaugeOf, lockTable, sessionsWaiting, timedCall, useScene } from "../helpers/pg-locks.ts";
+import { gaugeOf, lockTable, sessionsWaiting, tally, timedCall, useScene, waitingSampler } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
 
 setDefaultTimeout(60_000);
@@ -34,8 +34,10 @@ function randomKey(): string {
 describe.skipIf(!TEST_DATABASE_URL)("key lookups that wait on a locked keys table", () => {
   const scene = useScene("h1_lookups");
 
+  /** A key lookup's statement (ILIKE). */
+  const LOOKUP_LIKE = '%from "api_keys"%"api_keys"."hash" = %';
   /** The gateway's sessions whose current statement is a key lookup waiting on the lock. */
-  const lookupsWaiting = () => sessionsWaiting(scene.held, '%from "api_keys"%"api_keys"."hash" = %');
+  const lookupsWaiting = () => sessionsWaiting(scene.held, LOOKUP_LIKE);
   const me = (url: string, key: string) => timedCall(`${url}/v1/me`, { headers: bearer(key) }, DEADLINE_MS);
   /** Another session locks the keys table: every statement that reads or writes it waits on the server; nothing else does. */
   const lockKeys = () => lockTable(scene.scratch.url, "api_keys");
@@ -51,22 +53,12 @@ describe.skipIf(!TEST_DATABASE_URL)("key lookups that wait on a locked keys tabl
       expect((await me(gw.url, org.serviceKey)).status).toBe(200); // cached from now on
       lock = await lockKeys();
 
-      let most = 0;
-      let flooding = true;
-      const sampler = (async () => {
-        while (flooding) {
-          most = Math.max(most, await lookupsWaiting());
-          await Bun.sleep(50);
-        }
-      })();
+      const sampler = waitingSampler(scene.held, LOOKUP_LIKE);
       const flood = await Promise.all(Array.from({ length: FLOOD }, () => me(gw.url, randomKey())));
-      flooding = false;
-      await sampler;
-      const codes = new Map<string, number>();
-      for (const r of flood) codes.set(`${r.status} ${r.code}`, (codes.get(`${r.status} ${r.code}`) ?? 0) + 1);
+      const most = await sampler.stop();
       // (a) The lookups waited on the server, each on its connection: at most the bound, and at it.
       // Before: all ten connections (the whole pool) waited on key lookups.
-      expect({ most, codes: Object.fromEntries(codes) }).toEqual({ most: BOUND, codes: { "503 service_unavailable": FLOOD } });
+      expect({ most, codes: tally(flood) }).toEqual({ most: BOUND, codes: { "503 service_unavailable": FLOOD } });
       for (const r of flood) expect(r.ms).toBeLessThan(12_000);
       // Given up on, they are ended by the server (statement_timeout) while the lock is still held: their places are free again.
       // (A new key is refused at once only while lookups given up on are unanswered: key-verify.test.ts.)

@@ -3,7 +3,7 @@ import { sql } from "drizzle-orm";
 import { openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { TEST_DATABASE_URL, bearer, type SeededOrg, seedOrg } from "../helpers/harness.ts";
-import { type Outcome, lockTable, sessionsWaiting, timedCall, useScene, wholeQuotaMaxTokens } from "../helpers/pg-locks.ts";
+import { lockTable, sessionsWaiting, tally, timedCall, timedChat, useScene, waitingSampler, wholeQuotaMaxTokens } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
 
 setDefaultTimeout(60_000);
@@ -31,38 +31,11 @@ describe.skipIf(!TEST_DATABASE_URL)("work that waits on a locked table holds a b
 
   const waiting = (like: string) => sessionsWaiting(scene.held, like);
 
-  /** Samples `waiting(like)` until stopped; the most seen. */
-  function sampler(like: string) {
-    let most = 0;
-    let on = true;
-    const done = (async () => {
-      while (on) {
-        most = Math.max(most, await waiting(like));
-        await Bun.sleep(50);
-      }
-    })();
-    return {
-      async stop() {
-        on = false;
-        await done;
-        return most;
-      },
-    };
-  }
+  const sampler = (like: string) => waitingSampler(scene.held, like);
 
   const lock = (table: string) => lockTable(scene.scratch.url, table);
   const call = (url: string, init: RequestInit = {}) => timedCall(url, init, DEADLINE_MS);
-  const chat = (url: string, key: string, maxTokens = 5) =>
-    call(`${url}/v1/chat/completions`, {
-      method: "POST",
-      headers: { ...bearer(key), "content-type": "application/json" },
-      body: JSON.stringify({ model: "svc-fast", max_tokens: maxTokens, messages: [{ role: "user", content: "hello" }] }),
-    });
-  const tally = (rs: Outcome[]) => {
-    const m: Record<string, number> = {};
-    for (const r of rs) m[`${r.status} ${r.code}`] = (m[`${r.status} ${r.code}`] ?? 0) + 1;
-    return m;
-  };
+  const chat = (url: string, key: string, maxTokens = 5) => timedChat(url, key, DEADLINE_MS, maxTokens);
   const unknownKey = () => `sk-gw-${"A".repeat(10)}${crypto.randomUUID().replaceAll("-", "").slice(0, 33)}`;
 
   /** The rest of the pool still works: /readyz, a key lookup (another table), a usage write. */

@@ -2,7 +2,7 @@ import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "
 import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { TEST_DATABASE_URL, bearer, startTestGateway } from "../helpers/harness.ts";
 import { type FreezeProxy, startFreezeProxy } from "../helpers/freeze-proxy.ts";
-import { type Outcome, lockTable, sessionsWaiting, timedCall } from "../helpers/pg-locks.ts";
+import { type Outcome, lockTable, timedCall, waitingSampler } from "../helpers/pg-locks.ts";
 import { createScratchDatabase, type ScratchPostgres } from "../helpers/process.ts";
 import { until } from "../helpers/poll.ts";
 
@@ -83,17 +83,9 @@ describe.skipIf(!TEST_DATABASE_URL)("/readyz while the database does not answer"
     const gw = await startTestGateway({}, db);
     const lock = await lockTable(scratch.url, "gateway_migrations");
     try {
-      let most = 0;
-      let sampling = true;
-      const sampler = (async () => {
-        while (sampling) {
-          most = Math.max(most, await sessionsWaiting(held, "%gateway_migrations%"));
-          await Bun.sleep(50);
-        }
-      })();
+      const sampler = waitingSampler(held, "%gateway_migrations%");
       const rs = await balancer(gw.url, 10, 20, 500);
-      sampling = false;
-      await sampler;
+      const most = await sampler.stop();
       // Before: every poll 503 after 5 s, and ten sessions (the whole pool) waiting on the lock.
       expect({ ...summary(rs), waitingOnLock: most }).toEqual({ statuses: [503], slow: [], waitingOnLock: 1 });
       // The pool serves other work: a key lookup (another table) is answered at once.

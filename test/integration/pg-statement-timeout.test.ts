@@ -4,7 +4,7 @@ import { sql } from "drizzle-orm";
 import { ANSWER_TIMEOUT_MS, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { TEST_DATABASE_URL, bearer, type SeededOrg, seedOrg } from "../helpers/harness.ts";
-import { type Outcome, lockTable, sessionsWaiting, timedCall, useScene, wholeQuotaMaxTokens } from "../helpers/pg-locks.ts";
+import { type Outcome, lockTable, sessionsWaiting, tally, timedCall, timedChat, useScene, waitingSampler, wholeQuotaMaxTokens } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
 
 setDefaultTimeout(60_000);
@@ -36,17 +36,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
   const waiting = () => sessionsWaiting(scene.held, "%");
   const call = (url: string, init: RequestInit = {}) => timedCall(url, init, DEADLINE_MS);
   const me = (url: string, key: string, headers: Record<string, string> = {}) => call(`${url}/v1/me`, { headers: bearer(key, headers) });
-  const chat = (url: string, key: string, maxTokens = 5) =>
-    call(`${url}/v1/chat/completions`, {
-      method: "POST",
-      headers: { ...bearer(key), "content-type": "application/json" },
-      body: JSON.stringify({ model: "svc-fast", max_tokens: maxTokens, messages: [{ role: "user", content: "hello" }] }),
-    });
-  const tally = (rs: Outcome[]) => {
-    const m: Record<string, number> = {};
-    for (const r of rs) m[`${r.status} ${r.code}`] = (m[`${r.status} ${r.code}`] ?? 0) + 1;
-    return m;
-  };
+  const chat = (url: string, key: string, maxTokens = 5) => timedChat(url, key, DEADLINE_MS, maxTokens);
   /** A well-formed key that is in no row. */
   function randomKey(): string {
     const alphabet = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
@@ -221,14 +211,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
         const trigger = await c.prepare(gw, free);
         for (const t of c.tables) locks.push(await lockTable(scene.scratch.url, t));
 
-        let most = 0;
-        let sampling = true;
-        const sampler = (async () => {
-          while (sampling) {
-            most = Math.max(most, await waiting());
-            await Bun.sleep(50);
-          }
-        })();
+        const sampler = waitingSampler(scene.held, "%");
         const startedAt = Date.now();
         const outcomes = tally(await trigger());
         // Work the request did not wait for (audit writes) is given up on, or was never waited for, from here on.
@@ -239,8 +222,7 @@ describe.skipIf(!TEST_DATABASE_URL)("database work given up on is ended by the s
           if (left === 0 && Date.now() > gaveUpAt) break;
           await Bun.sleep(50);
         }
-        sampling = false;
-        await sampler;
+        const most = await sampler.stop();
         // And nothing starts waiting again (a retry of the ended work would, for as long again).
         await Bun.sleep(500);
         const later = await waiting();
