@@ -1,7 +1,9 @@
 import { createKey, createOrg, createUser } from "../../src/admin/service.ts";
+import type { Principal } from "../../src/auth/types.ts";
 import { loadConfig, upstreamAliases } from "../../src/config/load.ts";
 import type { Config } from "../../src/config/schema.ts";
 import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
+import type { QuotaPeriod } from "../../src/db/schema.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, type StartOptions, startGateway } from "../../src/server.ts";
 
@@ -91,6 +93,31 @@ export async function seedOrg(
   });
   const service = await createKey(database, { orgId: org.id, kind: "service", scopes: ["inference", "audit:read"], knownModels, tag: "gw" });
   return { orgId: org.id, userId: user.id, personalKey: personal.key, personalKeyId: personal.id, serviceKey: service.key, serviceKeyId: service.id };
+}
+
+/**
+ * A new organisation on the Standard plan with `quotaTokens` a `quotaWindow`, and the principal of a
+ * service key of it (no key row: for tests that call the quota directly, as the guard would).
+ */
+export async function quotaPrincipal(database: Database, quotaTokens: number | null, quotaWindow: QuotaPeriod = "day", name = "q"): Promise<Principal> {
+  const o = await createOrg(database, { name, plan: "Standard", plans: ["Standard"], quotaTokens, quotaWindow });
+  return {
+    keyId: crypto.randomUUID(),
+    orgId: o.id,
+    userId: null,
+    kind: "service",
+    scopes: ["inference"],
+    models: null,
+    expiresAt: null,
+    revokedAt: null,
+    academyOnly: false,
+    plan: "Standard",
+    quotaTokens,
+    quotaPeriod: quotaWindow,
+    actorName: "",
+    actorEmail: "",
+    keyRoot: crypto.randomUUID(),
+  };
 }
 
 export function bearer(key: string, extra: Record<string, string> = {}): Record<string, string> {

@@ -5,11 +5,10 @@ import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { usageCounters } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import type { Principal } from "../../src/auth/types.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { createQuota } from "../../src/limits/quota.ts";
 import { periodStart } from "../../src/limits/period.ts";
-import { TEST_DATABASE_URL, errorOf, rejectionOf, startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, errorOf, quotaPrincipal, rejectionOf, startTestGateway } from "../helpers/harness.ts";
 import { lockTable } from "../helpers/pg-locks.ts";
 import { eventually } from "../helpers/poll.ts";
 import { type Proc, type ScratchPostgres, cleanEnv, createScratchDatabase, exitWithin, listeningUrl, startGatewayProcess } from "../helpers/process.ts";
@@ -195,26 +194,9 @@ describe.skipIf(!TEST_DATABASE_URL)("a SIGKILLed instance (Postgres)", () => {
    * the return is held in flight (usage_batches locked) for the whole wait.
    */
   test("a stranded lease ends in budget_exceeded even while this instance's own lease return is being written", async () => {
-    const o = await createOrg(db, { name: "stranded", plan: "Standard", plans: ["Standard"], quotaTokens: QUOTA, quotaWindow: "day" });
-    const p: Principal = {
-      keyId: crypto.randomUUID(),
-      orgId: o.id,
-      userId: null,
-      kind: "service",
-      scopes: ["inference"],
-      models: null,
-      expiresAt: null,
-      revokedAt: null,
-      academyOnly: false,
-      plan: "Standard",
-      quotaTokens: QUOTA,
-      quotaPeriod: "day",
-      actorName: "",
-      actorEmail: "",
-      keyRoot: crypto.randomUUID(),
-    };
+    const p = await quotaPrincipal(db, QUOTA, "day", "stranded");
     // A dead instance's lease of 1,000 on a counter with 100 left.
-    await db.db.insert(usageCounters).values({ orgId: o.id, windowStart: new Date(periodStart("day", Date.now())), used: QUOTA - LEASE - 100, leased: LEASE });
+    await db.db.insert(usageCounters).values({ orgId: p.orgId, windowStart: new Date(periodStart("day", Date.now())), used: QUOTA - LEASE - 100, leased: LEASE });
     const q = createQuota(db, createLogger("silent"), { leaseTokens: LEASE, flushMs: 50, maxBuffered: 1000 });
     q.start();
     const batches = await lockTable(scratch.url, "usage_batches");
@@ -227,6 +209,6 @@ describe.skipIf(!TEST_DATABASE_URL)("a SIGKILLed instance (Postgres)", () => {
       await batches.unlock();
       await q.stop();
     }
-    expect(await counter(o.id)).toEqual({ used: QUOTA - LEASE - 100, leased: LEASE });
+    expect(await counter(p.orgId)).toEqual({ used: QUOTA - LEASE - 100, leased: LEASE });
   });
 });

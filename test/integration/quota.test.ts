@@ -1,6 +1,5 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { and, eq, sql } from "drizzle-orm";
-import { createOrg } from "../../src/admin/service.ts";
 import type { Principal } from "../../src/auth/types.ts";
 import { type Database, openDatabase } from "../../src/db/client.ts";
 import { usageCounters, usageDeadLetters, usageEvents } from "../../src/db/schema.ts";
@@ -9,7 +8,7 @@ import { createLogger } from "../../src/lib/log.ts";
 import { createQuota } from "../../src/limits/quota.ts";
 import { periodEnd, periodStart } from "../../src/limits/period.ts";
 import { type FreezeProxy, type Hold, startFreezeProxy } from "../helpers/freeze-proxy.ts";
-import { TEST_DATABASE_URL, rejectionOf, sharedDatabase } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, quotaPrincipal, rejectionOf, sharedDatabase } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -22,25 +21,7 @@ beforeAll(() => sharedDatabase(), 120_000);
 const outcome = { alias: "svc-fast", target: "t", status: 200, latencyMs: 5, streamed: false };
 
 async function org(quotaTokens: number | null, quotaWindow: "hour" | "day" | "month" = "day"): Promise<Principal> {
-  const db = await sharedDatabase();
-  const o = await createOrg(db, { name: "q", plan: "Standard", plans: ["Standard"], quotaTokens, quotaWindow });
-  return {
-    keyId: crypto.randomUUID(),
-    orgId: o.id,
-    userId: null,
-    kind: "service",
-    scopes: ["inference"],
-    models: null,
-    expiresAt: null,
-    revokedAt: null,
-    academyOnly: false,
-    plan: "Standard",
-    quotaTokens,
-    quotaPeriod: quotaWindow,
-    actorName: "",
-    actorEmail: "",
-    keyRoot: crypto.randomUUID(),
-  };
+  return quotaPrincipal(await sharedDatabase(), quotaTokens, quotaWindow);
 }
 
 async function counters(orgId: string) {
