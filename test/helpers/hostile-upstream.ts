@@ -1,4 +1,7 @@
 import type { Socket, TCPSocketListener } from "bun";
+import type { Gateway } from "../../src/server.ts";
+import { CHAT_MODEL, TEST_PLANS, chatAlias, seedTestOrg, upstreamSettings } from "../integration/inference-fixtures.ts";
+import { type SeededOrg, startTestGateway } from "./harness.ts";
 
 /**
  * A deliberately misbehaving upstream on a raw TCP socket: each request gets
@@ -120,4 +123,50 @@ export function blocks(total: number, frame: (b: Uint8Array) => Uint8Array = (b)
 /** Chunked transfer coding of one block. */
 export function chunk(b: Uint8Array): Uint8Array {
   return Buffer.concat([Buffer.from(`${b.byteLength.toString(16)}\r\n`), b, Buffer.from("\r\n")]);
+}
+
+/** A whole chat completion ("hello", 3 + 1 tokens), as the upstream's JSON body. */
+export const HELLO_COMPLETION = JSON.stringify({
+  id: "chatcmpl-1",
+  object: "chat.completion",
+  created: 1,
+  model: CHAT_MODEL,
+  choices: [{ index: 0, message: { role: "assistant", content: "hello" }, finish_reason: "stop" }],
+  usage: { prompt_tokens: 3, completion_tokens: 1, total_tokens: 4 },
+});
+
+/** The 200 answer carrying HELLO_COMPLETION with its content-length; `extra`: header lines (each ending CRLF) before it. */
+export const helloAnswer = (extra = "") =>
+  `HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n${extra}content-length: ${HELLO_COMPLETION.length}\r\n\r\n${HELLO_COMPLETION}`;
+
+/**
+ * A gateway in front of a hostile upstream that answers with `respond`:
+ * "svc-fast" is that upstream alone; "svc-fo" tries it first and then a
+ * standby that always answers helloAnswer() (weight 0: tried only once the
+ * first target failed). Two attempts, a breaker that never opens, 5 s
+ * first-byte and idle timeouts; an organisation seeded. stop() ends all three.
+ */
+export async function gatewayWithStandby(
+  respond: (conn: HostileConn, request: string) => void,
+): Promise<{ gw: Gateway; org: SeededOrg; stop(): Promise<void> }> {
+  const up = hostileUpstream(respond);
+  const standby = hostileUpstream((c) => c.write(helloAnswer()));
+  const gw = await startTestGateway({
+    aliases: {
+      "svc-fast": chatAlias([{ baseUrl: up.url }]),
+      "svc-fo": chatAlias([{ baseUrl: up.url }, { baseUrl: standby.url, weight: 0 }]),
+    },
+    plans: TEST_PLANS,
+    upstream: upstreamSettings({ attempts: 2, breakerFailures: 1_000_000 }, { firstByteMs: 5_000, idleMs: 5_000 }),
+  });
+  const org = await seedTestOrg(gw.database);
+  return {
+    gw,
+    org,
+    async stop() {
+      await gw.stop();
+      up.stop();
+      standby.stop();
+    },
+  };
 }

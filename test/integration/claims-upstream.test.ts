@@ -1,8 +1,8 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import type { Gateway } from "../../src/server.ts";
-import { type SeededOrg, startTestGateway } from "../helpers/harness.ts";
-import { type HostileConn, type HostileUpstream, hostileUpstream } from "../helpers/hostile-upstream.ts";
-import { CHAT_MODEL, chatAlias, post, rec, seedTestOrg, TEST_PLANS, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+import type { SeededOrg } from "../helpers/harness.ts";
+import { type HostileConn, gatewayWithStandby, helloAnswer } from "../helpers/hostile-upstream.ts";
+import { post, rec, userMessages } from "./inference-fixtures.ts";
 
 setDefaultTimeout(60_000);
 
@@ -16,40 +16,16 @@ setDefaultTimeout(60_000);
 
 let gw: Gateway;
 let org: SeededOrg;
-let up: HostileUpstream;
-let standby: HostileUpstream;
+let stop = async () => {};
 /** What the upstream answers; each test sets it. */
 let respond: (c: HostileConn) => void = () => {};
 
-const completion = JSON.stringify({
-  id: "chatcmpl-1",
-  object: "chat.completion",
-  created: 1,
-  model: CHAT_MODEL,
-  choices: [{ index: 0, message: { role: "assistant", content: "hello" }, finish_reason: "stop" }],
-  usage: { prompt_tokens: 3, completion_tokens: 1, total_tokens: 4 },
-});
-const json = `HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: ${completion.length}\r\n\r\n${completion}`;
+const json = helloAnswer();
 
 beforeAll(async () => {
-  up = hostileUpstream((c) => respond(c));
-  standby = hostileUpstream((c) => c.write(json));
-  gw = await startTestGateway({
-    aliases: {
-      "svc-fast": chatAlias([{ baseUrl: up.url }]),
-      // The standby (weight 0) is tried only once the first target failed.
-      "svc-fo": chatAlias([{ baseUrl: up.url }, { baseUrl: standby.url, weight: 0 }]),
-    },
-    plans: TEST_PLANS,
-    upstream: upstreamSettings({ attempts: 2, breakerFailures: 1_000_000 }, { firstByteMs: 5_000, idleMs: 5_000 }),
-  });
-  org = await seedTestOrg(gw.database);
+  ({ gw, org, stop } = await gatewayWithStandby((c) => respond(c)));
 });
-afterAll(async () => {
-  await gw?.stop();
-  up?.stop();
-  standby?.stop();
-});
+afterAll(() => stop());
 
 const chat = (model = "svc-fast") => post(gw, "/v1/chat/completions", org.personalKey, { model, messages: userMessages() }, { signal: AbortSignal.timeout(30_000) });
 

@@ -1,9 +1,9 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import type { Gateway } from "../../src/server.ts";
-import { type SeededOrg, startTestGateway } from "../helpers/harness.ts";
-import { type HostileConn, type HostileUpstream, hostileUpstream } from "../helpers/hostile-upstream.ts";
+import type { SeededOrg } from "../helpers/harness.ts";
+import { HELLO_COMPLETION, type HostileConn, gatewayWithStandby, helloAnswer } from "../helpers/hostile-upstream.ts";
 import { until } from "../helpers/poll.ts";
-import { CHAT_MODEL, chatAlias, post, rec, seedTestOrg, sseData, TEST_PLANS, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+import { CHAT_MODEL, post, rec, sseData, userMessages } from "./inference-fixtures.ts";
 
 setDefaultTimeout(60_000);
 
@@ -18,50 +18,27 @@ setDefaultTimeout(60_000);
 
 let gw: Gateway;
 let org: SeededOrg;
-let up: HostileUpstream;
-let standby: HostileUpstream;
+let stop = async () => {};
 /** What the upstream answers; each test sets it. */
 let respond: (c: HostileConn, request: string) => void = () => {};
 const requests: string[] = [];
 /** The connection each request came on, in order. */
 const served: HostileConn[] = [];
 
-const completion = JSON.stringify({
-  id: "chatcmpl-1",
-  object: "chat.completion",
-  created: 1,
-  model: CHAT_MODEL,
-  choices: [{ index: 0, message: { role: "assistant", content: "hello" }, finish_reason: "stop" }],
-  usage: { prompt_tokens: 3, completion_tokens: 1, total_tokens: 4 },
-});
+const completion = HELLO_COMPLETION;
 const chunkEvent = (content: string) =>
   `data: ${JSON.stringify({ id: "chatcmpl-1", object: "chat.completion.chunk", created: 1, model: CHAT_MODEL, choices: [{ index: 0, delta: { content }, finish_reason: null }] })}\n\n`;
 const sse = `${chunkEvent("hel")}${chunkEvent("lo")}data: [DONE]\n\n`;
-const json = (extra = "") => `HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n${extra}content-length: ${completion.length}\r\n\r\n${completion}`;
+const json = helloAnswer;
 
 beforeAll(async () => {
-  up = hostileUpstream((c, req) => {
+  ({ gw, org, stop } = await gatewayWithStandby((c, req) => {
     requests.push(req);
     served.push(c);
     respond(c, req);
-  });
-  standby = hostileUpstream((c) => c.write(json()));
-  gw = await startTestGateway({
-    aliases: {
-      "svc-fast": chatAlias([{ baseUrl: up.url }]),
-      // The standby (weight 0) is tried only once the first target failed.
-      "svc-fo": chatAlias([{ baseUrl: up.url }, { baseUrl: standby.url, weight: 0 }]),
-    },
-    plans: TEST_PLANS,
-    upstream: upstreamSettings({ attempts: 2, breakerFailures: 1_000_000 }, { firstByteMs: 5_000, idleMs: 5_000 }),
-  });
-  org = await seedTestOrg(gw.database);
+  }));
 });
-afterAll(async () => {
-  await gw?.stop();
-  up?.stop();
-  standby?.stop();
-});
+afterAll(() => stop());
 
 const chat = (extra: Record<string, unknown> = {}, model = "svc-fast", signal: AbortSignal = AbortSignal.timeout(30_000)) =>
   post(gw, "/v1/chat/completions", org.personalKey, { model, messages: userMessages(), ...extra }, { signal });
