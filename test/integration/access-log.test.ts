@@ -1,9 +1,9 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import type { Simulator } from "../../src/sim/index.ts";
 import { type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
-import { TEST_PLANS, chatAlias, eventually, post, seedTestOrg, sseData, testAliases, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+import { type SimulatorPair, TEST_PLANS, eventually, post, seedTestOrg, sseData, startSimulatorPair, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
 setDefaultTimeout(30_000);
 
@@ -13,6 +13,7 @@ setDefaultTimeout(30_000);
  * its real duration, its outcome and its tokens.
  */
 
+let sims: SimulatorPair;
 let sim: Simulator;
 let slow: Simulator;
 let gw: Gateway;
@@ -22,10 +23,10 @@ const lines: Record<string, unknown>[] = [];
 const GAP_MS = 200;
 
 beforeAll(async () => {
-  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
-  slow = await startSimulator({ port: 0, ttftMs: 20, interTokenMs: GAP_MS, completionTokens: 5 });
+  sims = await startSimulatorPair({ ttftMs: 20, interTokenMs: GAP_MS, completionTokens: 5 });
+  ({ sim, slow } = sims);
   const config = await testConfig({
-    aliases: { ...testAliases(sim.url), "svc-slow": chatAlias([{ baseUrl: slow.url }]) },
+    aliases: sims.aliases,
     plans: TEST_PLANS,
     upstream: upstreamSettings({ attempts: 1 }),
     accessLog: true,
@@ -33,14 +34,10 @@ beforeAll(async () => {
   gw = await startGateway({ config, database: await sharedDatabase(), log: createLogger("info", (l) => lines.push(JSON.parse(l) as Record<string, unknown>)) });
   org = await seedTestOrg(gw.database);
 });
-afterEach(() => {
-  sim.reset();
-  slow.reset();
-});
+afterEach(() => sims.reset());
 afterAll(async () => {
   await gw.stop();
-  await sim.stop();
-  await slow.stop();
+  await sims.stop();
 });
 
 const accessLines = (id: string) => lines.filter((l) => l.msg === "request" && l.request_id === id);

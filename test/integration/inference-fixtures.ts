@@ -1,6 +1,7 @@
 import type { AliasConfig, Config } from "../../src/config/schema.ts";
 import type { Database } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { seedOrg, type SeededOrg } from "../helpers/harness.ts";
 
 /**
@@ -46,6 +47,36 @@ export function testAliases(simUrl: string): Record<string, AliasConfig> {
     "svc-smart": chatAlias([{ baseUrl: simUrl }], { contextWindow: 180_000 }),
     "svc-text": chatAlias([{ baseUrl: simUrl }], { capabilities: [], contextWindow: 4096 }),
     "svc-embed": embedAlias([{ baseUrl: simUrl }]),
+  };
+}
+
+/** The test aliases' simulator and a second one behind "svc-slow", paced as a test file needs. */
+export interface SimulatorPair {
+  sim: Simulator;
+  slow: Simulator;
+  /** testAliases on `sim`, and "svc-slow" on `slow`. */
+  aliases: Record<string, AliasConfig>;
+  /** Both back to their start options, stats cleared (after each test). */
+  reset(): void;
+  stop(): Promise<void>;
+}
+
+/** `sim` answers 5 tokens at once; `slow` as `pace` says. */
+export async function startSimulatorPair(pace: { ttftMs: number; interTokenMs: number; completionTokens: number }): Promise<SimulatorPair> {
+  const sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
+  const slow = await startSimulator({ port: 0, ...pace });
+  return {
+    sim,
+    slow,
+    aliases: { ...testAliases(sim.url), "svc-slow": chatAlias([{ baseUrl: slow.url }]) },
+    reset() {
+      sim.reset();
+      slow.reset();
+    },
+    async stop() {
+      await sim.stop();
+      await slow.stop();
+    },
   };
 }
 

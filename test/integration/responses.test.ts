@@ -1,11 +1,11 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { createKey } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
-import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import type { Simulator } from "../../src/sim/index.ts";
 import { errorOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { SCHEMAS, componentValidator, expectSchema, validOpenApi } from "../helpers/openapi.ts";
 import { until } from "../helpers/poll.ts";
-import { CHAT_MODEL, TEST_PLANS, arr, chatAlias, eventually, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+import { CHAT_MODEL, type SimulatorPair, TEST_PLANS, arr, eventually, post, rec, seedTestOrg, startSimulatorPair, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -17,6 +17,7 @@ setDefaultTimeout(30_000);
  * `param`, and every error path of chat applying unchanged.
  */
 
+let sims: SimulatorPair;
 let sim: Simulator;
 let slow: Simulator;
 let gw: Gateway;
@@ -26,26 +27,21 @@ let strict: Gateway;
 let org: SeededOrg;
 
 beforeAll(async () => {
-  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
-  // The second token a minute after the first: a stream that stays open until the client leaves.
-  slow = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 60_000, completionTokens: 2 });
-  const aliases = { ...testAliases(sim.url), "svc-slow": chatAlias([{ baseUrl: slow.url }]) };
-  const common = { aliases, plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 2 }, { idleMs: 120_000 }) };
+  // svc-slow's second token a minute after the first: a stream that stays open until the client leaves.
+  sims = await startSimulatorPair({ ttftMs: 0, interTokenMs: 60_000, completionTokens: 2 });
+  ({ sim, slow } = sims);
+  const common = { aliases: sims.aliases, plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 2 }, { idleMs: 120_000 }) };
   gw = await startTestGateway({ ...common, responses: { enabled: true, webSearch: "ignore" } });
   off = await startTestGateway(common);
   strict = await startTestGateway({ ...common, responses: { enabled: true } });
   org = await seedTestOrg(gw.database);
 });
-afterEach(() => {
-  sim.reset();
-  slow.reset();
-});
+afterEach(() => sims.reset());
 afterAll(async () => {
   await gw.stop();
   await off.stop();
   await strict.stop();
-  await sim.stop();
-  await slow.stop();
+  await sims.stop();
 });
 
 const create = (body: unknown, key: string | undefined = org.personalKey, init?: RequestInit) => post(gw, "/v1/responses", key, body, init);
