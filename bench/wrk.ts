@@ -27,6 +27,8 @@
  * (the gateway runs under `bun --cpu-prof --cpu-prof-md --cpu-prof-interval=200`, profile written on exit;
  * only the gateway is loaded then, the c1 runs too),
  * --compare DIR (also measure a gateway from another checkout, e.g. `git archive COMMIT | tar -x -C DIR` with node_modules linked: paired before/after figures),
+ * --binary PATH (this checkout's gateway runs as the compiled executable at PATH, `bun run build`'s dist/gateway, as operators run it, rather than from source;
+ * with `--compare .` the same code from source is the base: what bundling and minifying change),
  * --gc (gateway and bare proxy run with JSC's GC log, `BUN_JSC_logGC=1`; each c1
  * run also prints the request thread's collections: how many, the young
  * budget, and their pauses. At c1 wrk's coordinated-omission correction turns each pause of P
@@ -55,6 +57,7 @@ const { values: args } = parseArgs({
     compare: { type: "string" },
     only: { type: "string" },
     gc: { type: "boolean", default: false },
+    binary: { type: "string" },
   },
   strict: false,
 });
@@ -203,6 +206,11 @@ function scriptFile(name: string, model: string, headers: Record<string, string>
  * another, e.g. a `git worktree` of the commit before a change), on its own
  * embedded database, with its own organisation and key.
  */
+/** How a gateway is run: "gateway" as the compiled binary given by --binary, else (and "base" always) from its checkout's source with bun. */
+function gatewayCmd(name: Target["name"]): string[] {
+  return args.binary && name === "gateway" ? [String(args.binary)] : ["bun", "run", "src/main.ts"];
+}
+
 async function startGateway(src: string, name: Target["name"], simUrl: string): Promise<Target> {
   const config = join(dir, `${name}.json`);
   writeFileSync(
@@ -220,7 +228,7 @@ async function startGateway(src: string, name: Target["name"], simUrl: string): 
     }),
   );
   const cli = (argv: string[]): Record<string, string> => {
-    const r = Bun.spawnSync(["bun", "run", "src/main.ts", ...argv, "--config", config, "--json"], { cwd: src, env, stderr: "pipe" });
+    const r = Bun.spawnSync([...gatewayCmd(name), ...argv, "--config", config, "--json"], { cwd: src, env, stderr: "pipe" });
     if (r.exitCode !== 0) throw new Error(`gateway ${argv.join(" ")} failed: ${r.stderr.toString()}`);
     return JSON.parse(r.stdout.toString()) as Record<string, string>;
   };
@@ -230,7 +238,7 @@ async function startGateway(src: string, name: Target["name"], simUrl: string): 
   const logPath = join(dir, `${name}.log`);
   const profile = args.profile && name === "gateway" ? ["--cpu-prof", "--cpu-prof-md", "--cpu-prof-interval=200", `--cpu-prof-dir=${args.profile}`] : [];
   const gcLog = args.gc ? join(dir, `${name}.gc.log`) : undefined;
-  const gw = Bun.spawn(pin(0, ["bun", ...profile, "run", "src/main.ts", "serve", "--config", config]), {
+  const gw = Bun.spawn(pin(0, args.binary && name === "gateway" ? [String(args.binary), "serve", "--config", config] : ["bun", ...profile, "run", "src/main.ts", "serve", "--config", config]), {
     cwd: src,
     env: gcLog ? { ...env, BUN_JSC_logGC: "1" } : env,
     stdout: Bun.file(logPath),
