@@ -8,4 +8,6 @@ test("the allocator warning: only when MIMALLOC_PURGE_HOLES is unset, naming the
   // An operator's own choice, either way, is not second-guessed.
   expect(runtimeEnvWarning({ MIMALLOC_PURGE_HOLES: "0" })).toBeUndefined();
   expect(runtimeEnvWarning({ MIMALLOC_PURGE_HOLES: "1" })).toBeUndefined();
+  // Empty is unset, for the README and for the allocator (which then keeps its default, purge_holes 1).
+  expect(runtimeEnvWarning({ MIMALLOC_PURGE_HOLES: "" })).toBe(warning);
 });
