@@ -23,8 +23,11 @@ export const simulateUpstream = defineCommand({
       ...(values["inter-token-ms"] ? { interTokenMs: int(values["inter-token-ms"], "--inter-token-ms") } : {}),
       ...(values.tokens ? { completionTokens: int(values.tokens, "--tokens") } : {}),
     });
+    // The stop signals are handled before the line that says it listens: whoever reads that line may signal at
+    // once, and a SIGHUP or SIGTERM arriving before the handlers killed it (exit 129 or 143, not 0).
+    const signalled = waitForSignal();
     out.stdout(`${JSON.stringify({ msg: "simulator listening", url: sim.url })}\n`);
-    await waitForSignal();
+    await signalled;
     await sim.stop();
     return 0;
   },
