@@ -52,14 +52,16 @@ function requirePlan(plan: string, plans: readonly string[]) {
 const MAX_NAME = 200;
 /** RFC 5321's limit for an address in a path. */
 const MAX_EMAIL = 254;
-// C0 controls and DEL: a newline would split one field into two lines of the audit search text and of the CLI's output.
+// Control characters (Unicode's Cc: C0, DEL and C1) and the Unicode line and paragraph separators: a line break
+// would split one field into two lines of the audit search text and of the CLI's output. C1 holds NEL (a line
+// break) and CSI, which a terminal reading UTF-8 may take for ESC [: both passed when only C0 and DEL were refused.
 // biome-ignore lint/suspicious/noControlCharactersInRegex: matching them is the point.
-const CONTROL = /[\u0000-\u001f\u007f]/;
+const CONTROL = /[\u0000-\u001f\u007f-\u009f\u2028\u2029]/;
 
 /** A display text: one line of at most `max` characters (JavaScript's count: UTF-16 code units). */
 function requireText(field: string, value: string, max: number) {
   if (value.length > max) throw new FieldError(field, (n) => `${n(field)} is longer than ${max} characters (got ${value.length})`);
-  if (CONTROL.test(value)) throw new FieldError(field, (n) => `${n(field)} must not contain control characters`);
+  if (CONTROL.test(value)) throw new FieldError(field, (n) => `${n(field)} must not contain control characters or line separators`);
 }
 
 function requireName(name: string) {

@@ -670,6 +670,19 @@ describe("hostile arguments: a message on stderr, exit 2, nothing written", () =
     expectUsage(await cli("users", "create", "--org", orgId, "--name", "Long", "--email", long), "--email is longer than 254 characters");
     expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--name", "k".repeat(201)), "--name is longer than 200 characters");
     expectUsage(await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--name", "a\rb"), "--name must not contain control characters");
+    // "One line, no control characters" holds for the C1 controls (Unicode's Cc beyond ASCII: NEL, a line break; CSI,
+    // which a terminal reading UTF-8 may take for ESC [) and the Unicode line and paragraph separators too.
+    for (const odd of ["\u0085", "\u009b", "\u0080", "\u009f", "\u2028", "\u2029"]) {
+      const shown = `U+${odd.charCodeAt(0).toString(16).toUpperCase().padStart(4, "0")}`;
+      const r = await cli("orgs", "create", "--name", `one${odd}two`);
+      expect({ shown, code: r.code, stderr: r.stderr }).toEqual({ shown, code: 2, stderr: "error: --name must not contain control characters or line separators\n" });
+      const u = await cli("users", "create", "--org", orgId, "--name", `U${odd}`, "--email", "u1@acme.example");
+      expect({ shown, code: u.code, stderr: u.stderr }).toEqual({ shown, code: 2, stderr: "error: --name must not contain control characters or line separators\n" });
+      const e = await cli("users", "create", "--org", orgId, "--name", "U", "--email", `u${odd}2@acme.example`);
+      expect({ shown, code: e.code, stderr: e.stderr }).toEqual({ shown, code: 2, stderr: "error: --email must not contain control characters or line separators\n" });
+      const k = await cli("keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--name", `k${odd}`);
+      expect({ shown, code: k.code, stderr: k.stderr }).toEqual({ shown, code: 2, stderr: "error: --name must not contain control characters or line separators\n" });
+    }
     expect(await counts()).toEqual(before);
     // At the limits, accepted.
     expect((await cli("orgs", "create", "--name", "n".repeat(200), "--json")).code).toBe(0);
