@@ -1,4 +1,4 @@
-import { desc, eq, sql } from "drizzle-orm";
+import { type AnyColumn, desc, eq, sql } from "drizzle-orm";
 import { type Scope, isScope, mintKey, parseDuration } from "../auth/keys.ts";
 import { AUTH_CHANNEL } from "../auth/verify.ts";
 import { type AuditInput, recordAudit } from "../audit/record.ts";
@@ -6,6 +6,7 @@ import type { Database, Db } from "../db/client.ts";
 import { QUOTA_PERIODS, type QuotaPeriod, apiKeys, organizations, users } from "../db/schema.ts";
 import { FieldError, InputError } from "../lib/errors.ts";
 import { SYSTEM_ACTOR_ID, isUuid } from "../lib/ids.ts";
+import { MAX_TIME, MIN_TIME } from "../lib/time.ts";
 
 /**
  * Organisation, user and key lifecycle. Every change writes its audit event
@@ -79,7 +80,34 @@ export interface OrgView {
   created_at: string;
 }
 
-function orgView(o: typeof organizations.$inferSelect): OrgView {
+/**
+ * A timestamp column as epoch milliseconds (float8: ±Infinity for ±infinity), read in SQL as src/auth/verify.ts
+ * reads a key's: the driver's Date reads ±infinity and years past 275760 as an invalid date (toISOString threw,
+ * and `keys list`, `keys revoke` and `orgs set` failed with "Invalid Date", exit 1) and years 0001–0099 as 19xx
+ * (docs/decisions.md, Rows read from the database).
+ */
+const epochMs = (column: AnyColumn) => sql<number | string | null>`(extract(epoch from ${column}) * 1000)::float8`;
+
+/** An instant read by epochMs, within years 0001–9999 as /v1/me shows a key's: -infinity is 0001, infinity 9999. */
+function timeOf(ms: number | string | null): number {
+  const n = Number(ms);
+  return Number.isNaN(n) ? MIN_TIME : Math.min(MAX_TIME, Math.max(MIN_TIME, n));
+}
+const isoOf = (ms: number | string | null) => new Date(timeOf(ms)).toISOString();
+
+/** The columns of an organisation the admin commands read, its time as epoch milliseconds. */
+const ORG_ROW = {
+  id: organizations.id,
+  name: organizations.name,
+  plan: organizations.plan,
+  academyOnly: organizations.academyOnly,
+  quotaTokens: organizations.quotaTokens,
+  quotaWindow: organizations.quotaWindow,
+  createdMs: epochMs(organizations.createdAt),
+};
+type OrgRow = Pick<typeof organizations.$inferSelect, "id" | "name" | "plan" | "academyOnly" | "quotaTokens" | "quotaWindow"> & { createdMs: number | string | null };
+
+function orgView(o: OrgRow): OrgView {
   return {
     id: o.id,
     name: o.name,
@@ -87,7 +115,7 @@ function orgView(o: typeof organizations.$inferSelect): OrgView {
     academy_only: o.academyOnly,
     quota_tokens: o.quotaTokens,
     quota_window: o.quotaWindow,
-    created_at: o.createdAt.toISOString(),
+    created_at: isoOf(o.createdMs),
   };
 }
 
@@ -107,7 +135,7 @@ export async function createOrg(
     const [o] = await tx
       .insert(organizations)
       .values({ name: input.name, plan: input.plan, quotaTokens, quotaWindow, academyOnly: input.academyOnly ?? false })
-      .returning();
+      .returning(ORG_ROW);
     if (!o) throw new Error("insert returned no row");
     await recordAudit(tx, { orgId: o.id, action: "org.created", category: "org", actor: CLI_ACTOR, targets: [orgTarget(o)], details: { org_id: o.id, plan: o.plan } });
     return orgView(o);
@@ -123,7 +151,7 @@ export async function setOrg(
   if (input.quotaTokens !== undefined) requireQuota(input.quotaTokens);
   if (input.quotaWindow !== undefined) requireWindow(input.quotaWindow);
   return database.db.transaction(async (tx) => {
-    const [before] = await tx.select().from(organizations).where(eq(organizations.id, input.id)).for("update");
+    const [before] = await tx.select(ORG_ROW).from(organizations).where(eq(organizations.id, input.id)).for("update");
     if (!before) throw new FieldError("id", () => `no organisation ${input.id}`);
     const patch: Partial<typeof organizations.$inferInsert> = {};
     if (input.plan !== undefined) patch.plan = input.plan;
@@ -131,7 +159,7 @@ export async function setOrg(
     if (input.quotaWindow !== undefined) patch.quotaWindow = input.quotaWindow as QuotaWindow;
     if (input.academyOnly !== undefined) patch.academyOnly = input.academyOnly;
     if (Object.keys(patch).length === 0) return orgView(before);
-    const [after] = await tx.update(organizations).set(patch).where(eq(organizations.id, input.id)).returning();
+    const [after] = await tx.update(organizations).set(patch).where(eq(organizations.id, input.id)).returning(ORG_ROW);
     if (!after) throw new Error("update returned no row");
     const events: AuditInput[] = [];
     const base = { orgId: after.id, actor: CLI_ACTOR, targets: [orgTarget(after)] };
@@ -225,7 +253,30 @@ export interface KeyView {
   created_at: string;
 }
 
-function keyView(k: typeof apiKeys.$inferSelect): KeyView {
+/** The columns of a key the admin commands read (never its hash), its times as epoch milliseconds. */
+const KEY_ROW = {
+  id: apiKeys.id,
+  orgId: apiKeys.orgId,
+  userId: apiKeys.userId,
+  name: apiKeys.name,
+  kind: apiKeys.kind,
+  prefix: apiKeys.prefix,
+  scopes: apiKeys.scopes,
+  models: apiKeys.models,
+  rotatedFrom: apiKeys.rotatedFrom,
+  expiresMs: epochMs(apiKeys.expiresAt),
+  revokedMs: epochMs(apiKeys.revokedAt),
+  lastUsedMs: epochMs(apiKeys.lastUsedAt),
+  createdMs: epochMs(apiKeys.createdAt),
+};
+type KeyRow = Pick<typeof apiKeys.$inferSelect, "id" | "orgId" | "userId" | "name" | "kind" | "prefix" | "scopes" | "models" | "rotatedFrom"> & {
+  expiresMs: number | string | null;
+  revokedMs: number | string | null;
+  lastUsedMs: number | string | null;
+  createdMs: number | string | null;
+};
+
+function keyView(k: KeyRow): KeyView {
   return {
     id: k.id,
     org_id: k.orgId,
@@ -235,11 +286,11 @@ function keyView(k: typeof apiKeys.$inferSelect): KeyView {
     prefix: k.prefix,
     scopes: k.scopes,
     models: k.models,
-    expires_at: k.expiresAt.toISOString(),
-    revoked_at: k.revokedAt?.toISOString() ?? null,
+    expires_at: isoOf(k.expiresMs),
+    revoked_at: k.revokedMs === null ? null : isoOf(k.revokedMs),
     rotated_from: k.rotatedFrom,
-    last_used_at: k.lastUsedAt?.toISOString() ?? null,
-    created_at: k.createdAt.toISOString(),
+    last_used_at: k.lastUsedMs === null ? null : isoOf(k.lastUsedMs),
+    created_at: isoOf(k.createdMs),
   };
 }
 
@@ -285,9 +336,12 @@ function explicitExpiry(req: ExpiryRequest, now: Date, lifetime: KeyLifetime): D
   return at;
 }
 
-/** A lifetime that no explicit request asked for: the longest allowed is used, never refused. */
+/**
+ * A lifetime that no explicit request asked for: the longest allowed is used, never refused; and never past
+ * 9999-12-31, which is as far as a key's expiry is read (a rotated key whose row lived to `infinity`).
+ */
 function cappedExpiry(now: Date, ms: number, lifetime: KeyLifetime): Date {
-  return new Date(now.getTime() + Math.min(ms, lifetime.max?.ms ?? ms));
+  return new Date(Math.min(MAX_TIME, now.getTime() + Math.min(ms, lifetime.max?.ms ?? ms)));
 }
 
 export interface CreateKeyInput {
@@ -356,7 +410,7 @@ export async function createKey(database: Database, input: CreateKeyInput): Prom
         expiresAt,
         createdAt: now,
       })
-      .returning();
+      .returning(KEY_ROW);
     if (!k) throw new Error("insert returned no row");
     await recordAudit(tx, {
       orgId: k.orgId,
@@ -364,7 +418,7 @@ export async function createKey(database: Database, input: CreateKeyInput): Prom
       category: "api_key",
       actor: CLI_ACTOR,
       targets: [keyTarget(k)],
-      details: { key_id: k.id, kind: k.kind, scopes: k.scopes, expires_at: k.expiresAt.toISOString() },
+      details: { key_id: k.id, kind: k.kind, scopes: k.scopes, expires_at: expiresAt.toISOString() },
     });
     await notify(tx, "new");
     return { ...keyView(k), key: minted.key };
@@ -380,7 +434,7 @@ export async function requireOrg(database: Database, orgId: string) {
 
 export async function listKeys(database: Database, orgId: string): Promise<KeyView[]> {
   requireUuid("orgId", orgId);
-  const rows = await database.db.select().from(apiKeys).where(eq(apiKeys.orgId, orgId)).orderBy(desc(apiKeys.createdAt), desc(apiKeys.id));
+  const rows = await database.db.select(KEY_ROW).from(apiKeys).where(eq(apiKeys.orgId, orgId)).orderBy(desc(apiKeys.createdAt), desc(apiKeys.id));
   if (rows.length === 0) await requireOrg(database, orgId);
   return rows.map(keyView);
 }
@@ -388,10 +442,11 @@ export async function listKeys(database: Database, orgId: string): Promise<KeyVi
 export async function revokeKey(database: Database, id: string, now = new Date()): Promise<KeyView> {
   requireUuid("id", id);
   return database.db.transaction(async (tx) => {
-    const [k] = await tx.select().from(apiKeys).where(eq(apiKeys.id, id)).for("update");
+    const [k] = await tx.select(KEY_ROW).from(apiKeys).where(eq(apiKeys.id, id)).for("update");
     if (!k) throw new FieldError("id", () => `no key ${id}`);
-    if (k.revokedAt) return keyView(k);
-    const [after] = await tx.update(apiKeys).set({ revokedAt: now }).where(eq(apiKeys.id, id)).returning();
+    // Any set revoked_at revokes (as a request reads it): revoking again changes nothing.
+    if (k.revokedMs !== null) return keyView(k);
+    const [after] = await tx.update(apiKeys).set({ revokedAt: now }).where(eq(apiKeys.id, id)).returning(KEY_ROW);
     if (!after) throw new Error("update returned no row");
     await recordAudit(tx, { orgId: k.orgId, action: "api_key.revoked", category: "api_key", actor: CLI_ACTOR, targets: [keyTarget(k)], details: { key_id: k.id } });
     await notify(tx, `key:${id}`);
@@ -415,13 +470,15 @@ export async function rotateKey(
   const explicit = input.expiry ? explicitExpiry(input.expiry, now, lifetime) : null;
   const minted = mintKey(input.tag);
   return database.db.transaction(async (tx) => {
-    const [old] = await tx.select().from(apiKeys).where(eq(apiKeys.id, input.id)).for("update");
+    const [old] = await tx.select(KEY_ROW).from(apiKeys).where(eq(apiKeys.id, input.id)).for("update");
     if (!old) throw new FieldError("id", () => `no key ${input.id}`);
-    if (old.revokedAt) throw new FieldError("id", () => `key ${input.id} is revoked; create a new key instead`);
-    if (old.expiresAt <= now) throw new FieldError("id", () => `key ${input.id} has expired; create a new key instead`);
-    const graceEnd = new Date(now.getTime() + input.graceMs);
-    const oldExpiry = old.expiresAt < graceEnd ? old.expiresAt : graceEnd;
-    const expiresAt = explicit ?? cappedExpiry(now, old.expiresAt.getTime() - old.createdAt.getTime(), lifetime);
+    if (old.revokedMs !== null) throw new FieldError("id", () => `key ${input.id} is revoked; create a new key instead`);
+    // Read as a request reads it: an expiry before year 1 (-infinity) is expired, one past 9999 is 9999-12-31.
+    const oldExpiresMs = timeOf(old.expiresMs);
+    if (oldExpiresMs <= now.getTime()) throw new FieldError("id", () => `key ${input.id} has expired; create a new key instead`);
+    const graceEnd = now.getTime() + input.graceMs;
+    const oldExpiry = new Date(Math.min(oldExpiresMs, graceEnd));
+    const expiresAt = explicit ?? cappedExpiry(now, oldExpiresMs - timeOf(old.createdMs), lifetime);
     await tx.update(apiKeys).set({ expiresAt: oldExpiry }).where(eq(apiKeys.id, old.id));
     const [k] = await tx
       .insert(apiKeys)
@@ -438,7 +495,7 @@ export async function rotateKey(
         createdAt: now,
         rotatedFrom: old.id,
       })
-      .returning();
+      .returning(KEY_ROW);
     if (!k) throw new Error("insert returned no row");
     await recordAudit(tx, {
       orgId: k.orgId,
@@ -446,7 +503,7 @@ export async function rotateKey(
       category: "api_key",
       actor: CLI_ACTOR,
       targets: [keyTarget(old), { ...keyTarget(k), key: "new_key_id" }],
-      details: { key_id: old.id, old_key_expires_at: oldExpiry.toISOString(), new_key_id: k.id, new_key_expires_at: k.expiresAt.toISOString() },
+      details: { key_id: old.id, old_key_expires_at: oldExpiry.toISOString(), new_key_id: k.id, new_key_expires_at: expiresAt.toISOString() },
     });
     await notify(tx, `key:${old.id}`);
     await notify(tx, "new");

@@ -1,8 +1,11 @@
 import { afterAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { existsSync, mkdirSync, readdirSync } from "node:fs";
+import { existsSync, mkdirSync, readdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
+import { type SQL, sql } from "drizzle-orm";
+import { openDatabase } from "../../src/db/client.ts";
 import { captureCli, withoutEnv } from "../helpers/cli.ts";
-import { removeScratch, scratchDir } from "../helpers/process.ts";
+import { TEST_DATABASE_URL } from "../helpers/harness.ts";
+import { createScratchDatabase, onlyJson, removeScratch, scratchDir } from "../helpers/process.ts";
 
 // Each case opens (and migrates) an embedded database: seconds each on a busy 2-core machine.
 setDefaultTimeout(300_000);
@@ -63,5 +66,71 @@ describe("a refused command on a data directory that does not exist yet", () => 
     mkdirSync(empty);
     expect((await captureCli(["orgs", "create", "--name", "X", "--plan", "Nope", "--data-dir", empty])).code).toBe(2);
     expect(readdirSync(empty)).toEqual([]);
+  });
+});
+
+describe("docs/decisions.md, Rows read from the database: the admin commands read a hand-edited key or organisation row too", () => {
+  test("times out of JavaScript's range (±infinity, past year 275760) or in years 0001-0099: keys list shows them as /v1/me does, keys revoke revokes, keys rotate refuses an expired key, orgs set changes the organisation", async () => {
+    const work = scratchDir("gw-claims-rows-");
+    // On the suite's Postgres when it runs on one (a scratch database named in the config file), else embedded.
+    const pg = TEST_DATABASE_URL ? await createScratchDatabase(TEST_DATABASE_URL, "gw_rows_cli") : undefined;
+    const file = join(work, "gateway.json");
+    writeFileSync(file, JSON.stringify(pg ? { databaseUrl: pg.url } : {}));
+    const dataDir = join(work, "data");
+    const cli = (...args: string[]) => captureCli([...args, "--config", file, "--data-dir", dataDir]);
+    const edit = async (statement: SQL) => {
+      const db = await openDatabase(pg ? { databaseUrl: pg.url, dataDir: "memory://", poolMax: 1 } : { dataDir });
+      try {
+        return await db.rows<Record<string, string | null>>(statement);
+      } finally {
+        await db.close();
+      }
+    };
+    try {
+      const org = onlyJson<{ id: string }>((await cli("orgs", "create", "--name", "Edited", "--json")).stdout).id;
+      const key = async () => onlyJson<{ id: string }>((await cli("keys", "create", "--org", org, "--kind", "service", "--scopes", "inference", "--json")).stdout).id;
+      const [forever, expired, beyond, ancient] = [await key(), await key(), await key(), await key()];
+      await edit(sql`update api_keys set expires_at = 'infinity' where id = ${forever}`);
+      await edit(sql`update api_keys set expires_at = '-infinity' where id = ${expired}`);
+      await edit(sql`update api_keys set expires_at = '294276-01-01 00:00:00Z', last_used_at = '0050-06-15 12:00:00Z' where id = ${beyond}`);
+      await edit(sql`update api_keys set created_at = '0099-12-31 23:59:59.999Z' where id = ${ancient}`);
+      await edit(sql`update organizations set created_at = '-infinity' where id = ${org}`);
+
+      // Before: "error: Invalid Date", exit 1, for the whole organisation's list.
+      const listed = await cli("keys", "list", "--org", org, "--json");
+      expect({ code: listed.code, stderr: listed.stderr }).toEqual({ code: 0, stderr: "" });
+      const byId = new Map(onlyJson<{ id: string; expires_at: string; last_used_at: string | null; created_at: string }[]>(listed.stdout).map((k) => [k.id, k]));
+      expect(byId.get(forever)?.expires_at).toBe("9999-12-31T23:59:59.999Z");
+      expect(byId.get(expired)?.expires_at).toBe("0001-01-01T00:00:00.000Z");
+      expect(byId.get(beyond)?.expires_at).toBe("9999-12-31T23:59:59.999Z");
+      // Years 0001-0099 as stored (a driver's Date reads them as 19xx).
+      expect(byId.get(beyond)?.last_used_at).toBe("0050-06-15T12:00:00.000Z");
+      expect(byId.get(ancient)?.created_at).toBe("0099-12-31T23:59:59.999Z");
+      expect((await cli("keys", "list", "--org", org)).code).toBe(0);
+
+      // A key that never expires (valid on every request) is revoked: before, exit 1 and the revocation rolled back.
+      const revoked = await cli("keys", "revoke", forever, "--json");
+      expect({ code: revoked.code, stderr: revoked.stderr }).toEqual({ code: 0, stderr: "" });
+      expect(onlyJson<{ revoked_at: string | null }>(revoked.stdout).revoked_at).not.toBeNull();
+      const [row] = await edit(sql`select revoked_at::text as revoked_at from api_keys where id = ${forever}`);
+      expect(row?.revoked_at).not.toBeNull();
+      // An expiry before year 1 is an expired key (decisions.md): rotating it is refused, exit 2, as for any expired key.
+      const rotated = await cli("keys", "rotate", expired);
+      expect({ code: rotated.code, stderr: rotated.stderr }).toEqual({ code: 2, stderr: `error: key ${expired} has expired; create a new key instead\n` });
+      // A key living past year 9999 rotates; the new key's expiry is one the gateway can read back, within 9999.
+      const fresh = await cli("keys", "rotate", beyond, "--json");
+      expect({ code: fresh.code, stderr: fresh.stderr }).toEqual({ code: 0, stderr: "" });
+      const made = onlyJson<{ id: string; expires_at: string; old_key_expires_at: string }>(fresh.stdout);
+      const [stored] = await edit(sql`select (expires_at <= '9999-12-31 23:59:59.999Z') as within from api_keys where id = ${made.id}`);
+      expect(String(stored?.within)).toBe("true");
+      expect(Date.parse(made.old_key_expires_at)).toBeLessThan(Date.now() + 25 * 3_600_000);
+
+      // An organisation whose created_at was edited can still be changed.
+      const set = await cli("orgs", "set", "--id", org, "--plan", "Ultra", "--json");
+      expect({ code: set.code, stderr: set.stderr }).toEqual({ code: 0, stderr: "" });
+      expect(onlyJson<{ plan: string; created_at: string }>(set.stdout)).toMatchObject({ plan: "Ultra", created_at: "0001-01-01T00:00:00.000Z" });
+    } finally {
+      await pg?.drop();
+    }
   });
 });
