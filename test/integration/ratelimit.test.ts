@@ -132,6 +132,48 @@ describe("rate-limit options and headers through the gateway", () => {
     }
   });
 
+  test("a refusal's retry-after-ms, and the last admission's x-ratelimit-reset-requests, are the true wait: until the oldest admission in the window expires", async () => {
+    // decisions.md, Rate limits: "a refusal's retry-after / retry-after-ms is the true wait"; the reset header is
+    // "time until the next slot frees". The bounds come from the test's own clock around each request (the
+    // gateway runs in this process, on the same clock), so a busy machine widens them and never breaks them.
+    const W = 8_000;
+    const g = await startTestGateway({ rateLimit: { instances: 1, maxOrgs: 1000, windowMs: W }, plans: { Standard: { requestsPerMinute: 3 }, Ultra: { requestsPerMinute: 300 } } });
+    try {
+      const org = await seedOrg(g.database);
+      const call = async () => {
+        const sent = Date.now();
+        const res = await fetch(`${g.url}/v1/me`, { headers: bearer(org.serviceKey) });
+        await res.arrayBuffer();
+        return { res, sent, done: Date.now() };
+      };
+      const first = await call();
+      expect(first.res.status).toBe(200);
+      // A gap, so that the oldest admission and the newest expire at clearly different times.
+      await Bun.sleep(1_500);
+      expect((await call()).res.status).toBe(200);
+      const third = await call();
+      expect(third.res.status).toBe(200);
+      expect(third.res.headers.get("x-ratelimit-remaining-requests")).toBe("0");
+      const refused = await call();
+      expect(refused.res.status).toBe(429);
+      // The first admission happened within [first.sent, first.done], the answer within [x.sent, x.done]: the
+      // time until the first frees lies within these bounds (1 ms either side for the rounding up to whole ms).
+      const bounds = (x: { sent: number; done: number }) => [first.sent + W - x.done - 1, first.done + W - x.sent + 1];
+      const waitMs = Number(refused.res.headers.get("retry-after-ms"));
+      const [lo = 0, hi = 0] = bounds(refused);
+      expect({ waitMs, within: waitMs >= lo && waitMs <= hi }).toEqual({ waitMs, within: true });
+      expect(Number(refused.res.headers.get("retry-after"))).toBe(Math.ceil(waitMs / 1000));
+      const reset = durationMs(third.res.headers.get("x-ratelimit-reset-requests") ?? "");
+      const [rlo = 0, rhi = 0] = bounds(third);
+      expect({ reset, within: reset >= rlo && reset <= rhi }).toEqual({ reset, within: true });
+      // Not too short either: once it has passed, a slot is free.
+      await Bun.sleep(Math.max(0, refused.done + waitMs - Date.now()));
+      expect((await call()).res.status).toBe(200);
+    } finally {
+      await g.stop();
+    }
+  });
+
   test("authenticated 400, 404 and 503 answers carry x-ratelimit-* and count against the window", async () => {
     // The test gateway's aliases point at a closed port: chat answers 503.
     const org = await seedOrg(gw.database);
@@ -178,3 +220,11 @@ describe("with the official SDK", () => {
     }
   });
 });
+
+/** Milliseconds of a Go-style duration as OpenAI sends it ("250ms", "2.5s", "1m2.5s", "1h0m0s"); NaN otherwise. */
+function durationMs(text: string): number {
+  const m = /^(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+(?:\.\d+)?)s|(\d+)ms)?$/.exec(text);
+  if (!m || text === "") return Number.NaN;
+  const [, h = "0", min = "0", s = "0", ms = "0"] = m;
+  return Number(h) * 3_600_000 + Number(min) * 60_000 + Math.round(Number(s) * 1000) + Number(ms);
+}
