@@ -1,10 +1,11 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { type SQL, sql } from "drizzle-orm";
-import type { Database } from "../../src/db/client.ts";
+import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { createLogger } from "../../src/lib/log.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { type SeededOrg, bearer, errorOf, sharedDatabase, testConfig } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, type SeededOrg, bearer, errorOf, freshDatabase, sharedDatabase, testConfig } from "../helpers/harness.ts";
+import { createScratchDatabase } from "../helpers/process.ts";
 import { TEST_PLANS, post, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 setDefaultTimeout(30_000);
@@ -171,6 +172,25 @@ describe("organizations rows", () => {
         expect({ plan, status: res.status, limit: res.headers.get("x-ratelimit-limit-requests") }).toEqual({ plan, status: 200, limit: "60" });
       }
       expect({ plan, lines: linesAbout("organization row", org.orgId).length }).toEqual({ plan, lines: 1 });
+    }
+  });
+
+  test("the default plan is the configuration's defaultPlan, not Standard's 60: an unknown plan gets its limit", async () => {
+    // The test above runs with defaultPlan Standard, whose 60 is also the built-in fallback: this one tells them apart.
+    const config = await testConfig({ aliases: testAliases(sim.url), plans: { ...TEST_PLANS, Tiny: { requestsPerMinute: 7 } }, defaultPlan: "Tiny" });
+    const tiny = await startGateway({ config, database: db, log: createLogger("silent") });
+    try {
+      const org = await withOrgRow(sql`plan = 'Gold'`);
+      const statuses: number[] = [];
+      for (let i = 0; i < 8; i++) {
+        const res = await fetch(`${tiny.url}/v1/me`, { headers: bearer(org.serviceKey) });
+        expect(res.headers.get("x-ratelimit-limit-requests")).toBe("7");
+        statuses.push(res.status);
+        await res.arrayBuffer();
+      }
+      expect(statuses).toEqual([200, 200, 200, 200, 200, 200, 200, 429]);
+    } finally {
+      await tiny.stop();
     }
   });
 
@@ -367,6 +387,66 @@ describe("audit_events rows", () => {
       }
     }
     for (const { id, odd } of expected) expect({ id, lines: linesAbout("audit event row", id).length }).toEqual({ id, lines: odd ? 1 : 0 });
+  });
+});
+
+describe("audit_events times as the database gives them", () => {
+  // decisions.md, Rows read from the database: "Times are read in SQL as epoch milliseconds, not from the driver's
+  // Date, which read years 0001–0099 as 19xx/20xx (listed wrong, and a cursor there jumped) and a server
+  // TimeZone's local-mean-time offsets (`-04:56:02`) as invalid."
+  test("years 0001-0099, and a server TimeZone whose old offsets are local mean time (America/New_York before 1883): listed as stored, every page reads, each row once", async () => {
+    const scratch = TEST_DATABASE_URL ? await createScratchDatabase(TEST_DATABASE_URL, "gw_tz") : undefined;
+    const database = scratch ? await openDatabase({ databaseUrl: scratch.url, dataDir: "memory://", poolMax: 4 }) : await freshDatabase();
+    let g: Gateway | undefined;
+    let db2: Database | undefined;
+    try {
+      if (scratch) {
+        // Every session of the gateway's pool opens with it (a server or database setting, as an operator's would be).
+        await database.rows(sql.raw(`alter database "${new URL(scratch.url).pathname.slice(1)}" set timezone to 'America/New_York'`));
+        await database.close();
+      } else {
+        // The embedded database has one session: the setting holds for everything the gateway asks.
+        await database.rows(sql`set timezone to 'America/New_York'`);
+      }
+      db2 = scratch ? await openDatabase({ databaseUrl: scratch.url, dataDir: "memory://", poolMax: 4 }) : database;
+      if (scratch) await migrate(db2);
+      const [tz] = await db2.rows<{ tz: string }>(sql`select current_setting('TimeZone') as tz`);
+      expect(tz?.tz).toBe("America/New_York");
+      // What the driver would be handed for the oldest rows: an offset in seconds, which a JavaScript Date cannot read.
+      const [lmt] = await db2.rows<{ t: string }>(sql`select '1850-03-01T12:00:00Z'::timestamptz::text as t`);
+      expect(lmt?.t).toBe("1850-03-01 07:03:58-04:56:02");
+      const org = await seedTestOrg(db2);
+      const stored = ["1850-03-01T12:00:00.000Z", "1800-01-01T00:00:00.001Z", "0099-12-31T23:59:59.999Z", "0050-06-15T12:34:56.789Z", "0001-01-01T00:00:00.000Z"];
+      const ids = new Map<string, string>();
+      for (const [i, at] of stored.entries()) {
+        const [row] = await db2.rows<{ id: string }>(sql`
+          insert into audit_events (org_id, created_at, action, category, actor_type, actor_id, actor_name, actor_email, targets, details, origin_ip_prefix, origin_user_agent_summary, search_text)
+          values (${org.orgId}, ${at}::timestamptz, ${`org.tz_${i}`}, 'org', 'system', gen_random_uuid(), 'gateway', '', '[]'::jsonb, '{}'::jsonb, '', '', ${`org.tz_${i}`}) returning id`);
+        ids.set(String(row?.id), at);
+      }
+      const config = await testConfig({ aliases: testAliases(sim.url), plans: TEST_PLANS });
+      g = await startGateway({ config, database: db2, log: createLogger("silent") });
+      for (const limit of [1, 2, 200]) {
+        const seen: { id: string; created_at: string }[] = [];
+        let cursor = "";
+        for (let pages = 0; pages < 20; pages++) {
+          const res = await fetch(`${g.url}/v1/audit-events?q=org.tz_&limit=${limit}${cursor ? `&cursor=${cursor}` : ""}`, { headers: bearer(org.serviceKey) });
+          expect({ limit, pages, status: res.status }).toEqual({ limit, pages, status: 200 });
+          const page = (await res.json()) as { data: { id: string; created_at: string }[]; next_cursor: string };
+          seen.push(...page.data);
+          cursor = page.next_cursor;
+          if (!cursor) break;
+        }
+        // Newest first, each once, each at the time stored.
+        expect({ limit, listed: seen.map((e) => e.created_at) }).toEqual({ limit, listed: stored });
+        expect(seen.map((e) => ids.get(e.id))).toEqual(stored);
+      }
+    } finally {
+      await g?.stop();
+      // On Postgres the first handle was closed once the setting was made; the gateway's is db2.
+      await (scratch ? db2?.close() : database.close());
+      await scratch?.drop();
+    }
   });
 });
 
