@@ -88,6 +88,44 @@ describe("GET /metrics", () => {
     expect(after).not.toContain("PROPFIND");
   });
 
+  test("the method label is the request's own for GET, POST, PUT, PATCH, DELETE, HEAD and OPTIONS (other only beyond them); key verifications from the cache count as hit", async () => {
+    const own = await startTestGateway({ aliases: upstreamAliases(sim.url) });
+    try {
+      const fresh = await seedOrg(own.database);
+      const before = await (await fetch(metricsUrl(own))).text();
+      // Requests the guard admitted (they carry the rate-limit state): each verified the key once.
+      let verified = 0;
+      const send = async (method: string) => {
+        const res = await fetch(`${own.url}/v1/models`, { method, headers: bearer(fresh.serviceKey) });
+        await res.arrayBuffer();
+        if (res.headers.has("x-ratelimit-limit-requests")) verified++;
+      };
+      const methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "PROPFIND", "TRACE"];
+      for (const m of methods) await send(m);
+      for (let i = 0; i < 3; i++) await send("GET");
+      const after = await (await fetch(metricsUrl(own))).text();
+      const moved = (name: string, labels: Record<string, string>) => sample(after, name, labels) - sample(before, name, labels);
+      expect(Object.fromEntries(methods.map((m) => [m, moved("gateway_http_requests_total", { method: m })]))).toEqual({
+        GET: 4,
+        POST: 1,
+        PUT: 1,
+        PATCH: 1,
+        DELETE: 1,
+        HEAD: 1,
+        OPTIONS: 1,
+        PROPFIND: 0,
+        TRACE: 0,
+      });
+      expect(moved("gateway_http_requests_total", { method: "other" })).toBe(2);
+      // The key's first verification was a lookup (miss); those of the requests after it came from the cache.
+      expect(verified).toBeGreaterThanOrEqual(4);
+      expect(moved("gateway_key_cache_total", { result: "miss" })).toBe(1);
+      expect(moved("gateway_key_cache_total", { result: "hit" })).toBe(verified - 1);
+    } finally {
+      await own.stop();
+    }
+  });
+
   test("the route label is the route that served the request (a path with an id under its pattern, a trailing slash under its route), other for every unknown path", async () => {
     const own = await startTestGateway({ aliases: upstreamAliases(sim.url), responses: { enabled: true } });
     try {
