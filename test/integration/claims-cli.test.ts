@@ -69,6 +69,48 @@ describe("a refused command on a data directory that does not exist yet", () => 
   });
 });
 
+describe("docs/decisions.md, Command line: help and required flags come first", () => {
+  test("--help or -h among a command's arguments prints its usage, exit 0, even beside an unknown flag, a repeated one or a bad value", async () => {
+    const usage = (await captureCli(["keys", "create", "--help"])).stdout;
+    expect(usage).toStartWith("gateway keys create: ");
+    for (const args of [
+      ["keys", "create", "--bogus", "--help"],
+      ["keys", "create", "-h", "--bogus"],
+      ["keys", "create", "--kind", "service", "--kind", "personal", "--help"],
+      ["keys", "create", "--org", "not-a-uuid", "--expires-in", "forever", "-h"],
+      ["keys", "create", "--models", "", "--help"],
+    ]) {
+      const r = await captureCli(args);
+      expect({ args: args.join(" "), code: r.code, stderr: r.stderr, same: r.stdout === usage }).toEqual({ args: args.join(" "), code: 0, stderr: "", same: true });
+    }
+    // After `--`, --help is an argument like any other, not a request for help.
+    const r = await captureCli(["keys", "revoke", "--", "--help"]);
+    expect(r.code).toBe(2);
+    expect(r.stdout).toBe("");
+  });
+
+  test("a missing required flag is named before the configuration is read: a broken config file does not hide it", async () => {
+    const work = scratchDir("gw-claims-cli-");
+    const broken = join(work, "broken.json");
+    await Bun.write(broken, "{ not json");
+    const dataDir = join(work, "data");
+    for (const [args, missing] of [
+      [["orgs", "create"], "--name"],
+      [["keys", "create", "--org", NO_ORG, "--kind", "service"], "--scopes"],
+      [["usage", "report"], "--org"],
+      [["users", "create", "--org", NO_ORG, "--name", "A"], "--email"],
+    ] as const) {
+      const r = await captureCli([...args, "--config", broken, "--data-dir", dataDir]);
+      expect({ args: args.join(" "), code: r.code, stdout: r.stdout, stderr: r.stderr }).toEqual({ args: args.join(" "), code: 2, stdout: "", stderr: `error: missing ${missing}\n` });
+    }
+    // With the flags given, the configuration is what is refused (so it was read after them, not never).
+    const r = await captureCli(["orgs", "create", "--name", "X", "--config", broken, "--data-dir", dataDir]);
+    expect(r.code).toBe(2);
+    expect(r.stderr).toContain("invalid configuration");
+    expect(existsSync(dataDir)).toBe(false);
+  });
+});
+
 describe("docs/decisions.md, Rows read from the database: the admin commands read a hand-edited key or organisation row too", () => {
   test("times out of JavaScript's range (±infinity, past year 275760) or in years 0001-0099: keys list shows them as /v1/me does, keys revoke revokes, keys rotate refuses an expired key, orgs set changes the organisation", async () => {
     const work = scratchDir("gw-claims-rows-");

@@ -959,6 +959,10 @@ describe("as a process (bun run src/main.ts)", () => {
       expect(warnings).toHaveLength(1);
       expect(warnings[0]).toMatchObject({ unknown: ["9000_newer_release"], database_newest: "9000_newer_release", gateway_newest: ALL_TAGS.at(-1) });
       expect(warnings[0]?.msg).toContain("9000_newer_release");
+      // decisions.md, Command line: a command forwarded to the running serve does not print the warning again (serve logged it).
+      const forwarded = await runGateway(["orgs", "create", "--name", "Forwarded", "--json", "--data-dir", dir], { env: cleanEnv() });
+      expect({ code: forwarded.code, stderr: forwarded.stderr }).toEqual({ code: 0, stderr: "" });
+      expect(onlyJson<{ name: string }>(forwarded.stdout).name).toBe("Forwarded");
       proc.kill("SIGTERM");
       expect(await exitWithin(proc, 30_000)).toBe(0);
     } finally {

@@ -1,9 +1,12 @@
 import { afterAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { existsSync } from "node:fs";
+import { join } from "node:path";
 import { revokeKey } from "../../src/admin/service.ts";
 import { ConfigError, loadConfig } from "../../src/config/load.ts";
 import type { Gateway } from "../../src/server.ts";
 import { bearer, rejectionOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
 import { eventually } from "../helpers/poll.ts";
+import { cleanEnv, removeScratch, runGateway, scratchDir } from "../helpers/process.ts";
 
 setDefaultTimeout(90_000);
 
@@ -16,6 +19,7 @@ setDefaultTimeout(90_000);
 const open: Gateway[] = [];
 afterAll(async () => {
   for (const g of open.reverse()) await g.stop();
+  removeScratch();
 });
 
 async function started(overrides: Record<string, unknown>): Promise<Gateway> {
@@ -32,6 +36,19 @@ describe("sharing the listening port", () => {
     const ok = await loadConfig({ env: { GATEWAY_REUSE_PORT: "true", DATABASE_URL: "postgres://postgres@127.0.0.1:5432/x" } });
     expect(ok.reusePort).toBe(true);
     expect((await loadConfig({ env: {} })).reusePort).toBe(false);
+  });
+
+  test("gateway serve with GATEWAY_REUSE_PORT=1 and no DATABASE_URL: exit 2 (the units' RestartPreventExitStatus), the option named, nothing created", async () => {
+    // docs/operations.md: "`serve` refuses `reusePort` without `databaseUrl` (exit 2)"; a restart loop would follow any other code.
+    const dataDir = join(scratchDir(), "data");
+    for (const value of ["1", "on"]) {
+      const r = await runGateway(["serve", "--port", "0", "--data-dir", dataDir], {
+        env: cleanEnv({ GATEWAY_REUSE_PORT: value, UPSTREAM_BASE_URL: "http://127.0.0.1:9/v1", MIMALLOC_PURGE_HOLES: "0" }),
+      });
+      expect({ value, code: r.code, stdout: r.stdout }).toEqual({ value, code: 2, stdout: "" });
+      expect(r.stderr).toBe("error: invalid configuration:\n  - /reusePort: several instances on one port need a shared Postgres (databaseUrl)\n");
+      expect(existsSync(dataDir)).toBe(false);
+    }
   });
 
   test("without reusePort a second instance on a taken port fails to start", async () => {
