@@ -42,6 +42,11 @@ export interface Guarded {
   headers: Record<string, string>;
 }
 
+/** A rate limit's window in a refusal's words: the spec's minute, else the configured `rateLimit.windowMs` in seconds. */
+function windowText(ms: number): string {
+  return ms === 60_000 ? "minute" : `${Math.round(ms / 100) / 10} s`;
+}
+
 export function createGuard(deps: GuardDeps) {
   const isWellFormed = createKeyMatcher(deps.keyTag);
   const now = deps.now ?? Date.now;
@@ -126,7 +131,7 @@ export function createGuard(deps: GuardDeps) {
     if (!decision.allowed) {
       throw new AppError(
         "rate_limit_error",
-        `Rate limit reached: ${decision.limit} requests per minute for this organisation. Retry after ${headers["retry-after"]} s.`,
+        `Rate limit reached: ${decision.limit} requests per ${windowText(deps.limiter.windowMs)} for this organisation. Retry after ${headers["retry-after"]} s.`,
         null,
         headers,
       );

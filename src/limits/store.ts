@@ -29,6 +29,8 @@ export interface LimiterOptions {
 }
 
 export interface Limiter {
+  /** The rolling window each limit counts requests over (ms). */
+  readonly windowMs: number;
   check(orgId: string, limit: number, now: number): Decision;
   /** Removes keys whose newest admission left the window; returns how many. */
   sweep(now: number): number;
@@ -131,5 +133,5 @@ export function createLimiter(opts: LimiterOptions = {}): Limiter {
     return admit(ring, now, effective, windowMs);
   }
 
-  return { check, sweep, size: () => rings.size };
+  return { windowMs, check, sweep, size: () => rings.size };
 }

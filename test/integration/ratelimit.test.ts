@@ -143,8 +143,8 @@ describe("rate-limit options and headers through the gateway", () => {
       const call = async () => {
         const sent = Date.now();
         const res = await fetch(`${g.url}/v1/me`, { headers: bearer(org.serviceKey) });
-        await res.arrayBuffer();
-        return { res, sent, done: Date.now() };
+        const text = await res.text();
+        return { res, text, sent, done: Date.now() };
       };
       const first = await call();
       expect(first.res.status).toBe(200);
@@ -156,6 +156,8 @@ describe("rate-limit options and headers through the gateway", () => {
       expect(third.res.headers.get("x-ratelimit-remaining-requests")).toBe("0");
       const refused = await call();
       expect(refused.res.status).toBe(429);
+      // The message names the window configured, not the spec's minute.
+      expect((JSON.parse(refused.text) as { error: { message: string } }).error.message).toStartWith("Rate limit reached: 3 requests per 8 s for this organisation.");
       // The first admission happened within [first.sent, first.done], the answer within [x.sent, x.done]: the
       // time until the first frees lies within these bounds (1 ms either side for the rounding up to whole ms).
       const bounds = (x: { sent: number; done: number }) => [first.sent + W - x.done - 1, first.done + W - x.sent + 1];
