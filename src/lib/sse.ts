@@ -239,12 +239,10 @@ export type SseMessage = string | typeof COMMENT;
  */
 export class SseReader {
   private readonly framer = new SseFramer();
-  private out: SseMessage[] = [];
-  private readonly onEvent = (event: Buffer): undefined => {
-    const e = readEvent(event);
-    if (e.data !== undefined) this.out.push(e.data);
-    else if (e.comments > 0) this.out.push(COMMENT);
-  };
+  /** The messages of the read being framed (set by push). */
+  private out: SseMessage[] | undefined;
+  /** Made on the first read that is not one whole `data:` event (a stream of those never needs it). */
+  private onEvent: ((event: Buffer) => undefined) | undefined;
 
   /**
    * Where the data of `buf` starts when it is the common case, and what the
@@ -268,7 +266,13 @@ export class SseReader {
     if (at !== -1) return [buf.toString("utf8", at, buf.length - 2)];
     const out: SseMessage[] = [];
     this.out = out;
+    this.onEvent ??= (event: Buffer): undefined => {
+      const e = readEvent(event);
+      if (e.data !== undefined) this.out?.push(e.data);
+      else if (e.comments > 0) this.out?.push(COMMENT);
+    };
     this.framer.push(buf, this.onEvent, last);
+    this.out = undefined;
     return out;
   }
 }

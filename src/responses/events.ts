@@ -37,6 +37,9 @@ export function responsesTransform(meta: ResponseMeta, onFinal: (r: ResponseObje
   return new ResponsesRelayTransform(meta, onFinal);
 }
 
+const ignore = (): void => {};
+const isThenable = (v: unknown): v is PromiseLike<void> => typeof v === "object" && v !== null && typeof (v as { then?: unknown }).then === "function";
+
 /** Where a read's events are put together: one for every stream (each `events` call fills and empties it). */
 const written = new ByteWriter();
 
@@ -44,7 +47,8 @@ const written = new ByteWriter();
 class ResponsesRelayTransform implements ResponsesTransform {
   private readonly t: ChatToResponses;
   private readonly sse = new SseReader();
-  private reported: Promise<void> | undefined;
+  /** onFinal was called: what it returned when that was a promise (settled, never rejected), else true. */
+  private reported: Promise<void> | true | undefined;
 
   constructor(
     private readonly meta: ResponseMeta,
@@ -57,15 +61,24 @@ class ResponsesRelayTransform implements ResponsesTransform {
     return this.t.final;
   }
 
-  private report(r: ResponseObject): Promise<void> {
-    if (this.reported) return this.reported;
+  /**
+   * Calls onFinal once; its promise (storing the response), caught, for the
+   * relay to wait for, or undefined when it returned none (store: false): no
+   * promise is made for a hook that has nothing to wait for.
+   */
+  private report(r: ResponseObject): Promise<void> | undefined {
+    if (this.reported !== undefined) return this.reported === true ? undefined : this.reported;
+    this.reported = true;
+    let done: void | Promise<void>;
     try {
-      this.reported = Promise.resolve(this.onFinal(r)).catch(() => {});
+      done = this.onFinal(r);
     } catch {
       // The caller's hook failed; the stream still ends cleanly.
-      this.reported = Promise.resolve();
+      return undefined;
     }
-    return this.reported;
+    if (done instanceof Promise) this.reported = done.catch(ignore);
+    else if (isThenable(done)) this.reported = Promise.resolve(done).catch(ignore);
+    return this.reported === true ? undefined : this.reported;
   }
 
   start(): string {

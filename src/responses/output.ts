@@ -203,7 +203,17 @@ export type ResponseObject = {
   access_programs: null;
 };
 
-const hex = (bytes: number): string => Buffer.from(crypto.getRandomValues(new Uint8Array(bytes))).toString("hex");
+/** Per size, a buffer filled with fresh random bytes for each id (an id is only its hex string: no buffer per id). */
+const randomBuffers: Buffer[] = [];
+const hex = (bytes: number): string => {
+  let b = randomBuffers[bytes];
+  if (!b) {
+    b = Buffer.alloc(bytes);
+    randomBuffers[bytes] = b;
+  }
+  crypto.getRandomValues(b);
+  return b.toString("hex");
+};
 /** Item ids: `msg_…`, `fc_…`, `rs_…` (OpenAI's prefixes) with 24 random bytes. */
 export const itemId = (prefix: "msg" | "fc" | "rs"): string => `${prefix}_${hex(24)}`;
 

@@ -12,7 +12,7 @@ import { responsesTransform } from "./events.ts";
 import { inputTokens } from "./input-tokens.ts";
 import { listItems } from "./list.ts";
 import { type ResponseMeta, responseFromChat } from "./output.ts";
-import { type InputItem, isItemReference, parseInputTokensBody, parseResponsesBody, type ResponsesBody } from "./request.ts";
+import { type InputItem, isItemReference, parseInputTokensBody, parseResponsesBody, type RequestItem, type ResponsesBody } from "./request.ts";
 import type { Bound } from "../db/bounded.ts";
 import { createResponseStore, type ResponseStore, writeSpacingFor } from "./store.ts";
 import { type Translation, newItemId, responsesError, toChat } from "./translate.ts";
@@ -40,6 +40,10 @@ const ID = /^resp_[A-Za-z0-9_-]{1,100}$/;
 const JSON_TYPE = "application/json";
 /** The longest an answer waits for its response to be stored (see save). */
 const STORE_WAIT_MS = 5_000;
+
+/** No stored conversation to replay (no previous_response_id). */
+const NO_ITEMS: readonly InputItem[] = Object.freeze([]);
+const ignoreFinal = (): undefined => undefined;
 
 function notFound(id: string): AppError {
   return new AppError("not_found", `No response with id '${id}' was found.`);
@@ -69,8 +73,8 @@ export function createResponses(deps: ResponsesDeps) {
     : undefined;
 
 
-  async function replayed(p: Principal, previous: string | null | undefined): Promise<InputItem[]> {
-    if (previous == null) return [];
+  /** The conversation previous_response_id names (callers skip the call, and its promise, when there is none). */
+  async function replayed(p: Principal, previous: string): Promise<InputItem[]> {
     if (!store) {
       throw new AppError(
         "invalid_request_error",
@@ -90,8 +94,7 @@ export function createResponses(deps: ResponsesDeps) {
    * be resolved is the error: 404 when no such item is this caller's, 400
    * when the responses holding the items referenced exceed bodyLimitBytes.
    */
-  async function resolveReferences(p: Principal, input: ResponsesBody["input"]): Promise<ResponsesBody["input"]> {
-    if (!Array.isArray(input)) return input;
+  async function resolveReferences(p: Principal, input: RequestItem[]): Promise<ResponsesBody["input"]> {
     const ids = new Set<string>();
     let first = -1;
     for (const [j, item] of input.entries()) {
@@ -128,6 +131,27 @@ export function createResponses(deps: ResponsesDeps) {
   }
 
   /**
+   * The request translated (toChat) after the conversation it continues is
+   * read, then its item references resolved. A request with neither (most)
+   * is translated at once: no promise or await for them, no copy of its body.
+   */
+  function translated(p: Principal, body: ResponsesBody, storeIt: boolean): Translation | Promise<Translation> {
+    const input = body.input;
+    const references = Array.isArray(input) && input.some(isItemReference);
+    if (body.previous_response_id == null && !references) return toChat(body, NO_ITEMS, storeIt);
+    return translatedLater(p, body, storeIt);
+  }
+
+  async function translatedLater(p: Principal, body: ResponsesBody, storeIt: boolean): Promise<Translation> {
+    const previous = body.previous_response_id;
+    const replay = previous == null ? NO_ITEMS : await replayed(p, previous);
+    const input = body.input;
+    if (!Array.isArray(input) || !input.some(isItemReference)) return toChat(body, replay, storeIt);
+    const resolved = await resolveReferences(p, input);
+    return toChat({ ...body, input: resolved }, replay, storeIt);
+  }
+
+  /**
    * Resolves once the row is written or has failed (logged), or after
    * STORE_WAIT_MS: a database that hangs (a lock, a stalled connection) must
    * not hold the answer or the stream's end; the write goes on without us.
@@ -152,8 +176,8 @@ export function createResponses(deps: ResponsesDeps) {
     // The model first, as chat checks it first: an unknown alias is 404 model_not_found whatever else the request says.
     resolveAlias(config, body.model, p, "chat");
     const storeIt = store !== undefined && body.store !== false;
-    const replay = await replayed(p, body.previous_response_id);
-    const t = toChat({ ...body, input: await resolveReferences(p, body.input) }, replay, storeIt);
+    const tr = translated(p, body, storeIt);
+    const t = tr instanceof Promise ? await tr : tr;
     const meta: ResponseMeta = { id: newItemId("resp"), createdAt: Math.floor(Date.now() / 1000), model: body.model, echo: t.echo };
     // A stream is translated inside the chat relay (one stream layer, not two). What it keeps for
     // the stream's life is the translation state and, when stored, the input items: not the chat body.
@@ -180,14 +204,16 @@ export function createResponses(deps: ResponsesDeps) {
   async function count(p: Principal, raw: unknown) {
     const body = parseInputTokensBody(raw, config.responses.webSearch);
     const alias = resolveAlias(config, body.model, p, "chat");
-    const replay = await replayed(p, body.previous_response_id);
-    const t = toChat({ ...body, input: await resolveReferences(p, body.input) }, replay, false);
+    const t = await translated(p, body, false);
     return inputTokens(t, alias);
   }
 
-  /** Stored: the relay closes the stream only once the row is written, so a client that reads to the end can use the id at once. */
+  /**
+   * Stored: the relay closes the stream only once the row is written, so a client that reads to the end can use the id at once.
+   * Not stored: nothing to do with the final Response (one shared hook, no closure per stream).
+   */
   function streamTransform(p: Principal, meta: ResponseMeta, inputItems: Translation["inputItems"] | undefined) {
-    return responsesTransform(meta, (final) => (inputItems ? save(p, meta, inputItems, final) : undefined));
+    return responsesTransform(meta, inputItems ? (final) => save(p, meta, inputItems, final) : ignoreFinal);
   }
 
   function owned(p: Principal, id: string, part: "response" | "input_items" = "response") {

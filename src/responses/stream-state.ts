@@ -157,9 +157,10 @@ export class ChatToResponses {
   private out = "";
   private msg: OpenMessage | undefined;
   private rs: OpenReasoning | undefined;
-  private readonly calls = new Map<number, Call>();
+  /** The answer's tool calls by chat index: made with its first call (most answers have none). */
+  private calls: Map<number, Call> | undefined;
   /** The call_ids given so far (at most MAX_CALLS): each call of the answer has its own. */
-  private readonly callIds = new Set<string>();
+  private callIds: Set<string> | undefined;
   private finishReason: unknown = null;
   private usage: ResponseUsage | undefined;
 
@@ -352,11 +353,13 @@ export class ChatToResponses {
 
   private toolCallDelta(tc: Record<string, unknown>, position: number): void {
     const key = typeof tc.index === "number" && Number.isSafeInteger(tc.index) ? tc.index : position;
-    let call = this.calls.get(key);
+    this.calls ??= new Map();
+    const calls = this.calls;
+    let call = calls.get(key);
     if (!call) {
-      if (this.calls.size >= MAX_CALLS) return;
+      if (calls.size >= MAX_CALLS) return;
       call = { callId: undefined, name: "", pending: "", index: -1, done: false };
-      this.calls.set(key, call);
+      calls.set(key, call);
     }
     const fn = isRecord(tc.function) ? tc.function : {};
     if (typeof tc.id === "string" && tc.id !== "") call.callId ??= tc.id;
@@ -372,6 +375,7 @@ export class ChatToResponses {
   }
 
   private openCall(call: Call): void {
+    this.callIds ??= new Set();
     this.closeReasoning("completed");
     this.closeMessage("completed");
     const item: FunctionCallItem = {
@@ -408,11 +412,13 @@ export class ChatToResponses {
     this.msg = undefined;
     this.settleText(m);
     const id = `"item_id":"${m.item.id}","output_index":${m.index}`;
-    m.item.content.forEach((part, i) => {
+    const content = m.item.content;
+    for (let i = 0; i < content.length; i++) {
+      const part = content[i] as OutputText | OutputRefusal;
       if (part.type === "output_text") this.emit("response.output_text.done", `${id},"content_index":${i},"text":${q(part.text)},"logprobs":${eventLogprobs(part.logprobs)}`);
       else this.emit("response.refusal.done", `${id},"content_index":${i},"refusal":${q(part.refusal)}`);
       this.emit("response.content_part.done", `${id},"content_index":${i},"part":${q(part)}`);
-    });
+    }
     m.item.status = status;
     this.emit("response.output_item.done", `"output_index":${m.index},"item":${q(m.item)}`);
   }
@@ -422,11 +428,13 @@ export class ChatToResponses {
     // An answer with no text and no tool call (empty, or reasoning only) still ends with a message
     // with empty text, as the JSON answer does (output.ts): the Agents SDK takes that as the final
     // output, where an answer with no message would make it ask the model again.
-    if (this.calls.size === 0 && !this.msg && !this.output.some((i) => i.type === "message")) this.textPart(this.openMessage());
+    const calls = this.calls;
+    if (!calls && !this.msg && !this.hasMessage()) this.textPart(this.openMessage());
     this.closeMessage(status);
+    if (!calls) return;
     // A call whose name never came is still reported, rather than losing its arguments.
-    for (const call of this.calls.values()) if (!call.item) this.openCall(call);
-    const open = [...this.calls.values()].filter((c) => !c.done).sort((a, b) => a.index - b.index);
+    for (const call of calls.values()) if (!call.item) this.openCall(call);
+    const open = [...calls.values()].filter((c) => !c.done).sort((a, b) => a.index - b.index);
     for (const call of open) {
       const item = call.item;
       if (!item) continue;
@@ -435,6 +443,11 @@ export class ChatToResponses {
       item.status = status;
       this.emit("response.output_item.done", `"output_index":${call.index},"item":${q(item)}`);
     }
+  }
+
+  private hasMessage(): boolean {
+    for (let i = 0; i < this.output.length; i++) if (this.output[i]?.type === "message") return true;
+    return false;
   }
 
   /** `[DONE]`: the answer is whole. */

@@ -4,7 +4,6 @@ import { isRecord } from "../lib/guards.ts";
 import type { ResponseEcho } from "./output.ts";
 import {
   type ContentPart,
-  type FunctionTool,
   type InputItem,
   isFunctionTool,
   isItemReference,
@@ -104,6 +103,9 @@ function storedItems(input: readonly InputItem[]): StoredItem[] {
   });
 }
 
+/** The echo's text.format when the request sent none (only ever serialised). */
+const TEXT_FORMAT: ResponseEcho["text"]["format"] = Object.freeze({ type: "text" as const });
+
 const CACHE_RETENTIONS = ["in_memory", "24h"] as const;
 const VERBOSITIES = ["low", "medium", "high"] as const;
 const SUMMARIES = ["auto", "concise", "detailed"] as const;
@@ -111,14 +113,19 @@ const CONTEXTS = ["auto", "current_turn", "all_turns"] as const;
 
 /** `v` when it is one of the values the SDK's Response type declares for the field, else null (it is echoed, not forwarded). */
 function oneOf<V extends string>(v: string | null | undefined, values: readonly V[]): V | null {
-  return values.find((x) => x === v) ?? null;
+  // A loop, not find(): a closure per call, three calls a request.
+  for (let i = 0; i < values.length; i++) if (values[i] === v) return values[i] as V;
+  return null;
 }
 
 /** The tools the model had: the function tools (web search is not offered). */
 function echoTools(tools: ResponsesBody["tools"]): ResponseEcho["tools"] {
-  return (tools ?? [])
-    .filter(isFunctionTool)
-    .map((t: FunctionTool) => ({ type: "function", name: t.name, description: t.description ?? null, parameters: t.parameters ?? null, strict: t.strict ?? null }));
+  const out: ResponseEcho["tools"] = [];
+  for (let i = 0; tools && i < tools.length; i++) {
+    const t = tools[i] as NonNullable<ResponsesBody["tools"]>[number];
+    if (isFunctionTool(t)) out.push({ type: "function", name: t.name, description: t.description ?? null, parameters: t.parameters ?? null, strict: t.strict ?? null });
+  }
+  return out;
 }
 
 /**
@@ -127,52 +134,24 @@ function echoTools(tools: ResponsesBody["tools"]): ResponseEcho["tools"] {
  * before this request's input.
  */
 export function toChat(body: ResponsesBody, replay: readonly InputItem[], store: boolean): Translation {
-  const messages: ChatMessage[] = [];
-  /** Per chat message: where it came from (`instructions`, `input[j]`, `previous_response_id`). */
-  const origin: string[] = [];
-  const push = (m: ChatMessage, from: string) => {
-    messages.push(m);
-    origin.push(from);
-  };
-
-  if (body.instructions) push({ role: "system", content: body.instructions }, "instructions");
-
-  const add = (item: InputItem, from: string) => {
-    const type = item.type ?? "message";
-    if (type === "message") {
-      const m = item as MessageItem;
-      if (m.role === "assistant") {
-        const last = messages[messages.length - 1];
-        // Text after the calls of its turn (an upstream that streamed its calls first) joins their
-        // message: chat has one assistant message with both, and the outputs that follow answer it.
-        if (last?.role === "assistant" && Array.isArray(last.tool_calls)) {
-          const text = textOf(m.content);
-          if (text !== "") last.content = typeof last.content === "string" ? last.content + text : text;
-        } else push({ role: "assistant", content: textOf(m.content) }, from);
-      } else push({ role: m.role === "developer" ? "system" : m.role, content: chatParts(m.content) }, from);
-    } else if (type === "function_call") {
-      const c = item as Extract<InputItem, { type: "function_call" }>;
-      const call = { id: c.call_id, type: "function", function: { name: c.name, arguments: c.arguments } };
-      // Calls of one turn share an assistant message (chat's shape for parallel calls).
-      const last = messages[messages.length - 1];
-      if (last?.role === "assistant") {
-        // Appended, not copied: a turn of many calls is linear. The array is always this translation's own.
-        if (Array.isArray(last.tool_calls)) last.tool_calls.push(call);
-        else last.tool_calls = [call];
-        if (last.content === "") last.content = null;
-      } else push({ role: "assistant", content: null, tool_calls: [call] }, from);
-    } else if (type === "function_call_output") {
-      const o = item as Extract<InputItem, { type: "function_call_output" }>;
-      // An empty list of parts is empty text: chat refuses a tool message whose content is [] (as OpenAI does).
-      const content = typeof o.output === "string" ? o.output : o.output.length === 0 ? "" : o.output.map((p) => ({ type: "text", text: p.text }));
-      push({ role: "tool", tool_call_id: o.call_id, content }, from);
+  const conv = new Conversation();
+  if (body.instructions) conv.push({ role: "system", content: body.instructions }, "instructions");
+  for (let i = 0; i < replay.length; i++) conv.add(replay[i] as InputItem, "previous_response_id");
+  // Indexed loops, not entries(): an iterator and a [j, item] pair per item are garbage every request makes.
+  // The input as items is kept only to be stored (storedItems).
+  const raw = body.input;
+  const input: InputItem[] | undefined = store ? [] : undefined;
+  if (typeof raw === "string") {
+    input?.push({ role: "user", content: raw });
+    conv.push({ role: "user", content: raw }, "input[0]");
+  } else if (raw) {
+    for (let j = 0; j < raw.length; j++) {
+      const item = resolvedItem(raw[j] as RequestItem);
+      input?.push(item);
+      conv.add(item, `input[${j}]`);
     }
-    // reasoning items: dropped (chat upstreams take no reasoning input).
-  };
-
-  for (const item of replay) add(item, "previous_response_id");
-  const input: InputItem[] = typeof body.input === "string" ? [{ role: "user", content: body.input }] : (body.input ?? []).map(resolvedItem);
-  for (const [j, item] of input.entries()) add(item, `input[${j}]`);
+  }
+  const { messages, origin } = conv;
   // Chat's rule for tool messages (model.ts), checked here to be worded for this request. An output replayed
   // from a chain whose older link is gone (deleted, expired, beyond the replay bound) answers a call no longer
   // sent: it is left out, or every later request of the conversation would be refused.
@@ -192,22 +171,24 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
     typeof choice === "object" && choice.type === "allowed_tools" ? new Set(choice.tools.flatMap((t) => ("name" in t && typeof t.name === "string" ? [t.name] : []))) : undefined;
   /** Per tool sent upstream: its index in the request's tools (see param()). */
   const toolOrigin: number[] = [];
-  const offered: FunctionTool[] = [];
-  for (const [i, t] of (body.tools ?? []).entries()) {
-    if (!isFunctionTool(t) || (allowed && !allowed.has(t.name))) continue;
-    offered.push(t);
-    toolOrigin.push(i);
-  }
-  if (offered.length > 0) {
-    chat.tools = offered.map((t) => ({
-      type: "function",
-      function: {
-        name: t.name,
-        ...(t.description != null ? { description: t.description } : {}),
-        ...(t.parameters != null ? { parameters: t.parameters } : {}),
-        ...(t.strict != null ? { strict: t.strict } : {}),
-      },
-    }));
+  const tools = body.tools;
+  if (tools && tools.length > 0) {
+    const offered: Record<string, unknown>[] = [];
+    for (let i = 0; i < tools.length; i++) {
+      const t = tools[i] as (typeof tools)[number];
+      if (!isFunctionTool(t) || (allowed && !allowed.has(t.name))) continue;
+      offered.push({
+        type: "function",
+        function: {
+          name: t.name,
+          ...(t.description != null ? { description: t.description } : {}),
+          ...(t.parameters != null ? { parameters: t.parameters } : {}),
+          ...(t.strict != null ? { strict: t.strict } : {}),
+        },
+      });
+      toolOrigin.push(i);
+    }
+    if (offered.length > 0) chat.tools = offered;
   }
   if (choice !== undefined) {
     chat.tool_choice = typeof choice === "string" ? choice : choice.type === "allowed_tools" ? choice.mode : { type: "function", function: { name: choice.name } };
@@ -239,6 +220,13 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
   const user = body.user ?? body.safety_identifier;
   if (user != null) chat.user = user;
 
+  const reasoning: ResponseEcho["reasoning"] = {
+    effort: body.reasoning?.effort ?? null,
+    summary: oneOf(body.reasoning?.summary ?? body.reasoning?.generate_summary, SUMMARIES),
+  };
+  // Set only when sent, in this order (the echo's keys are serialised in it).
+  if (body.reasoning?.context != null) reasoning.context = oneOf(body.reasoning.context, CONTEXTS);
+  if (body.reasoning?.mode != null) reasoning.mode = body.reasoning.mode;
   const echo: ResponseEcho = {
     instructions: body.instructions ?? null,
     max_output_tokens: body.max_output_tokens ?? null,
@@ -253,7 +241,7 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
     top_logprobs: body.top_logprobs ?? null,
     top_p: body.top_p ?? null,
     tool_choice: choice ?? "auto",
-    tools: echoTools(body.tools),
+    tools: echoTools(tools),
     text: {
       format:
         format?.type === "json_schema"
@@ -264,21 +252,80 @@ export function toChat(body: ResponsesBody, replay: readonly InputItem[], store:
               strict: format.strict ?? null,
               ...(format.description !== undefined ? { description: format.description } : {}),
             }
-          : (format ?? { type: "text" }),
+          : (format ?? TEXT_FORMAT),
       verbosity: oneOf(body.text?.verbosity, VERBOSITIES),
     },
-    reasoning: {
-      effort: body.reasoning?.effort ?? null,
-      summary: oneOf(body.reasoning?.summary ?? body.reasoning?.generate_summary, SUMMARIES),
-      ...(body.reasoning?.context != null ? { context: oneOf(body.reasoning.context, CONTEXTS) } : {}),
-      ...(body.reasoning?.mode != null ? { mode: body.reasoning.mode } : {}),
-    },
+    reasoning,
     store,
     truncation: body.truncation ?? "disabled",
     user: body.user ?? null,
   };
 
-  return { chat, echo, inputItems: storedItems(input), param: (p) => responsesParam(p, origin, toolOrigin) };
+  // The stored form of the input (ids and all) only for a response that is stored: nothing reads it otherwise.
+  return new ChatTranslation(chat, echo, input ? storedItems(input) : [], origin, toolOrigin);
+}
+
+/** A Translation as one object (its param() a shared method, not a closure per request). */
+class ChatTranslation implements Translation {
+  constructor(
+    readonly chat: Record<string, unknown>,
+    readonly echo: ResponseEcho,
+    readonly inputItems: StoredItem[],
+    private readonly origin: readonly string[],
+    private readonly toolOrigin: readonly number[],
+  ) {}
+
+  param(chatParam: string | null): string | null {
+    return responsesParam(chatParam, this.origin, this.toolOrigin);
+  }
+}
+
+/**
+ * The chat messages a request's items make, and per message where it came
+ * from (`instructions`, `input[j]`, `previous_response_id`).
+ */
+class Conversation {
+  readonly messages: ChatMessage[] = [];
+  readonly origin: string[] = [];
+
+  push(m: ChatMessage, from: string): void {
+    this.messages.push(m);
+    this.origin.push(from);
+  }
+
+  add(item: InputItem, from: string): void {
+    const messages = this.messages;
+    const type = item.type ?? "message";
+    if (type === "message") {
+      const m = item as MessageItem;
+      if (m.role === "assistant") {
+        const last = messages[messages.length - 1];
+        // Text after the calls of its turn (an upstream that streamed its calls first) joins their
+        // message: chat has one assistant message with both, and the outputs that follow answer it.
+        if (last?.role === "assistant" && Array.isArray(last.tool_calls)) {
+          const text = textOf(m.content);
+          if (text !== "") last.content = typeof last.content === "string" ? last.content + text : text;
+        } else this.push({ role: "assistant", content: textOf(m.content) }, from);
+      } else this.push({ role: m.role === "developer" ? "system" : m.role, content: chatParts(m.content) }, from);
+    } else if (type === "function_call") {
+      const c = item as Extract<InputItem, { type: "function_call" }>;
+      const call = { id: c.call_id, type: "function", function: { name: c.name, arguments: c.arguments } };
+      // Calls of one turn share an assistant message (chat's shape for parallel calls).
+      const last = messages[messages.length - 1];
+      if (last?.role === "assistant") {
+        // Appended, not copied: a turn of many calls is linear. The array is always this translation's own.
+        if (Array.isArray(last.tool_calls)) last.tool_calls.push(call);
+        else last.tool_calls = [call];
+        if (last.content === "") last.content = null;
+      } else this.push({ role: "assistant", content: null, tool_calls: [call] }, from);
+    } else if (type === "function_call_output") {
+      const o = item as Extract<InputItem, { type: "function_call_output" }>;
+      // An empty list of parts is empty text: chat refuses a tool message whose content is [] (as OpenAI does).
+      const content = typeof o.output === "string" ? o.output : o.output.length === 0 ? "" : o.output.map((p) => ({ type: "text", text: p.text }));
+      this.push({ role: "tool", tool_call_id: o.call_id, content }, from);
+    }
+    // reasoning items: dropped (chat upstreams take no reasoning input).
+  }
 }
 
 /** A function_call_output that answers no function_call just before it (other calls and outputs between), in OpenAI's Responses words. */

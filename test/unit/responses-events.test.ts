@@ -1,5 +1,5 @@
 import { describe, expect, test } from "bun:test";
-import { responseEventStream } from "../../src/responses/events.ts";
+import { responseEventStream, responsesTransform } from "../../src/responses/events.ts";
 import { plainTextDelta } from "../../src/responses/stream-state.ts";
 import { type ResponseObject, responseFromChat } from "../../src/responses/output.ts";
 import { until } from "../helpers/poll.ts";
@@ -407,6 +407,35 @@ describe("responseEventStream: the event sequence", () => {
     release?.();
     expect((await end).done).toBe(true);
     expect(stored).toBe(true);
+  });
+
+  test("onFinal called once whatever it returns; finish() hands the relay a promise only when onFinal returned one (a response not stored has nothing to wait for)", async () => {
+    const events = [ROLE, chunk({ content: "x" }), chunk({}, "stop"), DONE].map((p) => Buffer.from(p));
+    const run = (hook: (r: ResponseObject) => void | Promise<void>) => {
+      const tf = responsesTransform(meta({ store: false }), hook);
+      tf.start();
+      for (const e of events) tf.events([e]);
+      return tf;
+    };
+    let calls = 0;
+    const plain = run(() => {
+      calls++;
+    });
+    expect(plain.finish()).toBeUndefined();
+    expect(plain.finish()).toBeUndefined();
+    plain.cancel();
+    expect(calls).toBe(1);
+    // A hook that throws: the stream still ends cleanly, with nothing to wait for.
+    const throwing = run(() => {
+      throw new Error("hook");
+    });
+    expect(throwing.finish()).toBeUndefined();
+    // A promise, rejected or not, is waited for (and never rejects the relay's close).
+    const failing = run(() => Promise.reject(new Error("store down")));
+    const f = failing.finish();
+    expect(f).toBeInstanceOf(Promise);
+    expect(await f).toBeUndefined();
+    expect(failing.finish()).toBe(f);
   });
 });
 

@@ -90,6 +90,64 @@ describe("toChat", () => {
     ]);
   });
 
+  test("pinned: the chat body and the echo of a request with every field translated or echoed, byte for byte (as serialised)", () => {
+    const body = parseResponsesBody(
+      {
+        model: "m",
+        instructions: "sys",
+        stream: true,
+        store: false,
+        input: [
+          { role: "developer", content: "dev" },
+          { role: "user", content: [{ type: "input_text", text: "hi" }, { type: "input_image", image_url: "https://x.example/a.png", detail: "low" }] },
+          { type: "function_call", call_id: "c1", name: "f", arguments: "{}" },
+          { type: "function_call_output", call_id: "c1", output: "ok" },
+          { role: "assistant", content: "done" },
+        ],
+        tools: [{ type: "web_search" }, { type: "function", name: "f", description: "d", parameters: { type: "object" }, strict: true }, { type: "function", name: "g" }],
+        tool_choice: { type: "allowed_tools", mode: "required", tools: [{ type: "function", name: "f" }] },
+        parallel_tool_calls: false,
+        max_output_tokens: 100,
+        temperature: 0.5,
+        top_p: 0.9,
+        top_logprobs: 2,
+        include: ["message.output_text.logprobs"],
+        reasoning: { effort: "low", summary: "auto", context: "all_turns", mode: "x" },
+        metadata: { a: "b" },
+        user: "u",
+        safety_identifier: "s",
+        prompt_cache_key: "k",
+        prompt_cache_retention: "24h",
+        truncation: "auto",
+        max_tool_calls: 3,
+        text: { format: { type: "json_schema", name: "n", schema: { type: "object" }, strict: true, description: "dd" }, verbosity: "low" },
+      },
+      "ignore",
+    );
+    const t = toChat(body, [], false);
+    expect(JSON.stringify(t.chat)).toBe(
+      "{\"model\":\"m\",\"messages\":[{\"role\":\"system\",\"content\":\"sys\"},{\"role\":\"system\",\"content\":\"dev\"},{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"hi\"},{\"type\":\"image_url\",\"image_url\":{\"url\":\"https://x.example/a.png\",\"detail\":\"low\"}}]},{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]},{\"role\":\"tool\",\"tool_call_id\":\"c1\",\"content\":\"ok\"},{\"role\":\"assistant\",\"content\":\"done\"}],\"stream\":true,\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"description\":\"d\",\"parameters\":{\"type\":\"object\"},\"strict\":true}}],\"tool_choice\":\"required\",\"parallel_tool_calls\":false,\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"n\",\"schema\":{\"type\":\"object\"},\"strict\":true,\"description\":\"dd\"}},\"max_tokens\":100,\"temperature\":0.5,\"top_p\":0.9,\"logprobs\":true,\"top_logprobs\":2,\"reasoning_effort\":\"low\",\"user\":\"u\"}",
+    );
+    expect(JSON.stringify(t.echo)).toBe(
+      "{\"instructions\":\"sys\",\"max_output_tokens\":100,\"max_tool_calls\":3,\"metadata\":{\"a\":\"b\"},\"parallel_tool_calls\":false,\"previous_response_id\":null,\"prompt_cache_key\":\"k\",\"prompt_cache_retention\":\"24h\",\"safety_identifier\":\"s\",\"temperature\":0.5,\"top_logprobs\":2,\"top_p\":0.9,\"tool_choice\":{\"type\":\"allowed_tools\",\"mode\":\"required\",\"tools\":[{\"type\":\"function\",\"name\":\"f\"}]},\"tools\":[{\"type\":\"function\",\"name\":\"f\",\"description\":\"d\",\"parameters\":{\"type\":\"object\"},\"strict\":true},{\"type\":\"function\",\"name\":\"g\",\"description\":null,\"parameters\":null,\"strict\":null}],\"text\":{\"format\":{\"type\":\"json_schema\",\"name\":\"n\",\"schema\":{\"type\":\"object\"},\"strict\":true,\"description\":\"dd\"},\"verbosity\":\"low\"},\"reasoning\":{\"effort\":\"low\",\"summary\":\"auto\",\"context\":\"all_turns\",\"mode\":\"x\"},\"store\":false,\"truncation\":\"auto\",\"user\":\"u\"}",
+    );
+    const plain = toChat(parseResponsesBody({ model: "m", input: "hello" }), [], false);
+    expect(JSON.stringify(plain.chat)).toBe("{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hello\"}]}");
+    expect(JSON.stringify(plain.echo)).toBe(
+      "{\"instructions\":null,\"max_output_tokens\":null,\"max_tool_calls\":null,\"metadata\":{},\"parallel_tool_calls\":true,\"previous_response_id\":null,\"prompt_cache_key\":null,\"prompt_cache_retention\":null,\"safety_identifier\":null,\"temperature\":null,\"top_logprobs\":null,\"top_p\":null,\"tool_choice\":\"auto\",\"tools\":[],\"text\":{\"format\":{\"type\":\"text\"},\"verbosity\":null},\"reasoning\":{\"effort\":null,\"summary\":null},\"store\":false,\"truncation\":\"disabled\",\"user\":null}",
+    );
+  });
+
+  test("store: false builds no stored input items (nothing would read them); stored, each input item has its id", () => {
+    expect(toChat(parseResponsesBody({ model: "m", input: "hello" }), [], false).inputItems).toEqual([]);
+    expect(toChat(parseResponsesBody({ model: "m", input: [{ role: "user", content: "a" }, { role: "assistant", content: "b" }] }), [], false).inputItems).toEqual([]);
+    const ok = parseResponsesBody({ model: "m", input: "hello" });
+    const stored = toChat(ok, [], true).inputItems;
+    expect(stored).toHaveLength(1);
+    expect(stored[0]).toMatchObject({ type: "message", role: "user", content: [{ type: "input_text", text: "hello" }], status: "completed" });
+    expect(stored[0]?.id).toMatch(/^msg_[0-9a-f]{32}$/);
+  });
+
   test("only reasoning items: no messages is a 400 on input", () => {
     expect(() => toChat(parseResponsesBody({ model: "m", input: [{ type: "reasoning", summary: [] }] }), [], false)).toThrow(AppError);
   });
