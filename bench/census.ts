@@ -3,7 +3,9 @@
  * thread: `bun run bench/census.ts [--requests N] [--warmup N] > /dev/null`;
  * with `--stream` (or `--responses`, a Responses stream with `store: false`)
  * and `--tokens N`, what one streamed request of N upstream chunks allocates
- * (the access log goes to standard output, the figures to standard error).
+ * (the access log goes to standard output, the figures to standard error);
+ * `--reasoning N` puts N reasoning deltas before the answer (the simulator's
+ * `reasoning_content` chunks, as vLLM's reasoning parsers send them).
  *
  * A gateway in this process (embedded database in memory, access log on,
  * metrics on, a quota on the organisation), the simulator and the client in
@@ -41,6 +43,8 @@ const { values: args } = parseArgs({
     stream: { type: "boolean", default: false },
     responses: { type: "boolean", default: false },
     tokens: { type: "string", default: "16" },
+    // Reasoning deltas before the answer's tokens (a reasoning model behind vLLM's reasoning parser).
+    reasoning: { type: "string", default: "0" },
   },
 });
 const N = Number(args.requests);
@@ -50,6 +54,12 @@ const sim = Bun.spawn(["bun", "run", "src/main.ts", "simulate-upstream", "--port
   stderr: "inherit",
 });
 const simUrl = (JSON.parse(await firstLine(sim.stdout)) as { url: string }).url;
+const reasoningDeltas = Math.max(0, Math.floor(Number(args.reasoning) || 0));
+if (reasoningDeltas > 0) {
+  // The simulator sends its reasoning text 4 characters a delta.
+  const r = await fetch(`${new URL(simUrl).origin}/__sim/config`, { method: "POST", body: JSON.stringify({ reasoning: "hmm ".repeat(reasoningDeltas) }) });
+  if (!r.ok) throw new Error(`simulator config: ${r.status}`);
+}
 
 // Configured through a file, as `serve --config` is.
 const configFile = join(mkdtempSync(join(tmpdir(), "gateway-census-")), "config.json");

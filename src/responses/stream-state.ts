@@ -3,8 +3,9 @@
  * payloads in, Responses SSE text out, no I/O (events.ts wraps it in a
  * stream). Each input payload yields its events at once; nothing is held
  * back for later input, so the client sees a token when the upstream sent it.
- * A plain text delta is taken as bytes and written as bytes (`plainText`:
- * its text is never decoded on the way); every other chunk as a string.
+ * A plain text or reasoning delta is taken as bytes and written as bytes
+ * (`plainText`: its text is never decoded on the way); every other chunk as
+ * a string.
  *
  * Items follow the order the upstream's deltas open them: a `reasoning` item
  * for `reasoning_content`/`reasoning` text, a `message` item for `content`
@@ -62,10 +63,14 @@ interface OpenMessage {
   text?: OpenText;
   refusal?: { part: OutputRefusal; at: number };
 }
+/** A reasoning item while it is open: its text held as JSON string content, as an open output_text part's (OpenText). */
 interface OpenReasoning {
   item: ReasoningItem;
   index: number;
   part: ReasoningText;
+  text: JsonText;
+  /** `,"item_id":"…","output_index":…,"content_index":0,"delta":"`, as bytes (the delta events the upstream's bytes go into). */
+  deltaHead: Buffer | undefined;
 }
 interface Call {
   callId: string | undefined;
@@ -91,6 +96,14 @@ function eventLogprobs(lps: Logprob[] | undefined): string {
 
 /** A plain text delta as vLLM (and the simulator) write one: `{…,"choices":[{"index":0,"delta":{"content":"…"},"logprobs":null,"finish_reason":null}]}`. */
 const PLAIN_HEAD = ',"choices":[{"index":0,"delta":{"content":"';
+/**
+ * A plain reasoning delta as vLLM's reasoning parsers write one (a DeltaMessage
+ * with only its reasoning set, dumped with exclude_unset): the same chunk with
+ * `reasoning_content` (older vLLM, and the simulator) or `reasoning` (newer) in
+ * place of `content`. A delta with both names, or reasoning and content
+ * together (the chunk where the reasoning ends), is not one: it is decoded.
+ */
+const REASONING_HEADS = [',"choices":[{"index":0,"delta":{"reasoning_content":"', ',"choices":[{"index":0,"delta":{"reasoning":"'].map((h) => Buffer.from(h));
 const PLAIN_TAIL = '"},"logprobs":null,"finish_reason":null}]}';
 
 /**
@@ -128,14 +141,32 @@ const ERROR_KEY = Buffer.from('"error"');
  * would take included, is -1, for the decoding path.
  */
 export function plainTextAt(b: Buffer, from: number, to: number): number {
+  return deltaStringAt(b, from, to, PLAIN_HEAD_BYTES);
+}
+
+/**
+ * `plainTextAt` for a plain reasoning delta (REASONING_HEADS): where its
+ * reasoning text's JSON string content starts (it ends where PLAIN_TAIL
+ * starts), or -1. The same checks, the same strictness (`isStringifiedText`).
+ */
+export function reasoningTextAt(b: Buffer, from: number, to: number): number {
+  for (const head of REASONING_HEADS) {
+    const start = deltaStringAt(b, from, to, head);
+    if (start !== -1) return start;
+  }
+  return -1;
+}
+
+/** The chunk b[from..to) is `{…` + head + one JSON string's content + PLAIN_TAIL, with no usage or error: where the content starts, or -1. */
+function deltaStringAt(b: Buffer, from: number, to: number, head: Buffer): number {
   const end = to - PLAIN_TAIL_BYTES.length;
   if (b[from] !== 0x7b || end < from || b.compare(PLAIN_TAIL_BYTES, 0, PLAIN_TAIL_BYTES.length, end, to) !== 0) return -1;
-  const at = b.indexOf(PLAIN_HEAD_BYTES, from);
-  if (at === -1 || at + PLAIN_HEAD_BYTES.length > end) return -1;
+  const at = b.indexOf(head, from);
+  if (at === -1 || at + head.length > end) return -1;
   const u = b.lastIndexOf(USAGE_KEY, at);
   const e = b.lastIndexOf(ERROR_KEY, at);
   if ((u !== -1 && u >= from) || (e !== -1 && e >= from)) return -1;
-  const start = at + PLAIN_HEAD_BYTES.length;
+  const start = at + head.length;
   return isStringifiedText(b, start, end) ? start : -1;
 }
 
@@ -143,6 +174,9 @@ export function plainTextAt(b: Buffer, from: number, to: number): number {
 const TEXT_DELTA_START = Buffer.from('event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":');
 /** And after its delta's content (a delta taken from the upstream's bytes has no logprobs). */
 const TEXT_DELTA_END = Buffer.from('","logprobs":[]}\n\n');
+/** A reasoning delta event, before its sequence number and after its delta's content. */
+const REASONING_DELTA_START = Buffer.from('event: response.reasoning_text.delta\ndata: {"type":"response.reasoning_text.delta","sequence_number":');
+const REASONING_DELTA_END = Buffer.from('"}\n\n');
 
 export class ChatToResponses {
   /**
@@ -264,7 +298,8 @@ export class ChatToResponses {
     return index;
   }
 
-  private reasoningDelta(delta: string): void {
+  /** The open reasoning item, opened (and a message before it ended) if there is none. */
+  private openReasoning(): OpenReasoning {
     this.closeMessage("completed");
     if (!this.rs) {
       const item: ReasoningItem = { type: "reasoning", id: itemId("rs"), summary: [], content: [], status: "in_progress" };
@@ -272,11 +307,16 @@ export class ChatToResponses {
       const part: ReasoningText = { type: "reasoning_text", text: "" };
       item.content.push(part);
       this.emit("response.content_part.added", `"item_id":"${item.id}","output_index":${index},"content_index":0,"part":${q(part)}`);
-      this.rs = { item, index, part };
+      this.rs = { item, index, part, text: new JsonText(), deltaHead: undefined };
     }
-    const { item, index, part } = this.rs;
-    part.text += delta;
-    this.emit("response.reasoning_text.delta", `"item_id":"${item.id}","output_index":${index},"content_index":0,"delta":${q(delta)}`);
+    return this.rs;
+  }
+
+  private reasoningDelta(delta: string): void {
+    const { item, index, text } = this.openReasoning();
+    const quoted = q(delta);
+    text.appendQuoted(quoted);
+    this.emit("response.reasoning_text.delta", `"item_id":"${item.id}","output_index":${index},"content_index":0,"delta":${quoted}`);
   }
 
   private openMessage(): OpenMessage {
@@ -309,15 +349,16 @@ export class ChatToResponses {
 
   /**
    * One whole SSE event's data, b[from..to), when it is a plain text delta
-   * whose text the upstream escaped as JSON.stringify would (`plainTextAt`):
-   * its events are written to `out` (those already queued first), the text
-   * going from the upstream's bytes to the event's without being decoded, and
-   * true. False, with nothing written, for any other chunk (`data` reads it).
+   * whose text the upstream escaped as JSON.stringify would (`plainTextAt`),
+   * or a plain reasoning delta likewise (`reasoningTextAt`): its events are
+   * written to `out` (those already queued first), the text going from the
+   * upstream's bytes to the event's without being decoded, and true. False,
+   * with nothing written, for any other chunk (`data` reads it).
    */
   plainText(b: Buffer, from: number, to: number, out: ByteWriter): boolean {
     if (this.final || this.finishReason !== null) return false;
     const start = plainTextAt(b, from, to);
-    if (start === -1) return false;
+    if (start === -1) return this.plainReasoning(b, from, to, out);
     const end = to - PLAIN_TAIL_BYTES.length;
     if (start === end) return true;
     const text = this.textPart(this.openMessage());
@@ -333,10 +374,35 @@ export class ChatToResponses {
     return true;
   }
 
+  /** `plainText` for a plain reasoning delta (`reasoningTextAt`): its text goes from the upstream's bytes to the event's as well. */
+  private plainReasoning(b: Buffer, from: number, to: number, out: ByteWriter): boolean {
+    const start = reasoningTextAt(b, from, to);
+    if (start === -1) return false;
+    const end = to - PLAIN_TAIL_BYTES.length;
+    // An empty reasoning delta opens nothing, as `choice` reads it.
+    if (start === end) return true;
+    const r = this.openReasoning();
+    r.text.appendContent(b, start, end);
+    // The item and part it opened (and the end of a message before it) go first.
+    out.string(this.take());
+    r.deltaHead ??= Buffer.from(`,"item_id":"${r.item.id}","output_index":${r.index},"content_index":0,"delta":"`);
+    out.bytes(REASONING_DELTA_START);
+    out.int(this.seq++);
+    out.bytes(r.deltaHead);
+    out.bytes(b, start, end);
+    out.bytes(REASONING_DELTA_END);
+    return true;
+  }
+
   /** part.text from the text held, for the done events and any Response built while the part is open. */
   private settleText(m: OpenMessage | undefined): void {
     const t = m?.text;
     if (t && t.text.byteLength > 0) t.part.text = t.text.text();
+  }
+
+  /** The reasoning's part.text from the text held, likewise. */
+  private settleReasoning(r: OpenReasoning | undefined): void {
+    if (r && r.text.byteLength > 0) r.part.text = r.text.text();
   }
 
   private refusalDelta(delta: string): void {
@@ -399,6 +465,7 @@ export class ChatToResponses {
     const r = this.rs;
     if (!r) return;
     this.rs = undefined;
+    this.settleReasoning(r);
     const at = `"item_id":"${r.item.id}","output_index":${r.index},"content_index":0`;
     this.emit("response.reasoning_text.done", `${at},"text":${q(r.part.text)}`);
     this.emit("response.content_part.done", `${at},"part":${q(r.part)}`);
@@ -462,6 +529,7 @@ export class ChatToResponses {
   /** Items still open when the answer stops short: reported as incomplete, without their done events. */
   private markOpenIncomplete(): void {
     this.settleText(this.msg);
+    this.settleReasoning(this.rs);
     for (const item of this.output) if (item.status === "in_progress") item.status = "incomplete";
   }
 

@@ -9,7 +9,7 @@ import { ByteWriter } from "../../src/lib/byte-writer.ts";
 import { responsesTransform } from "../../src/responses/events.ts";
 import { isStringifiedText, JsonText } from "../../src/responses/json-text.ts";
 import type { ResponseObject } from "../../src/responses/output.ts";
-import { plainTextAt, plainTextDelta } from "../../src/responses/stream-state.ts";
+import { plainTextAt, plainTextDelta, reasoningTextAt } from "../../src/responses/stream-state.ts";
 import { chunk, DONE, meta, ROLE, USAGE } from "../helpers/responses.ts";
 
 /** A small seeded generator, so a failure can be run again (FUZZ_SEED). */
@@ -335,5 +335,185 @@ describe("JsonText and ByteWriter", () => {
     w.reset();
     w.string("after");
     expect(Buffer.from(w.take()).toString()).toBe("after");
+  });
+});
+
+/** A plain reasoning delta exactly as vLLM's reasoning parsers write one (`reasoning_content`, or `reasoning` in newer vLLM), its text's JSON string content as given. */
+const rawReasoning = (content: string, key: "reasoning_content" | "reasoning" = "reasoning_content") =>
+  `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"chat-small","choices":[{"index":0,"delta":{"${key}":"${content}"},"logprobs":null,"finish_reason":null}]}\n\n`;
+
+describe("reasoningTextAt: a plain reasoning delta on the chunk's bytes", () => {
+  test("takes a chunk only when it is one reasoning delta of choice 0 and nothing else, with the text the full parse gives, and every stringified one", () => {
+    const r = rng(SEED + 4);
+    const body = (t: string, key: string, over = "", delta = "") =>
+      `{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m"${over},"choices":[{"index":0,"delta":{${delta}"${key}":"${t}"},"logprobs":null,"finish_reason":null}]}`;
+    let taken = 0;
+    for (let i = 0; i < 3_000; i++) {
+      const text = randomText(r);
+      const spellings = [JSON.stringify(text).slice(1, -1), otherSpelling(text, r), text.replaceAll('"', ""), text];
+      for (const key of ["reasoning_content", "reasoning", "content", "refusal"]) {
+        for (const s of spellings) {
+          for (const payload of [body(s, key), body(s, key, ',"usage":null'), body(s, key, ',"error":1'), body(s, key, "", '"content":"x",'), body(s, key, "", '"reasoning":"x",'), ` ${body(s, key)}`, `${body(s, key)}}`]) {
+            const b = Buffer.from(`data: ${payload}\n\n`);
+            const at = reasoningTextAt(b, 6, b.length - 2);
+            if (at === -1) continue;
+            taken++;
+            const end = b.length - 2 - '"},"logprobs":null,"finish_reason":null}]}'.length;
+            // What the decoding path reads: the chunk parsed, its delta's reasoning (either name) and nothing else.
+            const delta = (JSON.parse(b.toString("utf8", 6, b.length - 2)) as { choices: { delta: Record<string, unknown> }[] }).choices[0]?.delta;
+            expect({ payload, keys: Object.keys(delta ?? {}) }).toEqual({ payload, keys: [key] });
+            expect({ payload, text: delta?.[key] }).toEqual({ payload, text: JSON.parse(`"${b.toString("utf8", at, end)}"`) });
+          }
+        }
+        const canonical = Buffer.from(`data: ${body(JSON.stringify(text).slice(1, -1), key)}\n\n`);
+        const reasoning = key === "reasoning_content" || key === "reasoning";
+        if (text.isWellFormed()) expect({ key, at: reasoningTextAt(canonical, 6, canonical.length - 2) !== -1 }).toEqual({ key, at: reasoning });
+      }
+    }
+    expect(taken).toBeGreaterThan(3_000);
+  });
+});
+
+describe("the reasoning delta event's bytes", () => {
+  test("pinned: escapes and raw UTF-8 taken as bytes, under either name; another spelling decoded; the item's text, its done events and the final Response the same as decoded", () => {
+    const finals: ResponseObject[] = [];
+    const tf = responsesTransform(meta({ store: false }), (r) => {
+      finals.push(r);
+    });
+    text(tf.start());
+    expect(tf.events([Buffer.from(ROLE)])).toBe("");
+    const first = tf.events([Buffer.from(chunk({ reasoning_content: 'a"b\\c\u0001\n é€😀\u2028/' }))]);
+    expect(first).toBeInstanceOf(Uint8Array);
+    const rs = /"id":"(rs_[0-9a-f]{48})"/.exec(text(first))?.[1];
+    expect(rs).toBeDefined();
+    expect(text(first)).toBe(
+      `event: response.output_item.added\ndata: {"type":"response.output_item.added","sequence_number":2,"output_index":0,"item":{"type":"reasoning","id":"${rs}","summary":[],"content":[],"status":"in_progress"}}\n\n` +
+        `event: response.content_part.added\ndata: {"type":"response.content_part.added","sequence_number":3,"item_id":"${rs}","output_index":0,"content_index":0,"part":{"type":"reasoning_text","text":""}}\n\n` +
+        `event: response.reasoning_text.delta\ndata: {"type":"response.reasoning_text.delta","sequence_number":4,"item_id":"${rs}","output_index":0,"content_index":0,"delta":"a\\"b\\\\c\\u0001\\n é€😀\u2028/"}\n\n`,
+    );
+    // vLLM's newer name: the same item, as bytes.
+    const second = tf.events([Buffer.from(chunk({ reasoning: "!" }))]);
+    expect(second).toBeInstanceOf(Uint8Array);
+    expect(text(second)).toBe(
+      `event: response.reasoning_text.delta\ndata: {"type":"response.reasoning_text.delta","sequence_number":5,"item_id":"${rs}","output_index":0,"content_index":0,"delta":"!"}\n\n`,
+    );
+    // Another spelling of the same text: decoded and escaped again, the same event.
+    const third = tf.events([Buffer.from(rawReasoning("\\/\\u0041\\u00e9\\ud83d\\ude00\\u001F", "reasoning"))]);
+    expect(typeof third).toBe("string");
+    expect(third).toBe(
+      `event: response.reasoning_text.delta\ndata: {"type":"response.reasoning_text.delta","sequence_number":6,"item_id":"${rs}","output_index":0,"content_index":0,"delta":"/Aé😀\\u001f"}\n\n`,
+    );
+    // An empty reasoning delta: nothing.
+    expect(tf.events([Buffer.from(chunk({ reasoning_content: "" }))])).toBe("");
+    // The text begins: the reasoning item ends with its whole text (bytes and decoded pieces joined).
+    const all = 'a"b\\c\u0001\n é€😀\u2028/!/Aé😀\u001f';
+    const answer = text(tf.events([Buffer.from(chunk({ content: "ok" }))]));
+    const [done, partDone, itemDone] = answer.split("\n\n");
+    expect(done).toBe(`event: response.reasoning_text.done\ndata: {"type":"response.reasoning_text.done","sequence_number":7,"item_id":"${rs}","output_index":0,"content_index":0,"text":${JSON.stringify(all)}}`);
+    expect(partDone).toBe(
+      `event: response.content_part.done\ndata: {"type":"response.content_part.done","sequence_number":8,"item_id":"${rs}","output_index":0,"content_index":0,"part":{"type":"reasoning_text","text":${JSON.stringify(all)}}}`,
+    );
+    expect(itemDone).toBe(
+      `event: response.output_item.done\ndata: {"type":"response.output_item.done","sequence_number":9,"output_index":0,"item":{"type":"reasoning","id":"${rs}","summary":[],"content":[{"type":"reasoning_text","text":${JSON.stringify(all)}}],"status":"completed"}}`,
+    );
+    for (const e of [chunk({}, "stop"), USAGE, DONE]) tf.events([Buffer.from(e)]);
+    expect(finals[0]?.output[0]).toMatchObject({ type: "reasoning", content: [{ text: all }], status: "completed" });
+  });
+
+  test("an unescaped quote or control character in the reasoning is not passed on: the chunk is read as JSON, as before (a quote may end the string and open content)", () => {
+    // The quote ends the string: the chunk is JSON whose delta is reasoning "a" and content "b".
+    const injected = [ROLE, rawReasoning('a","content":"b'), chunk({}, "stop"), DONE];
+    const w = whole(injected);
+    expect(w.outs[2]).toBeString();
+    expect(normalise(w.text)).toBe(normalise(split(injected).text));
+    expect(w.text).toContain('"delta":"a"}');
+    expect(w.finals[0]?.output_text).toBe("b");
+    for (const bad of ['a"b', "a\u0001b", "a\nb"]) {
+      const events = [ROLE, rawReasoning(bad), chunk({}, "stop"), DONE];
+      expect(normalise(whole(events).text)).toBe(normalise(split(events).text));
+      expect(whole(events).text).toContain("response.failed");
+    }
+    // Bytes that are not UTF-8: decoded as before (U+FFFD), never passed on.
+    for (const bytes of [[0x80], [0xc3], [0xed, 0xa0, 0x80], [0xff]]) {
+      const [head, tail] = rawReasoning("a|b").split("|");
+      const event = Buffer.concat([Buffer.from(head ?? ""), Buffer.from(bytes), Buffer.from(tail ?? "")]);
+      const events = [ROLE, event, chunk({ reasoning_content: "c" }), chunk({}, "stop"), USAGE, DONE];
+      const w = whole(events);
+      expect(w.outs[2]).toBeString();
+      expect(w.outs[3]).toBeInstanceOf(Uint8Array);
+      expect(normalise(w.text)).toBe(normalise(split(events).text));
+      const sent = Buffer.concat(w.outs.map((o) => (typeof o === "string" ? Buffer.from(o) : o)));
+      expect(sent.includes(Buffer.from(bytes))).toBe(false);
+    }
+  });
+
+  test("random answers of reasoning and text: whole events (bytes where the upstream escaped as JSON.stringify) and events cut in two (decoded) give the same bytes", () => {
+    const r = rng(SEED + 5);
+    let byBytes = 0;
+    for (let run = 0; run < 400; run++) {
+      const reasoning: string[] = [];
+      const events = [ROLE];
+      let spliced = false;
+      let answered = false;
+      const n = 1 + r.int(10);
+      for (let i = 0; i < n; i++) {
+        const t = r.next() < 0.05 ? randomText(r, 400) : randomText(r);
+        const key = r.next() < 0.5 ? "reasoning_content" : "reasoning";
+        const roll = r.next();
+        if (roll < 0.45) {
+          reasoning.push(t);
+          events.push(chunk({ [key]: t }));
+        } else if (roll < 0.6) {
+          reasoning.push(t);
+          events.push(rawReasoning(otherSpelling(t, r), key));
+        } else if (roll < 0.8) {
+          // Both names (the same text), or reasoning with content: not a plain delta, the full parse.
+          reasoning.push(t);
+          if (r.next() < 0.5) events.push(chunk({ reasoning: t, reasoning_content: t }));
+          else {
+            events.push(chunk({ [key]: t, content: "x" }));
+            answered = true;
+          }
+        } else if (roll < 0.95) {
+          events.push(chunk({ content: t }));
+          answered = true;
+        } else {
+          events.push(rawReasoning(t, key));
+          spliced = true;
+        }
+      }
+      events.push(chunk({}, r.next() < 0.5 ? "stop" : "length"), USAGE, DONE);
+      const w = whole(events);
+      const s = split(events);
+      byBytes += w.outs.filter((o) => o instanceof Uint8Array).length;
+      expect({ run, events, out: normalise(w.text) }).toEqual({ run, events, out: normalise(s.text) });
+      expect(normalise(JSON.stringify(w.finals))).toBe(normalise(JSON.stringify(s.finals)));
+      // Reasoning only (nothing spliced): the deltas are the texts, and the item's text is their join.
+      if (!spliced && !answered) {
+        const deltas = w.text
+          .split("\n\n")
+          .filter((e) => e.startsWith("event: response.reasoning_text.delta\n"))
+          .map((e) => (JSON.parse(e.slice(e.indexOf("data: ") + 6)) as { delta: string }).delta);
+        expect(deltas).toEqual(reasoning.filter((t) => t !== ""));
+        const item = w.finals[0]?.output.find((o) => o.type === "reasoning");
+        if (reasoning.join("") !== "") expect(item?.type === "reasoning" && item.content[0]?.text).toBe(reasoning.join(""));
+      }
+    }
+    expect(byBytes).toBeGreaterThan(400);
+  });
+
+  test("a client gone, or the stream failed, mid-reasoning: the Response has the reasoning so far, bytes and decoded pieces joined", () => {
+    for (const end of ["cancel", "fail"] as const) {
+      const finals: ResponseObject[] = [];
+      const tf = responsesTransform(meta({ store: false }), (r) => {
+        finals.push(r);
+      });
+      tf.start();
+      for (const e of [ROLE, chunk({ reasoning_content: "caf" }), rawReasoning("\\u00e9 "), chunk({ reasoning: "ok" })]) tf.events([Buffer.from(e)]);
+      if (end === "cancel") tf.cancel();
+      else tf.fail("gone");
+      expect(finals).toHaveLength(1);
+      expect(finals[0]?.output).toMatchObject([{ type: "reasoning", status: "incomplete", content: [{ type: "reasoning_text", text: "café ok" }] }]);
+    }
   });
 });
