@@ -231,7 +231,7 @@ export function callIdFor(upstream: string | undefined, used: Set<string>): stri
 }
 
 /** A Response with no output yet (`response.created`), or the frame the final one is built in. */
-export function responseShell(meta: ResponseMeta, status: ResponseStatus): ResponseObject {
+export function responseShell(meta: ResponseMeta, status: ResponseStatus, output?: OutputItem[]): ResponseObject {
   const e = meta.echo;
   const r: ResponseObject = {
     id: meta.id,
@@ -246,7 +246,7 @@ export function responseShell(meta: ResponseMeta, status: ResponseStatus): Respo
     max_output_tokens: e.max_output_tokens,
     max_tool_calls: e.max_tool_calls,
     model: meta.model,
-    output: [],
+    output: output ?? [],
     output_text: "",
     parallel_tool_calls: e.parallel_tool_calls,
     previous_response_id: e.previous_response_id,

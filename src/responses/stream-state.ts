@@ -202,9 +202,7 @@ export class ChatToResponses {
 
   /** The Response as it stands, in a new frame. */
   private frame(status: ResponseObject["status"]): ResponseObject {
-    const r = responseShell(this.meta, status);
-    r.output = this.output;
-    return r;
+    return responseShell(this.meta, status, this.output);
   }
 
   private emit(type: string, body: string): void {
@@ -227,12 +225,16 @@ export class ChatToResponses {
     return this.final ? "" : ": keep-alive\n\n";
   }
 
-  /** `response.created` and `response.in_progress`, sent before the upstream's first chunk is read. */
+  /**
+   * `response.created` and `response.in_progress`, sent before the upstream's
+   * first chunk is read: the Response serialised once, both events written in
+   * one string (as emit would write them).
+   */
   start(): string {
     const snapshot = q(this.frame("in_progress"));
-    this.emit("response.created", `"response":${snapshot}`);
-    this.emit("response.in_progress", `"response":${snapshot}`);
-    return this.take();
+    const created = this.seq++;
+    const inProgress = this.seq++;
+    return `${this.take()}event: response.created\ndata: {"type":"response.created","sequence_number":${created},"response":${snapshot}}\n\nevent: response.in_progress\ndata: {"type":"response.in_progress","sequence_number":${inProgress},"response":${snapshot}}\n\n`;
   }
 
   /** One chat SSE `data:` payload (`[DONE]`, a chunk, or the gateway's error event) -> the Responses events it causes. */

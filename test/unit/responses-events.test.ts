@@ -409,6 +409,15 @@ describe("responseEventStream: the event sequence", () => {
     expect(stored).toBe(true);
   });
 
+  test("pinned: response.created and response.in_progress, byte for byte (the Response as it stands, serialised once for both)", () => {
+    const tf = responsesTransform(meta({ store: false, instructions: 'be "brief"\n', metadata: { a: "b" }, user: "u", reasoning: { effort: "bogus", summary: "auto" } }), () => {});
+    const response = "{\"id\":\"resp_test1\",\"object\":\"response\",\"created_at\":1790000000,\"status\":\"in_progress\",\"background\":false,\"completed_at\":null,\"error\":null,\"incomplete_details\":null,\"instructions\":\"be \\\"brief\\\"\\n\",\"max_output_tokens\":null,\"max_tool_calls\":null,\"model\":\"chat-small\",\"output\":[],\"output_text\":\"\",\"parallel_tool_calls\":true,\"previous_response_id\":null,\"prompt_cache_key\":null,\"prompt_cache_retention\":null,\"reasoning\":{\"effort\":null,\"summary\":\"auto\"},\"safety_identifier\":null,\"service_tier\":\"default\",\"store\":false,\"temperature\":null,\"text\":{\"format\":{\"type\":\"text\"},\"verbosity\":null},\"tool_choice\":\"auto\",\"tools\":[],\"top_logprobs\":null,\"top_p\":null,\"truncation\":\"disabled\",\"metadata\":{\"a\":\"b\"},\"access_programs\":null,\"user\":\"u\"}";
+    expect(tf.start()).toBe(
+      `event: response.created\ndata: {"type":"response.created","sequence_number":0,"response":${response}}\n\n` +
+        `event: response.in_progress\ndata: {"type":"response.in_progress","sequence_number":1,"response":${response}}\n\n`,
+    );
+  });
+
   test("onFinal called once whatever it returns; finish() hands the relay a promise only when onFinal returned one (a response not stored has nothing to wait for)", async () => {
     const events = [ROLE, chunk({ content: "x" }), chunk({}, "stop"), DONE].map((p) => Buffer.from(p));
     const run = (hook: (r: ResponseObject) => void | Promise<void>) => {
