@@ -170,6 +170,54 @@ function deltaStringAt(b: Buffer, from: number, to: number, head: Buffer): numbe
   return isStringifiedText(b, start, end) ? start : -1;
 }
 
+/** The role chunk that opens vLLM's (and the simulator's) answers: its delta has no text, so it causes no event. */
+const ROLE_TAIL = Buffer.from(',"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}');
+const QUOTE = 0x22;
+const BACKSLASH = 0x5c;
+
+/** b[i] opens a JSON string as JSON.stringify writes it (isStringifiedText) that closes before `end`: the index after its closing quote, or -1. */
+function stringifiedEnd(b: Buffer, i: number, end: number): number {
+  if (b[i] !== QUOTE) return -1;
+  let j = i + 1;
+  while (j < end && b[j] !== QUOTE) j += b[j] === BACKSLASH ? 2 : 1;
+  return j < end && isStringifiedText(b, i + 1, j) ? j + 1 : -1;
+}
+
+/**
+ * Whether b[from..to) is the role chunk as vLLM writes it, the whole of it
+ * well-formed JSON: `{`, members whose keys are strings and whose values are
+ * strings, non-negative integers or null (id, object, created, model),
+ * nothing named usage or error, then ROLE_TAIL. Such a chunk is JSON whose
+ * choice 0 has an empty delta and no finish: `data` would parse it and write
+ * nothing, so it is passed over without being decoded. Any other spelling
+ * (spaces, other fields, a prefix that is not JSON) is decoded, as before.
+ */
+export function isRoleChunk(b: Buffer, from: number, to: number): boolean {
+  const end = to - ROLE_TAIL.length;
+  if (b[from] !== 0x7b || end <= from + 1 || b.compare(ROLE_TAIL, 0, ROLE_TAIL.length, end, to) !== 0) return false;
+  const u = b.indexOf(USAGE_KEY, from);
+  const e = b.indexOf(ERROR_KEY, from);
+  if ((u !== -1 && u < end) || (e !== -1 && e < end)) return false;
+  let i = from + 1;
+  for (;;) {
+    i = stringifiedEnd(b, i, end);
+    if (i === -1 || b[i] !== 0x3a) return false;
+    i++;
+    if (b[i] === QUOTE) i = stringifiedEnd(b, i, end);
+    else if (b[i] === 0x6e) i = b[i + 1] === 0x75 && b[i + 2] === 0x6c && b[i + 3] === 0x6c ? i + 4 : -1;
+    else {
+      // A non-negative integer, no leading zero.
+      const first = i;
+      while (i < end && (b[i] as number) >= 0x30 && (b[i] as number) <= 0x39) i++;
+      if (i === first || (b[first] === 0x30 && i > first + 1)) return false;
+    }
+    if (i === -1 || i > end) return false;
+    if (i === end) return true;
+    if (b[i] !== 0x2c) return false;
+    i++;
+  }
+}
+
 /** What a text delta event holds before its sequence number. */
 const TEXT_DELTA_START = Buffer.from('event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":');
 /** And after its delta's content (a delta taken from the upstream's bytes has no logprobs). */
@@ -379,7 +427,8 @@ export class ChatToResponses {
   /** `plainText` for a plain reasoning delta (`reasoningTextAt`): its text goes from the upstream's bytes to the event's as well. */
   private plainReasoning(b: Buffer, from: number, to: number, out: ByteWriter): boolean {
     const start = reasoningTextAt(b, from, to);
-    if (start === -1) return false;
+    // The role chunk: nothing to write, and nothing decoded to find that out.
+    if (start === -1) return isRoleChunk(b, from, to);
     const end = to - PLAIN_TAIL_BYTES.length;
     // An empty reasoning delta opens nothing, as `choice` reads it.
     if (start === end) return true;

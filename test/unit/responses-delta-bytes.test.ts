@@ -9,7 +9,7 @@ import { ByteWriter } from "../../src/lib/byte-writer.ts";
 import { responsesTransform } from "../../src/responses/events.ts";
 import { isStringifiedText, JsonText } from "../../src/responses/json-text.ts";
 import type { ResponseObject } from "../../src/responses/output.ts";
-import { plainTextAt, plainTextDelta, reasoningTextAt } from "../../src/responses/stream-state.ts";
+import { isRoleChunk, plainTextAt, plainTextDelta, reasoningTextAt } from "../../src/responses/stream-state.ts";
 import { chunk, DONE, meta, ROLE, USAGE } from "../helpers/responses.ts";
 
 /** A small seeded generator, so a failure can be run again (FUZZ_SEED). */
@@ -515,5 +515,54 @@ describe("the reasoning delta event's bytes", () => {
       expect(finals).toHaveLength(1);
       expect(finals[0]?.output).toMatchObject([{ type: "reasoning", status: "incomplete", content: [{ type: "reasoning_text", text: "café ok" }] }]);
     }
+  });
+});
+
+describe("isRoleChunk: the answer's opening role chunk passed over without being decoded", () => {
+  const TAIL = ',"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}';
+  test("vLLM's (and the simulator's, through the relay) is taken; it causes no event", () => {
+    const b = Buffer.from(ROLE);
+    expect(isRoleChunk(b, 6, b.length - 2)).toBe(true);
+    const tf = responsesTransform(meta({ store: false }), () => {});
+    tf.start();
+    expect(tf.events([b])).toBe("");
+  });
+
+  test("taken only when the whole chunk is JSON whose choice 0 is the empty role delta, with no usage or error (random prefixes)", () => {
+    const r = rng(SEED + 6);
+    const MEMBERS = ['"id":"chatcmpl-1"', '"object":"chat.completion.chunk"', '"created":1732000000', '"created":0', '"model":"m"', '"model":"é\\"\\\\"', '"n":null', '"a":01', '"b":-1', '"c":1.5', '"d":true', '"e":{}', '"f":[]', ' "g":1', '"h" :1', '"i": 1', '"usage":null', '"usage":{"prompt_tokens":1}', '"object":"error"', '"error":"x"', '"k":"\\u0041"', '"k":"a\nb"', '"k', '"k":"x', '"k":', ":1", '"choices":"x"', '"choices":[]', '"\\ud83d":1'];
+    let taken = 0;
+    for (let i = 0; i < 4_000; i++) {
+      const n = r.int(5);
+      const members: string[] = [];
+      for (let j = 0; j < n; j++) members.push(r.pick(MEMBERS));
+      const sep = r.next() < 0.9 ? "," : r.pick([", ", ",,", ""]);
+      const prefix = `{${members.join(sep)}`;
+      const tail = r.next() < 0.9 ? TAIL : r.pick([TAIL.replace('""', '"x"'), TAIL.replace("null}", '"stop"}'), `${TAIL} `, TAIL.replace("assistant", "user")]);
+      const b = Buffer.from(`data: ${prefix}${tail}\n\n`);
+      const ok = isRoleChunk(b, 6, b.length - 2);
+      let parsed: unknown;
+      try {
+        parsed = JSON.parse(b.toString("utf8", 6, b.length - 2));
+      } catch {
+        parsed = undefined;
+      }
+      const v = parsed as { usage?: unknown; error?: unknown; object?: unknown; choices?: unknown } | undefined;
+      const isObj = (x: unknown) => typeof x === "object" && x !== null && !Array.isArray(x);
+      if (ok) {
+        taken++;
+        expect({ prefix, tail, parsed: parsed !== undefined }).toEqual({ prefix, tail, parsed: true });
+        expect({ prefix, choices: v?.choices, usage: isObj(v?.usage), error: isObj(v?.error) || v?.object === "error" }).toEqual({
+          prefix,
+          choices: [{ index: 0, delta: { role: "assistant", content: "" }, logprobs: null, finish_reason: null }],
+          usage: false,
+          error: false,
+        });
+      }
+      // Whichever path reads it, the stream's events are the same.
+      const events = [b, chunk({ content: "x" }), chunk({}, "stop"), DONE];
+      expect({ prefix, tail, out: normalise(whole(events).text) }).toEqual({ prefix, tail, out: normalise(split(events).text) });
+    }
+    expect(taken).toBeGreaterThan(200);
   });
 });
