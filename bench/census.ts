@@ -5,7 +5,9 @@
  * and `--tokens N`, what one streamed request of N upstream chunks allocates
  * (the access log goes to standard output, the figures to standard error);
  * `--reasoning N` puts N reasoning deltas before the answer (the simulator's
- * `reasoning_content` chunks, as vLLM's reasoning parsers send them).
+ * `reasoning_content` chunks, as vLLM's reasoning parsers send them);
+ * the chunks come in one burst unless `--inter-token-ms M` (> 0) spaces them,
+ * one read each, as a real server's.
  *
  * A gateway in this process (embedded database in memory, access log on,
  * metrics on, a quota on the organisation), the simulator and the client in
@@ -45,11 +47,14 @@ const { values: args } = parseArgs({
     tokens: { type: "string", default: "16" },
     // Reasoning deltas before the answer's tokens (a reasoning model behind vLLM's reasoning parser).
     reasoning: { type: "string", default: "0" },
+    // The upstream's time between tokens: 0 sends the answer in one burst (a few reads for the whole stream);
+    // above 0 each chunk comes in its own read, as from a real server, and what a read costs is counted too.
+    "inter-token-ms": { type: "string", default: "0" },
   },
 });
 const N = Number(args.requests);
 
-const sim = Bun.spawn(["bun", "run", "src/main.ts", "simulate-upstream", "--port", "0", "--ttft-ms", "0", "--inter-token-ms", "0", "--tokens", String(Number(args.tokens))], {
+const sim = Bun.spawn(["bun", "run", "src/main.ts", "simulate-upstream", "--port", "0", "--ttft-ms", "0", "--inter-token-ms", String(Number(args["inter-token-ms"])), "--tokens", String(Number(args.tokens))], {
   stdout: "pipe",
   stderr: "inherit",
 });

@@ -6,7 +6,7 @@ import type { Metering, RequestOutcome, Ticket, UsageReport } from "../limits/me
 import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
 import type { ImageUrlCheck } from "./image-url.ts";
-import { type EndStream, relayStream } from "./stream.ts";
+import { type EndableStream, type RelayOptions, relayStream, type StreamEnd } from "./stream.ts";
 import { countTextAfterReport, type ReportedText, sseAsCompletion } from "./whole-answer.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
@@ -98,6 +98,12 @@ const SSE_HEADERS = {
   "x-accel-buffering": "no",
 };
 const NO_USAGE: UsageReport = { promptTokens: 0, completionTokens: 0 };
+
+/** `new Promise(takeResolve)` leaves the promise's resolve function in `taken`: a promise made with no closure. */
+let taken: (o: StreamOutcome) => void = () => {};
+function takeResolve(resolve: (o: StreamOutcome) => void): void {
+  taken = resolve;
+}
 
 const int = (v: unknown): number | undefined => (typeof v === "number" && Number.isFinite(v) ? Math.max(0, Math.round(v)) : undefined);
 
@@ -203,7 +209,7 @@ function parseJson(text: string): unknown {
 export function createInferenceService(deps: ServiceDeps) {
   const { config, metering, log, upstream } = deps;
   /** Streams being relayed, so shutdown can end them cleanly (`endStreams`). */
-  const open = new Set<EndStream>();
+  const open = new Set<EndableStream>();
 
   function outcome(alias: string, target: Target | undefined, status: number, start: number, streamed: boolean): RequestOutcome {
     return { alias, target: target?.label ?? "", status, latencyMs: performance.now() - start, streamed };
@@ -384,80 +390,101 @@ export function createInferenceService(deps: ServiceDeps) {
     }
     // A bound was sent: an upstream that streams past it is cut there (stream.ts).
     const generation = told > 0 ? { maxTokens: told, choices } : undefined;
-    return relay(opened, { name, alias, clientWantsUsage, promptEstimate, promptReserve: metered ? promptReserve : undefined, reservedCap, bounds, generation, ticket, start, signal: ctx.signal, requestId: ctx.requestId, transform: ctx.transform, beforeClose: ctx.beforeClose });
+    const idleMs = timeoutsFor(config, alias).idleMs;
+    return relay(opened, new StreamCall(name, opened.target, ctx, ticket, start, clientWantsUsage, promptEstimate, metered ? promptReserve : undefined, reservedCap, bounds, generation, choices, idleMs));
   }
 
   /**
-   * The streamed answer. Its own function so that what the stream keeps alive
-   * until it ends (the onEnd closure's scope) holds no request body: a closure
-   * made inside `chat` would keep the parsed messages (large prompts, base64
-   * images) for the stream's whole life.
+   * A streamed answer's options for the relay and what its end settles
+   * (RelayOptions): one object per stream, whose methods every stream shares
+   * (the class is made once per service), where an options object, two
+   * closures and the spreads that built it were made per stream before. It
+   * holds no request body: a closure made inside `runChat` would keep the
+   * parsed messages (large prompts, base64 images) for the stream's whole life.
    */
-  function relay(
-    opened: Opened,
-    r: {
-      name: string;
-      alias: AliasConfig;
-      clientWantsUsage: boolean;
-      promptEstimate: number;
+  class StreamCall implements RelayOptions {
+    readonly signal: AbortSignal;
+    private readonly requestId: string;
+    readonly transform: RelayTransform | undefined;
+    readonly beforeClose: (() => void) | undefined;
+    /**
+     * A transform holds the whole answer (the Responses API: its final event and the store), so the answer
+     * is bounded as a non-streamed one is; a plain chat stream holds none of it.
+     */
+    readonly maxTextBytes: number | undefined;
+    /** Settles when the stream ends (`onEnd`). */
+    readonly ended: Promise<StreamOutcome>;
+    private readonly settled: (o: StreamOutcome) => void;
+
+    constructor(
+      /** The alias the client named. */
+      readonly alias: string,
+      private readonly target: Target,
+      ctx: RequestMeta,
+      private readonly ticket: Ticket,
+      private readonly start: number,
+      readonly clientWantsUsage: boolean,
+      readonly promptEstimate: number,
       /** The prompt tokens the quota reserved (its bound); undefined without a quota. */
-      promptReserve: number | undefined;
+      private readonly promptReserve: number | undefined,
       /** promptReserve when it is also the prompt count's bound (no context window); see checkedUsage. */
-      reservedCap: number | undefined;
-      bounds: UsageBounds;
-      generation: { maxTokens: number; choices: number } | undefined;
-      ticket: Ticket;
-      start: number;
-      signal: AbortSignal;
-      requestId: string;
-      transform: RelayTransform | undefined;
-      beforeClose: (() => void) | undefined;
-    },
-  ): Served {
-    const { name, ticket, start, promptEstimate } = r;
-    const target = opened.target;
+      private readonly reservedCap: number | undefined,
+      readonly bounds: UsageBounds,
+      readonly generation: { maxTokens: number; choices: number } | undefined,
+      /** `n`: the relay tells when every choice has finished. */
+      readonly choices: number,
+      readonly idleMs: number,
+    ) {
+      this.signal = ctx.signal;
+      this.requestId = ctx.requestId;
+      this.transform = ctx.transform;
+      this.beforeClose = ctx.beforeClose;
+      this.maxTextBytes = ctx.transform ? config.upstream.maxResponseBytes : undefined;
+      this.ended = new Promise(takeResolve);
+      this.settled = taken;
+    }
+
+    get open(): Set<EndableStream> {
+      return open;
+    }
+
+    errorBody(code: ErrorCode, message: string): unknown {
+      return deps.wire.errorBody(code, message);
+    }
+
+    onImplausibleUsage(counted: Counted): void {
+      checkedUsage(this.alias, this.target, counted, this.reservedCap, this.requestId);
+    }
+
+    onEnd(end: StreamEnd): void {
+      const name = this.alias;
+      deps.streams?.dec();
+      // Without the upstream's count (stream cut off), estimate from what the client received;
+      // either way never past the bound the upstream was sent (usage.ts): that is all that was reserved.
+      // A stream the upstream (or the gateway's shutdown) ended before any text reached the client, with
+      // no report, delivered nothing and failed through no fault of the client's: charged nothing, as
+      // the same failure of a JSON answer is (settleFailure). Before, it was charged the prompt estimate.
+      // A client that left (499) is charged as before.
+      const nothing = end.usage === undefined && end.deliveredChars === 0 && (end.outcome === "failed" || end.outcome === "ended");
+      const counted = end.usage ?? (nothing ? NO_USAGE : { promptTokens: this.promptEstimate, completionTokens: charsToTokens(end.deliveredChars) });
+      const usage = { promptTokens: counted.promptTokens, completionTokens: Math.min(counted.completionTokens, this.bounds.completionTokens) };
+      promptOverReserve(name, usage.promptTokens, this.promptReserve, this.requestId);
+      // "ended" (cut at shutdown) is a 503 like an upstream failure: the client got the same error event.
+      // "bound" (ended at the bound the upstream ignored) ended as a complete answer does.
+      const status = end.outcome === "done" || end.outcome === "bound" ? 200 : end.outcome === "client_gone" ? 499 : 503;
+      if (end.outcome === "bound") {
+        log.warn("upstream streamed past max_tokens; the answer was ended at the bound", { alias: name, target: this.target.label, max_tokens: this.generation?.maxTokens, request_id: this.requestId });
+      }
+      metering.settle(this.ticket, usage, outcome(name, this.target, status, this.start, true));
+      if (end.outcome === "failed") log.warn("upstream stream failed", { alias: name, target: this.target.label, reason: end.reason, request_id: this.requestId });
+      this.settled(status === 503 ? { status, usage, error: "service_unavailable" } : { status, usage });
+    }
+  }
+
+  /** The streamed answer: the relay's stream as the response, and when it ends. */
+  function relay(opened: Opened, call: StreamCall): Served {
     deps.streams?.inc();
-    let settled: (o: StreamOutcome) => void = () => {};
-    const ended = new Promise<StreamOutcome>((resolve) => (settled = resolve));
-    const stream = relayStream(opened, {
-      alias: name,
-      clientWantsUsage: r.clientWantsUsage,
-      idleMs: timeoutsFor(config, r.alias).idleMs,
-      signal: r.signal,
-      // A transform holds the whole answer (the Responses API: its final event and the store), so the answer
-      // is bounded as a non-streamed one is; a plain chat stream holds none of it.
-      ...(r.transform ? { transform: r.transform, maxTextBytes: config.upstream.maxResponseBytes } : {}),
-      ...(r.beforeClose ? { beforeClose: r.beforeClose } : {}),
-      promptEstimate,
-      bounds: r.bounds,
-      ...(r.generation ? { generation: r.generation } : {}),
-      onImplausibleUsage: (counted) => checkedUsage(name, target, counted, r.reservedCap, r.requestId),
-      open,
-      errorBody: deps.wire.errorBody,
-      onEnd(end) {
-        deps.streams?.dec();
-        // Without the upstream's count (stream cut off), estimate from what the client received;
-        // either way never past the bound the upstream was sent (usage.ts): that is all that was reserved.
-        // A stream the upstream (or the gateway's shutdown) ended before any text reached the client, with
-        // no report, delivered nothing and failed through no fault of the client's: charged nothing, as
-        // the same failure of a JSON answer is (settleFailure). Before, it was charged the prompt estimate.
-        // A client that left (499) is charged as before.
-        const nothing = end.usage === undefined && end.deliveredChars === 0 && (end.outcome === "failed" || end.outcome === "ended");
-        const counted = end.usage ?? (nothing ? NO_USAGE : { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) });
-        const usage = { promptTokens: counted.promptTokens, completionTokens: Math.min(counted.completionTokens, r.bounds.completionTokens) };
-        promptOverReserve(name, usage.promptTokens, r.promptReserve, r.requestId);
-        // "ended" (cut at shutdown) is a 503 like an upstream failure: the client got the same error event.
-        // "bound" (ended at the bound the upstream ignored) ended as a complete answer does.
-        const status = end.outcome === "done" || end.outcome === "bound" ? 200 : end.outcome === "client_gone" ? 499 : 503;
-        if (end.outcome === "bound") {
-          log.warn("upstream streamed past max_tokens; the answer was ended at the bound", { alias: name, target: target.label, max_tokens: r.generation?.maxTokens, request_id: r.requestId });
-        }
-        metering.settle(ticket, usage, outcome(name, target, status, start, true));
-        if (end.outcome === "failed") log.warn("upstream stream failed", { alias: name, target: target.label, reason: end.reason, request_id: r.requestId });
-        settled(status === 503 ? { status, usage, error: "service_unavailable" } : { status, usage });
-      },
-    });
-    return { reply: new Response(stream, { headers: SSE_HEADERS }), ended };
+    return { reply: new Response(relayStream(opened, call), { headers: SSE_HEADERS }), ended: call.ended };
   }
 
   async function embeddings(principal: Principal, raw: unknown): Promise<CheckedCall> {
@@ -518,7 +545,7 @@ export function createInferenceService(deps: ServiceDeps) {
    */
   function endStreams(message: string): number {
     const n = open.size;
-    for (const endStream of [...open]) endStream(message);
+    for (const s of [...open]) s.endStream(message);
     return n;
   }
 

@@ -1,6 +1,7 @@
 import type { ErrorCode } from "../lib/errors.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
-import { SseFramer } from "../lib/sse.ts";
+import type { DirectUnderlyingSource } from "bun";
+import { type EventSink, SseFramer } from "../lib/sse.ts";
 import type { Opened } from "./upstream/index.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import { isRecord } from "../lib/guards.ts";
@@ -19,6 +20,7 @@ import {
   isPlainData,
   LF2,
   plainDataEvent,
+  type SwapFields,
   swapFields,
   textArgumentsEvent,
   withAlias,
@@ -56,7 +58,7 @@ import { wholeAnswer } from "./whole-answer.ts";
  * with it, and the client would see a reset connection; here we still write a
  * final `data: {"error":…}` event (which the SDKs raise as an APIError) and
  * close the response cleanly. Direct, rather than a pull-based stream, because
- * it holds less per open stream (see `relay`).
+ * it holds less per open stream (see `Relay.pull`).
  */
 
 export interface StreamEnd {
@@ -94,6 +96,8 @@ export interface RelayOptions {
    * certainly ignored it, and the answer ends there (`finishAtBound`).
    */
   generation?: { maxTokens: number; choices: number };
+  /** The number of choices (`n`) the upstream was asked for; 1 when not given. */
+  choices?: number;
   /**
    * The most delta text the stream may carry, in bytes as sent (escapes
    * included: `DeltaScan.sentBytes`, not the UTF-8 bytes of the text that
@@ -112,10 +116,10 @@ export interface RelayOptions {
   /** The wire's error body (src/http/errors.ts) for the error event a failed stream ends with. */
   errorBody(code: ErrorCode, message: string): unknown;
   /**
-   * Open streams register their `EndStream` here until they end, so shutdown
-   * can end them all (one add and one delete per stream, nothing per chunk).
+   * Open streams register here until they end, so shutdown can end them all
+   * (one add and one delete per stream, nothing per chunk).
    */
-  open?: Set<EndStream>;
+  open?: Set<EndableStream>;
   /**
    * Rewrites what is sent (the Responses API's events): each read's events,
    * the gateway's own error event included, go through it on the same write,
@@ -126,11 +130,23 @@ export interface RelayOptions {
   beforeClose?(): void;
 }
 
-/** Ends an open stream the way a mid-stream upstream failure does: an error event, then a clean close. */
-export type EndStream = (message: string) => void;
+/** An open stream, as shutdown sees it. */
+export interface EndableStream {
+  /** Ends the stream the way a mid-stream upstream failure does: an error event, then a clean close. */
+  endStream(message: string): void;
+}
 
-/** How long the rest of an upstream's body may take after [DONE] (normally the end of its chunked framing, at once). */
+/** No breakdowns (before any usage report): one object for every stream, never written. */
+const NO_DETAILS: UsageDetails = Object.freeze({});
+
+/**
+ * How long the rest of an upstream's body may take after [DONE] (normally the
+ * end of its chunked framing, at once); and how long its usage chunk may take
+ * after a client left once the answer was complete (`cancel`).
+ */
 const DRAIN_MS = 1_000;
+/** The most read for that usage chunk (it and [DONE] are a few hundred bytes). */
+const DRAIN_BYTES = 64 * 1024;
 
 /**
  * The usage in an event's JSON, its counts checked (usage.ts). When one had
@@ -183,75 +199,130 @@ function usageOut(u: { promptTokens: number; completionTokens: number }, breakdo
   return { prompt_tokens: p, completion_tokens: t, total_tokens: p + t, ...usageDetails(breakdowns as Record<string, unknown>, p, t) };
 }
 
-export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint8Array> {
-  const swap = swapFields(up.target, opts.alias);
-  const tf = opts.transform;
+/**
+ * One open stream's relay: its state as fields and its steps as methods, which
+ * every stream shares; an open stream holds this object, its framer and the
+ * arrays it needs, where a closure per step (~15, each with its scope) was
+ * made per stream before. It is also what the stream needs around it:
+ *  - the ReadableStream's direct source (`type`, `pull`, `cancel`: Bun calls
+ *    them with the source as `this`). Bun also reads a source's `start`,
+ *    `close` and `autoAllocateChunkSize`, and calls its `close` when the
+ *    controller closes: nothing here may be named so;
+ *  - its framer's event sink (`onEvent`), its delta scan (`structuredArguments`,
+ *    chunk-bytes.ts), its idle timer's argument (`idleCheck`), and the entry
+ *    shutdown ends (`endStream`, in `opts.open`).
+ */
+class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan, EndableStream {
+  private readonly swap: SwapFields;
+  private readonly tf: RelayTransform | undefined;
   /** The upstream's events, as SSE reads them (lib/sse.ts). */
-  const framer = new SseFramer();
+  private readonly framer = new SseFramer();
+  /** What the current read's events give the client (sent once per read). */
+  private readonly out: Buffer[] = [];
   /** How the upstream's first event ended (undefined until one has). */
-  let sep: Buffer | undefined;
-  /** The line ends of the events the gateway writes itself: the upstream's first event's CRLF, else LF. */
-  const termOut = () => (sep === CRLF2 ? "\r\n\r\n" : "\n\n");
-  const scan: DeltaScan = { structuredArguments: false, sentBytes: 0 };
-  let sawDone = false;
-  let usage: StreamEnd["usage"];
+  private sep: Buffer | undefined;
+  /** DeltaScan: the current event's tool-call arguments are a JSON object or array. */
+  structuredArguments = false;
+  /** DeltaScan: the current event's delta text in bytes as sent, escapes included. */
+  sentBytes = 0;
+  private sawDone = false;
+  private usage: StreamEnd["usage"];
   /** The breakdowns (cached, reasoning tokens…) of the upstream's last usage report, checked: a usage chunk the gateway adds after it keeps them. */
-  let usageBreakdowns: UsageDetails = {};
+  private usageBreakdowns: UsageDetails = NO_DETAILS;
   /** The upstream's chunk id (read from its first chunk), for a usage chunk the gateway adds. */
-  let chunkId: string | undefined;
+  private chunkId: string | undefined;
   /** UTF-8 bytes of the delta text delivered (its decoded text, whatever escapes it was sent with): what the estimate counts. */
-  let deliveredChars = 0;
+  private deliveredChars = 0;
   /** The same text's bytes as sent, escapes included: what maxTextBytes bounds. */
-  let sentChars = 0;
+  private sentChars = 0;
   /** deliveredChars when the last usage report arrived (that event's own text included): what followed is not in it. */
-  let charsAtUsage = 0;
-  let ended = false;
-  let upstreamError: string | undefined;
-  const gen = opts.generation;
+  private charsAtUsage = 0;
+  private ended = false;
+  private upstreamError: string | undefined;
+  private readonly gen: RelayOptions["generation"];
   /** Events of delta text so far, over all choices: each stands for at least one generated token. */
-  let textEvents = 0;
-  /** With n > 1: events of text per choice, and which choices have finished (their finish_reason came). */
-  const perChoice = gen && gen.choices > 1 ? new Array<number>(gen.choices).fill(0) : undefined;
-  const finished = perChoice ? new Array<boolean>(perChoice.length).fill(false) : undefined;
+  private textEvents = 0;
+  /** With n > 1 and a bound: events of text per choice. */
+  private readonly perChoice: number[] | undefined;
+  /** The choices asked for (`n`), and how many have finished (their finish_reason came); with n > 1, which. */
+  private readonly choices: number;
+  private finishedChoices = 0;
+  private readonly finished: boolean[] | undefined;
+  /**
+   * The client left once the answer was complete, before its usage chunk: the
+   * upstream is read on for that chunk, relaying nothing (`cancel`); `drainTimer`
+   * gives up after DRAIN_MS, `drained` counts the bytes read meanwhile.
+   */
+  private clientLeft = false;
+  private drainTimer: ReturnType<typeof setTimeout> | undefined;
+  private drained = 0;
+  /** A usage report came with or after the event that finished the answer: it counts the whole answer. */
+  private usageAfterFinish = false;
   /** The upstream went past its bound: the event that did so was dropped, and the answer ends (finishAtBound). */
-  let pastBound = false;
+  private pastBound = false;
   /** The answer would pass maxTextBytes: the event that would have was dropped, and the stream fails. */
-  let tooLarge = false;
-
+  private tooLarge = false;
   // Idle timer without per-chunk timer churn: each read only stamps when it
   // started waiting; the timer wakes once per idle period and re-arms for the
   // remainder. Only time spent waiting on the upstream counts: a slow client
   // (back-pressure, no read pending) is not the upstream being idle.
-  let waitingSince: number | undefined;
-  let idleFired = false;
-  let idleTimer: ReturnType<typeof setTimeout> | undefined;
-  const checkIdle = () => {
-    const idle = waitingSince === undefined ? 0 : performance.now() - waitingSince;
-    if (idle >= opts.idleMs) {
-      idleFired = true;
-      up.abort(`stream idle for ${opts.idleMs} ms`);
-    } else idleTimer = setTimeout(checkIdle, opts.idleMs - idle);
-  };
-  idleTimer = setTimeout(checkIdle, opts.idleMs);
-
+  private waitingSince: number | undefined;
+  private idleFired = false;
+  private idleTimer: ReturnType<typeof setTimeout> | undefined;
   /** Set when the gateway ends the stream itself: the read below then fails with this message. */
-  let endedBecause: string | undefined;
-  const endStream: EndStream = (message) => {
-    if (ended || endedBecause !== undefined) return;
-    endedBecause = message;
-    up.abort(message);
-  };
+  private endedBecause: string | undefined;
 
-  const end = (outcome: StreamEnd["outcome"], reason?: string) => {
-    if (ended) return;
-    ended = true;
-    clearTimeout(idleTimer);
-    opts.open?.delete(endStream);
+  constructor(
+    private readonly up: Opened,
+    private readonly opts: RelayOptions,
+  ) {
+    this.swap = swapFields(up.target, opts.alias);
+    this.tf = opts.transform;
+    const gen = opts.generation;
+    this.gen = gen;
+    this.perChoice = gen && gen.choices > 1 ? new Array<number>(gen.choices).fill(0) : undefined;
+    this.choices = gen?.choices ?? opts.choices ?? 1;
+    this.finished = this.choices > 1 ? new Array<boolean>(this.choices).fill(false) : undefined;
+    this.idleTimer = setTimeout(idleCheck, opts.idleMs, this);
+  }
+
+  /** A direct stream (Bun's): see `pull`. On the prototype, as every other member the source is read for. */
+  get type(): "direct" {
+    return "direct";
+  }
+
+  /** The line ends of the events the gateway writes itself: the upstream's first event's CRLF, else LF. */
+  private termOut(): string {
+    return this.sep === CRLF2 ? "\r\n\r\n" : "\n\n";
+  }
+
+  checkIdle(): void {
+    const idle = this.waitingSince === undefined ? 0 : performance.now() - this.waitingSince;
+    if (idle >= this.opts.idleMs) {
+      this.idleFired = true;
+      this.up.abort(`stream idle for ${this.opts.idleMs} ms`);
+    } else this.idleTimer = setTimeout(idleCheck, this.opts.idleMs - idle, this);
+  }
+
+  endStream(message: string): void {
+    if (this.ended || this.endedBecause !== undefined) return;
+    this.endedBecause = message;
+    this.up.abort(message);
+  }
+
+  private end(outcome: StreamEnd["outcome"], reason?: string): void {
+    if (this.ended) return;
+    this.ended = true;
+    clearTimeout(this.idleTimer);
+    clearTimeout(this.drainTimer);
+    this.opts.open?.delete(this);
     // Only the upstream's own failures count against its breaker.
-    up.finish(outcome === "done" ? true : outcome === "failed" ? false : null);
-    const reported = usage && { promptTokens: usage.promptTokens, completionTokens: completionSoFar(usage, deliveredChars, charsAtUsage) };
-    opts.onEnd({ outcome, usage: reported, deliveredChars, ...(reason ? { reason } : {}) });
-  };
+    this.up.finish(outcome === "done" ? true : outcome === "failed" ? false : null);
+    const usage = this.usage;
+    const reported = usage && { promptTokens: usage.promptTokens, completionTokens: completionSoFar(usage, this.deliveredChars, this.charsAtUsage) };
+    const deliveredChars = this.deliveredChars;
+    this.opts.onEnd(reason ? { outcome, usage: reported, deliveredChars, reason } : { outcome, usage: reported, deliveredChars });
+  }
 
   /**
    * Counts an event of the answer against the bound the upstream was sent;
@@ -259,169 +330,253 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
    * max_tokens (or, where an event's choice cannot be told, the stream more
    * than n × max_tokens). With n = 1 that is one counter.
    */
-  const beyondBound = (g: NonNullable<RelayOptions["generation"]>, event: Buffer, at: number, text: number): boolean => {
-    if (text > 0) textEvents++;
-    if (perChoice && finished) {
+  private beyondBound(g: NonNullable<RelayOptions["generation"]>, event: Buffer, at: number, text: number): boolean {
+    if (text > 0) this.textEvents++;
+    const perChoice = this.perChoice;
+    if (perChoice && text > 0) {
       const k = choiceIndexOf(event, at);
       if (k >= 0 && k < perChoice.length) {
-        if (text > 0) {
-          const seen = (perChoice[k] ?? 0) + 1;
-          perChoice[k] = seen;
-          if (seen > g.maxTokens) return true;
-        }
-        if (finishes(event, at)) finished[k] = true;
+        const seen = (perChoice[k] ?? 0) + 1;
+        perChoice[k] = seen;
+        if (seen > g.maxTokens) return true;
       }
     }
-    return textEvents > g.maxTokens * g.choices;
-  };
+    return this.textEvents > g.maxTokens * g.choices;
+  }
+
+  /**
+   * Notes the choice a relayed event finishes (its finish_reason came; with
+   * n > 1 only an event of one choice tells which). Once every choice has,
+   * the upstream has stopped generating: the client leaving no longer aborts
+   * its call by itself (`cancel` decides).
+   */
+  private noteFinish(event: Buffer, at: number): void {
+    const finished = this.finished;
+    if (finished) {
+      const k = choiceIndexOf(event, at);
+      if (k < 0 || k >= finished.length || finished[k] || !finishes(event, at)) return;
+      finished[k] = true;
+    } else if (!finishes(event, at)) return;
+    if (++this.finishedChoices === this.choices) this.up.detach();
+  }
+
+  /** The usage an event carries, its counts checked (usage.ts) and taken as the stream's; undefined when it cannot be read. */
+  private takeUsage(event: Buffer, at: number, termLen: number, text: number): ReturnType<typeof usageOf> {
+    const opts = this.opts;
+    // A report that leaves the prompt out (a server reporting it on the first chunk, the completion on the
+    // last) keeps the count reported before; before, the estimate took its place.
+    const estimate = { promptTokens: this.usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: charsToTokens(this.deliveredChars + text) };
+    const parsed = usageOf(event.toString("utf8", at, event.length - termLen), estimate, opts.bounds);
+    if (parsed) {
+      this.usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
+      this.usageBreakdowns = parsed.details;
+      if (this.finishedChoices === this.choices) this.usageAfterFinish = true;
+      if (parsed.counted.rejected) opts.onImplausibleUsage?.(parsed.counted);
+    }
+    return parsed;
+  }
 
   /** Handles one complete event (terminator included); returns the bytes for the client, or undefined to drop it. */
-  const handle = (received: Buffer): Buffer | undefined => {
+  private handle(received: Buffer): Buffer | undefined {
+    const opts = this.opts;
     let event = received;
     // [DONE] ends the answer: anything after it (in the same read) is neither relayed nor counted.
-    if (sawDone) return undefined;
+    if (this.sawDone) return undefined;
     /** The length of the event's own line end, which its data ends before. */
     let termLen: number;
     const own = blankLineOf(event);
     if (own && isPlainData(event, own)) termLen = own.length;
     else {
-      const plain = plainDataEvent(event, termOut());
+      const plain = plainDataEvent(event, this.termOut());
       if (plain === "keep") return event; // comments, keep-alives: pass through
       if (plain === "drop") return undefined;
       event = plain;
-      termLen = termOut().length;
+      termLen = this.termOut().length;
     }
     let at = dataAt(event);
     // Empty data is no chunk (the SDKs would fail parsing it as JSON): dropped, as plainDataEvent drops it.
     if (at === event.length - termLen) return undefined;
+    if (this.clientLeft) {
+      // The client left once the answer was complete: nothing is relayed, the usage (or [DONE]) is looked for.
+      if (isDone(event, at)) this.sawDone = true;
+      else if (carriesUsage(event, at) && this.takeUsage(event, at, termLen, 0)) this.charsAtUsage = this.deliveredChars;
+      return undefined;
+    }
     if (isDone(event, at)) {
-      sawDone = true;
+      this.sawDone = true;
       // Asked for usage and none came (an upstream that ignores include_usage), or text came after the
       // last report (a server that reports on the first or on every chunk): the client gets what is
       // counted, as a JSON answer carries it, before [DONE]. Before, such a client's last word on usage
       // was the early report (1 completion token) while the record charged the text after it too.
-      if (opts.clientWantsUsage && (usage === undefined || deliveredChars > charsAtUsage)) {
+      if (opts.clientWantsUsage && (this.usage === undefined || this.deliveredChars > this.charsAtUsage)) {
         // Never past the bound the upstream was sent (usage.ts): that is what is charged.
-        const completion = completionSoFar(usage, deliveredChars, charsAtUsage);
-        usage = { promptTokens: usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: Math.min(completion, opts.bounds?.completionTokens ?? Number.POSITIVE_INFINITY) };
-        charsAtUsage = deliveredChars;
+        const completion = completionSoFar(this.usage, this.deliveredChars, this.charsAtUsage);
+        const usage = { promptTokens: this.usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: Math.min(completion, opts.bounds?.completionTokens ?? Number.POSITIVE_INFINITY) };
+        this.usage = usage;
+        this.charsAtUsage = this.deliveredChars;
         const chunk = {
-          id: chunkId ?? "",
+          id: this.chunkId ?? "",
           object: "chat.completion.chunk",
           created: Math.floor(Date.now() / 1000),
           model: opts.alias,
           choices: [],
           // The last report's breakdowns, checked again within the counts charged (the completion only grew).
-          usage: usageOut(usage, usageBreakdowns),
+          usage: usageOut(usage, this.usageBreakdowns),
         };
-        return Buffer.concat([Buffer.from(`data: ${JSON.stringify(chunk)}${termOut()}`), event]);
+        return Buffer.concat([Buffer.from(`data: ${JSON.stringify(chunk)}${this.termOut()}`), event]);
       }
       return event;
     }
-    chunkId ??= chunkIdOf(event, at);
+    this.chunkId ??= chunkIdOf(event, at);
     if (isErrorEvent(event, at)) {
-      upstreamError = upstreamMessage(event.toString("utf8", at, event.length - termLen)).message;
+      this.upstreamError = upstreamMessage(event.toString("utf8", at, event.length - termLen)).message;
       return undefined;
     }
-    let text = deltaTextBytes(event, scan);
-    if (scan.structuredArguments) {
+    let text = deltaTextBytes(event, this);
+    if (this.structuredArguments) {
       // Rare (servers that send the arguments parsed): the event is rebuilt with them as text, then counted.
-      const rebuilt = textArgumentsEvent(event.toString("utf8", at, event.length - termLen), termOut());
+      const rebuilt = textArgumentsEvent(event.toString("utf8", at, event.length - termLen), this.termOut());
       if (rebuilt) {
         event = rebuilt;
-        termLen = termOut().length;
+        termLen = this.termOut().length;
         at = dataAt(event);
-        text = deltaTextBytes(event, scan);
+        text = deltaTextBytes(event, this);
       }
     }
-    if (gen && beyondBound(gen, event, at, text)) {
-      pastBound = true;
+    if (this.gen && this.beyondBound(this.gen, event, at, text)) {
+      this.pastBound = true;
       return undefined;
     }
-    if (opts.maxTextBytes !== undefined && sentChars + scan.sentBytes > opts.maxTextBytes) {
-      tooLarge = true;
+    if (opts.maxTextBytes !== undefined && this.sentChars + this.sentBytes > opts.maxTextBytes) {
+      this.tooLarge = true;
       return undefined;
     }
+    if (this.finishedChoices < this.choices) this.noteFinish(event, at);
     let reported = false;
     if (carriesUsage(event, at)) {
-      // A report that leaves the prompt out (a server reporting it on the first chunk, the completion on the
-      // last) keeps the count reported before; before, the estimate took its place.
-      const estimate = { promptTokens: usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: charsToTokens(deliveredChars + text) };
-      const parsed = usageOf(event.toString("utf8", at, event.length - termLen), estimate, opts.bounds);
+      const parsed = this.takeUsage(event, at, termLen, text);
       if (parsed) {
-        usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
-        usageBreakdowns = parsed.details;
         reported = true;
-        if (parsed.counted.rejected) opts.onImplausibleUsage?.(parsed.counted);
         if (!opts.clientWantsUsage && parsed.onlyUsage) {
-          charsAtUsage = deliveredChars;
+          this.charsAtUsage = this.deliveredChars;
           return undefined;
         }
         if (parsed.rewritten !== undefined) {
           // Rare: the event is rebuilt around the checked figures (and still gets the model swap below).
-          event = Buffer.from(`data: ${parsed.rewritten}${termOut()}`);
-          termLen = termOut().length;
+          event = Buffer.from(`data: ${parsed.rewritten}${this.termOut()}`);
+          termLen = this.termOut().length;
           at = dataAt(event);
         }
       }
     }
-    deliveredChars += text;
-    sentChars += scan.sentBytes;
-    if (reported) charsAtUsage = deliveredChars;
+    this.deliveredChars += text;
+    this.sentChars += this.sentBytes;
+    if (reported) this.charsAtUsage = this.deliveredChars;
     // A transform re-serialises the events (the Responses API names the alias itself): no swap to make.
-    if (!swap.swapModel || tf) return event;
-    return withAlias(event, at, swap);
-  };
+    if (!this.swap.swapModel || this.tf) return event;
+    return withAlias(event, at, this.swap);
+  }
 
-  /** Where `feed` puts what goes to the client. */
-  let feeding: Buffer[] = [];
   /** Each complete upstream event; false (stop reading) once one has ended the stream or the answer ([DONE]). */
-  const onEvent = (received: Buffer): boolean => {
+  onEvent(received: Buffer): boolean {
     const event = withWholeLineEnd(received);
-    sep ??= blankLineOf(event) === CRLF2 ? CRLF2 : LF2;
-    const e = handle(event);
-    if (upstreamError !== undefined || pastBound || tooLarge) return false;
-    if (e) feeding.push(e);
-    return !sawDone;
-  };
+    this.sep ??= blankLineOf(event) === CRLF2 ? CRLF2 : LF2;
+    const e = this.handle(event);
+    if (this.upstreamError !== undefined || this.pastBound || this.tooLarge) return false;
+    if (e) this.out.push(e);
+    return !this.sawDone;
+  }
 
   /** Splits a read into complete events, adding what goes to the client to `out`; a trailing partial event is held for the next read. */
-  const feed = (chunk: Uint8Array, out: Buffer[]) => {
-    feeding = out;
-    framer.push(chunk, onEvent);
-  };
+  private feed(chunk: Uint8Array): void {
+    this.framer.push(chunk, this);
+  }
 
-  /** Writes events and pushes them out now (one write per upstream read, so no event waits for the next). */
-  const send = async (c: ReadableStreamDirectController, out: Uint8Array[]) => {
+  /**
+   * Writes events and pushes them out now (one write per upstream read, so no
+   * event waits for the next). Returns a promise only when the client's socket
+   * pushed back (a write or the flush did not complete at once), so that a
+   * read relayed at once allocates no async frame, nor its promise.
+   */
+  private send(c: ReadableStreamDirectController, out: Uint8Array[]): Promise<void> | undefined {
+    const tf = this.tf;
     if (tf) {
       const text = tf.events(out);
-      if (text === "") return;
+      if (text === "") return undefined;
       const w = c.write(text);
-      if (typeof w !== "number") await w;
+      if (pending(w)) return sendRest(c, w, undefined, 0);
     } else {
-      for (const event of out) {
-        const w = c.write(event);
-        if (typeof w !== "number") await w;
+      for (let i = 0; i < out.length; i++) {
+        const w = c.write(out[i] as Uint8Array);
+        if (pending(w)) return sendRest(c, w, out, i + 1);
       }
     }
     const f = c.flush();
-    if (typeof f !== "number") await f;
-  };
+    return pending(f) ? f.then(ignore) : undefined;
+  }
 
-  /** The client went away: stop generation upstream at once. */
-  const clientGone = () => {
-    up.abort("client disconnected");
-    end("client_gone");
-    tf?.cancel();
-  };
+  /**
+   * The client went away (the direct source's `cancel`): generation upstream
+   * is stopped at once. Unless it has stopped already: every choice finished
+   * and only the usage chunk is still to come. Then the upstream is read on
+   * for it, relaying nothing, for at most DRAIN_MS and DRAIN_BYTES, and its
+   * counts are charged (`settleGone`); past those, it is cut and the request
+   * charged by estimate, as any client that leaves is.
+   */
+  cancel(): void {
+    if (this.clientLeft) return;
+    if (this.awaitsUsage()) {
+      this.clientLeft = true;
+      this.tf?.cancel();
+      this.drainTimer = setTimeout(drainGiveUp, DRAIN_MS, this);
+      return;
+    }
+    this.up.abort("client disconnected");
+    this.end("client_gone");
+    this.tf?.cancel();
+  }
 
-  /** Closes the response once the transform (if any) has finished (a stored Response is written first). */
-  const close = async (c: ReadableStreamDirectController) => {
-    const f = tf?.finish();
-    if (f) await f;
-    opts.beforeClose?.();
+  /** The answer is complete upstream, and nothing but its usage chunk (and [DONE]) is missing. */
+  private awaitsUsage(): boolean {
+    return (
+      !this.ended &&
+      this.finishedChoices === this.choices &&
+      !this.usageAfterFinish &&
+      !this.sawDone &&
+      !this.pastBound &&
+      !this.tooLarge &&
+      this.upstreamError === undefined &&
+      this.endedBecause === undefined
+    );
+  }
+
+  /** The usage did not come within DRAIN_MS (or DRAIN_BYTES) of the client leaving: cut, charged by estimate. */
+  giveUpDrain(): void {
+    this.up.abort("client disconnected");
+    this.end("client_gone");
+  }
+
+  /** The usage (or [DONE]) came after the client left: charged now; the rest of the body is read as after [DONE]. */
+  private settleGone(): Promise<void> {
+    this.end("client_gone");
+    return this.drainRest();
+  }
+
+  /**
+   * Closes the response once the transform (if any) has finished (a stored
+   * Response is written first); a promise only when there is that to wait for.
+   */
+  private closeResponse(c: ReadableStreamDirectController): Promise<void> | undefined {
+    const f = this.tf?.finish();
+    if (f) return closeAfter(this, c, f);
+    this.closeNow(c);
+    return undefined;
+  }
+
+  closeNow(c: ReadableStreamDirectController): void {
+    this.opts.beforeClose?.();
     c.close();
-  };
+  }
 
   /**
    * [DONE] was relayed: the answer is complete and settled now, and the
@@ -432,22 +587,29 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
    * then failed a finished stream (an error event after [DONE], a 503), and
    * text sent after [DONE] was relayed and charged.
    */
-  const finishAtDone = async (c: ReadableStreamDirectController) => {
-    end("done");
+  private finishAtDone(c: ReadableStreamDirectController): Promise<void> {
+    this.end("done");
+    let closed: Promise<void> | undefined;
     try {
-      await close(c);
+      closed = this.closeResponse(c);
     } catch {
       // The client left while the transform finished: the request is done all the same.
     }
-    const cut = setTimeout(() => up.abort("the upstream went on after [DONE]"), DRAIN_MS);
+    // One async frame a stream, the drain's, unless a transform is still finishing.
+    return closed ? closeThenDrain(this, closed) : this.drainRest();
+  }
+
+  /** Reads the rest of a finished answer's body and drops it, so its connection can be reused; cut after DRAIN_MS. */
+  async drainRest(): Promise<void> {
+    const cut = setTimeout(drainCut, DRAIN_MS, this.up);
     try {
-      for (;;) if ((await up.reader.read()).done) break;
+      for (;;) if ((await this.up.reader.read()).done) break;
     } catch {
-      // Cut, or the connection went: nothing after [DONE] matters.
+      // Cut, or the connection went: nothing after the answer matters.
     } finally {
       clearTimeout(cut);
     }
-  };
+  }
 
   /**
    * The upstream went past the max_tokens it was sent (it ignores the bound):
@@ -458,57 +620,65 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
    * text delivered (~4 bytes a token), but never less than the events of
    * text seen (each at least one token), and never more than n × max_tokens.
    */
-  const finishAtBound = async (c: ReadableStreamDirectController, g: NonNullable<RelayOptions["generation"]>) => {
-    up.abort("the upstream went past max_tokens");
-    const completion = Math.min(g.maxTokens * g.choices, Math.max(completionSoFar(usage, deliveredChars, charsAtUsage), textEvents));
-    usage = { promptTokens: usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: completion };
-    charsAtUsage = deliveredChars;
-    const term = termOut();
-    const head = `data: {"id":${JSON.stringify(chunkId ?? "")},"object":"chat.completion.chunk","created":${Math.floor(Date.now() / 1000)},"model":${JSON.stringify(opts.alias)},"choices":`;
+  private async finishAtBound(c: ReadableStreamDirectController, g: NonNullable<RelayOptions["generation"]>): Promise<void> {
+    const opts = this.opts;
+    this.up.abort("the upstream went past max_tokens");
+    const completion = Math.min(g.maxTokens * g.choices, Math.max(completionSoFar(this.usage, this.deliveredChars, this.charsAtUsage), this.textEvents));
+    const usage = { promptTokens: this.usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: completion };
+    this.usage = usage;
+    this.charsAtUsage = this.deliveredChars;
+    const term = this.termOut();
+    const head = `data: {"id":${JSON.stringify(this.chunkId ?? "")},"object":"chat.completion.chunk","created":${Math.floor(Date.now() / 1000)},"model":${JSON.stringify(opts.alias)},"choices":`;
     const closing: Buffer[] = [];
     for (let k = 0; k < g.choices; k++) {
-      if (!finished?.[k]) closing.push(Buffer.from(`${head}[{"index":${k},"delta":{},"logprobs":null,"finish_reason":"length"}]}${term}`));
+      if (!this.finished?.[k]) closing.push(Buffer.from(`${head}[{"index":${k},"delta":{},"logprobs":null,"finish_reason":"length"}]}${term}`));
     }
     if (opts.clientWantsUsage) {
       // With the last report's breakdowns, as the chunk added before [DONE] has them.
-      closing.push(Buffer.from(`${head}[],"usage":${JSON.stringify(usageOut(usage, usageBreakdowns))}}${term}`));
+      closing.push(Buffer.from(`${head}[],"usage":${JSON.stringify(usageOut(usage, this.usageBreakdowns))}}${term}`));
     }
     closing.push(Buffer.from(`data: [DONE]${term}`));
     try {
-      await send(c, closing);
+      const sent = this.send(c, closing);
+      if (sent) await sent;
     } catch {
-      clientGone();
+      this.cancel();
       return;
     }
-    end("bound");
+    this.end("bound");
     try {
-      await close(c);
+      const closed = this.closeResponse(c);
+      if (closed) await closed;
     } catch {
       // The client left while the transform finished: the request is done all the same.
     }
-  };
+  }
 
-  const fail = async (c: ReadableStreamDirectController, message: string) => {
-    up.abort(message);
-    end(message === endedBecause ? "ended" : "failed", message);
+  private async fail(c: ReadableStreamDirectController, message: string): Promise<void> {
+    this.up.abort(message);
+    this.end(message === this.endedBecause ? "ended" : "failed", message);
     try {
-      await send(c, [errorEvent(opts, message)]);
-      await close(c);
+      const sent = this.send(c, [errorEvent(this.opts, message)]);
+      if (sent) await sent;
+      const closed = this.closeResponse(c);
+      if (closed) await closed;
     } catch {
       // The client is already gone.
     }
-  };
+  }
 
   /**
-   * The upstream's reads, relayed until the stream ends. A Bun "direct"
-   * stream: events are written straight to the response (awaiting the write is
-   * the back-pressure), with no queue, read request or promise per chunk:
-   * ~5 KB less per open stream than a pull-based ReadableStream (measured).
+   * The upstream's reads, relayed until the stream ends (the direct source's
+   * `pull`). A Bun "direct" stream: events are written straight to the
+   * response (awaiting the write is the back-pressure), with no queue, read
+   * request or promise per chunk: ~5 KB less per open stream than a
+   * pull-based ReadableStream (measured).
    */
-  async function relay(c: ReadableStreamDirectController): Promise<void> {
+  async pull(c: ReadableStreamDirectController): Promise<void> {
+    const { opts, up, tf, out } = this;
     // Registered once relaying starts, so a response never sent holds no entry (`end` removes it).
-    if (ended) return;
-    opts.open?.add(endStream);
+    if (this.ended) return;
+    opts.open?.add(this);
     if (tf) {
       const first = tf.start();
       try {
@@ -517,86 +687,155 @@ export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint
           if (typeof w !== "number") await w;
         }
       } catch {
-        clientGone();
+        this.cancel();
         return;
       }
     }
-    const out: Buffer[] = [];
     try {
-      feed(up.first, out);
+      this.feed(up.first);
     } catch (e) {
-      return fail(c, `The model '${opts.alias}' sent an unreadable stream: ${(e as Error).message}`);
+      return this.fail(c, `The model '${opts.alias}' sent an unreadable stream: ${(e as Error).message}`);
     }
     for (;;) {
       // Events before an upstream error event still go out, then the error.
       if (out.length > 0) {
-        try {
-          await send(c, out);
-        } catch {
-          clientGone();
-          return;
+        if (!this.clientLeft) {
+          try {
+            const sent = this.send(c, out);
+            if (sent) await sent;
+          } catch {
+            this.cancel();
+            if (!this.clientLeft) return;
+          }
         }
         out.length = 0;
       }
-      if (ended) return;
-      if (upstreamError !== undefined) return fail(c, `The model '${opts.alias}' failed while generating: ${upstreamError}`);
-      // The transform failed the answer itself (its final events are sent): nothing more would be, so the
-      // upstream call is closed now and the stream ends as failed, rather than running silent to its end.
-      // Before [DONE] is looked at: a read that carried both ended as the failure the client saw, not as done.
-      const failed = tf?.failed();
-      if (failed !== undefined) return fail(c, failed);
-      if (sawDone) return finishAtDone(c);
-      if (pastBound && gen) return finishAtBound(c, gen);
-      if (tooLarge) {
-        return fail(
-          c,
-          `The model '${opts.alias}' sent an answer larger than ${opts.maxTextBytes} bytes, the most the gateway holds for one answer (upstream.maxResponseBytes); the stream was ended.`,
-        );
+      if (this.ended) return;
+      if (this.clientLeft) {
+        // Waiting for the usage of an answer complete when the client left (`cancel`).
+        if (this.usageAfterFinish || this.sawDone) return this.settleGone();
+      } else {
+        if (this.upstreamError !== undefined) return this.fail(c, `The model '${opts.alias}' failed while generating: ${this.upstreamError}`);
+        // The transform failed the answer itself (its final events are sent): nothing more would be, so the
+        // upstream call is closed now and the stream ends as failed, rather than running silent to its end.
+        // Before [DONE] is looked at: a read that carried both ended as the failure the client saw, not as done.
+        const failed = tf?.failed();
+        if (failed !== undefined) return this.fail(c, failed);
+        if (this.sawDone) return this.finishAtDone(c);
+        if (this.pastBound && this.gen) return this.finishAtBound(c, this.gen);
+        if (this.tooLarge) {
+          return this.fail(
+            c,
+            `The model '${opts.alias}' sent an answer larger than ${opts.maxTextBytes} bytes, the most the gateway holds for one answer (upstream.maxResponseBytes); the stream was ended.`,
+          );
+        }
       }
-      waitingSince = performance.now();
+      this.waitingSince = performance.now();
       let r: Awaited<ReturnType<Opened["reader"]["read"]>>;
       try {
         r = await up.reader.read();
       } catch {
-        if (ended) return;
-        if (opts.signal.aborted) {
-          end("client_gone");
+        if (this.ended) return;
+        if (opts.signal.aborted || this.clientLeft) {
+          this.end("client_gone");
           return;
         }
-        return fail(
+        return this.fail(
           c,
-          endedBecause ??
-            (idleFired
+          this.endedBecause ??
+            (this.idleFired
               ? `The model '${opts.alias}' stopped sending for ${opts.idleMs} ms; the stream was ended.`
               : `The connection to the model '${opts.alias}' was lost mid-stream.`),
         );
       }
-      waitingSince = undefined;
-      if (ended) return;
+      this.waitingSince = undefined;
+      if (this.ended) return;
+      if (this.clientLeft) {
+        // No usage before the body ended, or more bytes than a usage chunk and [DONE] take: charged by estimate.
+        if (r.done) {
+          this.end("client_gone");
+          return;
+        }
+        this.drained += r.value.byteLength;
+        if (this.drained > DRAIN_BYTES) {
+          this.giveUpDrain();
+          return;
+        }
+      }
       if (r.done) {
         // No event at all, and one JSON document: a server that does not stream answered whole (whole-answer.ts).
-        const body = sep === undefined && framer.pendingBytes > 0 && endedBecause === undefined ? framer.pending() : undefined;
+        const framer = this.framer;
+        const body = this.sep === undefined && framer.pendingBytes > 0 && this.endedBecause === undefined ? framer.pending() : undefined;
         const whole = body ? wholeAnswer(body, opts.alias) : undefined;
-        if (whole && "error" in whole) upstreamError = upstreamMessage(String(body)).message;
+        if (whole && "error" in whole) this.upstreamError = upstreamMessage(String(body)).message;
         else if (whole) {
           framer.reset();
-          feed(whole.events, out);
+          this.feed(whole.events);
         }
         // [DONE] ends a stream before its body does (finishAtDone): a body that ends first was cut off.
-        else return fail(c, endedBecause ?? `The model '${opts.alias}' ended the stream early.`);
+        else return this.fail(c, this.endedBecause ?? `The model '${opts.alias}' ended the stream early.`);
         continue;
       }
       try {
-        feed(r.value, out);
+        this.feed(r.value);
       } catch (e) {
-        return fail(c, `The model '${opts.alias}' sent an unreadable stream: ${(e as Error).message}`);
+        return this.fail(c, `The model '${opts.alias}' sent an unreadable stream: ${(e as Error).message}`);
       }
     }
   }
+}
 
-  return new ReadableStream<Uint8Array>({
-    type: "direct",
-    pull: relay,
-    cancel: clientGone,
-  } satisfies import("bun").DirectUnderlyingSource<Uint8Array>);
+/**
+ * A write or flush that did not complete at once. Bun's HTTP response gives a
+ * number when it did and a promise when the socket pushed back; a stream read
+ * in-process (a reader, `.text()`) gives numbers or undefined.
+ */
+function pending<T>(r: T | Promise<T>): r is Promise<T> {
+  return typeof r === "object" && r !== null;
+}
+
+/** The rest of `send` once a write did not complete at once: that write awaited, then the events after it, then the flush. */
+async function sendRest(c: ReadableStreamDirectController, first: Promise<number>, out: Uint8Array[] | undefined, from: number): Promise<void> {
+  await first;
+  if (out) {
+    for (let i = from; i < out.length; i++) {
+      const w = c.write(out[i] as Uint8Array);
+      if (pending(w)) await w;
+    }
+  }
+  const f = c.flush();
+  if (pending(f)) await f;
+}
+
+function ignore(): void {}
+
+async function closeAfter(r: Relay, c: ReadableStreamDirectController, finished: Promise<void>): Promise<void> {
+  await finished;
+  r.closeNow(c);
+}
+
+/** The idle timer's callback: module functions with the relay as argument, no closure per stream. */
+function idleCheck(r: Relay): void {
+  r.checkIdle();
+}
+
+async function closeThenDrain(r: Relay, closed: Promise<void>): Promise<void> {
+  try {
+    await closed;
+  } catch {
+    // The client left while the transform finished: the request is done all the same.
+  }
+  return r.drainRest();
+}
+
+function drainCut(up: Opened): void {
+  up.abort("the upstream went on after its answer");
+}
+
+function drainGiveUp(r: Relay): void {
+  r.giveUpDrain();
+}
+
+export function relayStream(up: Opened, opts: RelayOptions): ReadableStream<Uint8Array> {
+  return new ReadableStream<Uint8Array>(new Relay(up, opts));
 }

@@ -41,10 +41,17 @@ export const asBuffer = (u: Uint8Array): Buffer => (Buffer.isBuffer(u) ? u : Buf
 export const startsWithData = (b: Uint8Array): boolean => b.length > 5 && b[0] === 0x64 && b[1] === 0x61 && b[2] === 0x74 && b[3] === 0x61 && b[4] === COLON;
 
 /**
- * Takes one complete event's bytes (its blank line included). Return false to
- * stop reading the current read: the rest of it is dropped.
+ * Where a framer hands its events: an object with a method rather than a
+ * function, so a reader that is one object (the chat relay, SseReader) is its
+ * own sink, with no closure per stream.
  */
-export type OnEvent = (event: Buffer) => boolean | undefined;
+export interface EventSink {
+  /**
+   * Takes one complete event's bytes (its blank line included). Return false to
+   * stop reading the current read: the rest of it is dropped.
+   */
+  onEvent(event: Buffer): boolean | undefined;
+}
 
 /**
  * Splits a byte stream into its events, read by read, without decoding it:
@@ -99,12 +106,12 @@ export class SseFramer {
   }
 
   /**
-   * Reads `chunk`, calling `onEvent` for each event it completes. With
+   * Reads `chunk`, calling `sink.onEvent` for each event it completes. With
    * `last`, the stream ends with it: what has no end is dropped, not held.
    * Throws SseTooLarge when an event without its end would hold more than
    * MAX_EVENT_BYTES.
    */
-  push(chunk: Uint8Array, onEvent: OnEvent, last = false): void {
+  push(chunk: Uint8Array, sink: EventSink, last = false): void {
     if (chunk.byteLength === 0) {
       if (last) this.stop();
       return;
@@ -164,11 +171,11 @@ export class SseFramer {
           const event = Buffer.concat(this.held, this.heldBytes + next);
           this.held = [];
           this.heldBytes = 0;
-          if (onEvent(event) === false) {
+          if (sink.onEvent(event) === false) {
             this.stop();
             return;
           }
-        } else if (pos > start && onEvent(buf.subarray(start, next)) === false) {
+        } else if (pos > start && sink.onEvent(buf.subarray(start, next)) === false) {
           this.stop();
           return;
         }
@@ -240,9 +247,7 @@ export type SseMessage = string | typeof COMMENT;
 export class SseReader {
   private readonly framer = new SseFramer();
   /** The messages of the read being framed (set by push). */
-  private out: SseMessage[] | undefined;
-  /** Made on the first read that is not one whole `data:` event (a stream of those never needs it). */
-  private onEvent: ((event: Buffer) => undefined) | undefined;
+  private out: SseMessage[] = [];
 
   /**
    * Where the data of `buf` starts when it is the common case, and what the
@@ -258,6 +263,13 @@ export class SseReader {
     return buf[5] === SPACE ? 6 : 5;
   }
 
+  /** The framer's sink (EventSink). */
+  onEvent(event: Buffer): undefined {
+    const e = readEvent(event);
+    if (e.data !== undefined) this.out.push(e.data);
+    else if (e.comments > 0) this.out.push(COMMENT);
+  }
+
   /** With `last`, the stream ends with this read: an event without its end is dropped. */
   push(bytes: Uint8Array, last = false): SseMessage[] {
     const buf = asBuffer(bytes);
@@ -266,13 +278,7 @@ export class SseReader {
     if (at !== -1) return [buf.toString("utf8", at, buf.length - 2)];
     const out: SseMessage[] = [];
     this.out = out;
-    this.onEvent ??= (event: Buffer): undefined => {
-      const e = readEvent(event);
-      if (e.data !== undefined) this.out?.push(e.data);
-      else if (e.comments > 0) this.out?.push(COMMENT);
-    };
-    this.framer.push(buf, this.onEvent, last);
-    this.out = undefined;
+    this.framer.push(buf, this, last);
     return out;
   }
 }

@@ -1,7 +1,7 @@
 import { describe, expect, test } from "bun:test";
 import fc from "fast-check";
 import { errorBody } from "../../src/http/errors.ts";
-import { type EndStream, relayStream, type StreamEnd } from "../../src/inference/stream.ts";
+import { type EndableStream, relayStream, type StreamEnd } from "../../src/inference/stream.ts";
 import { Breaker } from "../../src/inference/upstream/breaker.ts";
 import { upstreamMessage } from "../../src/inference/upstream/error-body.ts";
 import type { ByteReader, Opened, Target } from "../../src/inference/upstream/index.ts";
@@ -19,9 +19,9 @@ function chunk(content: string | null, extra = ""): string {
 const USAGE = `data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"${UP}","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n`;
 const DONE = "data: [DONE]\n\n";
 
-/** An Opened over scripted reads; `null` in the script means "fail this read", a number means "hang". */
-function fakeOpened(parts: (string | Uint8Array | null | number)[]) {
-  const calls = { aborted: [] as string[], finished: [] as (boolean | null)[] };
+/** An Opened over scripted reads; `null` in the script means "fail this read", a number means "hang", a promise "wait for it". */
+function fakeOpened(parts: (string | Uint8Array | null | number | Promise<string>)[]) {
+  const calls = { aborted: [] as string[], finished: [] as (boolean | null)[], detached: 0 };
   let i = 1;
   let reject: ((e: unknown) => void) | undefined;
   // Like a real upstream request: once aborted, every later read fails too.
@@ -33,6 +33,12 @@ function fakeOpened(parts: (string | Uint8Array | null | number)[]) {
       if (p === undefined) return Promise.resolve({ done: true });
       if (p === null) return Promise.reject(new Error("reset"));
       if (typeof p === "number") return new Promise((_, rej) => (reject = rej));
+      if (p instanceof Promise) {
+        return new Promise((res, rej) => {
+          reject = rej;
+          void p.then((v) => res({ done: false, value: enc.encode(v) }));
+        });
+      }
       return Promise.resolve({ done: false, value: typeof p === "string" ? enc.encode(p) : p });
     },
     cancel() {
@@ -52,6 +58,9 @@ function fakeOpened(parts: (string | Uint8Array | null | number)[]) {
     },
     finish(ok) {
       calls.finished.push(ok);
+    },
+    detach() {
+      calls.detached++;
     },
   };
   return { opened, calls };
@@ -82,6 +91,15 @@ async function relay(parts: (string | Uint8Array | null | number)[], opts: { cli
 }
 
 /** Splits a string into pieces of `n` characters (ASCII here, so bytes too). */
+/** Waits until `check` holds (at most `ms`). */
+async function until(check: () => boolean, ms = 5_000): Promise<void> {
+  const deadline = performance.now() + ms;
+  while (!check()) {
+    if (performance.now() > deadline) throw new Error("condition not met in time");
+    await Bun.sleep(5);
+  }
+}
+
 const pieces = (s: string, n: number) => Array.from({ length: Math.ceil(s.length / n) }, (_, k) => s.slice(k * n, k * n + n));
 
 describe("relayStream", () => {
@@ -242,14 +260,14 @@ describe("relayStream", () => {
 
   test("ended by the gateway (shutdown): error event, clean close, no verdict on the upstream, deregistered", async () => {
     const { opened, calls } = fakeOpened([chunk("a"), 1]);
-    const open = new Set<EndStream>();
+    const open = new Set<EndableStream>();
     let ended: StreamEnd | undefined;
     const s = relayStream(opened, { alias: "svc-fast", clientWantsUsage: false, idleMs: 10_000, signal: new AbortController().signal, errorBody, onEnd: (e) => (ended = e), open });
     const reader = s.getReader();
     const dec = new TextDecoder();
     let text = dec.decode((await reader.read()).value);
     expect(open.size).toBe(1);
-    for (const endStream of open) endStream("shutting down");
+    for (const stream of open) stream.endStream("shutting down");
     for (;;) {
       const r = await reader.read();
       if (r.done) break;
@@ -329,6 +347,86 @@ describe("relayStream: any stream read in pieces gives what it gives read whole"
       }),
       { numRuns: 400 },
     );
+  });
+});
+
+describe("relayStream: a client that leaves once the answer is complete", () => {
+  const event = (k: number, delta: string, finish: string | null) =>
+    `data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"${UP}","choices":[{"index":${k},"delta":${delta},"finish_reason":${JSON.stringify(finish)}}]}\n\n`;
+  const text = (k: number, content: string) => event(k, `{"content":${JSON.stringify(content)}}`, null);
+  const finish = (k: number) => event(k, "{}", "stop");
+
+  /** Relays `parts` (`choices` of them) to a reader that reads until `until` has come `times` times, then cancels (the client leaves). */
+  async function leave(parts: (string | number | Promise<string>)[], until: string, choices = 1, times = choices) {
+    const { opened, calls } = fakeOpened(parts);
+    const end: { value?: StreamEnd } = {};
+    const s = relayStream(opened, { alias: "svc-fast", clientWantsUsage: false, idleMs: 10_000, signal: new AbortController().signal, errorBody, onEnd: (e) => (end.value = e), choices });
+    const reader = s.getReader();
+    let got = "";
+    while (got.split(until).length - 1 < times) {
+      const r = await reader.read();
+      if (r.done) throw new Error("ended early");
+      got += new TextDecoder().decode(r.value);
+    }
+    await reader.cancel();
+    return { calls, end };
+  }
+
+  test("the usage that comes after the client left is read and charged; the upstream is not aborted", async () => {
+    let release: (s: string) => void = () => {};
+    const later = new Promise<string>((r) => (release = r));
+    const { calls, end } = await leave([text(0, "Hello") + finish(0), later], '"finish_reason":"stop"');
+    expect(calls.detached).toBe(1);
+    expect(calls.aborted).toEqual([]);
+    expect(end.value).toBeUndefined();
+    release(USAGE + DONE);
+    await until(() => end.value !== undefined);
+    expect(end.value).toMatchObject({ outcome: "client_gone", usage: { promptTokens: 7, completionTokens: 3 }, deliveredChars: 5 });
+    expect(calls.aborted).toEqual([]);
+    expect(calls.finished).toEqual([null]);
+  });
+
+  test("no usage within DRAIN_MS: the upstream is cut and the stream ends without the upstream's count (charged by estimate)", async () => {
+    const t0 = performance.now();
+    const { calls, end } = await leave([text(0, "Hello") + finish(0), 1], '"finish_reason":"stop"');
+    await Bun.sleep(300);
+    expect(end.value).toBeUndefined();
+    await until(() => end.value !== undefined);
+    expect(performance.now() - t0).toBeGreaterThanOrEqual(950);
+    expect(end.value).toMatchObject({ outcome: "client_gone", usage: undefined, deliveredChars: 5 });
+    expect(calls.aborted).toEqual(["client disconnected"]);
+  });
+
+  test("more than DRAIN_BYTES without the usage: cut at once", async () => {
+    const { calls, end } = await leave([text(0, "Hello") + finish(0), Promise.resolve(": keep-alive\n\n".repeat(6_000))], '"finish_reason":"stop"');
+    await until(() => end.value !== undefined, 500);
+    expect(end.value).toMatchObject({ outcome: "client_gone", usage: undefined });
+    expect(calls.aborted).toEqual(["client disconnected"]);
+  });
+
+  test("the answer not complete (one of two choices finished): the upstream is aborted at once", async () => {
+    const { calls, end } = await leave([text(0, "a") + finish(0) + text(1, "b"), 1], '"content":"b"', 2, 1);
+    expect(calls.detached).toBe(0);
+    expect(calls.aborted).toEqual(["client disconnected"]);
+    expect(end.value?.outcome).toBe("client_gone");
+  });
+
+  test("both of two choices finished: the usage is waited for", async () => {
+    let release: (s: string) => void = () => {};
+    const later = new Promise<string>((r) => (release = r));
+    const { calls, end } = await leave([text(0, "a") + text(1, "b") + finish(0) + finish(1), later], '"finish_reason":"stop"', 2);
+    expect(calls.detached).toBe(1);
+    expect(calls.aborted).toEqual([]);
+    release(USAGE + DONE);
+    await until(() => end.value !== undefined);
+    expect(end.value).toMatchObject({ outcome: "client_gone", usage: { promptTokens: 7, completionTokens: 3 } });
+  });
+
+  test("the usage came with the finish: nothing to wait for, the upstream is aborted at once and its count charged", async () => {
+    const withUsage = finish(0).replace("]}\n\n", '],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n');
+    const { calls, end } = await leave([text(0, "Hello") + withUsage, 1], '"finish_reason":"stop"');
+    expect(calls.aborted).toEqual(["client disconnected"]);
+    expect(end.value).toMatchObject({ outcome: "client_gone", usage: { promptTokens: 7, completionTokens: 3 } });
   });
 });
 

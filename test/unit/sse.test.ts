@@ -95,10 +95,12 @@ describe("SseReader: comments", () => {
   });
 });
 describe("SseFramer", () => {
+  /** A sink that takes every event and keeps none. */
+  const NONE = { onEvent: () => undefined };
   const framed = (parts: Uint8Array[]) => {
     const f = new SseFramer();
     const events: string[] = [];
-    for (const p of parts) f.push(p, (e) => void events.push(Buffer.from(e).toString("latin1")));
+    for (const p of parts) f.push(p, { onEvent: (e) => void events.push(Buffer.from(e).toString("latin1")) });
     return { events, f };
   };
 
@@ -126,9 +128,11 @@ describe("SseFramer", () => {
   test("stops at an event its caller refuses; the rest of that read is dropped", () => {
     const f = new SseFramer();
     const seen: string[] = [];
-    f.push(enc.encode("data: 1\n\ndata: 2\n\ndata: 3"), (e) => {
-      seen.push(e.toString());
-      return false;
+    f.push(enc.encode("data: 1\n\ndata: 2\n\ndata: 3"), {
+      onEvent: (e) => {
+        seen.push(e.toString());
+        return false;
+      },
     });
     expect(seen).toEqual(["data: 1\n\n"]);
     expect(f.pendingBytes).toBe(0);
@@ -137,23 +141,25 @@ describe("SseFramer", () => {
   test("an event without its end is bounded from its first byte, however it arrives; one event ending within the bound is not", () => {
     const f = new SseFramer();
     const block = new Uint8Array(1024 * 1024).fill(0x61);
-    f.push(enc.encode("data: "), () => undefined);
+    f.push(enc.encode("data: "), NONE);
     expect(() => {
-      for (let i = 0; i < 9; i++) f.push(block, () => undefined);
+      for (let i = 0; i < 9; i++) f.push(block, NONE);
     }).toThrow("oversized SSE event");
     // Many lines of one event count together.
     const g = new SseFramer();
     const line = enc.encode(`data: ${"x".repeat(1024 * 1024 - 7)}\n`);
     expect(() => {
-      for (let i = 0; i < 9; i++) g.push(line, () => undefined);
+      for (let i = 0; i < 9; i++) g.push(line, NONE);
     }).toThrow("oversized SSE event");
     // Just under the bound, then its end: one event.
     const h = new SseFramer();
     let got = 0;
-    h.push(new Uint8Array(MAX_EVENT_BYTES - 10).fill(0x3a), () => undefined);
-    h.push(enc.encode("\n\n"), (e) => {
-      got = e.length;
-      return undefined;
+    h.push(new Uint8Array(MAX_EVENT_BYTES - 10).fill(0x3a), NONE);
+    h.push(enc.encode("\n\n"), {
+      onEvent: (e) => {
+        got = e.length;
+        return undefined;
+      },
     });
     expect(got).toBe(MAX_EVENT_BYTES - 8);
     // Read whole (`last`), nothing is held: the tail is dropped, not refused.

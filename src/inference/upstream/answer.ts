@@ -22,6 +22,12 @@ export interface Opened {
   abort(reason: string): void;
   /** Reports how the stream ended for the target's breaker; `null` = no verdict (client left). Also drops listeners. */
   finish(ok: boolean | null): void;
+  /**
+   * The upstream has finished the answer (every choice's finish_reason came):
+   * the client leaving no longer aborts the call by itself; the relay decides
+   * (stream.ts, `cancel`). Idempotent.
+   */
+  detach(): void;
 }
 
 /**
@@ -99,6 +105,10 @@ class OpenStream implements Opened {
   abort(reason: string): void {
     this.attempt.abort(new AttemptFailed(reason));
     this.reader.cancel().catch(() => {});
+  }
+
+  detach(): void {
+    this.attempt.unlink();
   }
 
   finish(ok: boolean | null): void {
