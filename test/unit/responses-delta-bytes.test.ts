@@ -162,6 +162,24 @@ function split(events: (string | Buffer)[]) {
 const raw = (content: string) =>
   `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"chat-small","choices":[{"index":0,"delta":{"content":"${content}"},"logprobs":null,"finish_reason":null}]}\n\n`;
 
+/**
+ * A delta (`rawOf`'s chunk) whose text holds `bytes`, not UTF-8, then a delta `next`: the first is decoded
+ * as before (its events a string, the decoding path) and its bytes are never passed on; the next still
+ * goes as bytes, and the output is what events cut in two (always decoded) give.
+ */
+function decodedNotPassedOn(rawOf: (text: string) => string, next: Record<string, unknown>, bytes: number[]) {
+  const [head, tail] = rawOf("a|b").split("|");
+  const event = Buffer.concat([Buffer.from(head ?? ""), Buffer.from(bytes), Buffer.from(tail ?? "")]);
+  const events = [ROLE, event, chunk(next), chunk({}, "stop"), USAGE, DONE];
+  const w = whole(events);
+  expect(w.outs[2]).toBeString();
+  expect(w.outs[3]).toBeInstanceOf(Uint8Array);
+  expect(normalise(w.text)).toBe(normalise(split(events).text));
+  const sent = Buffer.concat(w.outs.map((o) => (typeof o === "string" ? Buffer.from(o) : o)));
+  expect(sent.includes(Buffer.from(bytes))).toBe(false);
+  return w;
+}
+
 describe("the text delta event's bytes", () => {
   test("pinned: quotes, backslashes, control characters, \\u00xx, raw UTF-8 (2, 3 and 4 bytes), U+2028 and DEL, taken as bytes", () => {
     const tf = responsesTransform(meta({ store: false }), () => {});
@@ -222,16 +240,8 @@ describe("the text delta event's bytes", () => {
   test("bytes that are not UTF-8 in the text (a stray continuation, a cut or overlong sequence, a surrogate, past U+10FFFF) are decoded as before, never passed on", () => {
     const bad = [[0x80], [0xc3], [0xc0, 0xaf], [0xe2, 0x82], [0xed, 0xa0, 0x80], [0xf4, 0x90, 0x80, 0x80], [0xff]];
     for (const bytes of bad) {
-      const [head, tail] = raw("a|b").split("|");
-      const event = Buffer.concat([Buffer.from(head ?? ""), Buffer.from(bytes), Buffer.from(tail ?? "")]);
-      const events = [ROLE, event, chunk({ content: "c" }), chunk({}, "stop"), USAGE, DONE];
-      const w = whole(events);
-      expect(w.outs[2]).toBeString();
-      expect(w.outs[3]).toBeInstanceOf(Uint8Array);
-      expect(normalise(w.text)).toBe(normalise(split(events).text));
+      const w = decodedNotPassedOn(raw, { content: "c" }, bytes);
       expect(w.finals[0]?.output_text).toBe(`a${Buffer.from(bytes).toString("utf8")}bc`);
-      const sent = Buffer.concat(w.outs.map((o) => (typeof o === "string" ? Buffer.from(o) : o)));
-      expect(sent.includes(Buffer.from(bytes))).toBe(false);
     }
   });
 
@@ -434,17 +444,7 @@ describe("the reasoning delta event's bytes", () => {
       expect(whole(events).text).toContain("response.failed");
     }
     // Bytes that are not UTF-8: decoded as before (U+FFFD), never passed on.
-    for (const bytes of [[0x80], [0xc3], [0xed, 0xa0, 0x80], [0xff]]) {
-      const [head, tail] = rawReasoning("a|b").split("|");
-      const event = Buffer.concat([Buffer.from(head ?? ""), Buffer.from(bytes), Buffer.from(tail ?? "")]);
-      const events = [ROLE, event, chunk({ reasoning_content: "c" }), chunk({}, "stop"), USAGE, DONE];
-      const w = whole(events);
-      expect(w.outs[2]).toBeString();
-      expect(w.outs[3]).toBeInstanceOf(Uint8Array);
-      expect(normalise(w.text)).toBe(normalise(split(events).text));
-      const sent = Buffer.concat(w.outs.map((o) => (typeof o === "string" ? Buffer.from(o) : o)));
-      expect(sent.includes(Buffer.from(bytes))).toBe(false);
-    }
+    for (const bytes of [[0x80], [0xc3], [0xed, 0xa0, 0x80], [0xff]]) decodedNotPassedOn((t) => rawReasoning(t), { reasoning_content: "c" }, bytes);
   });
 
   test("random answers of reasoning and text: whole events (bytes where the upstream escaped as JSON.stringify) and events cut in two (decoded) give the same bytes", () => {
