@@ -416,11 +416,7 @@ export class ChatToResponses {
     // The item and part it opened (and the end of a reasoning item before it) go first.
     out.string(this.take());
     text.deltaHead ??= Buffer.from(`,${text.fields},"delta":"`);
-    out.bytes(TEXT_DELTA_START);
-    out.int(this.seq++);
-    out.bytes(text.deltaHead);
-    out.bytes(b, start, end);
-    out.bytes(TEXT_DELTA_END);
+    this.deltaEvent(out, TEXT_DELTA_START, text.deltaHead, b, start, end, TEXT_DELTA_END);
     return true;
   }
 
@@ -437,12 +433,17 @@ export class ChatToResponses {
     // The item and part it opened (and the end of a message before it) go first.
     out.string(this.take());
     r.deltaHead ??= Buffer.from(`,"item_id":"${r.item.id}","output_index":${r.index},"content_index":0,"delta":"`);
-    out.bytes(REASONING_DELTA_START);
-    out.int(this.seq++);
-    out.bytes(r.deltaHead);
-    out.bytes(b, start, end);
-    out.bytes(REASONING_DELTA_END);
+    this.deltaEvent(out, REASONING_DELTA_START, r.deltaHead, b, start, end, REASONING_DELTA_END);
     return true;
+  }
+
+  /** A delta event written as bytes: its start, its sequence number, the part's fields, the upstream's text bytes b[from..to), its end. */
+  private deltaEvent(out: ByteWriter, head: Buffer, fields: Buffer, b: Buffer, from: number, to: number, tail: Buffer): void {
+    out.bytes(head);
+    out.int(this.seq++);
+    out.bytes(fields);
+    out.bytes(b, from, to);
+    out.bytes(tail);
   }
 
   /** part.text from the text held, for the done events and any Response built while the part is open. */
