@@ -188,7 +188,8 @@ function gcLine(r: WrkResult, gc: GcWindow): string {
   return (
     `GC: ${gc.young} young + ${gc.full} full collections, 1 per ${f0(r.requests / n)} requests (young budget ${f1(gc.allowedBytes / 2 ** 20)} MB), ` +
     `pause mean ${f2(mean)} ms, max ${f2(sorted[sorted.length - 1] ?? Number.NaN)} ms; ` +
-    `samples wrk adds for them ${added} = ${f2((100 * added) / (r.requests + added))} %`
+    `samples wrk adds for them ${added} = ${f2((100 * added) / (r.requests + added))} %` +
+    (gc.others.young + gc.others.full > 0 ? `; the database worker's heap ${gc.others.young} young + ${gc.others.full} full (not the request thread's)` : "")
   );
 }
 

@@ -1,5 +1,5 @@
 import { describe, expect, test } from "bun:test";
-import { gcWindow } from "../../bench/gc-log.ts";
+import { gcWindow, requestHeapOf } from "../../bench/gc-log.ts";
 
 // Lines as JSC writes them with BUN_JSC_logGC=1 (shortened in the middle, as the parser reads only the ends).
 const REQUEST = "0x52b67418118";
@@ -32,6 +32,23 @@ describe("bench/gc-log.ts: JSC's GC log", () => {
     expect(w.pausesMs).toEqual([1.5, 1.0, 0.25, 2.75, 0.5]);
     expect(w.perCollectionMs).toEqual([1.5, 4, 0.5]);
     expect(w.allowedBytes).toBe(8388608);
+  });
+
+  test("the request thread's heap is the first one a process logs, even in a window where another heap collects more", () => {
+    // A window of stored Responses: the embedded database's worker writes rows and collects more often than the
+    // request thread, full collections included. Those stop the worker, not the requests.
+    const window = [
+      `[GC<${WORKER}>: START M 289146kb => EdenCollection, a=0kb p=2.0ms (max 11.3), cycle 2.1ms END]`,
+      `[GC<${WORKER}>: START M 289146kb => EdenCollection, a=0kb p=2.2ms (max 11.3), cycle 2.3ms END]`,
+      `[GC<${WORKER}>: START M 289146kb => FullCollection, a=0kb p=12.5ms (max 12.5), cycle 13ms END]`,
+      `[GC<${REQUEST}>: START M 27946kb => EdenCollection, a=0kb p=0.75ms (max 11.3), cycle 0.8ms END]`,
+    ].join("\n");
+    const heap = requestHeapOf(log);
+    expect(heap).toBe(REQUEST);
+    const w = gcWindow(window, heap);
+    expect([w.young, w.full]).toEqual([1, 0]);
+    expect(w.pausesMs).toEqual([0.75]);
+    expect(w.others).toEqual({ young: 2, full: 1 });
   });
 
   test("an empty window has no collections", () => {
