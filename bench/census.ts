@@ -50,6 +50,10 @@ const { values: args } = parseArgs({
     // The upstream's time between tokens: 0 sends the answer in one burst (a few reads for the whole stream);
     // above 0 each chunk comes in its own read, as from a real server, and what a read costs is counted too.
     "inter-token-ms": { type: "string", default: "0" },
+    // Settings merged into the gateway's config (what a feature leaves per request: '{"accessLog":false}').
+    "gateway-config": { type: "string" },
+    // The organisation's token quota ("none": no quota, so no admission or lease per request).
+    "quota-tokens": { type: "string", default: "1000000000000" },
   },
 });
 const N = Number(args.requests);
@@ -78,12 +82,13 @@ writeFileSync(
     // Only for --responses: the chat figures are measured on the default configuration, as before.
     ...(args.responses ? { responses: { enabled: true } } : {}),
     aliases: { "svc-fast": { targets: [{ baseUrl: simUrl, model: "sim/bench-model", weight: 1 }] } },
+    ...(args["gateway-config"] ? (JSON.parse(args["gateway-config"]) as Record<string, unknown>) : {}),
   }),
 );
 const config = await loadConfig({ env: {}, file: configFile, overrides: { host: "127.0.0.1", port: 0, dataDir: "memory://" } });
 // The access log is on and written as in production (standard output, buffered): run with `> /dev/null`; figures go to standard error.
 const gw = await startGateway({ config, log: createLogger("info") });
-const org = await createOrg(gw.database, { name: "census", plan: "Bench", plans: ["Bench"], quotaTokens: 1e12, quotaWindow: "month" });
+const org = await createOrg(gw.database, { name: "census", plan: "Bench", plans: ["Bench"], ...(args["quota-tokens"] === "none" ? {} : { quotaTokens: Number(args["quota-tokens"]), quotaWindow: "month" as const }) });
 const key = (await createKey(gw.database, { orgId: org.id, kind: "service", scopes: ["inference"], knownModels: ["svc-fast"], tag: "gw" })).key;
 
 /** A client process that sends `n` sequential requests and exits. */
