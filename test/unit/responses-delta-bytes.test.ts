@@ -180,6 +180,26 @@ function decodedNotPassedOn(rawOf: (text: string) => string, next: Record<string
   return w;
 }
 
+/**
+ * One random answer read whole (bytes where the upstream escaped as JSON.stringify) and cut in two (decoded): the
+ * same bytes out and the same final Responses. Returns the whole run's result, and how many events it passed on as bytes.
+ */
+function sameWholeAndSplit(run: number, events: (string | Buffer)[]) {
+  const w = whole(events);
+  const s = split(events);
+  expect({ run, events, out: normalise(w.text) }).toEqual({ run, events, out: normalise(s.text) });
+  expect(normalise(JSON.stringify(w.finals))).toBe(normalise(JSON.stringify(s.finals)));
+  return { w, byBytes: w.outs.filter((o) => o instanceof Uint8Array).length };
+}
+
+/** The `delta` of each event of one type, in order. */
+function deltasOf(text: string, type: string): string[] {
+  return text
+    .split("\n\n")
+    .filter((e) => e.startsWith(`event: ${type}\n`))
+    .map((e) => (JSON.parse(e.slice(e.indexOf("data: ") + 6)) as { delta: string }).delta);
+}
+
 describe("the text delta event's bytes", () => {
   test("pinned: quotes, backslashes, control characters, \\u00xx, raw UTF-8 (2, 3 and 4 bytes), U+2028 and DEL, taken as bytes", () => {
     const tf = responsesTransform(meta({ store: false }), () => {});
@@ -273,18 +293,11 @@ describe("the text delta event's bytes", () => {
         }
       }
       events.push(chunk({}, r.next() < 0.5 ? "stop" : "length"), USAGE, DONE);
-      const w = whole(events);
-      const s = split(events);
-      byBytes += w.outs.filter((o) => o instanceof Uint8Array).length;
-      expect({ run, events, out: normalise(w.text) }).toEqual({ run, events, out: normalise(s.text) });
-      expect(normalise(JSON.stringify(w.finals))).toBe(normalise(JSON.stringify(s.finals)));
+      const { w, byBytes: b } = sameWholeAndSplit(run, events);
+      byBytes += b;
       // With no text spliced in, the deltas are the texts and the text is their join.
       if (!spliced) {
-        const deltas = w.text
-          .split("\n\n")
-          .filter((e) => e.startsWith("event: response.output_text.delta\n"))
-          .map((e) => (JSON.parse(e.slice(e.indexOf("data: ") + 6)) as { delta: string }).delta);
-        expect(deltas).toEqual(texts.filter((t) => t !== ""));
+        expect(deltasOf(w.text, "response.output_text.delta")).toEqual(texts.filter((t) => t !== ""));
         expect(w.finals[0]?.output_text).toBe(texts.join(""));
       }
     }
@@ -483,18 +496,11 @@ describe("the reasoning delta event's bytes", () => {
         }
       }
       events.push(chunk({}, r.next() < 0.5 ? "stop" : "length"), USAGE, DONE);
-      const w = whole(events);
-      const s = split(events);
-      byBytes += w.outs.filter((o) => o instanceof Uint8Array).length;
-      expect({ run, events, out: normalise(w.text) }).toEqual({ run, events, out: normalise(s.text) });
-      expect(normalise(JSON.stringify(w.finals))).toBe(normalise(JSON.stringify(s.finals)));
+      const { w, byBytes: b } = sameWholeAndSplit(run, events);
+      byBytes += b;
       // Reasoning only (nothing spliced): the deltas are the texts, and the item's text is their join.
       if (!spliced && !answered) {
-        const deltas = w.text
-          .split("\n\n")
-          .filter((e) => e.startsWith("event: response.reasoning_text.delta\n"))
-          .map((e) => (JSON.parse(e.slice(e.indexOf("data: ") + 6)) as { delta: string }).delta);
-        expect(deltas).toEqual(reasoning.filter((t) => t !== ""));
+        expect(deltasOf(w.text, "response.reasoning_text.delta")).toEqual(reasoning.filter((t) => t !== ""));
         const item = w.finals[0]?.output.find((o) => o.type === "reasoning");
         if (reasoning.join("") !== "") expect(item?.type === "reasoning" && item.content[0]?.text).toBe(reasoning.join(""));
       }
