@@ -42,6 +42,14 @@ export interface Guarded {
   headers: Record<string, string>;
 }
 
+/**
+ * The organisation's rate limit refused the request. Other refusals answer
+ * 429 rate_limit_error too (the unknown-key lookup budget, an upstream
+ * overloaded on every attempt, image hosts being resolved), but only this one
+ * is the limiter's: `gateway_rate_limited_total` counts it alone.
+ */
+export class RateLimited extends AppError {}
+
 /** A rate limit's window in a refusal's words: the spec's minute, else the configured `rateLimit.windowMs` in seconds. */
 function windowText(ms: number): string {
   return ms === 60_000 ? "minute" : `${Math.round(ms / 100) / 10} s`;
@@ -129,7 +137,7 @@ export function createGuard(deps: GuardDeps) {
     const decision = deps.limiter.check(p.orgId, deps.planLimit(p.plan, p.orgId), now());
     const headers = rateLimitHeaders(decision);
     if (!decision.allowed) {
-      throw new AppError(
+      throw new RateLimited(
         "rate_limit_error",
         `Rate limit reached: ${decision.limit} requests per ${windowText(deps.limiter.windowMs)} for this organisation. Retry after ${headers["retry-after"]} s.`,
         null,

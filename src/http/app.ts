@@ -1,6 +1,6 @@
 import { type AnyElysia, Elysia } from "elysia";
 import { authPlugin } from "./auth.ts";
-import type { Guard } from "../auth/guard.ts";
+import { type Guard, RateLimited } from "../auth/guard.ts";
 import type { KeyVerifier } from "../auth/verify.ts";
 import type { SecurityAuditor } from "../auth/security.ts";
 import type { Logger } from "../lib/log.ts";
@@ -120,7 +120,10 @@ export function createApp(deps: AppDeps) {
         log.error("unhandled error", { request_id: state?.id, path, err: error instanceof Error ? error.stack : String(error) });
         err = new AppError("internal_error", "Internal error; the request id identifies it in the logs.");
       }
-      if (state) state.errorCode = err.code;
+      if (state) {
+        state.errorCode = err.code;
+        state.rateLimited = err instanceof RateLimited;
+      }
       set.status = statusOf(err.code);
       Object.assign(set.headers, err.headers);
       // Refused before its body was read (e.g. 401 on a 40 MB upload): close
@@ -158,7 +161,7 @@ export function createApp(deps: AppDeps) {
       const seconds = (performance.now() - s.start) / 1000;
       metrics.requests.inc({ route, method: methodLabel(request.method), status, code: s.errorCode ?? "" });
       metrics.duration.record(route, seconds);
-      if (s.errorCode === "rate_limit_error") metrics.rateLimited.inc();
+      if (s.rateLimited) metrics.rateLimited.inc();
       else if (s.errorCode === "budget_exceeded") metrics.budgetExceeded.inc();
       if (!deps.accessLog) return;
       // A stream is logged when it ends: its real duration, outcome and tokens (the metrics above time the headers).

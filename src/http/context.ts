@@ -12,6 +12,8 @@ export interface RequestState {
   completionTokens?: number;
   streamed?: boolean;
   errorCode?: string;
+  /** Refused by the organisation's rate limit (not every rate_limit_error is: auth/guard.ts RateLimited). */
+  rateLimited?: boolean;
   /**
    * Set while a streamed answer is still being sent: settles with the status
    * the request came to (200, 499 the client left, 503 the upstream failed),

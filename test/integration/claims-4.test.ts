@@ -1,0 +1,89 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import type { Gateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+
+// Servers, child processes and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(90_000);
+
+/**
+ * Claims of README.md, docs/operations.md and docs/decisions.md that the
+ * earlier rounds (claims-*.test.ts) left without a test able to fail on them.
+ * Each test names the claim it holds.
+ */
+
+let sim: Simulator;
+let gw: Gateway;
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 5 });
+  gw = await startTestGateway({
+    aliases: testAliases(sim.url),
+    plans: TEST_PLANS,
+    // One attempt after another without waiting; the breaker never opens on the test's own faults.
+    upstream: upstreamSettings({ attempts: 2, breakerFailures: 1_000 }),
+    // One lookup of an unknown key a minute from this test's network: the second is throttled.
+    keyCache: { unknownPerPrefixPerMin: 1 },
+    quota: { flushMs: 600_000 },
+  });
+});
+afterAll(async () => {
+  await gw.stop();
+  await sim.stop();
+});
+
+async function scrape(g: Gateway = gw): Promise<string> {
+  if (!g.metricsUrl) throw new Error("metrics are not served");
+  const res = await fetch(g.metricsUrl);
+  expect(res.status).toBe(200);
+  return res.text();
+}
+
+/** The value of an unlabelled series in a scrape. */
+function sample(text: string, name: string): number {
+  for (const line of text.split("\n")) {
+    const m = /^([a-z_:]+) (\S+)$/.exec(line);
+    if (m && m[1] === name) return Number(m[2]);
+  }
+  throw new Error(`${name} not in the scrape`);
+}
+
+const chat = (key: string, extra: Record<string, unknown> = {}, g: Gateway = gw) =>
+  fetch(`${g.url}/v1/chat/completions`, {
+    method: "POST",
+    headers: bearer(key, { "content-type": "application/json" }),
+    body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }], ...extra }),
+  });
+
+describe("gateway_rate_limited_total counts the limiter's refusals (docs/operations.md: refusals by the limiter)", () => {
+  test("an upstream overloaded on every attempt and the unknown-key budget answer 429 rate_limit_error too, but are not the limiter's: they do not move it", async () => {
+    const org = await seedOrg(gw.database, { plan: "Tiny", plans: Object.keys(TEST_PLANS) });
+    const before = sample(await scrape(), "gateway_rate_limited_total");
+
+    // Every attempt 429: the client's 429 says the model is overloaded, not that the organisation is limited.
+    sim.setFault({ kind: "status", status: 429 });
+    try {
+      const overloaded = await chat(org.serviceKey);
+      const err = await errorOf(overloaded);
+      expect({ status: overloaded.status, code: err.code, message: err.message }).toMatchObject({ status: 429, code: "rate_limit_error", message: expect.stringContaining("overloaded") });
+    } finally {
+      sim.setFault(null);
+    }
+    // Unknown keys beyond the network's lookup budget: 429 without a lookup (counted as throttled by the key cache).
+    const statuses: number[] = [];
+    for (let i = 0; i < 3; i++) {
+      const res = await fetch(`${gw.url}/v1/me`, { headers: bearer(`sk-gw-${String(i).repeat(43)}`) });
+      statuses.push(res.status);
+      await res.arrayBuffer();
+    }
+    expect(statuses).toEqual([401, 429, 429]);
+    expect(sample(await scrape(), "gateway_rate_limited_total") - before).toBe(0);
+
+    // The limiter's own refusal (Tiny: 2 a minute, one used above) is counted, once.
+    expect((await fetch(`${gw.url}/v1/me`, { headers: bearer(org.serviceKey) })).status).toBe(200);
+    const limited = await fetch(`${gw.url}/v1/me`, { headers: bearer(org.serviceKey) });
+    expect({ status: limited.status, code: (await errorOf(limited)).code }).toEqual({ status: 429, code: "rate_limit_error" });
+    expect(sample(await scrape(), "gateway_rate_limited_total") - before).toBe(1);
+  });
+});
