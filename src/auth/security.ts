@@ -71,12 +71,18 @@ function prefixOf(ip: string | null): string {
   return `${first.map((x) => x.toString(16)).join(":")}::/48`;
 }
 
-/** A short client summary such as `openai-node/6.1` or `curl/8.5`, never the full string. */
+/**
+ * A short client summary such as `openai-node/6.1` or `curl/8.5`, never the
+ * full string. The official SDKs write their version as a word of its own
+ * (`OpenAI/JS 7.57.0`, `OpenAI/Python 1.54.3`): that is `OpenAI/JS 7.57`.
+ */
 export function userAgentSummary(ua: string | null): string {
   if (!ua) return "";
-  const first = ua.trim().split(/\s+/)[0] ?? "";
+  const [first = "", second = ""] = ua.trim().split(/\s+/, 2);
   const m = /^([A-Za-z][\w.-]{0,40})\/(\d+(?:\.\d+)?)/.exec(first);
   if (m) return `${m[1]}/${m[2]}`;
+  const version = /^\d+(?:\.\d+)?/.exec(second)?.[0];
+  if (version && /^[A-Za-z][\w.-]{0,40}\/[A-Za-z][\w.-]{0,20}$/.test(first)) return `${first} ${version}`;
   return first.slice(0, 40);
 }
 

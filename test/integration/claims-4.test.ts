@@ -1,7 +1,11 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import OpenAI from "openai";
+import { VERSION as OPENAI_VERSION } from "openai/version";
+import { revokeKey } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { eventually } from "../helpers/poll.ts";
 import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers, child processes and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -23,17 +27,17 @@ beforeAll(async () => {
     plans: TEST_PLANS,
     // One attempt after another without waiting; the breaker never opens on the test's own faults.
     upstream: upstreamSettings({ attempts: 2, breakerFailures: 1_000 }),
-    // One lookup of an unknown key a minute from this test's network: the second is throttled.
-    keyCache: { unknownPerPrefixPerMin: 1 },
     quota: { flushMs: 600_000 },
   });
 });
+const stops: (() => unknown)[] = [];
 afterAll(async () => {
+  for (const stop of stops.reverse()) await stop();
   await gw.stop();
   await sim.stop();
 });
 
-async function scrape(g: Gateway = gw): Promise<string> {
+async function scrapeOf(g: Gateway): Promise<string> {
   if (!g.metricsUrl) throw new Error("metrics are not served");
   const res = await fetch(g.metricsUrl);
   expect(res.status).toBe(200);
@@ -58,13 +62,17 @@ const chat = (key: string, extra: Record<string, unknown> = {}, g: Gateway = gw)
 
 describe("gateway_rate_limited_total counts the limiter's refusals (docs/operations.md: refusals by the limiter)", () => {
   test("an upstream overloaded on every attempt and the unknown-key budget answer 429 rate_limit_error too, but are not the limiter's: they do not move it", async () => {
+    // One lookup of an unknown key a minute from this test's network: the second is throttled.
+    const gw = await startTestGateway({ aliases: testAliases(sim.url), plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 2, breakerFailures: 1_000 }), keyCache: { unknownPerPrefixPerMin: 1 } });
+    stops.push(() => gw.stop());
+    const scrape = () => scrapeOf(gw);
     const org = await seedOrg(gw.database, { plan: "Tiny", plans: Object.keys(TEST_PLANS) });
     const before = sample(await scrape(), "gateway_rate_limited_total");
 
     // Every attempt 429: the client's 429 says the model is overloaded, not that the organisation is limited.
     sim.setFault({ kind: "status", status: 429 });
     try {
-      const overloaded = await chat(org.serviceKey);
+      const overloaded = await chat(org.serviceKey, {}, gw);
       const err = await errorOf(overloaded);
       expect({ status: overloaded.status, code: err.code, message: err.message }).toMatchObject({ status: 429, code: "rate_limit_error", message: expect.stringContaining("overloaded") });
     } finally {
@@ -85,5 +93,33 @@ describe("gateway_rate_limited_total counts the limiter's refusals (docs/operati
     const limited = await fetch(`${gw.url}/v1/me`, { headers: bearer(org.serviceKey) });
     expect({ status: limited.status, code: (await errorOf(limited)).code }).toEqual({ status: 429, code: "rate_limit_error" });
     expect(sample(await scrape(), "gateway_rate_limited_total") - before).toBe(1);
+  });
+});
+
+/** The organisation's audit events of one action, read as its operators read them. */
+async function auditEvents(serviceKey: string, action: string): Promise<Record<string, unknown>[]> {
+  const res = await fetch(`${gw.url}/v1/audit-events?action=${action}`, { headers: bearer(serviceKey) });
+  expect(res.status).toBe(200);
+  return ((await res.json()) as { data: Record<string, unknown>[] }).data;
+}
+
+describe("origin.user_agent_summary of the official SDK (docs/decisions.md: like `openai-node/6.1`)", () => {
+  test("a revoked key used through the openai SDK: the summary names the SDK and its version (`OpenAI/JS 7.57`), not only `OpenAI/JS`", async () => {
+    const org = await seedOrg(gw.database);
+    await revokeKey(gw.database, org.personalKeyId);
+    const client = new OpenAI({ baseURL: `${gw.url}/v1`, apiKey: org.personalKey, maxRetries: 0 });
+    const thrown = await client.models.list().then(
+      () => undefined,
+      (e: unknown) => e,
+    );
+    expect(thrown instanceof OpenAI.AuthenticationError).toBe(true);
+    const [event] = await eventually(
+      () => auditEvents(org.serviceKey, "security.revoked_key_used"),
+      (events) => events.length === 1,
+      "the security.revoked_key_used event",
+    );
+    // The SDK sends `User-Agent: OpenAI/JS 7.57.0`: its name and version are two words.
+    const [major, minor] = OPENAI_VERSION.split(".");
+    expect(event?.origin).toEqual({ ip_prefix: "127.0.0.0/24", user_agent_summary: `OpenAI/JS ${major}.${minor}` });
   });
 });
