@@ -1,7 +1,8 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import OpenAI from "openai";
 import { VERSION as OPENAI_VERSION } from "openai/version";
-import { revokeKey } from "../../src/admin/service.ts";
+import { sql } from "drizzle-orm";
+import { revokeKey, rotateKey, setOrg } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
@@ -28,6 +29,7 @@ beforeAll(async () => {
     // One attempt after another without waiting; the breaker never opens on the test's own faults.
     upstream: upstreamSettings({ attempts: 2, breakerFailures: 1_000 }),
     quota: { flushMs: 600_000 },
+    responses: { enabled: true },
   });
 });
 const stops: (() => unknown)[] = [];
@@ -121,5 +123,93 @@ describe("origin.user_agent_summary of the official SDK (docs/decisions.md: like
     // The SDK sends `User-Agent: OpenAI/JS 7.57.0`: its name and version are two words.
     const [major, minor] = OPENAI_VERSION.split(".");
     expect(event?.origin).toEqual({ ip_prefix: "127.0.0.0/24", user_agent_summary: `OpenAI/JS ${major}.${minor}` });
+  });
+});
+
+describe("api_key.rotated details (docs/decisions.md: `api_key.rotated` also carries `new_key_expires_at`)", () => {
+  test("the new key's expiry as /v1/me shows it, the old key's end of grace, both ids; ISO 8601 UTC with milliseconds", async () => {
+    const org = await seedOrg(gw.database);
+    const rotated = await rotateKey(gw.database, { id: org.personalKeyId, graceMs: 3_600_000, tag: "gw" });
+    const me = (await (await fetch(`${gw.url}/v1/me`, { headers: bearer(rotated.key) })).json()) as { key: { id: string; expires_at: string } };
+    expect(me.key.id).toBe(rotated.id);
+    const [event] = await auditEvents(org.serviceKey, "api_key.rotated");
+    const details = event?.details as Record<string, string>;
+    expect(details).toEqual({
+      key_id: org.personalKeyId,
+      new_key_id: rotated.id,
+      new_key_expires_at: me.key.expires_at,
+      old_key_expires_at: expect.stringMatching(/^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$/),
+    });
+    expect(details.new_key_expires_at).toMatch(/^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$/);
+    // The grace: about an hour from now (the old key had a year left).
+    expect(Math.abs(Date.parse(details.old_key_expires_at ?? "") - (Date.now() + 3_600_000))).toBeLessThan(60_000);
+  });
+});
+
+describe("a stored response retrieve finds damaged is still 400 on cancel (docs/decisions.md, Cancel: ownership is read without the row's content)", () => {
+  test("a Response that does not parse, and one of the wrong shape: retrieve 404, cancel 400 'Cannot cancel a synchronous response', not 404", async () => {
+    const org = await seedOrg(gw.database);
+    const damage = [`{not json`, `{"id":"resp_someone_else","object":"response","output":[]}`, `{"object":"list","data":[]}`];
+    for (const response of damage) {
+      const made = await fetch(`${gw.url}/v1/responses`, {
+        method: "POST",
+        headers: bearer(org.personalKey, { "content-type": "application/json" }),
+        body: JSON.stringify({ model: "svc-fast", input: "hello" }),
+      });
+      expect(made.status).toBe(200);
+      const { id } = (await made.json()) as { id: string };
+      await gw.database.rows(sql`update responses set response = ${response} where id = ${id}`);
+      const retrieved = await fetch(`${gw.url}/v1/responses/${id}`, { headers: bearer(org.personalKey) });
+      expect({ response, status: retrieved.status, code: (await errorOf(retrieved)).code }).toEqual({ response, status: 404, code: "not_found" });
+      const cancelled = await fetch(`${gw.url}/v1/responses/${id}/cancel`, { method: "POST", headers: bearer(org.personalKey) });
+      const err = await errorOf(cancelled);
+      expect({ response, status: cancelled.status, code: err.code }).toEqual({ response, status: 400, code: "invalid_request_error" });
+      expect(err.message).toContain("Cannot cancel a synchronous response");
+      // Still the owner's only: another organisation's key gets the 404 an unknown id gets.
+      const other = await seedOrg(gw.database);
+      const foreign = await fetch(`${gw.url}/v1/responses/${id}/cancel`, { method: "POST", headers: bearer(other.personalKey) });
+      expect({ status: foreign.status, code: (await errorOf(foreign)).code }).toEqual({ status: 404, code: "not_found" });
+    }
+  });
+});
+
+describe("a spent quota (docs/decisions.md, Budget exceeded; Input token counts: answered under an exhausted quota, as retrieve is)", () => {
+  test("chat, embeddings and Responses create are 429 budget_exceeded; the Responses API's reads, delete and token count, and /v1/models, still answer", async () => {
+    const org = await seedOrg(gw.database, { quotaTokens: 1_000_000, quotaWindow: "day" });
+    const post = (path: string, body: unknown) =>
+      fetch(`${gw.url}${path}`, { method: "POST", headers: bearer(org.personalKey, { "content-type": "application/json" }), body: JSON.stringify(body) });
+    const made = await post("/v1/responses", { model: "svc-fast", input: "hello" });
+    expect(made.status).toBe(200);
+    const { id } = (await made.json()) as { id: string };
+    // Spent: the quota lowered to one token (the key's cache learns it from the change's NOTIFY).
+    await setOrg(gw.database, { id: org.orgId, plans: ["Standard", "Ultra"], quotaTokens: 1 });
+    const refused = async (res: Response) => {
+      const err = await errorOf(res);
+      return { status: res.status, code: err.code, retry: res.headers.get("x-should-retry") };
+    };
+    const spent = { status: 429, code: "budget_exceeded", retry: "false" };
+    await eventually(
+      async () => refused(await chat(org.personalKey)),
+      (r) => r.code === "budget_exceeded",
+      "the lowered quota to reach the gateway",
+    );
+    expect(await refused(await chat(org.personalKey, { stream: true }))).toEqual(spent);
+    expect(await refused(await post("/v1/embeddings", { model: "svc-embed", input: "hello" }))).toEqual(spent);
+    expect(await refused(await post("/v1/responses", { model: "svc-fast", input: "again" }))).toEqual(spent);
+    const before = sim.stats.requests;
+    const answers: Record<string, number> = {};
+    for (const [name, res] of [
+      ["retrieve", await fetch(`${gw.url}/v1/responses/${id}`, { headers: bearer(org.personalKey) })],
+      ["input items", await fetch(`${gw.url}/v1/responses/${id}/input_items`, { headers: bearer(org.personalKey) })],
+      ["input tokens", await post("/v1/responses/input_tokens", { model: "svc-fast", input: "again", previous_response_id: id })],
+      ["models", await fetch(`${gw.url}/v1/models`, { headers: bearer(org.personalKey) })],
+      ["me", await fetch(`${gw.url}/v1/me`, { headers: bearer(org.personalKey) })],
+      ["delete", await fetch(`${gw.url}/v1/responses/${id}`, { method: "DELETE", headers: bearer(org.personalKey) })],
+    ] as const) {
+      answers[name] = res.status;
+      await res.arrayBuffer();
+    }
+    expect(answers).toEqual({ retrieve: 200, "input items": 200, "input tokens": 200, models: 200, me: 200, delete: 200 });
+    expect(sim.stats.requests).toBe(before);
   });
 });
