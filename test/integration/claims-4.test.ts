@@ -1,13 +1,15 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import OpenAI from "openai";
 import { VERSION as OPENAI_VERSION } from "openai/version";
-import { sql } from "drizzle-orm";
+import { eq, sql } from "drizzle-orm";
 import { revokeKey, rotateKey, setOrg } from "../../src/admin/service.ts";
-import type { Gateway } from "../../src/server.ts";
+import { usageEvents } from "../../src/db/schema.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { type Gateway, startGateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, sharedDatabase, startTestGateway, testConfig } from "../helpers/harness.ts";
 import { eventually } from "../helpers/poll.ts";
-import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+import { TEST_PLANS, chatAlias, sseData, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers, child processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(90_000);
@@ -211,5 +213,99 @@ describe("a spent quota (docs/decisions.md, Budget exceeded; Input token counts:
     }
     expect(answers).toEqual({ retrieve: 200, "input items": 200, "input tokens": 200, models: 200, me: 200, delete: 200 });
     expect(sim.stats.requests).toBe(before);
+  });
+});
+
+describe("gateway_http_request_duration_seconds times the headers (docs/decisions.md, Access log of streams)", () => {
+  test("a stream of about 1.5 s: the histogram adds well under a second for it, the access line's latency_ms the whole stream", async () => {
+    const slow = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 150, completionTokens: 10 });
+    stops.push(() => slow.stop());
+    const lines: Record<string, unknown>[] = [];
+    const config = await testConfig({ aliases: testAliases(slow.url), plans: TEST_PLANS, accessLog: true });
+    const g = await startGateway({ config, database: await sharedDatabase(), log: createLogger("info", (l) => lines.push(JSON.parse(l) as Record<string, unknown>)) });
+    stops.push(() => g.stop());
+    const org = await seedOrg(g.database, { plan: "Test", plans: Object.keys(TEST_PLANS) });
+    const seconds = async () => {
+      const m = /^gateway_http_request_duration_seconds_sum\{route="\/v1\/chat\/completions"\} (\S+)$/m.exec(await scrapeOf(g));
+      return m ? Number(m[1]) : 0;
+    };
+    const before = await seconds();
+    const t0 = performance.now();
+    const res = await chat(org.serviceKey, { stream: true }, g);
+    expect(res.status).toBe(200);
+    const headersAfter = performance.now() - t0;
+    await res.text();
+    const whole = performance.now() - t0;
+    expect(whole).toBeGreaterThan(1_300);
+    const line = await eventually(
+      () => lines.find((l) => l.msg === "request" && l.route === "/v1/chat/completions"),
+      (l) => l !== undefined,
+      "the stream's access line",
+    );
+    expect(line?.status).toBe(200);
+    expect(Number(line?.latency_ms)).toBeGreaterThan(1_300);
+    // Time to the headers: what the client waited for them, not the stream's 1.5 s.
+    const timed = (await seconds()) - before;
+    expect(timed).toBeGreaterThan(0);
+    expect(timed * 1_000).toBeLessThan(Math.max(headersAfter + 100, 500));
+  });
+});
+
+// The embedded database counts its transactions (database.transactions); Postgres leaves them to pg_stat_database.
+describe.skipIf(!!TEST_DATABASE_URL)("the hot path touches no database in steady state (docs/architecture.md; docs/operations.md: ≤ 0.01 transactions a request)", () => {
+  test("400 requests with a cached key, under a quota with a lease held, between two usage writes: at most 4 transactions", async () => {
+    const db = await freshDatabase();
+    stops.push(() => db.close());
+    const g = await startTestGateway({ aliases: testAliases(sim.url), plans: TEST_PLANS, quota: { flushMs: 600_000 } }, db);
+    stops.push(() => g.stop());
+    const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: 10_000_000, quotaWindow: "day" });
+    const send = async (n: number) => {
+      const answers = await Promise.all(Array.from({ length: n }, () => chat(org.serviceKey, { max_tokens: 5 }, g)));
+      for (const a of answers) {
+        expect(a.status).toBe(200);
+        await a.arrayBuffer();
+      }
+    };
+    // Warm: the key in the cache, a lease taken (and refilled ahead of need), the key's last use written.
+    await send(20);
+    await Bun.sleep(200);
+    const transactions = () => db.transactions?.() ?? Number.NaN;
+    const before = transactions();
+    for (let i = 0; i < 20; i++) await send(20);
+    expect(transactions() - before).toBeLessThanOrEqual(4);
+  });
+});
+
+describe("a streamed request answered with one JSON error document and a 200 (docs/decisions.md: `error`, `object: \"error\"`, `detail`)", () => {
+  test("each of the three shapes ends the stream with the upstream's message, in the gateway's error event; recorded as 503", async () => {
+    let answer: unknown;
+    const upstream = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: () => Response.json(answer) });
+    stops.push(() => upstream.stop(true));
+    const g = await startTestGateway({
+      aliases: { "svc-fast": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }]) },
+      plans: TEST_PLANS,
+      upstream: upstreamSettings({ attempts: 1 }),
+      quota: { flushMs: 600_000 },
+    });
+    stops.push(() => g.stop());
+    const org = await seedOrg(g.database, { plan: "Test", plans: Object.keys(TEST_PLANS) });
+    const shapes: [string, unknown][] = [
+      ["error", { error: { message: "the engine is overloaded (vLLM)", type: "ServiceUnavailable", code: 503 } }],
+      ["object error", { object: "error", message: "the engine is overloaded (old vLLM)", type: "ServiceUnavailable", code: 503 }],
+      ["detail", { detail: "the engine is overloaded (FastAPI)" }],
+    ];
+    for (const [name, body] of shapes) {
+      answer = body;
+      const res = await chat(org.serviceKey, { stream: true }, g);
+      expect(res.status).toBe(200);
+      const data = sseData(await res.text());
+      expect({ name, events: data.length }).toEqual({ name, events: 1 });
+      const error = (JSON.parse(data[0] ?? "null") as { error: { message: string; code: string } }).error;
+      expect({ name, code: error.code }).toEqual({ name, code: "service_unavailable" });
+      expect(error.message).toContain("the engine is overloaded");
+    }
+    await g.quota.flush();
+    const rows = await g.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, org.orgId));
+    expect(rows.map((r) => [r.status, r.requests, r.promptTokens, r.completionTokens])).toEqual([[503, 3, 0, 0]]);
   });
 });
