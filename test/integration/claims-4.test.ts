@@ -1,4 +1,6 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
 import OpenAI from "openai";
 import { VERSION as OPENAI_VERSION } from "openai/version";
 import { eq, sql } from "drizzle-orm";
@@ -9,6 +11,7 @@ import { type Gateway, startGateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, sharedDatabase, startTestGateway, testConfig } from "../helpers/harness.ts";
 import { eventually } from "../helpers/poll.ts";
+import { cleanEnv, exitWithin, listeningUrl, onlyJson, removeScratch, runGateway, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 import { TEST_PLANS, chatAlias, sseData, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
 // Servers, child processes and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -307,5 +310,36 @@ describe("a streamed request answered with one JSON error document and a 200 (do
     await g.quota.flush();
     const rows = await g.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, org.orgId));
     expect(rows.map((r) => [r.status, r.requests, r.promptTokens, r.completionTokens])).toEqual([[503, 3, 0, 0]]);
+  });
+});
+
+describe("the embedded database belongs to one process (README: any other second process on the same directory is refused; exit 1, data directory in use, one error: line)", () => {
+  test("migrate (with and without --json) and a second serve on a directory a serve holds: exit 1, one line naming the directory and the holder, nothing on stdout; the first serves on; once it stops, migrate runs", async () => {
+    const dataDir = join(scratchDir(), "data");
+    const env = cleanEnv({ UPSTREAM_BASE_URL: sim.url, LOG_LEVEL: "error" });
+    const server = startGatewayProcess(["serve", "--port", "0", "--data-dir", dataDir], { env: { ...env, LOG_LEVEL: "info" } });
+    let stopped = false;
+    try {
+      const url = await listeningUrl(server);
+      await waitFor200(`${url}/readyz`, 60_000);
+      for (const args of [["migrate"], ["migrate", "--json"], ["serve", "--port", "0"]]) {
+        const r = await runGateway([...args, "--data-dir", dataDir], { env, timeoutMs: 60_000 });
+        expect({ args, code: r.code, stdout: r.stdout }).toEqual({ args, code: 1, stdout: "" });
+        expect(r.stderr.split("\n")).toEqual([expect.stringMatching(/^error: /), ""]);
+        expect(r.stderr).toContain(`the data directory ${dataDir} is in use by process ${server.pid}`);
+      }
+      // The holder is unharmed: still ready, still the lock's owner.
+      expect((await fetch(`${url}/readyz`)).status).toBe(200);
+      expect(readFileSync(join(dataDir, "gateway.pid"), "utf8").trim()).toBe(String(server.pid));
+      server.kill("SIGTERM");
+      expect(await exitWithin(server, 20_000)).toBe(0);
+      stopped = true;
+      const after = await runGateway(["migrate", "--json", "--data-dir", dataDir], { env, timeoutMs: 60_000 });
+      expect({ code: after.code, stderr: after.stderr }).toEqual({ code: 0, stderr: "" });
+      expect(onlyJson(after.stdout)).toEqual({ applied: [], unknown: [] });
+    } finally {
+      if (!stopped) server.kill("SIGKILL");
+      removeScratch();
+    }
   });
 });
