@@ -148,7 +148,7 @@ describe("every demo starts clean (serve --demo, as processes)", () => {
 });
 
 describe("the demo's upstream (README: the built-in simulator, or the one configured)", () => {
-  test("with UPSTREAM_BASE_URL set, the demo's chat goes to that server; without it, to the built-in simulator", async () => {
+  test("with UPSTREAM_BASE_URL set, or a config file's aliases, the demo's chat goes to that server; without either, to the built-in simulator", async () => {
     const seen: string[] = [];
     const upstream = Bun.serve({
       port: 0,
@@ -183,10 +183,21 @@ describe("the demo's upstream (README: the built-in simulator, or the one config
       } finally {
         await stopDemo(configured);
       }
+      // A config file's aliases, without UPSTREAM_BASE_URL: the demo's chat goes there too, under the upstream's model id.
+      const dir = scratchDir();
+      const file = join(dir, "config.json");
+      await Bun.write(file, JSON.stringify({ aliases: { "svc-fast": { targets: [{ baseUrl: `http://127.0.0.1:${upstream.port}/v1`, model: "acme/own-model" }] } } }));
+      const fromFile = await startDemo(["--config", file], { cwd: dir, env: cleanEnv({ LOG_LEVEL: "info" }) });
+      try {
+        expect(await chat(fromFile)).toBe("from the configured upstream");
+        expect(seen).toEqual(["svc-fast", "acme/own-model"]);
+      } finally {
+        await stopDemo(fromFile);
+      }
       const simulated = await startDemo([], { cwd: scratchDir(), env: cleanEnv({ LOG_LEVEL: "info" }) });
       try {
         expect(await chat(simulated)).not.toBe("from the configured upstream");
-        expect(seen).toEqual(["svc-fast"]);
+        expect(seen).toEqual(["svc-fast", "acme/own-model"]);
       } finally {
         await stopDemo(simulated);
       }
