@@ -277,6 +277,39 @@ describe.skipIf(!!TEST_DATABASE_URL)("the hot path touches no database in steady
     for (let i = 0; i < 20; i++) await send(20);
     expect(transactions() - before).toBeLessThanOrEqual(4);
   });
+
+  test("a Responses request with store: false touches no database (docs/decisions.md, Responses API: Storage)", async () => {
+    const db = await freshDatabase();
+    stops.push(() => db.close());
+    const g = await startTestGateway({ aliases: testAliases(sim.url), plans: TEST_PLANS, quota: { flushMs: 600_000 }, responses: { enabled: true } }, db);
+    stops.push(() => g.stop());
+    const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS) });
+    const create = async (stream: boolean) => {
+      const res = await fetch(`${g.url}/v1/responses`, {
+        method: "POST",
+        headers: bearer(org.personalKey, { "content-type": "application/json" }),
+        body: JSON.stringify({ model: "svc-fast", input: "hello", store: false, stream }),
+      });
+      expect(res.status).toBe(200);
+      await res.text();
+    };
+    // Warm: the key in the cache and its first use written.
+    await create(false);
+    await Bun.sleep(200);
+    const transactions = () => db.transactions?.() ?? Number.NaN;
+    const before = transactions();
+    for (let i = 0; i < 10; i++) await create(i % 2 === 0);
+    expect(transactions() - before).toBe(0);
+    // With store (the default) each answer is one row: the count moves.
+    const stored = await fetch(`${g.url}/v1/responses`, {
+      method: "POST",
+      headers: bearer(org.personalKey, { "content-type": "application/json" }),
+      body: JSON.stringify({ model: "svc-fast", input: "hello" }),
+    });
+    expect(stored.status).toBe(200);
+    await stored.text();
+    expect(transactions() - before).toBeGreaterThan(0);
+  });
 });
 
 describe("a streamed request answered with one JSON error document and a 200 (docs/decisions.md: `error`, `object: \"error\"`, `detail`)", () => {
@@ -341,5 +374,17 @@ describe("the embedded database belongs to one process (README: any other second
       if (!stopped) server.kill("SIGKILL");
       removeScratch();
     }
+  });
+});
+
+describe("a Cookie header that names no cookie still marks a browser (docs/decisions.md, Browser-looking requests: any other cookie, or none named)", () => {
+  test("`;`, `=abc`, ` ; ` and a load balancer's cookie name in another case: 403 browser_request_rejected; the load balancer's own cookie alone passes", async () => {
+    const org = await seedOrg(gw.database);
+    for (const cookie of [";", "=abc", " ; ", "awsalb=abc"]) {
+      const res = await fetch(`${gw.url}/v1/me`, { headers: bearer(org.serviceKey, { cookie }) });
+      expect({ cookie, status: res.status, code: (await errorOf(res)).code }).toEqual({ cookie, status: 403, code: "browser_request_rejected" });
+    }
+    const res = await fetch(`${gw.url}/v1/me`, { headers: bearer(org.serviceKey, { cookie: "AWSALB=abc" }) });
+    expect(res.status).toBe(200);
   });
 });
