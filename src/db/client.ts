@@ -3,9 +3,10 @@ import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { type SQL, sql } from "drizzle-orm";
 import type { PgDatabase, PgQueryResultHKT } from "drizzle-orm/pg-core";
-import { drizzle as drizzlePglite } from "drizzle-orm/pglite";
-import { drizzle as drizzlePostgres } from "drizzle-orm/postgres-js";
-import postgres from "postgres";
+// The drivers are imported by the kind of database opened (openDatabase): a process on the embedded database
+// never loads postgres.js, one on Postgres never loads drizzle's pglite driver. Code a process holds costs it
+// at every collection (docs/benchmarks.md, "What a young collection's pause is made of").
+import type postgres from "postgres";
 // Embedded in the executable by `bun build --compile` (type: "file"): PGlite's
 // wasm, its file-system bundle and the pg_trgm and btree_gin extensions travel inside the binary.
 import initdbWasmPath from "@electric-sql/pglite/initdb.wasm" with { type: "file" };
@@ -191,6 +192,7 @@ async function openPglite(dataDir: string): Promise<Database> {
     unlock();
     throw e;
   }
+  const { drizzle: drizzlePglite } = await import("drizzle-orm/pglite");
   const db = drizzlePglite({ client: pg as never, schema }) as unknown as Db;
   return {
     kind: "pglite",
@@ -223,7 +225,8 @@ async function openPglite(dataDir: string): Promise<Database> {
   };
 }
 
-function openPostgres(url: string, poolMax: number): Database {
+async function openPostgres(url: string, poolMax: number): Promise<Database> {
+  const [{ default: postgres }, { drizzle: drizzlePostgres }] = await Promise.all([import("postgres"), import("drizzle-orm/postgres-js")]);
   const client = postgres(url, {
     max: poolMax,
     idle_timeout: 30,
