@@ -21,7 +21,6 @@ import { type QuotaManager, createQuota } from "./limits/quota.ts";
 import { createLimiter, type Limiter } from "./limits/store.ts";
 import { createInference } from "./inference/routes.ts";
 import type { HostLookup } from "./inference/image-url.ts";
-import { createResponses } from "./responses/routes.ts";
 import { firstSeen } from "./lib/once.ts";
 
 export interface Gateway {
@@ -164,14 +163,15 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
     started.push(() => inference.stop());
 
     // Off by default: the spec's v1 surface is chat, embeddings and models (docs/decisions.md: Responses API).
-    const responsesApi = config.responses.enabled ? createResponses({ config, database, log, chat: inference, readBound: bounds.response_read }) : undefined;
+    // Imported only when the operator turned the Responses API on (off by default): a process holds no code it does not run.
+    const responsesApi = config.responses.enabled ? (await import("./responses/routes.ts")).createResponses({ config, database, log, chat: inference, readBound: bounds.response_read }) : undefined;
     responsesApi?.start();
     started.push(() => responsesApi?.stop());
 
     observeInternals(metrics, verifier, quota, limiter, database, bounds, security);
     const app = createApp({
       metrics,
-      openapi: openApiDocument(VERSION, { responses: responsesApi !== undefined }),
+      openapi: JSON.stringify(openApiDocument(VERSION, { responses: responsesApi !== undefined })),
       metricsRoute: metricsOnMain,
       guard,
       verifier,
