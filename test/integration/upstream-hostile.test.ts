@@ -343,3 +343,39 @@ describe("answers nested past JSON.stringify's stack", () => {
     expect(Number(/^gateway_tokens_total\{alias="svc-embed",direction="prompt"\} (\d+)$/m.exec(metrics)?.[1] ?? 0)).toBe(0);
   });
 });
+
+describe("an upstream's Retry-After on 429 is bounded", () => {
+  test("every attempt 429: retry-after and the message's number are the upstream's wait clamped to 1..60 s, whatever it wrote", async () => {
+    let value = "";
+    const { chat } = await setup((c) => {
+      const body = '{"error":{"message":"overloaded"}}';
+      c.write(`HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: ${value}\r\ncontent-length: ${body.length}\r\n\r\n${body}`);
+    });
+    const far = new Date(Date.now() + 86_400_000).toUTCString();
+    const soon = new Date(Date.now() + 30_000).toUTCString();
+    for (const [sent, lo, hi] of [
+      ["7", 7, 7],
+      ["86400", 60, 60],
+      ["1000000000000", 60, 60],
+      ["9".repeat(400), 60, 60],
+      [far, 60, 60],
+      ["Fri, 31 Dec 9999 23:59:59 GMT", 60, 60],
+      [soon, 28, 31],
+      ["Thu, 01 Jan 1970 00:00:00 GMT", 1, 1],
+      ["0", 1, 1],
+      ["soon", 1, 1],
+    ] as const) {
+      value = sent;
+      for (const stream of [false, true]) {
+        const res = await chat(stream ? { stream: true } : {});
+        const err = await errorOf(res);
+        const header = res.headers.get("retry-after") ?? "";
+        expect({ sent: sent.slice(0, 40), status: res.status, code: err.code, header: /^\d+$/.test(header) }).toEqual({ sent: sent.slice(0, 40), status: 429, code: "rate_limit_error", header: true });
+        const wait = Number(header);
+        expect(wait).toBeGreaterThanOrEqual(lo);
+        expect(wait).toBeLessThanOrEqual(hi);
+        expect(err.message).toContain(`retry after ${header} s.`);
+      }
+    }
+  });
+});

@@ -42,11 +42,20 @@ export function upstreamMessage(text: string, cut = false): { message: string; p
   return { message: s.length > MAX_UPSTREAM_MESSAGE ? `${s.slice(0, MAX_UPSTREAM_MESSAGE)}…` : s, param: typeof param === "string" ? param : null };
 }
 
+/** The longest wait an upstream's `retry-after` can give our client (decisions.md, Failover). */
+export const MAX_UPSTREAM_RETRY_AFTER_S = 60;
+
+/**
+ * An upstream's `retry-after` (delta-seconds or an HTTP date, read against our
+ * clock) in whole seconds, at most MAX_UPSTREAM_RETRY_AFTER_S: the upstream is
+ * not trusted to make our clients wait a day. Unreadable: undefined.
+ */
 export function retryAfterSeconds(h: string | null, now: number): number | undefined {
   if (!h) return undefined;
-  if (/^\d+$/.test(h.trim())) return Number(h.trim());
-  const at = Date.parse(h);
-  return Number.isNaN(at) ? undefined : Math.max(0, Math.ceil((at - now) / 1000));
+  const t = h.trim();
+  const at = /^\d+$/.test(t) ? undefined : Date.parse(t);
+  const s = at === undefined ? Number(t) : Number.isNaN(at) ? undefined : Math.ceil((at - now) / 1000);
+  return s === undefined ? undefined : Math.min(MAX_UPSTREAM_RETRY_AFTER_S, Math.max(0, s));
 }
 
 /**
