@@ -82,6 +82,23 @@ function validationCode(path: string) {
   return path.startsWith("/v1/audit-events") ? "invalid_body" : "invalid_request_error";
 }
 
+/**
+ * What a key or token pasted into a URL path looks like: a key `sk-<tag>-…` (ours
+ * or another service's), `Bearer` and its token, a JWT. The token runs to the
+ * end of the path (or its query): it may hold `/`.
+ */
+const SECRET_IN_PATH = /(?<![A-Za-z0-9])sk-[\w-]*|(bearer(?:%20|%09|%3A|[\s+:=])+)[^?#&]+|eyJ[\w-]*\.[\w-]+(?:\.[\w-]*)?/gi;
+
+/**
+ * A request path as a log line may hold it (operations.md: a log never holds a
+ * key): keys and tokens in it masked, the rest kept so a 404 stays readable.
+ */
+export function loggablePath(path: string): string {
+  return path.replace(SECRET_IN_PATH, (m, bearer: string | undefined) =>
+    bearer !== undefined ? `${bearer}…redacted` : m.slice(0, 3).toLowerCase() === "sk-" ? "sk-…redacted" : "…redacted",
+  );
+}
+
 export function createApp(deps: AppDeps) {
   const { log, metrics, openapi } = deps;
   const auth = authPlugin(deps.guard);
@@ -121,7 +138,7 @@ export function createApp(deps: AppDeps) {
       else if (code === "PARSE") err = new AppError(validationCode(path), "Request body is not valid JSON.");
       else if (code === "VALIDATION") err = new AppError(validationCode(path), "Request does not match the endpoint's schema.");
       else {
-        log.error("unhandled error", { request_id: state?.id, path, err: error instanceof Error ? error.stack : String(error) });
+        log.error("unhandled error", { request_id: state?.id, path: loggablePath(path), err: error instanceof Error ? error.stack : String(error) });
         err = new AppError("internal_error", "Internal error; the request id identifies it in the logs.");
       }
       if (state) {
@@ -169,8 +186,9 @@ export function createApp(deps: AppDeps) {
       else if (s.errorCode === "budget_exceeded") metrics.budgetExceeded.inc();
       if (!deps.accessLog) return;
       // A stream is logged when it ends: its real duration, outcome and tokens (the metrics above time the headers).
-      if (s.ended) void s.ended.then((outcome) => accessLine(request.method, path, outcome, s));
-      else accessLine(request.method, path, status, s);
+      const logged = loggablePath(path);
+      if (s.ended) void s.ended.then((outcome) => accessLine(request.method, logged, outcome, s));
+      else accessLine(request.method, logged, status, s);
     })
     .get("/healthz", () => ({ status: "ok" }))
     .get("/openapi.json", ({ set }) => {

@@ -83,6 +83,39 @@ describe("secrets and content stay out of logs, metrics and the audit log", () =
   });
 });
 
+describe("a key pasted into the URL stays out of the logs and metrics", () => {
+  test("the access line's route masks sk-… keys, bearer tokens and JWTs in the path and keeps the rest; the query is not logged", async () => {
+    const jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJaZWJyYTQyIn0.c2lnbmF0dXJlWmVicmE0Mg";
+    const opaque = "Q7xLmN3pR8sT2vW9yZ4bC6dF";
+    const other = `sk-proj-${"Zz9".repeat(20)}`;
+    const cases: [string, Record<string, string>, string][] = [
+      [`/v1/${org.serviceKey}`, {}, "/v1/sk-…redacted"],
+      [`/v1/models/${org.personalKey}`, bearer(org.personalKey), "/v1/models/sk-…redacted"],
+      [`/${other}/v1/models`, {}, "/sk-…redacted/v1/models"],
+      [`/v1/chat/completions/${org.serviceKey}/x`, {}, "/v1/chat/completions/sk-…redacted/x"],
+      [`/v1/Bearer%20${opaque}`, {}, "/v1/Bearer%20…redacted"],
+      [`/v1/models/${jwt}`, {}, "/v1/models/…redacted"],
+      [`/v1/models?api_key=${org.serviceKey}`, bearer(org.serviceKey), "/v1/models"],
+      [`/v1/nothing-here?key=${org.personalKey}&x=1`, {}, "/v1/nothing-here"],
+    ];
+    for (const [path, headers] of cases) {
+      const res = await fetch(`${gw.url}${path}`, { headers });
+      await res.text();
+      const id = String(res.headers.get("x-request-id"));
+      await until(() => lines.some((l) => l.includes(`"request_id":"${id}"`) && l.includes('"msg":"request"')), `the access line of ${id}`);
+    }
+    const logs = lines.join("");
+    const metrics = await (await fetch(`${gw.metricsUrl}`)).text();
+    for (const secret of [org.serviceKey, org.personalKey, other, jwt, opaque, org.serviceKey.slice(10, 30), org.personalKey.slice(-20)]) {
+      expect(logs).not.toContain(secret);
+      expect(metrics).not.toContain(secret);
+    }
+    // Operators can still read what was asked for: the path around the masked part stays.
+    const routes = lines.map((l) => JSON.parse(l) as Record<string, unknown>).filter((l) => l.msg === "request").map((l) => String(l.route));
+    for (const [, , expected] of cases) expect(routes).toContain(expected);
+  });
+});
+
 describe("upstream faults leave nothing behind", () => {
   test("hangs, drops, 503s and client aborts: descriptors return to where they were", async () => {
     const fds = () => readdirSync("/proc/self/fd").length;
