@@ -71,7 +71,8 @@ export interface ReportedText {
  * tool calls, its last finish_reason, the last usage), which is then shaped,
  * metered and bounded as any JSON answer. Undefined when the text is not SSE
  * chunks (no event with data, or data that is not a chunk); `{ error }` when
- * it carries an error event.
+ * it carries an error event (`{"error"…}`, `{"object":"error"…}` or FastAPI's
+ * `{"detail"…}`, as a JSON answer's error is read).
  *
  * The completion's `usage` is the upstream's last report as it sent it (with
  * the prompt count of an earlier report when it leaves that out): only
@@ -106,7 +107,8 @@ export function sseAsCompletion(text: string, reported?: ReportedText): Record<s
       return undefined;
     }
     if (!isRecord(v)) return undefined;
-    if (!Array.isArray(v.choices)) return "error" in v || v.object === "error" ? { error: data } : undefined;
+    // The three error shapes wholeAnswer and upstreamMessage read: vLLM's two and FastAPI's `detail`.
+    if (!Array.isArray(v.choices)) return "error" in v || v.object === "error" || "detail" in v ? { error: data } : undefined;
     head ??= v;
     let bytes = 0;
     for (const c of v.choices) {

@@ -1219,12 +1219,26 @@ describe("an upstream that streams a non-streamed request", () => {
     }
   });
 
-  test("an error event in the stream is the upstream's error, with its message", async () => {
-    const o = await seedTestOrg(gw.database);
-    scripted = { events: [{ error: { message: "the engine is overloaded", type: "ServiceUnavailable", code: 503 } }], done: false };
-    const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
-    expect(res.status).toBe(503);
-    expect(rec(rec(await res.json()).error).message).toContain("the engine is overloaded");
+  test("an error event in the stream is the upstream's error, with its message, in each shape decisions.md names; charged nothing", async () => {
+    const role = chunkOf([deltaOf({ role: "assistant", content: "" })]);
+    for (const [name, error] of [
+      ["error", { error: { message: "the engine is overloaded (vLLM)", type: "ServiceUnavailable", code: 503 } }],
+      ["object error", { object: "error", message: "the engine is overloaded (old vLLM)", type: "ServiceUnavailable", code: 503 }],
+      ["detail", { detail: "the engine is overloaded (FastAPI)" }],
+    ] as const) {
+      for (const events of [[error], [role, error]]) {
+        const o = await seedTestOrg(gw.database);
+        scripted = { events, done: false };
+        const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+        const err = rec(rec(await res.json()).error);
+        // Before, FastAPI's {detail}: 503 "… sent an unreadable answer", its message lost.
+        expect({ name, status: res.status, code: err.code }).toEqual({ name, status: 503, code: "service_unavailable" });
+        expect(String(err.message)).toContain("failed while generating: the engine is overloaded");
+        expect(String(err.message)).not.toContain("detail");
+        const [row] = await rows(o.orgId);
+        expect([name, row?.status, row?.promptTokens, row?.completionTokens]).toEqual([name, 503, 0, 0]);
+      }
+    }
   });
 });
 
