@@ -50,7 +50,7 @@ const TEXT_FIELDS = ['"content":', '"arguments":', '"refusal":'].map((s) => Buff
 const ARGUMENTS = TEXT_FIELDS[1];
 /** vLLM's reasoning text, under its older name, its newer one, or both (the same text): counted once. */
 const REASONING_FIELDS = ['"reasoning_content":', '"reasoning":'].map((s) => Buffer.from(s));
-const ERROR_PREFIXES = ['{"error"', '{"object":"error"', '{"object": "error"'].map((s) => Buffer.from(s));
+const ERROR_PREFIXES = ['{"error"', '{"object":"error"', '{"object": "error"', '{"detail"'].map((s) => Buffer.from(s));
 const QUOTE = 0x22;
 const BACKSLASH = 0x5c;
 const SPACE = 0x20;
@@ -67,10 +67,11 @@ export function isDone(event: Buffer, at: number): boolean {
   return startsWithAt(event, at, DONE);
 }
 
-/** The data (from `at`) is an upstream error (`{"error"…`, `{"object":"error"…`), not a chunk. */
+/** The data (from `at`) is an upstream error (`{"error"…`, `{"object":"error"…`, FastAPI's `{"detail"…`), not a chunk. */
 export function isErrorEvent(event: Buffer, at: number): boolean {
-  // Every error prefix starts `{"e` or `{"o` (a chunk starts `{"id"`).
-  return event[at] === OPEN_BRACE && event[at + 1] === QUOTE && (event[at + 2] === 0x65 || event[at + 2] === 0x6f) && ERROR_PREFIXES.some((p) => startsWithAt(event, at, p));
+  // Every error prefix starts `{"e`, `{"o` or `{"d` (a chunk starts `{"id"`).
+  const c = event[at + 2];
+  return event[at] === OPEN_BRACE && event[at + 1] === QUOTE && (c === 0x65 || c === 0x6f || c === 0x64) && ERROR_PREFIXES.some((p) => startsWithAt(event, at, p));
 }
 
 /**

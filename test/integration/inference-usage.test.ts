@@ -933,6 +933,29 @@ describe("a stream that fails before it delivered any text, without a usage repo
     }
   });
 
+  test("an error event of each shape decisions.md names ends the stream with the upstream's message; the shape never reaches the client; charged nothing", async () => {
+    for (const [name, error] of [
+      ["error", { error: { message: "the engine is overloaded (vLLM)", type: "ServiceUnavailable", code: 503 } }],
+      ["object error", { object: "error", message: "the engine is overloaded (old vLLM)", type: "ServiceUnavailable", code: 503 }],
+      ["detail", { detail: "the engine is overloaded (FastAPI)" }],
+    ] as const) {
+      for (const events of [[error], [role, error]]) {
+        scripted = { events, done: false };
+        let told: string[] = [];
+        const row = await charged(async (o) => {
+          told = sseData(await (await chat(o)).text());
+        });
+        // Before, FastAPI's {detail}: the event was relayed as it came, then "ended the stream early".
+        expect({ name, events: told.length }).toEqual({ name, events: events.length });
+        const last = rec(rec(JSON.parse(told.at(-1) ?? "null")).error);
+        expect({ name, code: last.code }).toEqual({ name, code: "service_unavailable" });
+        expect(String(last.message)).toContain("failed while generating: the engine is overloaded");
+        expect(told.join("\n")).not.toContain("detail");
+        expect([name, ...row]).toEqual([name, 503, 0, 0]);
+      }
+    }
+  });
+
   test("what is still charged: a usage report that came before the failure, text delivered before it, and a client that left (499)", async () => {
     const promptEstimate = await estimateOf(true);
     // A report (9 prompt tokens, none generated yet), then the upstream fails: the report is charged.
