@@ -6,7 +6,7 @@ import type { Metering, RequestOutcome, Ticket, UsageReport } from "../limits/me
 import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
 import type { ImageUrlCheck } from "./image-url.ts";
-import { type EndableStream, type RelayOptions, relayStream, type StreamEnd } from "./stream.ts";
+import { type EndableStream, type RelayOptions, relayStream, type StreamEnd, streamCharge } from "./stream.ts";
 import { countTextAfterReport, type ReportedText, sseAsCompletion } from "./whole-answer.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
@@ -459,15 +459,9 @@ export function createInferenceService(deps: ServiceDeps) {
     onEnd(end: StreamEnd): void {
       const name = this.alias;
       deps.streams?.dec();
-      // Without the upstream's count (stream cut off), estimate from what the client received;
-      // either way never past the bound the upstream was sent (usage.ts): that is all that was reserved.
-      // A stream the upstream (or the gateway's shutdown) ended before any text reached the client, with
-      // no report, delivered nothing and failed through no fault of the client's: charged nothing, as
-      // the same failure of a JSON answer is (settleFailure). Before, it was charged the prompt estimate.
-      // A client that left (499) is charged as before.
-      const nothing = end.usage === undefined && end.deliveredChars === 0 && (end.outcome === "failed" || end.outcome === "ended");
-      const counted = end.usage ?? (nothing ? NO_USAGE : { promptTokens: this.promptEstimate, completionTokens: charsToTokens(end.deliveredChars) });
-      const usage = { promptTokens: counted.promptTokens, completionTokens: Math.min(counted.completionTokens, this.bounds.completionTokens) };
+      // The upstream's count, else an estimate from what the client received, within the bound sent; nothing
+      // for a failure before any text (stream.ts, streamCharge: a stored Response the client left says the same).
+      const usage = streamCharge(end, this.promptEstimate, this.bounds.completionTokens);
       promptOverReserve(name, usage.promptTokens, this.promptReserve, this.requestId);
       // "ended" (cut at shutdown) is a 503 like an upstream failure: the client got the same error event.
       // "bound" (ended at the bound the upstream ignored) ended as a complete answer does.

@@ -193,6 +193,24 @@ function completionSoFar(usage: StreamEnd["usage"], delivered: number, atUsage: 
   return usage === undefined ? charsToTokens(delivered) : usage.completionTokens + charsToTokens(delivered - atUsage);
 }
 
+/**
+ * What a stream that ended is charged: the upstream's count (with the text
+ * after its last report), else an estimate from what the client received;
+ * either way never past the bound the upstream was sent (usage.ts): that is
+ * all that was reserved. A stream the upstream (or the gateway's shutdown)
+ * ended before any text reached the client, with no report, delivered
+ * nothing and failed through no fault of the client's: charged nothing, as
+ * the same failure of a JSON answer is. The service settles this
+ * (StreamCall.onEnd), and a Responses stream the client left is stored with
+ * it (`end`): one rule for both.
+ */
+export function streamCharge(end: StreamEnd, promptEstimate: number, completionBound: number): { promptTokens: number; completionTokens: number } {
+  const nothing = end.usage === undefined && end.deliveredChars === 0 && (end.outcome === "failed" || end.outcome === "ended");
+  if (nothing) return { promptTokens: 0, completionTokens: 0 };
+  const counted = end.usage ?? { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) };
+  return { promptTokens: counted.promptTokens, completionTokens: Math.min(counted.completionTokens, completionBound) };
+}
+
 /** The usage of a chunk the gateway writes itself: the counts charged and the last report's breakdowns, checked again within them. */
 function usageOut(u: { promptTokens: number; completionTokens: number }, breakdowns: UsageDetails) {
   const { promptTokens: p, completionTokens: t } = u;
@@ -321,7 +339,15 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
     const usage = this.usage;
     const reported = usage && { promptTokens: usage.promptTokens, completionTokens: completionSoFar(usage, this.deliveredChars, this.charsAtUsage) };
     const deliveredChars = this.deliveredChars;
-    this.opts.onEnd(reason ? { outcome, usage: reported, deliveredChars, reason } : { outcome, usage: reported, deliveredChars });
+    const end: StreamEnd = reason ? { outcome, usage: reported, deliveredChars, reason } : { outcome, usage: reported, deliveredChars };
+    this.opts.onEnd(end);
+    // The client left: a transform (a stored Response) is told now, with what the request is charged. Not
+    // when the client left: a complete answer's usage chunk may still have come (`cancel`), and is charged.
+    if (outcome === "client_gone" && this.tf) {
+      const opts = this.opts;
+      const charged = streamCharge(end, opts.promptEstimate ?? 0, opts.bounds?.completionTokens ?? Number.POSITIVE_INFINITY);
+      this.tf.cancel(usageOut(charged, this.usageBreakdowns));
+    }
   }
 
   /**
@@ -527,13 +553,11 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
     if (this.clientLeft) return;
     if (this.awaitsUsage()) {
       this.clientLeft = true;
-      this.tf?.cancel();
       this.drainTimer = setTimeout(drainGiveUp, DRAIN_MS, this);
       return;
     }
     this.up.abort("client disconnected");
     this.end("client_gone");
-    this.tf?.cancel();
   }
 
   /** The answer is complete upstream, and nothing but its usage chunk (and [DONE]) is missing. */

@@ -21,6 +21,9 @@ export interface RelayTransform {
   failed(): string | undefined;
   /** The relay is about to close the response after its last event; the close waits for the promise. */
   finish(): Promise<void> | undefined;
-  /** The client went away. */
-  cancel(): void;
+  /**
+   * The client went away; `usage`, when given, is what the request is charged, in chat's shape
+   * (prompt_tokens, completion_tokens, total_tokens and the checked breakdowns).
+   */
+  cancel(usage?: Record<string, unknown>): void;
 }

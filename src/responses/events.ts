@@ -13,7 +13,7 @@ import { ByteWriter } from "../lib/byte-writer.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
 import { asBuffer, COMMENT, SseReader } from "../lib/sse.ts";
 import { ChatToResponses } from "./stream-state.ts";
-import type { ResponseMeta, ResponseObject } from "./output.ts";
+import { type ResponseMeta, type ResponseObject, usageFromChat } from "./output.ts";
 
 /** The Responses translation as the chat relay applies it (`RelayTransform`), plus what a reader of a chat stream needs. */
 export interface ResponsesTransform extends RelayTransform {
@@ -137,8 +137,8 @@ class ResponsesRelayTransform implements ResponsesTransform {
     return this.t.final ? this.report(this.t.final) : undefined;
   }
 
-  cancel(): void {
-    void this.report(this.t.cancel());
+  cancel(usage?: Record<string, unknown>): void {
+    void this.report(this.t.cancel(usageFromChat(usage)));
   }
 }
 

@@ -600,11 +600,15 @@ export class ChatToResponses {
     return this.take();
   }
 
-  /** The client went away: the Response as it stood, `cancelled`. No events (nobody reads them). */
-  cancel(): ResponseObject {
+  /**
+   * The client went away: the Response as it stood, `cancelled`. No events (nobody reads them). Its usage
+   * is `usage` when given (what the request is charged: the relay may have read the upstream's usage
+   * chunk after the client left), else the last report seen.
+   */
+  cancel(usage?: ResponseUsage): ResponseObject {
     if (this.final) return this.final;
     this.markOpenIncomplete();
-    const r = finish(this.frame("cancelled"), "cancelled", { usage: this.usage });
+    const r = finish(this.frame("cancelled"), "cancelled", { usage: usage ?? this.usage });
     this.final = r;
     return r;
   }

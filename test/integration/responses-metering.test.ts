@@ -327,3 +327,126 @@ describe("a chunk the translation cannot read, in the same read as [DONE]", () =
     expect(rows.map((r) => ({ status: r.status, streamed: r.streamed }))).toEqual([{ status: 503, streamed: true }]);
   });
 });
+
+describe("a stored stream the client leaves once the answer is complete, before the usage chunk", () => {
+  // Seen failing before: the relay read on for the upstream's late usage chunk and charged it (1234 + 77),
+  // but the cancelled Response had been stored at the moment the client left, with no usage at all.
+  interface Run {
+    controller?: ReadableStreamDefaultController<Uint8Array>;
+  }
+  const enc = new TextEncoder();
+  const head = { id: "c1", object: "chat.completion.chunk", created: 1, model: "m" };
+  const frame = (e: unknown) => `data: ${JSON.stringify(e)}\n\n`;
+  const ANSWER =
+    frame({ ...head, choices: [{ index: 0, delta: { role: "assistant", content: "Hello there, friend" }, finish_reason: null }] }) +
+    frame({ ...head, choices: [{ index: 0, delta: {}, finish_reason: "stop" }] });
+  // Counts no estimate would give.
+  const USAGE_AND_DONE = `${frame({ ...head, choices: [], usage: { prompt_tokens: 1234, completion_tokens: 77, total_tokens: 1311 } })}data: [DONE]\n\n`;
+  let run: Run = {};
+  let fake: ReturnType<typeof Bun.serve>;
+  let gw3: Gateway;
+
+  beforeAll(async () => {
+    fake = Bun.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      async fetch(req) {
+        await req.text();
+        const r = run;
+        return new Response(
+          new ReadableStream<Uint8Array>({
+            start(c) {
+              r.controller = c;
+              c.enqueue(enc.encode(ANSWER));
+            },
+          }),
+          { headers: { "content-type": "text/event-stream" } },
+        );
+      },
+    });
+    gw3 = await startTestGateway({
+      aliases: { "svc-late": chatAlias([{ baseUrl: `http://127.0.0.1:${fake.port}/v1` }]) },
+      plans: TEST_PLANS,
+      upstream: upstreamSettings({ attempts: 1 }),
+      responses: { enabled: true },
+    });
+  });
+  afterAll(async () => {
+    await gw3.stop();
+    fake.stop(true);
+  });
+
+  /** Streams a stored Response and leaves once its message is done (the finish chunk came); its id. */
+  async function leaveAfterFinish(key: string): Promise<string> {
+    const ac = new AbortController();
+    const res = await post(gw3, "/v1/responses", key, { model: "svc-late", stream: true, input: "hi" }, { signal: ac.signal });
+    const reader = res.body?.getReader();
+    if (!reader) throw new Error("no body");
+    let text = "";
+    while (!text.includes('"type":"response.output_item.done"')) {
+      const r = await reader.read();
+      if (r.done) throw new Error("stream ended early");
+      text += new TextDecoder().decode(r.value);
+    }
+    ac.abort();
+    const id = /"id":"(resp_[A-Za-z0-9_-]+)"/.exec(text)?.[1];
+    if (!id) throw new Error("no response id");
+    return id;
+  }
+
+  async function storedResponse(key: string, id: string): Promise<Record<string, unknown>> {
+    const res = await eventually(
+      () => fetch(`${gw3.url}/v1/responses/${id}`, { headers: { authorization: `Bearer ${key}` } }),
+      (r) => r.status === 200,
+      "the cancelled response stored",
+    );
+    return rec(await res.json());
+  }
+
+  test("the usage that comes within the drain is charged, and the stored cancelled Response carries the same", async () => {
+    const o = await seedTestOrg(gw3.database);
+    run = {};
+    const id = await leaveAfterFinish(o.personalKey);
+    // Time for the gateway to see the client go (well within the 1 s it reads on for the usage).
+    await Bun.sleep(300);
+    run.controller?.enqueue(enc.encode(USAGE_AND_DONE));
+    run.controller?.close();
+    const rows = await eventually(
+      async () => {
+        await gw3.quota.flush();
+        return gw3.database.rows<{ prompt_tokens: number; completion_tokens: number; status: number }>(
+          sql`select prompt_tokens, completion_tokens, status from usage_events where org_id = ${o.orgId}`,
+        );
+      },
+      (r) => r.length === 1,
+      "the usage row",
+    );
+    expect(rows.map((r) => [Number(r.prompt_tokens), Number(r.completion_tokens), Number(r.status)])).toEqual([[1234, 77, 499]]);
+    const stored = await storedResponse(o.personalKey, id);
+    expect(stored.status).toBe("cancelled");
+    expect(rec(stored.usage)).toMatchObject({ input_tokens: 1234, output_tokens: 77, total_tokens: 1311 });
+  });
+
+  test("no usage within the drain: charged by estimate, and the stored cancelled Response carries that estimate", async () => {
+    const o = await seedTestOrg(gw3.database);
+    run = {};
+    const id = await leaveAfterFinish(o.personalKey);
+    // The upstream sends nothing more: cut after about a second, charged by estimate.
+    const rows = await eventually(
+      async () => {
+        await gw3.quota.flush();
+        return gw3.database.rows<{ prompt_tokens: number; completion_tokens: number; status: number }>(
+          sql`select prompt_tokens, completion_tokens, status from usage_events where org_id = ${o.orgId}`,
+        );
+      },
+      (r) => r.length === 1,
+      "the usage row",
+    );
+    const [prompt, completion, status] = [Number(rows[0]?.prompt_tokens), Number(rows[0]?.completion_tokens), Number(rows[0]?.status)];
+    // "Hello there, friend": 19 bytes, 5 tokens at ~4 bytes a token.
+    expect([completion, status]).toEqual([5, 499]);
+    const stored = await storedResponse(o.personalKey, id);
+    expect(stored.status).toBe("cancelled");
+    expect(rec(stored.usage)).toMatchObject({ input_tokens: prompt, output_tokens: completion, total_tokens: prompt + completion });
+  });
+});
