@@ -6,6 +6,7 @@ import type { Database, Db } from "../db/client.ts";
 import { QUOTA_PERIODS, type QuotaPeriod, apiKeys, organizations, users } from "../db/schema.ts";
 import { FieldError, InputError } from "../lib/errors.ts";
 import { SYSTEM_ACTOR_ID, isUuid } from "../lib/ids.ts";
+import { MAX_EMAIL_CHARS, MAX_NAME_CHARS, textProblem } from "../lib/text.ts";
 import { MAX_TIME, MIN_TIME } from "../lib/time.ts";
 
 /**
@@ -49,25 +50,15 @@ function requirePlan(plan: string, plans: readonly string[]) {
   if (!plans.includes(plan)) throw new FieldError("plan", () => `unknown plan ${JSON.stringify(plan)}; configured plans: ${plans.join(", ")}`);
 }
 
-/** Longest name of an organisation, person or key; past it a name is a mistake, not a label. */
-const MAX_NAME = 200;
-/** RFC 5321's limit for an address in a path. */
-const MAX_EMAIL = 254;
-// Control characters (Unicode's Cc: C0, DEL and C1) and the Unicode line and paragraph separators: a line break
-// would split one field into two lines of the audit search text and of the CLI's output. C1 holds NEL (a line
-// break) and CSI, which a terminal reading UTF-8 may take for ESC [: both passed when only C0 and DEL were refused.
-// biome-ignore lint/suspicious/noControlCharactersInRegex: matching them is the point.
-const CONTROL = /[\u0000-\u001f\u007f-\u009f\u2028\u2029]/;
-
-/** A display text: one line of at most `max` characters (JavaScript's count: UTF-16 code units). */
+/** A display text: one line of at most `max` characters (src/lib/text.ts). */
 function requireText(field: string, value: string, max: number) {
-  if (value.length > max) throw new FieldError(field, (n) => `${n(field)} is longer than ${max} characters (got ${value.length})`);
-  if (CONTROL.test(value)) throw new FieldError(field, (n) => `${n(field)} must not contain control characters or line separators`);
+  const problem = textProblem(value, max);
+  if (problem) throw new FieldError(field, (n) => `${n(field)} ${problem}`);
 }
 
 function requireName(name: string) {
   if (!name.trim()) throw new FieldError("name", (n) => `${n("name")} must not be empty`);
-  requireText("name", name, MAX_NAME);
+  requireText("name", name, MAX_NAME_CHARS);
 }
 
 export interface OrgView {
@@ -202,7 +193,7 @@ export async function createUser(
 ): Promise<UserView> {
   requireUuid("orgId", input.orgId);
   requireName(input.name);
-  requireText("email", input.email, MAX_EMAIL);
+  requireText("email", input.email, MAX_EMAIL_CHARS);
   if (!/^[^\s@]+@[^\s@]+$/.test(input.email)) throw new FieldError("email", (n) => `${n("email")} is not an e-mail address: ${JSON.stringify(input.email)}`);
   return database.db.transaction(async (tx) => {
     // The organisation's row locked: users created at once in one organisation are checked one after another, so two
@@ -374,7 +365,7 @@ export function validateKeyInput(input: CreateKeyInput): { kind: "personal" | "s
   for (const m of input.models ?? []) {
     if (!input.knownModels.includes(m)) throw new FieldError("models", () => `unknown model alias ${JSON.stringify(m)}; known: ${input.knownModels.join(", ")}`);
   }
-  if (input.name) requireText("name", input.name, MAX_NAME);
+  if (input.name) requireText("name", input.name, MAX_NAME_CHARS);
   if (input.expiresAt && Number.isNaN(input.expiresAt.getTime())) throw new FieldError("expiresAt", (n) => `${n("expiresAt")} is not a valid ISO 8601 time`);
   if (input.expiresAt && input.expiresInMs !== undefined) throw new FieldError("expiresAt", (n) => `give ${n("expiresAt")} or ${n("expiresInMs")}, not both`);
   return { kind: input.kind, scopes: [...new Set(input.scopes)] as Scope[] };

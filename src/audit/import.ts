@@ -1,4 +1,4 @@
-import { Type as T } from "@sinclair/typebox";
+import { type Static, Type as T } from "@sinclair/typebox";
 import { inArray } from "drizzle-orm";
 import { TypeCompiler } from "@sinclair/typebox/compiler";
 import type { Database } from "../db/client.ts";
@@ -6,6 +6,7 @@ import { auditEvents, organizations } from "../db/schema.ts";
 import { networkPrefixProblem } from "../lib/cidr.ts";
 import { InputError } from "../lib/errors.ts";
 import { UUID_PATTERN } from "../lib/ids.ts";
+import { MAX_EMAIL_CHARS, MAX_NAME_CHARS, textProblem } from "../lib/text.ts";
 import { inStorableRange, parseInstant } from "../lib/time.ts";
 import { ACTION_PATTERN, type AuditInput, CATEGORIES, MAX_ACTION_CHARS, recordAudit } from "./record.ts";
 
@@ -37,6 +38,19 @@ const Line = T.Object(
 );
 const check = TypeCompiler.Compile(Line);
 
+/** The first name or e-mail of the actor and targets that breaks the display-text rule, as `/path problem`. */
+function peopleTextProblem(v: Static<typeof Line>): string | undefined {
+  const people: [string, { name: string; email: string }][] = [["/actor", v.actor]];
+  for (const [n, t] of (v.targets ?? []).entries()) people.push([`/targets/${n}`, t]);
+  for (const [path, who] of people) {
+    const name = textProblem(who.name, MAX_NAME_CHARS);
+    if (name) return `${path}/name ${name}`;
+    const email = textProblem(who.email, MAX_EMAIL_CHARS);
+    if (email) return `${path}/email ${email}`;
+  }
+  return undefined;
+}
+
 /** Parse and validate every line first; insert all of them in one transaction or none. */
 export async function importAudit(database: Database, text: string): Promise<number> {
   const events: AuditInput[] = [];
@@ -57,6 +71,10 @@ export async function importAudit(database: Database, text: string): Promise<num
       const err = check.Errors(v).First();
       throw new InputError(`line ${i + 1}: ${err?.path || "/"} ${err?.message ?? "invalid"}`);
     }
+    // Names and e-mails are the display texts the admin commands store (src/lib/text.ts): one line, bounded.
+    // Before, an imported name could hold a line break, which splits one field of the audit search text in two.
+    const textError = peopleTextProblem(v);
+    if (textError) throw new InputError(`line ${i + 1}: ${textError}`);
     // Spec 2.6 rules a schema cannot state: a network prefix, and each target's details field.
     const prefixProblem = networkPrefixProblem(v.origin.ip_prefix);
     if (prefixProblem) throw new InputError(`line ${i + 1}: /origin/ip_prefix ${JSON.stringify(v.origin.ip_prefix)} ${prefixProblem}`);

@@ -770,6 +770,38 @@ describe("audit import", () => {
     expect(await counts()).toEqual(before);
   });
 
+  test("a name or e-mail (actor's or target's) with a control character or line separator is a bad line, as users create refuses it: its number and field, exit 2, nothing imported", async () => {
+    // Seen failing before: each of these lines was imported (exit 0), a line break splitting one field of the
+    // audit search text into two, and C1's CSI reaching a terminal that reads it as ESC [.
+    const before = await counts();
+    const file = join(work, "bad-names.jsonl");
+    const actor = { type: "user", id: userId, name: "Ada Lovelace", email: "ada@acme.example" };
+    const target = { key: "target_user_id", kind: "user", id: MISSING_UUID, name: "Grace", email: "grace@acme.example" };
+    const refused = (field: string) => `line 2: ${field} must not contain control characters or line separators`;
+    // C0 (a line break, NUL, ESC), DEL, C1 (NEL, CSI) and the Unicode line and paragraph separators.
+    for (const name of ["Ada\nLovelace", "Ada\r", "Ada\u0000", "Ada\u001b[31m", "Ada\u007f", "Ada\u0085", "Ada\u009b31m", "Ada\u2028", "Ada\u2029"]) {
+      writeFileSync(file, `${line()}\n${line({ actor: { ...actor, name } })}\n`);
+      expectUsage(await cli("audit", "import", file), refused("/actor/name"));
+    }
+    for (const [field, extra] of [
+      ["/actor/email", { actor: { ...actor, email: "ada@acme.example\n" } }],
+      ["/targets/0/name", { targets: [{ ...target, name: "Grace\u2028Hopper" }] }],
+      ["/targets/0/email", { targets: [{ ...target, email: "grace@acme.example\u0085" }] }],
+    ] as const) {
+      writeFileSync(file, `${line()}\n${line(extra)}\n`);
+      expectUsage(await cli("audit", "import", file), refused(field));
+    }
+    // Longer than a name (200) or an address (254) may be anywhere else.
+    writeFileSync(file, `${line()}\n${line({ actor: { ...actor, name: "a".repeat(201) } })}\n`);
+    expectUsage(await cli("audit", "import", file), "line 2: /actor/name is longer than 200 characters");
+    writeFileSync(file, `${line()}\n${line({ actor: { ...actor, email: `${"a".repeat(243)}@acme.example` } })}\n`);
+    expectUsage(await cli("audit", "import", file), "line 2: /actor/email is longer than 254 characters");
+    expect(await counts()).toEqual(before);
+    // What users create takes passes: letters of any script, names and addresses at their longest; and an empty e-mail (a system actor's).
+    writeFileSync(file, `${line({ actor: { ...actor, name: "Édith Ünïcode 名前", email: "" } })}\n${line({ actor: { ...actor, name: "a".repeat(200), email: `${"a".repeat(241)}@acme.example` } })}\n`);
+    expect((await cli("audit", "import", file)).code).toBe(0);
+  });
+
   test("bad arguments", async () => {
     expectUsage(await cli("audit", "import"), "missing FILE");
     expectUsage(await cli("audit", "import", join(work, "nope.jsonl")), "no such file");
