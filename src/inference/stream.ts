@@ -341,8 +341,8 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
     const deliveredChars = this.deliveredChars;
     const end: StreamEnd = reason ? { outcome, usage: reported, deliveredChars, reason } : { outcome, usage: reported, deliveredChars };
     this.opts.onEnd(end);
-    // The client left: a transform (a stored Response) is told now, with what the request is charged. Not
-    // when the client left: a complete answer's usage chunk may still have come (`cancel`), and is charged.
+    // The client left: a transform (a stored Response) is told now, with what the request is charged; not at
+    // the moment the client left, as a complete answer's usage chunk may still come then (`cancel`), and is charged.
     if (outcome === "client_gone" && this.tf) {
       const opts = this.opts;
       const charged = streamCharge(end, opts.promptEstimate ?? 0, opts.bounds?.completionTokens ?? Number.POSITIVE_INFINITY);

@@ -394,6 +394,22 @@ describe("a stored stream the client leaves once the answer is complete, before 
     return id;
   }
 
+  /** The organisation's one usage row once written: [prompt_tokens, completion_tokens, status]. */
+  async function settledRow(orgId: string): Promise<[number, number, number]> {
+    const rows = await eventually(
+      async () => {
+        await gw3.quota.flush();
+        return gw3.database.rows<{ prompt_tokens: number; completion_tokens: number; status: number }>(
+          sql`select prompt_tokens, completion_tokens, status from usage_events where org_id = ${orgId}`,
+        );
+      },
+      (r) => r.length === 1,
+      "the usage row",
+    );
+    const [r] = rows;
+    return [Number(r?.prompt_tokens), Number(r?.completion_tokens), Number(r?.status)];
+  }
+
   async function storedResponse(key: string, id: string): Promise<Record<string, unknown>> {
     const res = await eventually(
       () => fetch(`${gw3.url}/v1/responses/${id}`, { headers: { authorization: `Bearer ${key}` } }),
@@ -411,17 +427,7 @@ describe("a stored stream the client leaves once the answer is complete, before 
     await Bun.sleep(300);
     run.controller?.enqueue(enc.encode(USAGE_AND_DONE));
     run.controller?.close();
-    const rows = await eventually(
-      async () => {
-        await gw3.quota.flush();
-        return gw3.database.rows<{ prompt_tokens: number; completion_tokens: number; status: number }>(
-          sql`select prompt_tokens, completion_tokens, status from usage_events where org_id = ${o.orgId}`,
-        );
-      },
-      (r) => r.length === 1,
-      "the usage row",
-    );
-    expect(rows.map((r) => [Number(r.prompt_tokens), Number(r.completion_tokens), Number(r.status)])).toEqual([[1234, 77, 499]]);
+    expect(await settledRow(o.orgId)).toEqual([1234, 77, 499]);
     const stored = await storedResponse(o.personalKey, id);
     expect(stored.status).toBe("cancelled");
     expect(rec(stored.usage)).toMatchObject({ input_tokens: 1234, output_tokens: 77, total_tokens: 1311 });
@@ -432,17 +438,7 @@ describe("a stored stream the client leaves once the answer is complete, before 
     run = {};
     const id = await leaveAfterFinish(o.personalKey);
     // The upstream sends nothing more: cut after about a second, charged by estimate.
-    const rows = await eventually(
-      async () => {
-        await gw3.quota.flush();
-        return gw3.database.rows<{ prompt_tokens: number; completion_tokens: number; status: number }>(
-          sql`select prompt_tokens, completion_tokens, status from usage_events where org_id = ${o.orgId}`,
-        );
-      },
-      (r) => r.length === 1,
-      "the usage row",
-    );
-    const [prompt, completion, status] = [Number(rows[0]?.prompt_tokens), Number(rows[0]?.completion_tokens), Number(rows[0]?.status)];
+    const [prompt, completion, status] = await settledRow(o.orgId);
     // "Hello there, friend": 19 bytes, 5 tokens at ~4 bytes a token.
     expect([completion, status]).toEqual([5, 499]);
     const stored = await storedResponse(o.personalKey, id);
