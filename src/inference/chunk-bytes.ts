@@ -6,13 +6,13 @@ import type { Opened } from "./upstream/index.ts";
  * What a chat chunk's bytes say, read without parsing it: where its data
  * begins, whether it is [DONE] or an upstream error, its id, the bytes of its
  * delta text, which choice it carries and whether that choice finishes,
- * whether it has a usage object, and the model id swapped for the alias.
+ * whether it has a usage object, and the model it names swapped for the alias.
  * The relay (stream.ts) asks these of every event it passes on.
  *
  * On bytes, not on parsed JSON: this is the hot path of every streamed token,
  * and a parse and re-serialisation per chunk costs more than the few byte
  * searches each answer takes. The searches are sound on JSON because a key
- * pattern (`"content":`, `"model":"…"`) cannot match inside a string value:
+ * pattern (`"content":`, `"model":`) cannot match inside a string value:
  * there, a quote is escaped. Only the rare event these cannot read (a usage
  * object, tool-call arguments sent as JSON rather than text, an event that
  * is not one `data:` line) is parsed (`textArgumentsEvent`, `plainDataEvent`;
@@ -300,18 +300,25 @@ export function textArgumentsEvent(payload: string, term: string): Buffer | unde
   }
 }
 
+const MODEL_KEY = Buffer.from('"model":');
+const TAB = 0x09;
+const COMMA = 0x2c;
+const CLOSE_BRACE = 0x7d;
+const CLOSE_BRACKET = 0x5d;
+
 export interface SwapFields {
-  modelField: Buffer;
-  /** As servers using Python's default separators write it: `"model": "…"`. */
-  spacedModelField: Buffer;
+  /** The configured upstream id as a JSON string (`"meta-llama/…"`, quotes included): what vLLM answers with. */
+  modelValue: Buffer;
+  /** The alias as a JSON string: a value already equal to it is left as sent. */
+  aliasValue: Buffer;
+  /** `"model":` and the alias: what the key and its value are replaced with. */
   aliasField: Buffer;
-  swapModel: boolean;
 }
 
 /**
  * The byte patterns of the model swap, made once per target and alias (both
  * come from the configuration, so the cache is as small as it is) rather than
- * four buffers and a string round trip per stream.
+ * three buffers and a string round trip per stream.
  */
 const swapFieldCache = new WeakMap<Opened["target"], Map<string, SwapFields>>();
 export function swapFields(target: Opened["target"], alias: string): SwapFields {
@@ -322,13 +329,12 @@ export function swapFields(target: Opened["target"], alias: string): SwapFields 
   }
   let f = byAlias.get(alias);
   if (!f) {
-    const modelField = Buffer.from(target.modelField);
-    const aliasField = Buffer.from(`"model":${JSON.stringify(alias)}`);
+    const aliasValue = Buffer.from(JSON.stringify(alias));
     f = {
-      modelField,
-      spacedModelField: Buffer.from(modelField.toString().replace('"model":', '"model": ')),
-      aliasField,
-      swapModel: !modelField.equals(aliasField),
+      // target.modelField is `"model":"<id>"`: its value is what follows the key.
+      modelValue: Buffer.from(target.modelField).subarray(MODEL_KEY.length),
+      aliasValue,
+      aliasField: Buffer.concat([MODEL_KEY, aliasValue]),
     };
     byAlias.set(alias, f);
   }
@@ -336,24 +342,84 @@ export function swapFields(target: Opened["target"], alias: string): SwapFields 
 }
 
 /**
- * The event with its model id swapped for the alias (`f`, from swapFields):
- * the first `"model":"<upstream id>"` from `at`, which is the top-level key
- * (inside a JSON string the pattern's quotes would be escaped). As sent when
- * it has none.
+ * Where the JSON value starting at `v` ends (the index just after it), read
+ * without parsing: a string to its closing quote (escapes skipped), an object
+ * or array to its closing bracket (strings inside skipped), anything else
+ * (null, a number, true, false) to the first byte that ends a token. -1 when
+ * the event ends first (a string or bracket never closed: no JSON a client
+ * can read).
+ */
+function jsonValueEnd(b: Buffer, v: number): number {
+  const c = b[v];
+  if (c === QUOTE) {
+    for (let i = v + 1; i < b.length; i++) {
+      const x = b[i];
+      if (x === BACKSLASH) i++;
+      else if (x === QUOTE) return i + 1;
+    }
+    return -1;
+  }
+  if (c === OPEN_BRACE || c === OPEN_BRACKET) {
+    let depth = 0;
+    for (let i = v; i < b.length; i++) {
+      const x = b[i];
+      if (x === QUOTE) {
+        for (i++; i < b.length && b[i] !== QUOTE; i++) if (b[i] === BACKSLASH) i++;
+      } else if (x === OPEN_BRACE || x === OPEN_BRACKET) depth++;
+      else if ((x === CLOSE_BRACE || x === CLOSE_BRACKET) && --depth === 0) return i + 1;
+    }
+    return -1;
+  }
+  let i = v;
+  for (let x = b[i]; x !== undefined && x !== COMMA && x !== CLOSE_BRACE && x !== CLOSE_BRACKET && x !== SPACE && x !== TAB && x !== CR && x !== LF; x = b[++i]);
+  return i;
+}
+
+/**
+ * The event with its model swapped for the alias (`f`, from swapFields): the
+ * first `"model":` key from `at` has its whole value, whatever it is,
+ * replaced by the alias. vLLM names the model id it was sent (the configured
+ * one), but other OpenAI-compatible servers name their own whatever the
+ * request said (Hugging Face TGI its loaded model id, llama.cpp's server its
+ * alias, vLLM with a LoRA adapter the adapter), some `null`: before, only
+ * `"model":"<configured id>"` was looked for, and any other name reached the
+ * client (docs/decisions.md, "The model an answer names").
+ *
+ * The first `"model":` is the top-level key in practice: the pattern cannot
+ * match inside a JSON string (there, the quote after `model` would be
+ * escaped, `\"`), so what it finds is a key; and every server writes a
+ * chunk's top-level `model` before its `choices` (id, object, created, model,
+ * choices: vLLM, TGI, llama.cpp, OpenAI alike), the only place a nested
+ * object could hold a key of that name (tool-call arguments sent as an
+ * object are made text before this, `textArgumentsEvent`, their quotes then
+ * escaped). `"model": …` (Python's default separators) and `null`, a number
+ * or any string (escapes included) alike.
+ *
+ * The cost per chunk is one byte search and a comparison, no parse: the
+ * common case (the configured id, vLLM's) is `"model":` found, the value
+ * compared with the configured one, and one copy (as fast as the search for
+ * the whole `"model":"<id>"` it replaces: a shorter pattern). Only another
+ * value is scanned for its end. As sent when the event has no `"model":`,
+ * when its value is the alias already, or when the value never ends (no JSON).
+ * The relay passes whole events (lib/sse.ts frames them across reads), so a
+ * name split across reads is swapped as one sent whole.
  */
 export function withAlias(event: Buffer, at: number, f: SwapFields): Buffer {
-  let field = f.modelField;
-  let m = event.indexOf(field, at);
-  if (m === -1) {
-    // Servers that serialise with Python's default separators write `"model": "…"`.
-    field = f.spacedModelField;
-    m = event.indexOf(field, at);
-    if (m === -1) return event;
+  const k = event.indexOf(MODEL_KEY, at);
+  if (k === -1) return event;
+  let v = k + MODEL_KEY.length;
+  while (event[v] === SPACE || event[v] === TAB) v++;
+  let end: number;
+  if (startsWithAt(event, v, f.modelValue)) end = v + f.modelValue.length;
+  else {
+    end = jsonValueEnd(event, v);
+    if (end === -1) return event;
   }
-  const out = Buffer.allocUnsafe(event.length - field.length + f.aliasField.length);
-  event.copy(out, 0, 0, m);
-  f.aliasField.copy(out, m);
-  event.copy(out, m + f.aliasField.length, m + field.length);
+  if (end - v === f.aliasValue.length && startsWithAt(event, v, f.aliasValue)) return event;
+  const out = Buffer.allocUnsafe(event.length - (end - k) + f.aliasField.length);
+  event.copy(out, 0, 0, k);
+  f.aliasField.copy(out, k);
+  event.copy(out, k + f.aliasField.length, end);
   return out;
 }
 

@@ -34,9 +34,10 @@ import { wholeAnswer } from "./whole-answer.ts";
  * SSE passthrough: the upstream's bytes go to the client event by event, with
  * no JSON parse or re-serialisation of ordinary chunks (what an event's bytes
  * say is read in chunk-bytes.ts; this module is the relay). Per event we only
- *  - swap the upstream model id for the alias (a byte search for
- *    `"model":"<upstream id>"`, the first occurrence, which is the top-level key:
- *    inside JSON strings quotes are escaped, so the pattern cannot match content);
+ *  - swap the model the upstream names, whatever it is, for the alias (a byte
+ *    search for `"model":`, the first occurrence, which is the top-level key:
+ *    inside JSON strings quotes are escaped, so the pattern cannot match content;
+ *    chunk-bytes.ts `withAlias`);
  *  - look for a usage object, the one event we parse (but for the rare one
  *    below), to meter the request; the
  *    usage-only chunk (`"choices":[]`) is dropped when the client did not ask
@@ -499,7 +500,8 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
     this.sentChars += this.sentBytes;
     if (reported) this.charsAtUsage = this.deliveredChars;
     // A transform re-serialises the events (the Responses API names the alias itself): no swap to make.
-    if (!this.swap.swapModel || this.tf) return event;
+    // Otherwise every event is swapped, an alias equal to the configured id too: a server may name another model.
+    if (this.tf) return event;
     return withAlias(event, at, this.swap);
   }
 

@@ -1,6 +1,7 @@
 import { describe, expect, test } from "bun:test";
 import fc from "fast-check";
-import { type DeltaScan, deltaTextBytes } from "../../src/inference/chunk-bytes.ts";
+import { type DeltaScan, deltaTextBytes, swapFields, withAlias } from "../../src/inference/chunk-bytes.ts";
+import type { Target } from "../../src/inference/upstream/index.ts";
 
 /**
  * The completion estimate of a stream counts each delta string's text as
@@ -102,5 +103,78 @@ describe("deltaTextBytes counts the UTF-8 bytes of the decoded text", () => {
       }),
       { numRuns: 1_000 },
     );
+  });
+});
+
+describe("withAlias: the model an event names, whatever it is, becomes the alias", () => {
+  const UP = "meta-llama/Llama-3.1-8B-Instruct";
+  const target = { modelField: Buffer.from(`"model":${JSON.stringify(UP)}`), label: "t" } as unknown as Target;
+  const AT = "data: ".length;
+  /** A chunk naming `model`, its keys in the usual order (model before choices) or with choices first. */
+  const chunkOf = (model: unknown, content: string, choicesFirst = false) => {
+    const choices = [{ index: 0, delta: { content }, finish_reason: null }];
+    return choicesFirst
+      ? { id: "c1", choices, object: "chat.completion.chunk", model, created: 1 }
+      : { id: "c1", object: "chat.completion.chunk", created: 1, model, choices };
+  };
+  const eventOf = (v: unknown, serialise: (v: unknown) => string) => Buffer.from(`data: ${serialise(v)}\n\n`);
+  const swapped = (e: Buffer, alias: string) => withAlias(e, AT, swapFields(target, alias));
+  const parsed = (e: Buffer) => {
+    const text = e.toString("utf8");
+    expect(text.startsWith("data: ")).toBe(true);
+    expect(text.endsWith("\n\n")).toBe(true);
+    return JSON.parse(text.slice(AT, -2)) as unknown;
+  };
+
+  /** Text full of what could fool a byte search: quotes, backslashes, the key itself, JSON punctuation. */
+  const tricky = fc.string({ unit: fc.constantFrom('"', "\\", "\\\"", "a", "é", "😀", "/", "\n", ":", ",", "}", "]", " ", '"model":', '"model": "x"', "\u0000") });
+  const modelValue = fc.oneof(
+    tricky,
+    fc.string({ unit: "binary" }),
+    fc.constant(UP),
+    fc.constant(null),
+    fc.integer(),
+    fc.double({ noNaN: true, noDefaultInfinity: true }),
+    fc.boolean(),
+    fc.array(tricky, { maxLength: 3 }),
+    fc.dictionary(fc.constantFrom("a", "model", 'x"model'), tricky, { maxKeys: 3 }),
+  );
+
+  test("any value (a string with escapes, null, a number, an object), compact or spaced, before or after choices: the alias, the rest as sent", () => {
+    fc.assert(
+      fc.property(modelValue, tricky, fc.constantFrom("svc-fast", "svc-smart", UP, 'a"b\\c', "é"), fc.boolean(), fc.boolean(), (model, content, alias, choicesFirst, python) => {
+        const chunk = chunkOf(model, content, choicesFirst);
+        const out = swapped(eventOf(chunk, python ? asciiJson : JSON.stringify), alias);
+        expect(parsed(out)).toEqual({ ...chunk, model: alias });
+      }),
+      { numRuns: 2_000 },
+    );
+  });
+
+  test("the configured id (vLLM's answer): only the value's bytes change, the spaced form too", () => {
+    for (const serialise of [JSON.stringify, asciiJson]) {
+      const e = eventOf(chunkOf(UP, 'say "model":"x"'), serialise);
+      const text = e.toString();
+      const field = serialise === JSON.stringify ? `"model":"${UP}"` : `"model": "${UP}"`;
+      expect(swapped(e, "svc-fast").toString()).toBe(text.replace(field, '"model":"svc-fast"'));
+    }
+  });
+
+  test("a value that is the alias already, an event without a model, a value that never ends: the same bytes, not a copy", () => {
+    const same = eventOf(chunkOf("svc-fast", "hi"), JSON.stringify);
+    expect(swapped(same, "svc-fast")).toBe(same);
+    const spacedSame = eventOf(chunkOf("svc-fast", "hi"), asciiJson);
+    expect(swapped(spacedSame, "svc-fast")).toBe(spacedSame);
+    const none = eventOf({ id: "c1", choices: [{ index: 0, delta: { content: '"model":"x"' } }] }, JSON.stringify);
+    expect(swapped(none, "svc-fast")).toBe(none);
+    for (const cut of ['data: {"id":"c1","model":"abc\n\n', 'data: {"id":"c1","model":"ab\\"\n\n', 'data: {"id":"c1","model":{"a":[1\n\n']) {
+      const e = Buffer.from(cut);
+      expect(swapped(e, "svc-fast")).toBe(e);
+    }
+  });
+
+  test("an alias equal to the configured id: another name is still swapped", () => {
+    const e = eventOf(chunkOf("some-other-name", "hi"), JSON.stringify);
+    expect(parsed(swapped(e, UP))).toEqual(chunkOf(UP, "hi"));
   });
 });

@@ -450,6 +450,22 @@ describe("relayStream model swap across streams", () => {
   });
 });
 
+describe("relayStream: a server that names another model than the one it was sent", () => {
+  /** The stream's events naming `name` (a JSON value's text) where vLLM names UP. */
+  const naming = (name: string) => (chunk("Hel") + chunk("lo") + USAGE + DONE).replaceAll(`"model":"${UP}"`, `"model":${name}`);
+  const want = (chunk("Hel") + chunk("lo") + USAGE + DONE).replaceAll(`"model":"${UP}"`, '"model":"svc-fast"');
+
+  test("any name (escaped quotes and backslashes, null, spaced) is the alias in every event, the stream cut in two at every byte", async () => {
+    for (const name of ['"some-other-name"', '"ad\\"ap\\\\ter\\u00e9/x"', "null", ' "tgi/model"', '"\\\\"', '"model\\":\\"x"']) {
+      const input = naming(name);
+      expect((await relay([input], { clientWantsUsage: true })).text, name).toBe(want);
+      for (let at = 1; at < input.length; at++) {
+        expect((await relay([input.slice(0, at), input.slice(at)], { clientWantsUsage: true })).text, `${name} cut at ${at}`).toBe(want);
+      }
+    }
+  });
+});
+
 describe("upstreamMessage", () => {
   test("reads every upstream error shape, never returns the shape", () => {
     expect(upstreamMessage('{"object":"error","message":"legacy","type":"BadRequestError","param":null,"code":400}').message).toBe("legacy");
