@@ -38,8 +38,18 @@ export function stateOf(request: Request): RequestState | undefined {
 }
 
 const REQUEST_ID = /^[\w.:-]{1,128}$/;
+/**
+ * What a key or token looks like within a plain id (as loggablePath in app.ts
+ * finds them in a URL path): a key `sk-<tag>-…` (ours or another service's),
+ * `Bearer:` and its token (a space is no id character already), a JWT.
+ */
+const KEY_LIKE = /(?<![A-Za-z0-9])sk-|bearer:|eyJ[\w-]*\.[\w-]+/i;
 
-/** Honour a caller's x-request-id when it is short and plain; otherwise make one. */
+/**
+ * Honour a caller's x-request-id when it is short and plain, and not a key or
+ * token: the id is written on every log line of the request and sent
+ * upstream, and a log never holds a key (operations.md). Otherwise make one.
+ */
 export function requestIdOf(header: string | null): string {
-  return header && REQUEST_ID.test(header) ? header : `req_${crypto.randomUUID().replaceAll("-", "")}`;
+  return header && REQUEST_ID.test(header) && !KEY_LIKE.test(header) ? header : `req_${crypto.randomUUID().replaceAll("-", "")}`;
 }

@@ -154,7 +154,7 @@ const jsonContent = (name: string) => ({ "application/json": { schema: ref(name)
 const header = (description: string, schema: Record<string, unknown>, required = false) => ({ description, required, schema });
 const digits = { type: "string", pattern: "^[0-9]+$" };
 const HEADERS = {
-  "x-request-id": header("The request's id: the client's own x-request-id when it is a safe token, else one made here", { type: "string", minLength: 1 }, true),
+  "x-request-id": header("The request's id: the client's own x-request-id when it is a safe token (and not a key), else one made here", { type: "string", minLength: 1 }, true),
   "x-ratelimit-limit-requests": header("Requests per minute this organisation may make on this instance", digits, true),
   "x-ratelimit-remaining-requests": header("Requests left in the current window", digits, true),
   "x-ratelimit-reset-requests": header("Time until the window has room again, as a duration (e.g. 1s, 250ms, 1m2.5s)", {

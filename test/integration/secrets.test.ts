@@ -116,6 +116,39 @@ describe("a key pasted into the URL stays out of the logs and metrics", () => {
   });
 });
 
+describe("a key sent as the x-request-id is not taken as the request's id", () => {
+  test("sk-… keys, bearer tokens and JWTs: a generated id answers, is logged and is sent upstream; the value is in no log line", async () => {
+    const jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJaZWJyYTQyIn0.c2lnbmF0dXJlWmVicmE0Mg";
+    const other = `sk-proj-${"Zz9".repeat(20)}`;
+    const values = [org.serviceKey, org.personalKey, other, `trace.${org.serviceKey}`, jwt, `Bearer:${jwt}`, `bearer:Q7xLmN3pR8sT2vW9yZ4bC6dF`, `Bearer ${org.serviceKey}`];
+    /** Each value the gateway took as the request's id (answered with, logged, sent upstream). */
+    const taken: string[] = [];
+    for (const value of values) {
+      const res = await fetch(`${gw.url}/v1/chat/completions`, {
+        method: "POST",
+        headers: bearer(org.serviceKey, { "content-type": "application/json", "x-request-id": value }),
+        body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hi" }] }),
+      });
+      expect(res.status).toBe(200);
+      await res.text();
+      const id = String(res.headers.get("x-request-id"));
+      if (!/^req_[0-9a-f]{32}$/.test(id)) taken.push(id);
+      // The upstream is sent the generated id, not the value.
+      expect(sim.stats.lastHeaders?.get("x-request-id")).toBe(id);
+      await until(() => lines.some((l) => l.includes(`"request_id":"${id}"`) && l.includes('"msg":"request"')), `the access line of ${id}`);
+    }
+    expect(taken).toEqual([]);
+    const logs = lines.join("");
+    for (const value of values) expect(logs).not.toContain(value.replace(/^(trace\.|bearer[: ])/i, ""));
+    // An ordinary id is still the caller's own, on every line of its request.
+    for (const plain of ["trace-123", "task-7.sk_ok", "0af7651916cd43dd8448eb211c80319c"]) {
+      const res = await fetch(`${gw.url}/v1/models`, { headers: bearer(org.serviceKey, { "x-request-id": plain }) });
+      await res.text();
+      expect(res.headers.get("x-request-id")).toBe(plain);
+    }
+  });
+});
+
 describe("upstream faults leave nothing behind", () => {
   test("hangs, drops, 503s and client aborts: descriptors return to where they were", async () => {
     const fds = () => readdirSync("/proc/self/fd").length;
