@@ -10,6 +10,13 @@ import { until } from "../helpers/poll.ts";
 import { specData } from "../helpers/sse-spec.ts";
 import { CHAT_MODEL, EMBED_MODEL, TEST_PLANS, arr, chatAlias, embedAlias, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
+/** The three shapes of an upstream's error event that decisions.md names: vLLM's two and FastAPI's `detail`. */
+const UPSTREAM_ERROR_SHAPES = [
+  ["error", { error: { message: "the engine is overloaded (vLLM)", type: "ServiceUnavailable", code: 503 } }],
+  ["object error", { object: "error", message: "the engine is overloaded (old vLLM)", type: "ServiceUnavailable", code: 503 }],
+  ["detail", { detail: "the engine is overloaded (FastAPI)" }],
+] as const;
+
 setDefaultTimeout(30_000);
 
 /**
@@ -934,11 +941,7 @@ describe("a stream that fails before it delivered any text, without a usage repo
   });
 
   test("an error event of each shape decisions.md names ends the stream with the upstream's message; the shape never reaches the client; charged nothing", async () => {
-    for (const [name, error] of [
-      ["error", { error: { message: "the engine is overloaded (vLLM)", type: "ServiceUnavailable", code: 503 } }],
-      ["object error", { object: "error", message: "the engine is overloaded (old vLLM)", type: "ServiceUnavailable", code: 503 }],
-      ["detail", { detail: "the engine is overloaded (FastAPI)" }],
-    ] as const) {
+    for (const [name, error] of UPSTREAM_ERROR_SHAPES) {
       for (const events of [[error], [role, error]]) {
         scripted = { events, done: false };
         let told: string[] = [];
@@ -1244,11 +1247,7 @@ describe("an upstream that streams a non-streamed request", () => {
 
   test("an error event in the stream is the upstream's error, with its message, in each shape decisions.md names; charged nothing", async () => {
     const role = chunkOf([deltaOf({ role: "assistant", content: "" })]);
-    for (const [name, error] of [
-      ["error", { error: { message: "the engine is overloaded (vLLM)", type: "ServiceUnavailable", code: 503 } }],
-      ["object error", { object: "error", message: "the engine is overloaded (old vLLM)", type: "ServiceUnavailable", code: 503 }],
-      ["detail", { detail: "the engine is overloaded (FastAPI)" }],
-    ] as const) {
+    for (const [name, error] of UPSTREAM_ERROR_SHAPES) {
       for (const events of [[error], [role, error]]) {
         const o = await seedTestOrg(gw.database);
         scripted = { events, done: false };

@@ -91,6 +91,15 @@ afterAll(async () => {
   up.stop();
 });
 
+/** A non-streamed chat answer (JSON, whatever the upstream sent it as) names the alias and carries the text. */
+async function jsonAnswerNamesAlias(): Promise<void> {
+  const res = await chat("svc-fast");
+  expect(res.status).toBe(200);
+  const body = rec(await res.json());
+  expect(body.model).toBe("svc-fast");
+  expect(rec(rec(arr(body.choices)[0]).message).content).toBe("Hello");
+}
+
 /** The upstream names its model NAME (a JSON value's text), compact or spaced, for the length of `run`. */
 async function naming(value: string, space: boolean, run: () => Promise<void>): Promise<void> {
   [name, spaced] = [value, space];
@@ -136,13 +145,7 @@ describe("an upstream that names a model other than the configured one", () => {
 
   test("chat, JSON: the answer names the alias", async () => {
     for (const [value, space] of CASES) {
-      await naming(value, space, async () => {
-        const res = await chat("svc-fast");
-        expect(res.status).toBe(200);
-        const body = rec(await res.json());
-        expect(body.model).toBe("svc-fast");
-        expect(rec(rec(arr(body.choices)[0]).message).content).toBe("Hello");
-      });
+      await naming(value, space, jsonAnswerNamesAlias);
     }
   });
 
@@ -150,13 +153,7 @@ describe("an upstream that names a model other than the configured one", () => {
     sseForJson = true;
     try {
       for (const [value, space] of CASES) {
-        await naming(value, space, async () => {
-          const res = await chat("svc-fast");
-          expect(res.status).toBe(200);
-          const body = rec(await res.json());
-          expect(body.model).toBe("svc-fast");
-          expect(rec(rec(arr(body.choices)[0]).message).content).toBe("Hello");
-        });
+        await naming(value, space, jsonAnswerNamesAlias);
       }
     } finally {
       sseForJson = false;
