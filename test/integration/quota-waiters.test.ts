@@ -1,0 +1,125 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { and, eq } from "drizzle-orm";
+import type { Database } from "../../src/db/client.ts";
+import { usageCounters, usageEvents } from "../../src/db/schema.ts";
+import type { Gateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
+import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+
+// Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(60_000);
+
+/**
+ * How a request waiting for quota leaves the queue (docs/decisions.md, Quota:
+ * waiters in arrival order): at once when its client leaves.
+ */
+
+/** 40 characters; reserved at its bound 512 + 16 + 40 (src/inference/tokens.ts) plus max_tokens. */
+const PROMPT = "z".repeat(40);
+const PROMPT_BOUND = 512 + 16 + 40;
+/** A waiter looks for freed tokens every FLUSH_MS / 4 (1 s); its wait is min(3 × FLUSH_MS + 250, 5,000) ms. */
+const FLUSH_MS = 4_000;
+const BOUNDED_WAIT = 5_000;
+
+let sim: Simulator;
+let db: Database;
+let gw: Gateway;
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 1 });
+  db = await sharedDatabase();
+  gw = await startTestGateway({
+    aliases: testAliases(sim.url),
+    plans: TEST_PLANS,
+    upstream: upstreamSettings({ attempts: 1 }),
+    quota: { leaseTokens: 100, flushMs: FLUSH_MS, maxBuffered: 100_000 },
+  });
+});
+afterAll(async () => {
+  sim?.setFault(null);
+  await gw?.stop();
+  await sim?.stop();
+});
+
+function chat(key: string, maxTokens: number, signal?: AbortSignal): Promise<Response> {
+  return fetch(`${gw.url}/v1/chat/completions`, {
+    method: "POST",
+    headers: { authorization: `Bearer ${key}`, "content-type": "application/json" },
+    body: JSON.stringify({ model: "svc-fast", max_tokens: maxTokens, messages: [{ role: "user", content: PROMPT }] }),
+    ...(signal ? { signal } : {}),
+  });
+}
+
+/**
+ * A request the upstream holds (the simulator hangs it) until its client leaves: it holds its reservation
+ * meanwhile. Resolves once the upstream has it; `leave` aborts its client (settled as 499, nothing charged).
+ */
+async function held(key: string, maxTokens: number): Promise<{ leave: () => Promise<void> }> {
+  const before = sim.stats.requests;
+  sim.setFault({ kind: "hang" });
+  const ac = new AbortController();
+  const res = chat(key, maxTokens, ac.signal).catch(() => undefined);
+  await until(async () => sim.stats.requests > before, "the held request upstream", 10_000, 10);
+  sim.setFault(null);
+  return {
+    leave: async () => {
+      ac.abort();
+      await res;
+    },
+  };
+}
+
+async function eventsOf(orgId: string, keyId: string) {
+  return db.db
+    .select({ status: usageEvents.status, prompt: usageEvents.promptTokens, completion: usageEvents.completionTokens })
+    .from(usageEvents)
+    .where(and(eq(usageEvents.orgId, orgId), eq(usageEvents.keyId, keyId)));
+}
+
+describe("waiters for quota, one instance", () => {
+  test("a waiter whose client left leaves the queue at once: the next is admitted, the one that left is charged nothing (499)", async () => {
+    // Quota 2,500: the held request reserves 1,568; the head waiter wants 2,068 (waits for the held one);
+    // the later one wants 569, which fits beside the held one, but queues behind the head.
+    const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: 2_500, quotaWindow: "day" });
+    const hold = await held(org.serviceKey, 1_000);
+    const headClient = new AbortController();
+    const head = chat(org.personalKey, 1_500, headClient.signal).catch(() => undefined);
+    await Bun.sleep(300);
+    const sent = performance.now();
+    const later = chat(org.serviceKey, 1);
+    await Bun.sleep(300);
+    headClient.abort();
+    await head;
+    const left = performance.now();
+    const res = await later;
+    const admittedAfter = performance.now() - left;
+    const status = res.status;
+    await res.arrayBuffer();
+    console.log(`quota-waiters: the later request ${status} ${Math.round(performance.now() - sent)} ms after it was sent, ${Math.round(admittedAfter)} ms after the head's client left`);
+    await hold.leave();
+    // Seen failing before: the head kept its place until its wait ended (5 s, 503 "held"), the later one behind it.
+    expect(status).toBe(200);
+    expect(admittedAfter).toBeLessThan(BOUNDED_WAIT / 2);
+    // As set up: the head did not fit beside the held request, the later one did.
+    expect(PROMPT_BOUND + 1_000 + PROMPT_BOUND + 1_500).toBeGreaterThan(2_500);
+    expect(PROMPT_BOUND + 1_000 + PROMPT_BOUND + 1).toBeLessThanOrEqual(2_500);
+    // The head that left: one record, 499, nothing charged; and only the later request's usage counted.
+    await until(
+      async () => {
+        await gw.quota.flush();
+        return (await eventsOf(org.orgId, org.personalKeyId)).length > 0;
+      },
+      "the record of the head that left",
+      10_000,
+      50,
+    );
+    expect(await eventsOf(org.orgId, org.personalKeyId)).toEqual([{ status: 499, prompt: 0, completion: 0 }]);
+    await gw.quota.flush();
+    const [row] = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, org.orgId));
+    const served = (await eventsOf(org.orgId, org.serviceKeyId)).filter((e) => e.status === 200);
+    expect(served.length).toBe(1);
+    expect(row?.used).toBe((served[0]?.prompt ?? 0) + (served[0]?.completion ?? 0));
+  });
+});
