@@ -624,7 +624,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         resolve();
       };
       me.resume = done;
-      if (p) void p.then(done, done);
+      if (p) void p.then(done);
       if (ms !== undefined) {
         timer = setTimeout(done, ms);
         me.nap = done;
