@@ -133,8 +133,6 @@ interface Waiter {
   next: Waiter | undefined;
   /** Ends what it awaits now (its turn, a lease, a sleep): it became the oldest waiter, or its client left. */
   resume: (() => void) | undefined;
-  /** Ends its sleep between looks at the lease, set only while it sleeps: a request settled and gave tokens back. */
-  nap: (() => void) | undefined;
   /** Its client left: it is out of the queue and takes nothing. */
   gone: boolean;
 }
@@ -570,7 +568,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     /** When this request began waiting behind others, when it had to; and other instances' lease as last looked at then. */
     let queuedAt: number | undefined;
     let othersFirst = -1;
-    const me: Waiter = { prev: s.waitTail, next: undefined, resume: undefined, nap: undefined, gone: false };
+    const me: Waiter = { prev: s.waitTail, next: undefined, resume: undefined, gone: false };
     if (me.prev) me.prev.next = me;
     else s.waitHead = me;
     s.waitTail = me;
@@ -610,8 +608,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   }
 
   /**
-   * Waits until `p` settles (a lease), `ms` pass (a sleep between looks: a settle may end it early), or the
-   * waiter is resumed (its turn came, or its client left). Only on the waiting path.
+   * Waits until `p` settles (a lease), `ms` pass (a sleep between looks), or the waiter is resumed (its turn
+   * came, or its client left). Only on the waiting path.
    */
   function pause(me: Waiter, p: Promise<void> | undefined, ms: number | undefined): Promise<void> {
     return new Promise<void>((resolve) => {
@@ -620,15 +618,11 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         if (timer !== undefined) clearTimeout(timer);
         // A lease that settles after the waiter went on (its client left) leaves a later pause alone.
         if (me.resume === done) me.resume = undefined;
-        if (me.nap === done) me.nap = undefined;
         resolve();
       };
       me.resume = done;
       if (p) void p.then(done);
-      if (ms !== undefined) {
-        timer = setTimeout(done, ms);
-        me.nap = done;
-      }
+      if (ms !== undefined) timer = setTimeout(done, ms);
     });
   }
 
@@ -690,15 +684,9 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         // move in all that time (an instance that died with it, or that keeps it idle) is not coming back:
         // budget_exceeded, as before.
         if (now() >= waitUntil) return s.inflight >= least - avail || othersMoved ? "held" : "spent";
-        // Until its next look; a request that settles wakes it (settle), and what it gave back is taken at
-        // once when it is enough. Before, the oldest waiter saw it only at its next look (up to flushMs / 4).
-        // Real time, as the sleep is (`now` may be a test's clock).
-        const lookAt = performance.now() + Math.max(20, Math.floor(opts.flushMs / 4));
-        do await pause(me, undefined, Math.max(0, lookAt - performance.now()));
-        while (!me.gone && available(s) < least && performance.now() < lookAt);
+        await pause(me, undefined, Math.max(20, Math.floor(opts.flushMs / 4)));
         s.exhausted = false;
         tries = 0;
-        continue;
       } else if (tries >= 8 || (tries > 0 && s.leaseError)) {
         return "unavailable";
       }
@@ -720,8 +708,6 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     if (t.state) {
       t.state.inflight -= t.reserved;
       t.state.pending += tokens;
-      // What it reserved beyond its use is free now: the oldest waiter, if asleep between looks, looks at once.
-      t.state.waitHead?.nap?.();
     } else if (tokens > 0) {
       const start = periodStart(t.period, t.start);
       const k = key(p.orgId, start);
