@@ -129,12 +129,9 @@ interface OrgState {
 
 /** A request waiting for quota, in its organisation's queue (OrgState.waitHead). */
 interface Waiter {
-  prev: Waiter | undefined;
   next: Waiter | undefined;
-  /** Ends what it awaits now (its turn, a lease, a sleep): it became the oldest waiter, or its client left. */
-  resume: (() => void) | undefined;
-  /** Its client left: it is out of the queue and takes nothing. */
-  gone: boolean;
+  /** Called when it becomes the oldest waiter. */
+  turn: (() => void) | undefined;
 }
 
 /** Usage of orgs without a quota: still counted per period, for reports and a later quota. */
@@ -493,7 +490,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     return new TicketImpl(p, want, s, t, s.period);
   }
 
-  async function admit(p: Principal, estimate: number, minimum?: number, signal?: AbortSignal): Promise<Ticket> {
+  async function admit(p: Principal, estimate: number, minimum?: number): Promise<Ticket> {
     const ready = admitNow(p, estimate, minimum);
     if (ready) return ready;
     const t = now();
@@ -506,14 +503,12 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     // Demand of the requests waiting sizes the next lease, so a burst of
     // thousands of requests is served by a few refills, not thousands.
     s.demand += want;
-    let got: number | "spent" | "held" | "unavailable" | "gone";
+    let got: number | "spent" | "held" | "unavailable";
     try {
-      got = await reserve(s, want, least, signal);
+      got = await reserve(s, want, least);
     } finally {
       s.demand -= want;
     }
-    // Its client left while it waited: nothing reserved; the caller settles the ticket (499, nothing charged).
-    if (got === "gone") return new TicketImpl(p, 0, s, t, s.period);
     if (got === "spent") throw exceeded(s, t, least);
     if (got === "held") {
       throw new AppError(
@@ -561,89 +556,48 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
    * came first, so a large request could wait out its whole wait behind a
    * stream of small ones and be refused while they were served.
    */
-  async function reserve(s: OrgState, want: number, least: number, signal: AbortSignal | undefined): Promise<number | "spent" | "held" | "unavailable" | "gone"> {
-    if (signal?.aborted) return "gone";
+  async function reserve(s: OrgState, want: number, least: number): Promise<number | "spent" | "held" | "unavailable"> {
     /** The first lease started after this request began waiting: only its look, or a later one, may refuse it. */
     const firstLook = s.looks + 1;
     /** When this request began waiting behind others, when it had to; and other instances' lease as last looked at then. */
     let queuedAt: number | undefined;
     let othersFirst = -1;
-    const me: Waiter = { prev: s.waitTail, next: undefined, resume: undefined, gone: false };
-    if (me.prev) me.prev.next = me;
-    else s.waitHead = me;
+    const me: Waiter = { next: undefined, turn: undefined };
+    const before = s.waitTail;
     s.waitTail = me;
-    // A client that leaves takes its waiter out of the queue at once, whatever it awaits (its turn, a lease, a
-    // sleep): the next one's turn comes now, not when its wait would have ended (up to shareWaitMs).
-    const left = () => {
-      me.gone = true;
-      leave(s, me);
-      me.resume?.();
-    };
-    signal?.addEventListener("abort", left);
+    if (before) {
+      before.next = me;
+      queuedAt = now();
+      othersFirst = s.othersExact;
+      await new Promise<void>((resolve) => {
+        me.turn = resolve;
+      });
+    } else s.waitHead = me;
     try {
-      if (me.prev) {
-        queuedAt = now();
-        othersFirst = s.othersExact;
-        await pause(me, undefined, undefined);
-        if (me.gone) return "gone";
-      }
-      return await reserveInTurn(s, me, want, least, firstLook, queuedAt, othersFirst);
+      return await reserveInTurn(s, want, least, firstLook, queuedAt, othersFirst);
     } finally {
-      signal?.removeEventListener("abort", left);
-      // Admitted or refused: the next waiter's turn (one that left is out already).
-      if (!me.gone) leave(s, me);
+      // The next waiter's turn (this one admitted or refused).
+      s.waitHead = me.next;
+      if (s.waitTail === me) s.waitTail = undefined;
+      me.next?.turn?.();
     }
-  }
-
-  /** Takes a waiter out of its queue; when it was the oldest, the next one's turn comes. */
-  function leave(s: OrgState, me: Waiter): void {
-    const { prev, next } = me;
-    if (prev) prev.next = next;
-    else if (s.waitHead === me) s.waitHead = next;
-    if (next) next.prev = prev;
-    else if (s.waitTail === me) s.waitTail = prev;
-    me.prev = undefined;
-    me.next = undefined;
-    if (!prev && next) next.resume?.();
-  }
-
-  /**
-   * Waits until `p` settles (a lease), `ms` pass (a sleep between looks), or the waiter is resumed (its turn
-   * came, or its client left). Only on the waiting path.
-   */
-  function pause(me: Waiter, p: Promise<void> | undefined, ms: number | undefined): Promise<void> {
-    return new Promise<void>((resolve) => {
-      let timer: ReturnType<typeof setTimeout> | undefined;
-      const done = () => {
-        if (timer !== undefined) clearTimeout(timer);
-        // A lease that settles after the waiter went on (its client left) leaves a later pause alone.
-        if (me.resume === done) me.resume = undefined;
-        resolve();
-      };
-      me.resume = done;
-      if (p) void p.then(done);
-      if (ms !== undefined) timer = setTimeout(done, ms);
-    });
   }
 
   /** `reserve` for the oldest waiter (the waiting loop; see there). */
   async function reserveInTurn(
     s: OrgState,
-    me: Waiter,
     want: number,
     least: number,
     firstLook: number,
     queuedAt: number | undefined,
     othersAtArrival: number,
-  ): Promise<number | "spent" | "held" | "unavailable" | "gone"> {
+  ): Promise<number | "spent" | "held" | "unavailable"> {
     let tries = 0;
     let waitUntil: number | undefined;
     /** Other instances' lease at the first exact look of the wait (-1: none yet): lease that moves is in use, not stranded. */
     let othersFirst = othersAtArrival;
     let othersMoved = false;
     for (;;) {
-      // Its client left during the await before: out of the queue already, it takes nothing.
-      if (me.gone) return "gone";
       const avail = available(s);
       const take = avail >= want ? want : s.exhausted && avail >= least ? avail : 0;
       if (take > 0) {
@@ -667,7 +621,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
           if (s.lookSeen >= firstLook) return "spent";
           if (tries >= 8 || (tries > 0 && s.leaseError)) return "unavailable";
           tries++;
-          await pause(me, refill(s), undefined);
+          await refill(s);
           continue;
         }
         // From when it began waiting behind others, if it did: a queue of such waiters waits about once, not once each.
@@ -684,14 +638,14 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         // move in all that time (an instance that died with it, or that keeps it idle) is not coming back:
         // budget_exceeded, as before.
         if (now() >= waitUntil) return s.inflight >= least - avail || othersMoved ? "held" : "spent";
-        await pause(me, undefined, Math.max(20, Math.floor(opts.flushMs / 4)));
+        await Bun.sleep(Math.max(20, Math.floor(opts.flushMs / 4)));
         s.exhausted = false;
         tries = 0;
       } else if (tries >= 8 || (tries > 0 && s.leaseError)) {
         return "unavailable";
       }
       tries++;
-      await pause(me, refill(s), undefined);
+      await refill(s);
     }
   }
 
