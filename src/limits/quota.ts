@@ -32,8 +32,7 @@ import { firstSeen } from "../lib/once.ts";
  * its minimum. When the shared counter cannot supply the rest the request is
  * refused with budget_exceeded, never admitted on a part of its reservation.
  * When available drops under half of the last lease, a refill runs in the
- * background; only a request that finds too little waits for it, and such
- * requests are admitted in the order they arrived (`reserve`). The usage
+ * background; only a request that finds too little waits for it. The usage
  * writer (src/limits/usage-writer.ts) writes usage every flushMs (used += U,
  * leased -= min(U, granted)); on shutdown the unused lease is returned.
  *
@@ -116,22 +115,9 @@ interface OrgState {
   revoked: number;
   leasedAt: number;
   refill: Promise<void> | undefined;
-  /**
-   * Requests waiting for quota (`reserve`), oldest first: only the oldest takes tokens, and a request that
-   * arrives while any waits queues behind them (admitNow admits none), so waiters are admitted in arrival order.
-   */
-  waitHead: Waiter | undefined;
-  waitTail: Waiter | undefined;
   /** A lease given up on (no answer in time) has not settled: no other is sent for this state until it does. */
   leaseUnanswered: boolean;
   lastUsed: number;
-}
-
-/** A request waiting for quota, in its organisation's queue (OrgState.waitHead). */
-interface Waiter {
-  next: Waiter | undefined;
-  /** Called when it becomes the oldest waiter. */
-  turn: (() => void) | undefined;
 }
 
 /** Usage of orgs without a quota: still counted per period, for reports and a later quota. */
@@ -297,8 +283,6 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         revoked: 0,
         leasedAt: t,
         refill: undefined,
-        waitHead: undefined,
-        waitTail: undefined,
         leaseUnanswered: false,
         lastUsed: t,
       };
@@ -482,8 +466,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     }
     // An exhausted period is re-checked every few seconds: other instances may return leases, or the quota may grow.
     if (s.exhausted && t - s.checkedAt > 5_000) s.exhausted = false;
-    // Requests waiting for quota come first, even when what is free would cover this one (reserve).
-    if (s.waitHead !== undefined || available(s) < want) return undefined;
+    if (available(s) < want) return undefined;
     s.inflight += want;
     s.reservedSinceLease += want;
     refillAhead(s);
@@ -548,54 +531,14 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
    * flush intervals for them to return their unused part (they do at each
    * flush once the counter is empty); likewise while a write of this
    * instance's own return is under way (the row counts that lease until it lands).
-   *
-   * Waiters are served in arrival order: a request waits for its turn behind
-   * those that arrived before it (the organisation's queue), and only the
-   * oldest takes tokens. Before, whoever looked first after tokens came free
-   * took them: a new request that fit (admitNow) or a later waiter whose poll
-   * came first, so a large request could wait out its whole wait behind a
-   * stream of small ones and be refused while they were served.
    */
   async function reserve(s: OrgState, want: number, least: number): Promise<number | "spent" | "held" | "unavailable"> {
+    let tries = 0;
     /** The first lease started after this request began waiting: only its look, or a later one, may refuse it. */
     const firstLook = s.looks + 1;
-    /** When this request began waiting behind others, when it had to; and other instances' lease as last looked at then. */
-    let queuedAt: number | undefined;
-    let othersFirst = -1;
-    const me: Waiter = { next: undefined, turn: undefined };
-    const before = s.waitTail;
-    s.waitTail = me;
-    if (before) {
-      before.next = me;
-      queuedAt = now();
-      othersFirst = s.othersExact;
-      await new Promise<void>((resolve) => {
-        me.turn = resolve;
-      });
-    } else s.waitHead = me;
-    try {
-      return await reserveInTurn(s, want, least, firstLook, queuedAt, othersFirst);
-    } finally {
-      // The next waiter's turn (this one admitted or refused).
-      s.waitHead = me.next;
-      if (s.waitTail === me) s.waitTail = undefined;
-      me.next?.turn?.();
-    }
-  }
-
-  /** `reserve` for the oldest waiter (the waiting loop; see there). */
-  async function reserveInTurn(
-    s: OrgState,
-    want: number,
-    least: number,
-    firstLook: number,
-    queuedAt: number | undefined,
-    othersAtArrival: number,
-  ): Promise<number | "spent" | "held" | "unavailable"> {
-    let tries = 0;
     let waitUntil: number | undefined;
     /** Other instances' lease at the first exact look of the wait (-1: none yet): lease that moves is in use, not stranded. */
-    let othersFirst = othersAtArrival;
+    let othersFirst = -1;
     let othersMoved = false;
     for (;;) {
       const avail = available(s);
@@ -624,8 +567,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
           await refill(s);
           continue;
         }
-        // From when it began waiting behind others, if it did: a queue of such waiters waits about once, not once each.
-        waitUntil ??= (queuedAt ?? now()) + shareWaitMs;
+        waitUntil ??= now() + shareWaitMs;
         // Only exact looks count: this instance's own return, written at every flush while the counter is
         // empty and taken again by this loop, is not another instance's lease moving (CI, quota-crash).
         if (s.othersExact >= 0) {
