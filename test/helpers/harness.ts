@@ -144,3 +144,22 @@ export async function rejectionOf(p: Promise<unknown>): Promise<unknown> {
   }
   throw new Error("expected a rejection, but the promise resolved");
 }
+
+/**
+ * Reads a streamed answer until its text holds `marker`, then leaves (aborts
+ * `ac`, the request's controller): a client that disconnects at a chosen
+ * point of the stream. The text read so far.
+ */
+export async function readUntilThenLeave(res: Response, marker: string, ac: AbortController): Promise<string> {
+  const reader = res.body?.getReader();
+  if (!reader) throw new Error("no body");
+  const decoder = new TextDecoder();
+  let text = "";
+  while (!text.includes(marker)) {
+    const r = await reader.read();
+    if (r.done) throw new Error("stream ended early");
+    text += decoder.decode(r.value, { stream: true });
+  }
+  ac.abort();
+  return text;
+}

@@ -6,7 +6,7 @@ import { estimatePromptTokens } from "../../src/inference/tokens.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import type { SeededOrg } from "../helpers/harness.ts";
-import { startTestGateway } from "../helpers/harness.ts";
+import { readUntilThenLeave, startTestGateway } from "../helpers/harness.ts";
 import {
   CHAT_MODEL,
   TEST_PLANS,
@@ -389,15 +389,7 @@ describe("streamed chat: a client that leaves once the answer is complete", () =
   async function leaveAfterFinish(key: string): Promise<number> {
     const ac = new AbortController();
     const res = await post(gw2, "/v1/chat/completions", key, { model: "svc-script", stream: true, max_tokens: 200, messages: userMessages() }, { signal: ac.signal });
-    const reader = res.body?.getReader();
-    if (!reader) throw new Error("no body");
-    let text = "";
-    while (!text.includes('"finish_reason":"stop"')) {
-      const r = await reader.read();
-      if (r.done) throw new Error("stream ended early");
-      text += new TextDecoder().decode(r.value);
-    }
-    ac.abort();
+    await readUntilThenLeave(res, '"finish_reason":"stop"', ac);
     return performance.now();
   }
 

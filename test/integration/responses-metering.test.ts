@@ -3,7 +3,7 @@ import { sql } from "drizzle-orm";
 import postgres from "postgres";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { type SeededOrg, startTestGateway, TEST_DATABASE_URL } from "../helpers/harness.ts";
+import { readUntilThenLeave, type SeededOrg, startTestGateway, TEST_DATABASE_URL } from "../helpers/harness.ts";
 import { eventually } from "../helpers/poll.ts";
 import { TEST_PLANS, arr, chatAlias, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -380,15 +380,7 @@ describe("a stored stream the client leaves once the answer is complete, before 
   async function leaveAfterFinish(key: string): Promise<string> {
     const ac = new AbortController();
     const res = await post(gw3, "/v1/responses", key, { model: "svc-late", stream: true, input: "hi" }, { signal: ac.signal });
-    const reader = res.body?.getReader();
-    if (!reader) throw new Error("no body");
-    let text = "";
-    while (!text.includes('"type":"response.output_item.done"')) {
-      const r = await reader.read();
-      if (r.done) throw new Error("stream ended early");
-      text += new TextDecoder().decode(r.value);
-    }
-    ac.abort();
+    const text = await readUntilThenLeave(res, '"type":"response.output_item.done"', ac);
     const id = /"id":"(resp_[A-Za-z0-9_-]+)"/.exec(text)?.[1];
     if (!id) throw new Error("no response id");
     return id;
