@@ -6,6 +6,7 @@ import { estimatePromptTokens } from "../../src/inference/tokens.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import type { SeededOrg } from "../helpers/harness.ts";
+import { type LateUsageRun, type LateUsageUpstream, lateUsageUpstream } from "../helpers/late-usage-upstream.ts";
 import { readUntilThenLeave, startTestGateway } from "../helpers/harness.ts";
 import {
   CHAT_MODEL,
@@ -334,50 +335,18 @@ describe("streamed chat: client disconnects abort the upstream", () => {
 });
 
 describe("streamed chat: a client that leaves once the answer is complete", () => {
-  /** One scripted stream: the answer and its finish chunk at once, the rest when the test says (or never). */
-  interface Run {
-    controller?: ReadableStreamDefaultController<Uint8Array>;
-    /** The gateway closed the upstream call. */
-    cancelled: boolean;
-  }
-  const enc = new TextEncoder();
-  const head = { id: "c1", object: "chat.completion.chunk", created: 1, model: CHAT_MODEL };
-  const frame = (e: unknown) => `data: ${JSON.stringify(e)}\n\n`;
-  // 19 characters of text: an estimate of 5 completion tokens.
-  const ANSWER =
-    frame({ ...head, choices: [{ index: 0, delta: { role: "assistant", content: "Hello there, friend" }, finish_reason: null }] }) +
-    frame({ ...head, choices: [{ index: 0, delta: {}, finish_reason: "stop" }] });
-  // Counts no estimate would give.
-  const USAGE_AND_DONE = `${frame({ ...head, choices: [], usage: { prompt_tokens: 1234, completion_tokens: 77, total_tokens: 1311 } })}data: [DONE]\n\n`;
-  let run: Run = { cancelled: false };
-  let fake: ReturnType<typeof Bun.serve>;
+  /** The answer and its finish chunk at once, the usage when the test says (or never). */
+  let fake: LateUsageUpstream;
+  let run: LateUsageRun;
   let gw2: Gateway;
 
   beforeAll(async () => {
-    fake = Bun.serve({
-      hostname: "127.0.0.1",
-      port: 0,
-      fetch: () => {
-        const r = run;
-        return new Response(
-          new ReadableStream<Uint8Array>({
-            start(c) {
-              r.controller = c;
-              c.enqueue(enc.encode(ANSWER));
-            },
-            cancel() {
-              r.cancelled = true;
-            },
-          }),
-          { headers: { "content-type": "text/event-stream" } },
-        );
-      },
-    });
-    gw2 = await startTestGateway({ aliases: { "svc-script": chatAlias([{ baseUrl: `http://127.0.0.1:${fake.port}/v1` }]) }, plans: TEST_PLANS });
+    fake = lateUsageUpstream(CHAT_MODEL);
+    gw2 = await startTestGateway({ aliases: { "svc-script": chatAlias([{ baseUrl: fake.baseUrl }]) }, plans: TEST_PLANS });
   });
   afterAll(async () => {
     await gw2.stop();
-    fake.stop(true);
+    fake.stop();
   });
 
   async function usageRow(orgId: string) {
@@ -395,16 +364,12 @@ describe("streamed chat: a client that leaves once the answer is complete", () =
 
   test("the usage chunk that comes after the client left is read and charged, not the estimate (499)", async () => {
     const o = await seedTestOrg(gw2.database);
-    run = { cancelled: false };
+    run = fake.next();
     await leaveAfterFinish(o.personalKey);
     // Time for the gateway to see the client go (a gateway that aborts the upstream then has done so).
     for (let i = 0; i < 15 && !run.cancelled; i++) await Bun.sleep(20);
-    try {
-      run.controller?.enqueue(enc.encode(USAGE_AND_DONE));
-      run.controller?.close();
-    } catch {
-      // The gateway closed the call: nothing more can be sent.
-    }
+    // False when the gateway closed the call: nothing more could be sent (the row then shows the estimate).
+    fake.sendUsage(run);
     const deadline = performance.now() + 10_000;
     let row = await usageRow(o.orgId);
     while (!row && performance.now() < deadline) {
@@ -417,7 +382,7 @@ describe("streamed chat: a client that leaves once the answer is complete", () =
   test("an upstream that sends no usage after the finish is cut within about a second of the client leaving, and the estimate charged", async () => {
     const promptEstimate = estimatePromptTokens(parseChatBody({ model: "svc-script", messages: userMessages(), stream: true, max_tokens: 200 }));
     const o = await seedTestOrg(gw2.database);
-    run = { cancelled: false };
+    run = fake.next();
     const left = await leaveAfterFinish(o.personalKey);
     let row = await usageRow(o.orgId);
     while (!row && performance.now() - left < 10_000) {

@@ -4,6 +4,7 @@ import postgres from "postgres";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { readUntilThenLeave, type SeededOrg, startTestGateway, TEST_DATABASE_URL } from "../helpers/harness.ts";
+import { type LateUsageRun, type LateUsageUpstream, lateUsageUpstream } from "../helpers/late-usage-upstream.ts";
 import { eventually } from "../helpers/poll.ts";
 import { TEST_PLANS, arr, chatAlias, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
 
@@ -331,41 +332,14 @@ describe("a chunk the translation cannot read, in the same read as [DONE]", () =
 describe("a stored stream the client leaves once the answer is complete, before the usage chunk", () => {
   // Seen failing before: the relay read on for the upstream's late usage chunk and charged it (1234 + 77),
   // but the cancelled Response had been stored at the moment the client left, with no usage at all.
-  interface Run {
-    controller?: ReadableStreamDefaultController<Uint8Array>;
-  }
-  const enc = new TextEncoder();
-  const head = { id: "c1", object: "chat.completion.chunk", created: 1, model: "m" };
-  const frame = (e: unknown) => `data: ${JSON.stringify(e)}\n\n`;
-  const ANSWER =
-    frame({ ...head, choices: [{ index: 0, delta: { role: "assistant", content: "Hello there, friend" }, finish_reason: null }] }) +
-    frame({ ...head, choices: [{ index: 0, delta: {}, finish_reason: "stop" }] });
-  // Counts no estimate would give.
-  const USAGE_AND_DONE = `${frame({ ...head, choices: [], usage: { prompt_tokens: 1234, completion_tokens: 77, total_tokens: 1311 } })}data: [DONE]\n\n`;
-  let run: Run = {};
-  let fake: ReturnType<typeof Bun.serve>;
+  let fake: LateUsageUpstream;
+  let run: LateUsageRun;
   let gw3: Gateway;
 
   beforeAll(async () => {
-    fake = Bun.serve({
-      hostname: "127.0.0.1",
-      port: 0,
-      async fetch(req) {
-        await req.text();
-        const r = run;
-        return new Response(
-          new ReadableStream<Uint8Array>({
-            start(c) {
-              r.controller = c;
-              c.enqueue(enc.encode(ANSWER));
-            },
-          }),
-          { headers: { "content-type": "text/event-stream" } },
-        );
-      },
-    });
+    fake = lateUsageUpstream("m");
     gw3 = await startTestGateway({
-      aliases: { "svc-late": chatAlias([{ baseUrl: `http://127.0.0.1:${fake.port}/v1` }]) },
+      aliases: { "svc-late": chatAlias([{ baseUrl: fake.baseUrl }]) },
       plans: TEST_PLANS,
       upstream: upstreamSettings({ attempts: 1 }),
       responses: { enabled: true },
@@ -373,7 +347,7 @@ describe("a stored stream the client leaves once the answer is complete, before 
   });
   afterAll(async () => {
     await gw3.stop();
-    fake.stop(true);
+    fake.stop();
   });
 
   /** Streams a stored Response and leaves once its message is done (the finish chunk came); its id. */
@@ -413,12 +387,11 @@ describe("a stored stream the client leaves once the answer is complete, before 
 
   test("the usage that comes within the drain is charged, and the stored cancelled Response carries the same", async () => {
     const o = await seedTestOrg(gw3.database);
-    run = {};
+    run = fake.next();
     const id = await leaveAfterFinish(o.personalKey);
     // Time for the gateway to see the client go (well within the 1 s it reads on for the usage).
     await Bun.sleep(300);
-    run.controller?.enqueue(enc.encode(USAGE_AND_DONE));
-    run.controller?.close();
+    expect(fake.sendUsage(run)).toBe(true);
     expect(await settledRow(o.orgId)).toEqual([1234, 77, 499]);
     const stored = await storedResponse(o.personalKey, id);
     expect(stored.status).toBe("cancelled");
@@ -427,7 +400,7 @@ describe("a stored stream the client leaves once the answer is complete, before 
 
   test("no usage within the drain: charged by estimate, and the stored cancelled Response carries that estimate", async () => {
     const o = await seedTestOrg(gw3.database);
-    run = {};
+    run = fake.next();
     const id = await leaveAfterFinish(o.personalKey);
     // The upstream sends nothing more: cut after about a second, charged by estimate.
     const [prompt, completion, status] = await settledRow(o.orgId);
