@@ -106,6 +106,17 @@ interface Batch {
  */
 const MAX_UNANSWERED = 2;
 
+/**
+ * What a stop gives the final usage write, retries included: two answer
+ * times, so one write left unanswered is followed by one on another
+ * connection. systemd's TimeoutStopSec (45 s) less the drain (30 s) leaves
+ * room for it and the rest of the stop (docs/operations.md).
+ */
+const STOP_WRITE_MS = 2 * ANSWER_TIMEOUT_MS;
+
+/** How long a stop's probe waits for the database after a write left unanswered, before trying again. */
+const STOP_PROBE_MS = 1_000;
+
 /** The bound for a pool of `poolMax` connections: MAX_UNANSWERED, at most poolMax - 1, at least 1. */
 export function maxUnanswered(poolMax: number | undefined): number {
   if (poolMax === undefined) return MAX_UNANSWERED;
@@ -140,12 +151,12 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
    * transaction: the other finds it and writes nothing). Until it settles it
    * may hold its pool connection: at most maxUnanswered() are left so.
    */
-  async function answered<T>(what: string, call: (live: () => boolean) => Promise<T>): Promise<T> {
+  async function answered<T>(what: string, call: (live: () => boolean) => Promise<T>, timeoutMs = ANSWER_TIMEOUT_MS): Promise<T> {
     if (unanswered >= unansweredLimit && !stopping) throw new DatabaseTimeout(`${what}: ${unanswered} earlier usage writes are still unanswered`);
     let givenUp = false;
     const running = call(() => !givenUp);
     try {
-      return await answeredWithin(running, ANSWER_TIMEOUT_MS, what);
+      return await answeredWithin(running, timeoutMs, what);
     } catch (e) {
       if (e instanceof DatabaseTimeout && !givenUp) {
         givenUp = true;
@@ -218,12 +229,15 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
   }
 
   /** Whether the database takes transactions now (the path every write uses), so a failed write was the data's fault. */
-  async function reachable(): Promise<boolean> {
+  async function reachable(timeoutMs = ANSWER_TIMEOUT_MS): Promise<boolean> {
     try {
-      await answered("usage write check", () =>
-        boundedTx(database, async (tx) => {
-          await tx.execute(sql`select 1`);
-        }),
+      await answered(
+        "usage write check",
+        () =>
+          boundedTx(database, async (tx) => {
+            await tx.execute(sql`select 1`);
+          }),
+        timeoutMs,
       );
       return true;
     } catch {
@@ -437,24 +451,36 @@ export function createUsageWriter(database: Database, log: Logger, source: Count
       if (timer) clearInterval(timer);
       stopping = true;
       // A write the database never answers (a partition, a paused host) would hold the stop until the
-      // service manager kills the process, and the usage would be lost without the line below; every
-      // wait here is bounded, and once a write is left unanswered the next ones would queue behind it.
+      // service manager kills the process, and the usage would be lost without the line below; so every
+      // wait here is bounded, and the whole stop by STOP_WRITE_MS. Within that time a write left
+      // unanswered is tried again under its batch id (idempotent), on another connection: one stranded
+      // connection (postgres.js reconnecting after the server ended its session can wait for its
+      // connect_timeout) must not cost the usage while the database answers on the others. A database
+      // that does not answer a probe within STOP_PROBE_MS gets no such try: the stop's other steps need
+      // their time too.
+      const deadline = Date.now() + STOP_WRITE_MS;
       let unanswered = false;
       const bounded = (p: Promise<void>) =>
-        answeredWithin(p, ANSWER_TIMEOUT_MS, "usage write").catch((e: Error) => {
-          if (e instanceof DatabaseTimeout) unanswered = true;
-          throw e;
-        });
+        answeredWithin(p, Math.max(1, Math.min(ANSWER_TIMEOUT_MS, deadline - Date.now())), "usage write").then(
+          () => {
+            unanswered = false;
+          },
+          (e: Error) => {
+            if (e instanceof DatabaseTimeout) unanswered = true;
+            throw e;
+          },
+        );
       if (flushing) await bounded(flushing).catch(() => {});
-      // Write everything and return unused leases; retry a few times, since a
+      // Write everything and return unused leases; retry while time is left, since a
       // shutdown during a database blip should still land the usage.
-      for (let attempt = 0; attempt < 5 && !unanswered; attempt++) {
+      for (let attempt = 0; Date.now() < deadline; attempt++) {
+        if (unanswered && !(await reachable(Math.max(1, Math.min(STOP_PROBE_MS, deadline - Date.now()))))) break;
         try {
           await bounded(flush(true));
           // A batch kept from a failed write goes first, unchanged: the final cut (lease returned) comes after it.
           if (finalCut && !batch && bufferedTokens() === 0 && events.length === 0) break;
         } catch {
-          if (!unanswered) await Bun.sleep(200 * (attempt + 1));
+          await Bun.sleep(Math.max(0, Math.min(200 * (attempt + 1), deadline - Date.now())));
         }
       }
       if (batch || bufferedTokens() > 0 || events.length > 0) reportUnwritten(unanswered ? batch?.id : undefined);

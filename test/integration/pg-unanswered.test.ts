@@ -204,6 +204,44 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
     }
   });
 
+  test("a stop whose usage write gets no answer on one connection while the database answers on others retries it under its batch id: nothing lost", async () => {
+    // The database itself answers; one connection is stranded (a client-side stall: postgres.js reconnecting
+    // after the server ended its session can wait for connect_timeout, 5 s). Seen in CI: quota-multi's
+    // "database connections killed mid-load" lost the usage its stop wrote on such a connection.
+    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 4 });
+    const gw = await startTestGateway(
+      { plans: { Standard: { requestsPerMinute: 1_000_000 } }, upstream: upstreamSettings(), aliases: testAliases(sim.url), quota: { leaseTokens: 1_000, flushMs: 600_000 } },
+      db,
+    );
+    const hold = proxy.holdWhen(/insert into usage_batches/i, "statement");
+    let stopped = false;
+    try {
+      const org = await seedOrg(held, { quotaTokens: 1_000_000 });
+      let total = 0;
+      for (let i = 0; i < 3; i++) {
+        const tokens = await chatTokens(gw.url, org.serviceKey);
+        total += tokens;
+      }
+      const t = Date.now();
+      const stop = gw.stop();
+      await hold.held;
+      await stop;
+      stopped = true;
+      // Before: the stop gave up at the first write left unanswered ("usage not written at shutdown"), used 0.
+      expect(await written(org.orgId)).toEqual({ used: total, requests: 3 });
+      // Within the time a stop gives the usage (systemd's 45 s less the 30 s drain: docs/operations.md).
+      expect(Date.now() - t).toBeLessThan(2 * ANSWER_TIMEOUT_MS + 2_000);
+      // Let through after the retry, the abandoned write finds its batch id and changes nothing.
+      hold.release();
+      await Bun.sleep(500);
+      expect(await written(org.orgId)).toEqual({ used: total, requests: 3 });
+    } finally {
+      hold.release();
+      if (!stopped) await gw.stop();
+      await db.close();
+    }
+  });
+
   /** What the shared counter and the usage records of `orgId` hold. */
   async function written(orgId: string): Promise<{ used: number; requests: number }> {
     const [c] = await held.rows<{ used: number | string }>(sql`select coalesce(sum(used), 0) as used from usage_counters where org_id = ${orgId}`);

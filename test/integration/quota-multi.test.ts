@@ -173,7 +173,7 @@ describe.skipIf(!TEST_DATABASE_URL)("quota across two instances (Postgres)", () 
     proc.kill("SIGTERM");
     expect(await exitWithin(proc, 20_000)).toBe(0);
     console.log(`db-kill: shutdown took ${Date.now() - t0} ms; non-200: ${[...statuses].join(" | ")}`);
-    if (process.env.GW_DEBUG) console.log(proc.stdout().split("\n").filter((l) => l.includes("shutdown")).join("\n"));
+    if (process.env.GW_DEBUG) console.log(proc.stdout().split("\n").filter((l) => l.includes("shutdown") || l.includes('"warn"') || l.includes('"error"')).join("\n"));
     // Our own connection was spared above, but postgres.js reconnects anyway if it was not.
     const rows = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, org.id));
     const used = rows.reduce((a, r) => a + r.used, 0);
