@@ -89,14 +89,73 @@ function validationCode(path: string) {
  */
 const SECRET_IN_PATH = /(?<![A-Za-z0-9])sk-[\w-]*|(bearer(?:%20|%09|%3A|[\s+:=])+)[^?#&]+|eyJ[\w-]*\.[\w-]+(?:\.[\w-]*)?/gi;
 
+/** How many times a path's escapes are decoded over, for a key encoded twice or more (`%2573k-…`). */
+const DECODE_ROUNDS = 3;
+const ESCAPE = /%[0-9A-Fa-f]{2}/;
+
+/**
+ * A path with its percent-escapes decoded (each `%XX` one character, its byte
+ * as Latin-1: every key, `Bearer` and JWT character is ASCII), `DECODE_ROUNDS`
+ * times over, and where each of its characters came from in the path as sent:
+ * `from[i]`..`to[i]` (the escape a decoded character was, whole). A malformed
+ * escape (`%ZZ`, a `%` at the end) is kept as its characters: this never
+ * throws, as decodeURIComponent would. A `?`, `#` or `&` that was an escape
+ * is no separator (SECRET_IN_PATH's bearer token runs past it): it becomes
+ * `\u001a`, which is in no key, no JWT, and ends no token.
+ */
+function decodedPath(path: string): { text: string; from: number[]; to: number[] } {
+  let text = path;
+  let from = Array.from(path, (_, i) => i);
+  let to = from.map((i) => i + 1);
+  for (let round = 0; round < DECODE_ROUNDS && ESCAPE.test(text); round++) {
+    let next = "";
+    const nextFrom: number[] = [];
+    const nextTo: number[] = [];
+    for (let i = 0; i < text.length; i++) {
+      const hex = text[i] === "%" ? text.slice(i + 1, i + 3) : "";
+      const code = hex.length === 2 && /^[0-9A-Fa-f]{2}$/.test(hex) ? Number.parseInt(hex, 16) : -1;
+      if (code < 0) {
+        next += text[i];
+        nextFrom.push(from[i] as number);
+        nextTo.push(to[i] as number);
+        continue;
+      }
+      const c = String.fromCharCode(code);
+      next += c === "?" || c === "#" || c === "&" ? "\u001a" : c;
+      nextFrom.push(from[i] as number);
+      nextTo.push(to[i + 2] as number);
+      i += 2;
+    }
+    [text, from, to] = [next, nextFrom, nextTo];
+  }
+  return { text, from, to };
+}
+
 /**
  * A request path as a log line may hold it (operations.md: a log never holds a
  * key): keys and tokens in it masked, the rest kept so a 404 stays readable.
+ * Found in the path with its percent-escapes decoded (`sk%2D…`, `%73k-…`, a
+ * secret with `%5F` in it, `%42earer%20…`, encoded twice over), and masked
+ * in the path as sent: what is around them stays as it came.
  */
 export function loggablePath(path: string): string {
-  return path.replace(SECRET_IN_PATH, (m, bearer: string | undefined) =>
-    bearer !== undefined ? `${bearer}…redacted` : m.slice(0, 3).toLowerCase() === "sk-" ? "sk-…redacted" : "…redacted",
-  );
+  if (!path.includes("%")) return path.replace(SECRET_IN_PATH, (m, bearer: string | undefined) => maskOf(m, bearer));
+  const { text, from, to } = decodedPath(path);
+  let out = "";
+  let kept = 0;
+  for (const m of text.matchAll(SECRET_IN_PATH)) {
+    const start = from[m.index] as number;
+    // The bearer word and its separator as they were sent (`Bearer%20`, `%42earer+`).
+    const bearer = m[1] === undefined ? undefined : path.slice(start, to[m.index + m[1].length - 1]);
+    out += path.slice(kept, start) + maskOf(m[0], bearer);
+    kept = to[m.index + m[0].length - 1] as number;
+  }
+  return out + path.slice(kept);
+}
+
+/** What stands for a key or token found in a path: `sk-…redacted`, the bearer word and `…redacted`, or `…redacted`. */
+function maskOf(found: string, bearer: string | undefined): string {
+  return bearer !== undefined ? `${bearer}…redacted` : found.slice(0, 3).toLowerCase() === "sk-" ? "sk-…redacted" : "…redacted";
 }
 
 export function createApp(deps: AppDeps) {

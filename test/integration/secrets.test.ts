@@ -114,6 +114,53 @@ describe("a key pasted into the URL stays out of the logs and metrics", () => {
     const routes = lines.map((l) => JSON.parse(l) as Record<string, unknown>).filter((l) => l.msg === "request").map((l) => String(l.route));
     for (const [, , expected] of cases) expect(routes).toContain(expected);
   });
+
+  test("a key or token percent-encoded in the path (any character of it, in either case, twice over, after a malformed escape) is masked all the same", async () => {
+    /** Every character as its escape: `sk-…` as `%73%6B%2D…`. */
+    const escaped = (s: string, lower = false) =>
+      [...s].map((c) => `%${c.charCodeAt(0).toString(16).padStart(2, "0")[lower ? "toLowerCase" : "toUpperCase"]()}`).join("");
+    const key = org.serviceKey;
+    // Another service's key, with `_` and `-` in its secret (OpenAI's project keys).
+    const other = `sk-proj-Ab9_cD8-${"Yx7".repeat(15)}_Wv6`;
+    const opaque = "P5kQ7mW2nR9tX4vB8cZ3hJ6";
+    const jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJZZWJyYTQzIn0.c2lnbmF0dXJlWWVicmE0Mw";
+    const cases: [string, string][] = [
+      [`/v1/sk%2D${key.slice(3)}`, "/v1/sk-…redacted"],
+      [`/v1/sk%2d${key.slice(3).replaceAll("-", "%2d")}`, "/v1/sk-…redacted"],
+      [`/v1/%73${key.slice(1)}`, "/v1/sk-…redacted"],
+      [`/v1/${escaped(key)}`, "/v1/sk-…redacted"],
+      [`/v1/models/${escaped(key, true)}/x`, "/v1/models/sk-…redacted/x"],
+      [`/v1/${other.replaceAll("_", "%5F")}`, "/v1/sk-…redacted"],
+      [`/v1/Bearer%2B${opaque}`, "/v1/Bearer%2B…redacted"],
+      [`/v1/%42earer%20${key}`, "/v1/%42earer%20…redacted"],
+      [`/v1/x/Bearer%20${opaque.slice(0, 9)}%3F${opaque.slice(9)}`, "/v1/x/Bearer%20…redacted"],
+      [`/v1/models/${jwt.replaceAll(".", "%2E")}`, "/v1/models/…redacted"],
+      // Encoded twice: `%2573` is `%73` once decoded, `s` twice.
+      [`/v1/%2573%256B%252D${key.slice(3)}`, "/v1/sk-…redacted"],
+      // A malformed escape (not two hex digits, or cut off at the end) is kept as it is, and what follows still read.
+      [`/v1/%ZZ/%E0%A4%/sk%2D${key.slice(3)}`, "/v1/%ZZ/%E0%A4%/sk-…redacted"],
+      [`/v1/x%/${other}%`, "/v1/x%/sk-…redacted%"],
+      // The query is not logged, escaped key or not.
+      [`/v1/nothing-here?api_key=sk%2D${key.slice(3)}&key=${escaped(key)}`, "/v1/nothing-here"],
+    ];
+    const from = lines.length;
+    for (const [path] of cases) {
+      const res = await fetch(`${gw.url}${path}`);
+      await res.text();
+      const id = String(res.headers.get("x-request-id"));
+      await until(() => lines.some((l) => l.includes(`"request_id":"${id}"`) && l.includes('"msg":"request"')), `the access line of ${path}`);
+    }
+    const logged = lines.slice(from);
+    const logs = logged.join("");
+    const metrics = await (await fetch(`${gw.metricsUrl}`)).text();
+    const secrets = [key.slice(6), key.slice(10, 30), key.slice(-20), other.slice(8), "Yx7Yx7Yx7", opaque, opaque.slice(9), jwt.slice(20, 40), escaped(key.slice(10, 20)), escaped(key.slice(10, 20), true)];
+    for (const secret of secrets) {
+      expect(logs).not.toContain(secret);
+      expect(metrics).not.toContain(secret);
+    }
+    const routes = logged.map((l) => JSON.parse(l) as Record<string, unknown>).filter((l) => l.msg === "request").map((l) => String(l.route));
+    expect(routes).toEqual(cases.map(([, expected]) => expected));
+  });
 });
 
 describe("a key sent as the x-request-id is not taken as the request's id", () => {
