@@ -256,6 +256,39 @@ function startsWithAt(b: Buffer, at: number, prefix: Buffer): boolean {
   return true;
 }
 
+const TAB = 0x09;
+const COLON = 0x3a;
+
+/** JSON white space: what may stand before and after a key's colon. */
+function isSpace(c: number | undefined): boolean {
+  return c === SPACE || c === TAB || c === LF || c === CR;
+}
+
+/** Set by keyValueAt: where the key it found begins (its opening quote). */
+let keyFound = -1;
+
+/**
+ * Where the value of the first `key` (a JSON string, its quotes included:
+ * `"usage"`) from `from` begins: past its colon and any JSON white space
+ * before and after it (`"usage":{`, `"usage": {`, `"usage" :\t{`); -1 when no
+ * such key is found. `keyFound` is set to where the key begins. An
+ * occurrence not followed by a colon is a string value, not a key, and is
+ * passed over. Inside a JSON string every quote is escaped, so `"usage"`
+ * with both its quotes is not found in text (`\"usage\" : 1` is text).
+ */
+function keyValueAt(b: Buffer, key: Buffer, from: number): number {
+  for (let k = b.indexOf(key, from); k !== -1; k = b.indexOf(key, k + 1)) {
+    let v = k + key.length;
+    while (isSpace(b[v])) v++;
+    if (b[v] !== COLON) continue;
+    v++;
+    while (isSpace(b[v])) v++;
+    keyFound = k;
+    return v;
+  }
+  return -1;
+}
+
 /** The data (from `at`) has a `"usage":` key whose value is an object (not null): the one event parsed for its counts. */
 export function carriesUsage(event: Buffer, at: number): boolean {
   const u = event.indexOf(USAGE, at);
@@ -300,8 +333,8 @@ export function textArgumentsEvent(payload: string, term: string): Buffer | unde
   }
 }
 
-const MODEL_KEY = Buffer.from('"model":');
-const TAB = 0x09;
+const MODEL_KEY = Buffer.from('"model"');
+const COLON_MODEL_KEY = Buffer.from('"model":');
 const COMMA = 0x2c;
 const CLOSE_BRACE = 0x7d;
 const CLOSE_BRACKET = 0x5d;
@@ -332,9 +365,9 @@ export function swapFields(target: Opened["target"], alias: string): SwapFields 
     const aliasValue = Buffer.from(JSON.stringify(alias));
     f = {
       // target.modelField is `"model":"<id>"`: its value is what follows the key.
-      modelValue: Buffer.from(target.modelField).subarray(MODEL_KEY.length),
+      modelValue: Buffer.from(target.modelField).subarray(COLON_MODEL_KEY.length),
       aliasValue,
-      aliasField: Buffer.concat([MODEL_KEY, aliasValue]),
+      aliasField: Buffer.concat([COLON_MODEL_KEY, aliasValue]),
     };
     byAlias.set(alias, f);
   }
@@ -392,8 +425,9 @@ function jsonValueEnd(b: Buffer, v: number): number {
  * choices: vLLM, TGI, llama.cpp, OpenAI alike), the only place a nested
  * object could hold a key of that name (tool-call arguments sent as an
  * object are made text before this, `textArgumentsEvent`, their quotes then
- * escaped). `"model": …` (Python's default separators) and `null`, a number
- * or any string (escapes included) alike.
+ * escaped). `"model": …` (Python's default separators), any other JSON white
+ * space around the colon (`"model" : …`, tabs: `keyValueAt`), and `null`, a
+ * number or any string (escapes included) alike.
  *
  * The cost per chunk is one byte search and a comparison, no parse: the
  * common case (the configured id, vLLM's) is `"model":` found, the value
@@ -405,10 +439,9 @@ function jsonValueEnd(b: Buffer, v: number): number {
  * name split across reads is swapped as one sent whole.
  */
 export function withAlias(event: Buffer, at: number, f: SwapFields): Buffer {
-  const k = event.indexOf(MODEL_KEY, at);
-  if (k === -1) return event;
-  let v = k + MODEL_KEY.length;
-  while (event[v] === SPACE || event[v] === TAB) v++;
+  const v = keyValueAt(event, MODEL_KEY, at);
+  if (v === -1) return event;
+  const k = keyFound;
   let end: number;
   if (startsWithAt(event, v, f.modelValue)) end = v + f.modelValue.length;
   else {

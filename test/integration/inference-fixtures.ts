@@ -151,3 +151,22 @@ export async function eventually(check: () => boolean, ms = 10_000): Promise<voi
     await Bun.sleep(5);
   }
 }
+
+/**
+ * JSON with white space around its separators, as a server may write it (all
+ * of it valid JSON): `colon` for each key's colon (`" : "`, `":\t"`),
+ * `comma` the white space after each comma, `pad` inside each brace and bracket. Only
+ * between tokens: a string's own text is written as JSON.stringify writes it.
+ */
+export function spacedJson(v: unknown, colon = " : ", comma = " ", pad = ""): string {
+  const s = (x: unknown): string => {
+    if (Array.isArray(x)) return `[${pad}${x.map(s).join(`,${comma}`)}${pad}]`;
+    if (x !== null && typeof x === "object") {
+      return `{${pad}${Object.entries(x)
+        .map(([k, y]) => `${JSON.stringify(k)}${colon}${s(y)}`)
+        .join(`,${comma}`)}${pad}}`;
+    }
+    return JSON.stringify(x);
+  };
+  return s(v);
+}

@@ -2,7 +2,7 @@ import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "
 import type { Gateway } from "../../src/server.ts";
 import { type SeededOrg, startTestGateway } from "../helpers/harness.ts";
 import { type HostileUpstream, hostileUpstream } from "../helpers/hostile-upstream.ts";
-import { TEST_PLANS, arr, chatAlias, embedAlias, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+import { TEST_PLANS, arr, chatAlias, embedAlias, post, rec, seedTestOrg, spacedJson, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -23,7 +23,13 @@ let name = '"some-other-name"';
 /** Write the events as Python's json.dumps does by default (`", "`, `": "`). */
 let spaced = false;
 
+/** White space around every colon (`"model" : …`, tabs), written with spacedJson, when set: `spaced` then does not apply. */
+let colon: string | undefined;
+/** The answer's text, in the parts it is streamed in. */
+let parts = ["Hel", "lo"];
+
 const json = (v: unknown) => {
+  if (colon !== undefined) return spacedJson(v, colon, " ").replaceAll('"__NAME__"', name);
   const s = JSON.stringify(v).replaceAll('"model":"__NAME__"', `"model":${name}`);
   // Only the separators between tokens: the test's strings hold no `":` or `",` of their own.
   return spaced ? s.replaceAll('":', '": ').replaceAll(',"', ', "') : s;
@@ -35,8 +41,7 @@ function chunk(delta: Record<string, unknown>, finish: string | null = null): st
 function streamBody(): string {
   return (
     chunk({ role: "assistant", content: "" }) +
-    chunk({ content: "Hel" }) +
-    chunk({ content: "lo" }) +
+    parts.map((p) => chunk({ content: p })).join("") +
     chunk({}, "stop") +
     `data: ${json({ id: "c1", object: "chat.completion.chunk", created: 1, model: "__NAME__", choices: [], usage: { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5 } })}\n\n` +
     "data: [DONE]\n\n"
@@ -48,7 +53,7 @@ function completionBody(): string {
     object: "chat.completion",
     created: 1,
     model: "__NAME__",
-    choices: [{ index: 0, message: { role: "assistant", content: "Hello" }, finish_reason: "stop" }],
+    choices: [{ index: 0, message: { role: "assistant", content: parts.join("") }, finish_reason: "stop" }],
     usage: { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5 },
   });
 }
@@ -97,7 +102,7 @@ async function jsonAnswerNamesAlias(): Promise<void> {
   expect(res.status).toBe(200);
   const body = rec(await res.json());
   expect(body.model).toBe("svc-fast");
-  expect(rec(rec(arr(body.choices)[0]).message).content).toBe("Hello");
+  expect(rec(rec(arr(body.choices)[0]).message).content).toBe(parts.join(""));
 }
 
 /** The upstream names its model NAME (a JSON value's text), compact or spaced, for the length of `run`. */
@@ -138,6 +143,42 @@ describe("an upstream that names a model other than the configured one", () => {
           expect(chunks.map((c) => arr(c.choices).map((k) => rec(rec(k).delta).content ?? "").join("")).join("")).toBe("Hello");
           expect(rec(chunks.at(-1)?.usage).total_tokens).toBe(5);
         });
+      }
+    }
+    expect(wrong).toEqual([]);
+  });
+
+  test("white space before or after the colon (`\"model\" : …`, tabs): every chunk names the alias, streamed (chat), whole (JSON, SSE) and through the Responses API; a `\"model\":` in the text is text, left as sent", async () => {
+    /** The text holds what looks like the key, escaped as every quote in a string is: it must reach the client as it is. */
+    const text = ['He said "model": "mine"', ', then "model" : "x" and "model":\t"y"', " and {\"model\" : 1}"];
+    /** Each case whose answer named anything but the alias, or whose text was changed: what it said. */
+    const wrong: string[] = [];
+    for (const c of [" : ", ":\t", "\t:\t", " :", "\t: ", ":\t "]) {
+      for (const value of NAMES) {
+        [name, colon, parts] = [value, c, text];
+        try {
+          const res = await chat("svc-fast", { stream: true, stream_options: { include_usage: true } });
+          expect(res.status).toBe(200);
+          const body = await res.text();
+          const data = sseData(body);
+          expect(data.at(-1)).toBe("[DONE]");
+          const chunks = data.slice(0, -1).map((d) => rec(JSON.parse(d)));
+          const models = chunks.map((k) => k.model);
+          const said = chunks.map((k) => arr(k.choices).map((x) => rec(rec(x).delta).content ?? "").join("")).join("");
+          if (models.some((m) => m !== "svc-fast") || body.includes("some-other-name") || body.includes("ad\\") || said !== text.join("")) {
+            wrong.push(`streamed, ${JSON.stringify(c)}, upstream ${value}: ${JSON.stringify(models)} ${JSON.stringify(said)}`);
+          }
+          await jsonAnswerNamesAlias();
+          sseForJson = true;
+          await jsonAnswerNamesAlias();
+          sseForJson = false;
+          const responses = await post(gw, "/v1/responses", org.personalKey, { model: "svc-fast", input: "hi", store: false, stream: true });
+          expect(responses.status).toBe(200);
+          const events = await responses.text();
+          if (events.includes("some-other-name") || events.includes("ad\\")) wrong.push(`Responses, ${JSON.stringify(c)}, upstream ${value}`);
+        } finally {
+          [name, colon, parts, sseForJson] = ['"some-other-name"', undefined, ["Hel", "lo"], false];
+        }
       }
     }
     expect(wrong).toEqual([]);

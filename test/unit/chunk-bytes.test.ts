@@ -25,6 +25,17 @@ function asciiJson(v: unknown): string {
   return JSON.stringify(v).replace(/[\u0080-\uffff]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, "0")}`);
 }
 
+/** JSON with `colon` (white space around it: `" :\t"`) between each key and its value, a space after each comma. */
+const spacedJson =
+  (colon: string) =>
+  (v: unknown): string => {
+    if (Array.isArray(v)) return `[${v.map(spacedJson(colon)).join(", ")}]`;
+    if (v !== null && typeof v === "object") return `{${Object.entries(v).map(([k, x]) => `${JSON.stringify(k)}${colon}${spacedJson(colon)(x)}`).join(", ")}}`;
+    return JSON.stringify(v);
+  };
+/** The ways an upstream may write its JSON: compact, as Python does, white space before and after the colon. */
+const SERIALISERS = [JSON.stringify, asciiJson, spacedJson(" : "), spacedJson("\t:\t"), spacedJson(" :")];
+
 /** The event's delta text as written: `"content":"<raw>"` with `raw` put in exactly as given (escapes and all). */
 const rawEvent = (raw: string, field = "content") =>
   Buffer.from(`data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"${field}":"${raw}"},"finish_reason":null}]}\n\n`);
@@ -140,11 +151,11 @@ describe("withAlias: the model an event names, whatever it is, becomes the alias
     fc.dictionary(fc.constantFrom("a", "model", 'x"model'), tricky, { maxKeys: 3 }),
   );
 
-  test("any value (a string with escapes, null, a number, an object), compact or spaced, before or after choices: the alias, the rest as sent", () => {
+  test("any value (a string with escapes, null, a number, an object), compact or spaced (around the colon too), before or after choices: the alias, the rest as sent", () => {
     fc.assert(
-      fc.property(modelValue, tricky, fc.constantFrom("svc-fast", "svc-smart", UP, 'a"b\\c', "é"), fc.boolean(), fc.boolean(), (model, content, alias, choicesFirst, python) => {
+      fc.property(modelValue, tricky, fc.constantFrom("svc-fast", "svc-smart", UP, 'a"b\\c', "é"), fc.boolean(), fc.constantFrom(...SERIALISERS), (model, content, alias, choicesFirst, serialise) => {
         const chunk = chunkOf(model, content, choicesFirst);
-        const out = swapped(eventOf(chunk, python ? asciiJson : JSON.stringify), alias);
+        const out = swapped(eventOf(chunk, serialise), alias);
         expect(parsed(out)).toEqual({ ...chunk, model: alias });
       }),
       { numRuns: 2_000 },
