@@ -12,8 +12,9 @@ import type { Opened } from "./upstream/index.ts";
  * On bytes, not on parsed JSON: this is the hot path of every streamed token,
  * and a parse and re-serialisation per chunk costs more than the few byte
  * searches each answer takes. The searches are sound on JSON because a key
- * pattern (`"content":`, `"model":`) cannot match inside a string value:
- * there, a quote is escaped. Only the rare event these cannot read (a usage
+ * pattern (`"content"`, `"model"` followed by a colon, with any JSON white
+ * space around it: `keyValueAt`) cannot match inside a string value: there,
+ * a quote is escaped. Only the rare event these cannot read (a usage
  * object, tool-call arguments sent as JSON rather than text, an event that
  * is not one `data:` line) is parsed (`textArgumentsEvent`, `plainDataEvent`;
  * the usage in stream.ts).
@@ -26,11 +27,12 @@ const LF = 0x0a;
 const CR = 0x0d;
 const DATA = Buffer.from("data:");
 const DONE = Buffer.from("[DONE]");
-const USAGE = Buffer.from('"usage":');
-const CHOICES = Buffer.from('"choices":');
-const DELTA = Buffer.from('"delta":');
-const INDEX = Buffer.from('"index":');
-const FINISH_REASON = Buffer.from('"finish_reason":');
+/** Keys, with their quotes: found with any JSON white space around their colon (`keyValueAt`). */
+const USAGE = Buffer.from('"usage"');
+const CHOICES = Buffer.from('"choices"');
+const DELTA = Buffer.from('"delta"');
+const INDEX = Buffer.from('"index"');
+const FINISH_REASON = Buffer.from('"finish_reason"');
 /** A chunk's `"id"` near its start (vLLM writes it first): a JSON string, escapes included. */
 const CHUNK_ID = /^\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){0,256}")/;
 
@@ -45,17 +47,72 @@ export function chunkIdOf(event: Buffer, at: number): string {
     return "";
   }
 }
-/** Keys whose string values are delta text; the value's quote may follow a space (Python's default separators). */
-const TEXT_FIELDS = ['"content":', '"arguments":', '"refusal":'].map((s) => Buffer.from(s));
+/** Keys whose string values are delta text; white space may stand around the colon (Python's default separators: `": "`). */
+const TEXT_FIELDS = ['"content"', '"arguments"', '"refusal"'].map((s) => Buffer.from(s));
 const ARGUMENTS = TEXT_FIELDS[1];
 /** vLLM's reasoning text, under its older name, its newer one, or both (the same text): counted once. */
-const REASONING_FIELDS = ['"reasoning_content":', '"reasoning":'].map((s) => Buffer.from(s));
-const ERROR_PREFIXES = ['{"error"', '{"object":"error"', '{"object": "error"', '{"detail"'].map((s) => Buffer.from(s));
+const REASONING_FIELDS = ['"reasoning_content"', '"reasoning"'].map((s) => Buffer.from(s));
+/** An error event's first key (`{"error"…`, FastAPI's `{"detail"…`), or `"object"` with the value `"error"` (older vLLM). */
+const ERROR_KEY = Buffer.from('"error"');
+const DETAIL_KEY = Buffer.from('"detail"');
+const OBJECT_KEY = Buffer.from('"object"');
 const QUOTE = 0x22;
 const BACKSLASH = 0x5c;
 const SPACE = 0x20;
 const OPEN_BRACE = 0x7b;
 const OPEN_BRACKET = 0x5b;
+const TAB = 0x09;
+const COLON = 0x3a;
+
+/** JSON white space: what may stand before and after a key's colon. */
+function isSpace(c: number | undefined): boolean {
+  return c === SPACE || c === TAB || c === LF || c === CR;
+}
+
+/** Set by keyValueAt: where the key it found begins (its opening quote). */
+let keyFound = -1;
+
+/**
+ * `b[i]` is just past a key's closing quote: where its value begins, past the
+ * colon and any JSON white space before and after it; -1 when no colon
+ * follows (the string was a value, not a key).
+ */
+function valueAfterKey(b: Buffer, i: number): number {
+  let v = i;
+  while (isSpace(b[v])) v++;
+  if (b[v] !== COLON) return -1;
+  v++;
+  while (isSpace(b[v])) v++;
+  return v;
+}
+
+/**
+ * Where the value of the first `key` (a JSON string, its quotes included:
+ * `"usage"`) from `from` begins: past its colon and any JSON white space
+ * before and after it (`"usage":{`, `"usage": {`, `"usage" :\t{`); -1 when no
+ * such key is found. `keyFound` is set to where the key begins. An
+ * occurrence not followed by a colon is a string value, not a key, and is
+ * passed over. Inside a JSON string every quote is escaped, so `"usage"`
+ * with both its quotes is not found in text (`\"usage\" : 1` is text).
+ */
+function keyValueAt(b: Buffer, key: Buffer, from: number): number {
+  for (let k = b.indexOf(key, from); k !== -1; k = b.indexOf(key, k + 1)) {
+    const v = valueAfterKey(b, k + key.length);
+    if (v === -1) continue;
+    keyFound = k;
+    return v;
+  }
+  return -1;
+}
+
+/** keyValueAt backwards: the last `key` that begins at `from` or after and before `before`; where its value begins, or -1. */
+function lastKeyValueAt(b: Buffer, key: Buffer, from: number, before: number): number {
+  for (let k = before > 0 ? b.lastIndexOf(key, before - 1) : -1; k !== -1 && k >= from; k = k > 0 ? b.lastIndexOf(key, k - 1) : -1) {
+    const v = valueAfterKey(b, k + key.length);
+    if (v !== -1) return v;
+  }
+  return -1;
+}
 
 /** Where an event's data begins: after `data:` and the one space that may follow it. */
 export function dataAt(event: Buffer): number {
@@ -67,11 +124,24 @@ export function isDone(event: Buffer, at: number): boolean {
   return startsWithAt(event, at, DONE);
 }
 
-/** The data (from `at`) is an upstream error (`{"error"…`, `{"object":"error"…`, FastAPI's `{"detail"…`), not a chunk. */
+/**
+ * The data (from `at`) is an upstream error (`{"error"…`, `{"object":"error"…`,
+ * FastAPI's `{"detail"…`), not a chunk: with any JSON white space before and
+ * inside the brace and around the colon (`{ "object" : "error"…`).
+ */
 export function isErrorEvent(event: Buffer, at: number): boolean {
-  // Every error prefix starts `{"e`, `{"o` or `{"d` (a chunk starts `{"id"`).
-  const c = event[at + 2];
-  return event[at] === OPEN_BRACE && event[at + 1] === QUOTE && (c === 0x65 || c === 0x6f || c === 0x64) && ERROR_PREFIXES.some((p) => startsWithAt(event, at, p));
+  let i = at;
+  while (isSpace(event[i])) i++;
+  if (event[i] !== OPEN_BRACE) return false;
+  i++;
+  while (isSpace(event[i])) i++;
+  // Every error's first key starts `"e`, `"o` or `"d` (a chunk's, `"id"`).
+  const c = event[i + 1];
+  if (event[i] !== QUOTE || (c !== 0x65 && c !== 0x6f && c !== 0x64)) return false;
+  if (startsWithAt(event, i, ERROR_KEY) || startsWithAt(event, i, DETAIL_KEY)) return true;
+  if (!startsWithAt(event, i, OBJECT_KEY)) return false;
+  const v = valueAfterKey(event, i + OBJECT_KEY.length);
+  return v !== -1 && startsWithAt(event, v, ERROR_KEY);
 }
 
 /**
@@ -169,20 +239,19 @@ export interface DeltaScan {
 
 /**
  * UTF-8 bytes of the text of every string value of `field` (a key with its
- * colon) in the event: each choice's (`n`), each parallel tool call's.
- * `"content":"…"` and `"content": "…"` alike: servers built on Python's json
- * write the second. Adds the strings' bytes as sent to `scan.sentBytes`; a
- * value that opens an object or an array is noted there when `structured`.
+ * quotes) in the event: each choice's (`n`), each parallel tool call's.
+ * `"content":"…"`, `"content": "…"` (servers built on Python's json write
+ * it) and any other JSON white space around the colon alike. Adds the
+ * strings' bytes as sent to `scan.sentBytes`; a value that opens an object
+ * or an array is noted there when `structured`.
  */
 function fieldBytes(event: Buffer, field: Buffer, scan: DeltaScan, structured: boolean): number {
   let n = 0;
-  let at = event.indexOf(field);
-  while (at !== -1) {
-    let v = at + field.length;
-    while (event[v] === SPACE) v++;
+  let v = keyValueAt(event, field, 0);
+  while (v !== -1) {
     if (event[v] !== QUOTE) {
       if (structured && (event[v] === OPEN_BRACE || event[v] === OPEN_BRACKET)) scan.structuredArguments = true;
-      at = event.indexOf(field, v);
+      v = keyValueAt(event, field, v);
       continue;
     }
     escaped = false;
@@ -190,7 +259,7 @@ function fieldBytes(event: Buffer, field: Buffer, scan: DeltaScan, structured: b
     // Only a string with an escape is read again, byte by byte; the rest are their length as sent.
     n += escaped ? decodedBytes(event, v + 1, v + 1 + len) : len;
     scan.sentBytes += len;
-    at = event.indexOf(field, v + 1 + len);
+    v = keyValueAt(event, field, v + 1 + len);
   }
   return n;
 }
@@ -226,14 +295,14 @@ export function deltaTextBytes(event: Buffer, scan: DeltaScan): number {
  * lies inside the delta, after it.
  */
 export function choiceIndexOf(event: Buffer, at: number): number {
-  const c = event.indexOf(CHOICES, at);
+  const c = keyValueAt(event, CHOICES, at);
   if (c === -1) return -1;
-  const d = event.indexOf(DELTA, c);
-  if (d === -1 || event.indexOf(DELTA, d + DELTA.length) !== -1) return -1;
-  const i = event.lastIndexOf(INDEX, d);
-  if (i < c) return -1;
-  let v = i + INDEX.length;
-  while (event[v] === SPACE) v++;
+  const d = keyValueAt(event, DELTA, c);
+  if (d === -1) return -1;
+  const delta = keyFound;
+  if (keyValueAt(event, DELTA, d) !== -1) return -1;
+  let v = lastKeyValueAt(event, INDEX, c, delta);
+  if (v === -1) return -1;
   let k = 0;
   const first = v;
   for (let b = event[v]; b !== undefined && b >= 0x30 && b <= 0x39 && v - first < 4; b = event[++v]) k = k * 10 + b - 0x30;
@@ -242,11 +311,8 @@ export function choiceIndexOf(event: Buffer, at: number): number {
 
 /** The event gives a finish_reason (a string, not null); asked of one-choice events only. */
 export function finishes(event: Buffer, at: number): boolean {
-  const f = event.indexOf(FINISH_REASON, at);
-  if (f === -1) return false;
-  let v = f + FINISH_REASON.length;
-  while (event[v] === SPACE) v++;
-  return event[v] === QUOTE;
+  const v = keyValueAt(event, FINISH_REASON, at);
+  return v !== -1 && event[v] === QUOTE;
 }
 
 /** Byte by byte: the prefixes are a few bytes, shorter than a call into Buffer.compare costs. */
@@ -256,46 +322,10 @@ function startsWithAt(b: Buffer, at: number, prefix: Buffer): boolean {
   return true;
 }
 
-const TAB = 0x09;
-const COLON = 0x3a;
-
-/** JSON white space: what may stand before and after a key's colon. */
-function isSpace(c: number | undefined): boolean {
-  return c === SPACE || c === TAB || c === LF || c === CR;
-}
-
-/** Set by keyValueAt: where the key it found begins (its opening quote). */
-let keyFound = -1;
-
-/**
- * Where the value of the first `key` (a JSON string, its quotes included:
- * `"usage"`) from `from` begins: past its colon and any JSON white space
- * before and after it (`"usage":{`, `"usage": {`, `"usage" :\t{`); -1 when no
- * such key is found. `keyFound` is set to where the key begins. An
- * occurrence not followed by a colon is a string value, not a key, and is
- * passed over. Inside a JSON string every quote is escaped, so `"usage"`
- * with both its quotes is not found in text (`\"usage\" : 1` is text).
- */
-function keyValueAt(b: Buffer, key: Buffer, from: number): number {
-  for (let k = b.indexOf(key, from); k !== -1; k = b.indexOf(key, k + 1)) {
-    let v = k + key.length;
-    while (isSpace(b[v])) v++;
-    if (b[v] !== COLON) continue;
-    v++;
-    while (isSpace(b[v])) v++;
-    keyFound = k;
-    return v;
-  }
-  return -1;
-}
-
 /** The data (from `at`) has a `"usage":` key whose value is an object (not null): the one event parsed for its counts. */
 export function carriesUsage(event: Buffer, at: number): boolean {
-  const u = event.indexOf(USAGE, at);
-  if (u === -1) return false;
-  let v = u + USAGE.length;
-  while (event[v] === SPACE) v++;
-  return event[v] === OPEN_BRACE;
+  const v = keyValueAt(event, USAGE, at);
+  return v !== -1 && event[v] === OPEN_BRACE;
 }
 
 /**

@@ -35,7 +35,8 @@ import { wholeAnswer } from "./whole-answer.ts";
  * no JSON parse or re-serialisation of ordinary chunks (what an event's bytes
  * say is read in chunk-bytes.ts; this module is the relay). Per event we only
  *  - swap the model the upstream names, whatever it is, for the alias (a byte
- *    search for `"model":`, the first occurrence, which is the top-level key:
+ *    search for the `"model"` key and its colon, white space around it or not,
+ *    the first occurrence, which is the top-level key:
  *    inside JSON strings quotes are escaped, so the pattern cannot match content;
  *    chunk-bytes.ts `withAlias`);
  *  - look for a usage object, the one event we parse (but for the rare one

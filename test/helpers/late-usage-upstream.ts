@@ -23,9 +23,10 @@ export interface LateUsageUpstream {
 }
 
 const enc = new TextEncoder();
-const frame = (e: unknown) => `data: ${JSON.stringify(e)}\n\n`;
 
-export function lateUsageUpstream(model: string): LateUsageUpstream {
+/** `serialise` writes each event's JSON (JSON.stringify by default; a test may space it otherwise). */
+export function lateUsageUpstream(model: string, serialise: (v: unknown) => string = JSON.stringify): LateUsageUpstream {
+  const frame = (e: unknown) => `data: ${serialise(e)}\n\n`;
   const head = { id: "c1", object: "chat.completion.chunk", created: 1, model };
   // 19 characters of text: an estimate of 5 completion tokens.
   const answer = enc.encode(

@@ -17,6 +17,7 @@ import {
   post,
   rec,
   seedTestOrg,
+  spacedJson,
   sseData,
   testAliases,
   upstreamSettings,
@@ -337,16 +338,23 @@ describe("streamed chat: client disconnects abort the upstream", () => {
 describe("streamed chat: a client that leaves once the answer is complete", () => {
   /** The answer and its finish chunk at once, the usage when the test says (or never). */
   let fake: LateUsageUpstream;
+  /** The same, its JSON written with white space around each colon (`"finish_reason" : "stop"`). */
+  let spaced: LateUsageUpstream;
   let run: LateUsageRun;
   let gw2: Gateway;
 
   beforeAll(async () => {
     fake = lateUsageUpstream(CHAT_MODEL);
-    gw2 = await startTestGateway({ aliases: { "svc-script": chatAlias([{ baseUrl: fake.baseUrl }]) }, plans: TEST_PLANS });
+    spaced = lateUsageUpstream(CHAT_MODEL, (v) => spacedJson(v, " :\t", " "));
+    gw2 = await startTestGateway({
+      aliases: { "svc-script": chatAlias([{ baseUrl: fake.baseUrl }]), "svc-spaced": chatAlias([{ baseUrl: spaced.baseUrl }]) },
+      plans: TEST_PLANS,
+    });
   });
   afterAll(async () => {
     await gw2.stop();
     fake.stop();
+    spaced.stop();
   });
 
   async function usageRow(orgId: string) {
@@ -355,10 +363,10 @@ describe("streamed chat: a client that leaves once the answer is complete", () =
   }
 
   /** Streams the scripted answer and disconnects as soon as its finish chunk has arrived; resolves when it has. */
-  async function leaveAfterFinish(key: string): Promise<number> {
+  async function leaveAfterFinish(key: string, model = "svc-script", finish = '"finish_reason":"stop"'): Promise<number> {
     const ac = new AbortController();
-    const res = await post(gw2, "/v1/chat/completions", key, { model: "svc-script", stream: true, max_tokens: 200, messages: userMessages() }, { signal: ac.signal });
-    await readUntilThenLeave(res, '"finish_reason":"stop"', ac);
+    const res = await post(gw2, "/v1/chat/completions", key, { model, stream: true, max_tokens: 200, messages: userMessages() }, { signal: ac.signal });
+    await readUntilThenLeave(res, finish, ac);
     return performance.now();
   }
 
@@ -370,6 +378,22 @@ describe("streamed chat: a client that leaves once the answer is complete", () =
     for (let i = 0; i < 15 && !run.cancelled; i++) await Bun.sleep(20);
     // False when the gateway closed the call: nothing more could be sent (the row then shows the estimate).
     fake.sendUsage(run);
+    const deadline = performance.now() + 10_000;
+    let row = await usageRow(o.orgId);
+    while (!row && performance.now() < deadline) {
+      await Bun.sleep(20);
+      row = await usageRow(o.orgId);
+    }
+    expect(row).toMatchObject({ status: 499, streamed: true, promptTokens: 1234, completionTokens: 77 });
+  });
+
+  test("an upstream writing white space around its colons (`\"finish_reason\" :\t\"stop\"`): the answer is seen complete all the same, and the usage that comes after the client left is charged (499)", async () => {
+    const o = await seedTestOrg(gw2.database);
+    run = spaced.next();
+    await leaveAfterFinish(o.personalKey, "svc-spaced", '"finish_reason" :\t"stop"');
+    for (let i = 0; i < 15 && !run.cancelled; i++) await Bun.sleep(20);
+    // Before: the finish was not seen, the upstream call was closed as the client left, and the estimate charged (5).
+    expect(spaced.sendUsage(run)).toBe(true);
     const deadline = performance.now() + 10_000;
     let row = await usageRow(o.orgId);
     while (!row && performance.now() < deadline) {

@@ -8,7 +8,7 @@ import { type Gateway, startGateway } from "../../src/server.ts";
 import { type SeededOrg, sharedDatabase, startTestGateway, testConfig } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
 import { specData } from "../helpers/sse-spec.ts";
-import { CHAT_MODEL, EMBED_MODEL, TEST_PLANS, arr, chatAlias, embedAlias, post, rec, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+import { CHAT_MODEL, EMBED_MODEL, TEST_PLANS, arr, chatAlias, embedAlias, post, rec, seedTestOrg, spacedJson, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
 /** The three shapes of an upstream's error event that decisions.md names: vLLM's two and FastAPI's `detail`. */
 const UPSTREAM_ERROR_SHAPES = [
@@ -44,6 +44,8 @@ let scripted:
       frame?: (json: string) => string;
       /** Sent before the first event (a byte order mark). */
       prefix?: string;
+      /** The events' JSON written with this white space around each colon, and `pad` inside braces and brackets (spacedJson). */
+      spaced?: { colon: string; pad?: string };
     }
   | { completion: Record<string, unknown>; ascii?: boolean }
   /** A stream that never ends: `event` again and again, as fast as it is read; `cancelled` once the gateway closed the call. */
@@ -74,7 +76,8 @@ const upstream = Bun.serve({
     }
     if (scripted && "events" in scripted) {
       // Without [DONE] the stream just ends: cut off, as a dying upstream's would be.
-      const serialise = scripted.ascii ? asciiJson : scripted.python ? pythonJson : JSON.stringify;
+      const spaced = scripted.spaced;
+      const serialise = spaced ? (v: unknown) => spacedJson(v, spaced.colon, " ", spaced.pad) : scripted.ascii ? asciiJson : scripted.python ? pythonJson : JSON.stringify;
       const frame = scripted.frame ?? ((json: string) => `data: ${json}\n\n`);
       const events = (list: unknown[]) => list.map((e) => frame(serialise(e))).join("");
       const text = (scripted.prefix ?? "") + events(scripted.events) + (scripted.done ? frame("[DONE]") : "") + events(scripted.after ?? []);
@@ -980,6 +983,117 @@ describe("a stream that fails before it delivered any text, without a usage repo
       await until(async () => (await rows(o.orgId)).length > 0, "the record of the client that left", 10_000, 20);
     });
     expect(row).toEqual([499, promptEstimate, 0]);
+  });
+});
+
+describe("an upstream that writes JSON white space before or after its colons (`\"usage\" : {…}`, tabs, `{ \"id\" : …}`): its stream is metered as the compact one is", () => {
+  afterEach(() => {
+    scripted = undefined;
+  });
+
+  /** The spacings: each valid JSON, none what Python's json.dumps (`": "`) or JSON.stringify writes. */
+  const SPACINGS = [{ colon: " : " }, { colon: "\t:\t" }, { colon: " :" }, { colon: "\t: " }, { colon: " : ", pad: " " }];
+  const how = (s: { colon: string; pad?: string }) => JSON.stringify(s);
+  const chat = (o: SeededOrg, body: Record<string, unknown> = {}) =>
+    post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream: true, ...body });
+
+  test("the usage chunk's counts are charged and told to the client (chat, the Responses API); the usage-only chunk is dropped when the client did not ask for it", async () => {
+    for (const spaced of SPACINGS) {
+      const events = [
+        chunkOf([deltaOf({ role: "assistant", content: "a".repeat(400) })]),
+        chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]),
+        chunkOf([], { usage: { prompt_tokens: 9, completion_tokens: 123, total_tokens: 132 } }),
+      ];
+      scripted = { events, done: true, spaced };
+      const o = await seedTestOrg(gw.database);
+      const data = sseData(await (await chat(o, { stream_options: { include_usage: true } })).text());
+      expect(data.at(-1), how(spaced)).toBe("[DONE]");
+      // Before: the report was not seen; the client got it as sent and then the gateway's estimate (100 + the prompt's).
+      expect(data.filter((d) => d.includes('"usage"')).map((d) => rec(JSON.parse(d)).usage), how(spaced)).toEqual([{ prompt_tokens: 9, completion_tokens: 123, total_tokens: 132 }]);
+      const [row] = await rows(o.orgId);
+      expect([how(spaced), row?.status, row?.promptTokens, row?.completionTokens]).toEqual([how(spaced), 200, 9, 123]);
+      // Not asked for: the usage-only chunk is dropped, its counts still charged.
+      const p = await seedTestOrg(gw.database);
+      const plain = sseData(await (await chat(p)).text());
+      expect(plain.filter((d) => d.includes('"usage"')), how(spaced)).toEqual([]);
+      const [plainRow] = await rows(p.orgId);
+      expect([how(spaced), plainRow?.promptTokens, plainRow?.completionTokens]).toEqual([how(spaced), 9, 123]);
+      // The Responses API reads the same stream: its answer and its record carry the upstream's counts.
+      scripted = { events: [chunkOf([deltaOf({ role: "assistant", content: "hello" })]), chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]), chunkOf([], { usage: { prompt_tokens: 9, completion_tokens: 55, total_tokens: 64 } })], done: true, spaced };
+      await expectAnswered(await seedTestOrg(gw.database), "hello", 9, 55);
+    }
+  });
+
+  test("without a usage report, every delta's text counts (content, reasoning, refusal, tool-call arguments, each choice)", async () => {
+    const promptEstimate = await estimateOf(true);
+    for (const spaced of SPACINGS) {
+      const o = await seedTestOrg(gw.database);
+      scripted = {
+        events: [
+          chunkOf([deltaOf({ role: "assistant", reasoning_content: "r".repeat(40) })]),
+          chunkOf([deltaOf({ content: "a".repeat(40) }), deltaOf({ content: "b".repeat(40) }, 1)]),
+          chunkOf([deltaOf({ tool_calls: [{ index: 0, function: { arguments: "c".repeat(40) } }] })]),
+          chunkOf([deltaOf({ refusal: "f".repeat(40) })]),
+        ],
+        done: true,
+        spaced,
+      };
+      const row = await streamedRow(o);
+      // 5 × 40 characters delivered ≈ 50 tokens (before: 0, none of the text was seen).
+      expect([how(spaced), row?.promptTokens, row?.completionTokens]).toEqual([how(spaced), promptEstimate, 50]);
+    }
+  });
+
+  test("an upstream that ignores max_tokens is ended at its bound, per choice with n = 2, and charged at most the bound", async () => {
+    for (const spaced of SPACINGS) {
+      scripted = {
+        events: [chunkOf([deltaOf({ role: "assistant", content: "" })]), ...Array.from({ length: 50 }, () => chunkOf([deltaOf({ content: "x".repeat(40) })])), chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }])],
+        done: true,
+        spaced,
+      };
+      const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+      const data = sseData(await (await chat(o, { max_tokens: 5 })).text());
+      expect(data.at(-1), how(spaced)).toBe("[DONE]");
+      // Before: all 50 relayed, and 2,000 characters were not seen: 0 completion tokens charged.
+      expect([how(spaced), data.filter((d) => d.includes("xxxx")).length]).toEqual([how(spaced), 5]);
+      const [row] = await rows(o.orgId);
+      expect([how(spaced), row?.status, row?.completionTokens]).toEqual([how(spaced), 200, 5]);
+
+      // n = 2, one event per choice: choice 1 (two events, then stop) within its bound, choice 0 cut after its fifth.
+      const events: unknown[] = [chunkOf([deltaOf({ role: "assistant", content: "" })]), chunkOf([deltaOf({ role: "assistant", content: "" }, 1)])];
+      for (let i = 0; i < 20; i++) {
+        events.push(chunkOf([deltaOf({ content: "a".repeat(40) })]));
+        if (i < 2) events.push(chunkOf([deltaOf({ content: "b".repeat(40) }, 1)]));
+        if (i === 2) events.push(chunkOf([{ index: 1, delta: {}, finish_reason: "stop" }]));
+      }
+      events.push(chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]));
+      scripted = { events, done: true, spaced };
+      const n2 = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+      const chunks = sseData(await (await chat(n2, { max_tokens: 5, n: 2 })).text())
+        .slice(0, -1)
+        .map((d) => rec(JSON.parse(d)));
+      const finishes = chunks.flatMap((c) => arr(c.choices).map((k) => [rec(k).index, rec(k).finish_reason]).filter(([, f]) => f != null));
+      expect([how(spaced), finishes]).toEqual([how(spaced), [[1, "stop"], [0, "length"]]]);
+      const [n2Row] = await rows(n2.orgId);
+      // 7 chunks of 40 characters delivered ≈ 70 tokens; at most the bound, 2 × 5.
+      expect([how(spaced), n2Row?.completionTokens]).toEqual([how(spaced), 10]);
+    }
+  });
+
+  test("an upstream error event of each shape ends the stream with its message, the shape never reaching the client; charged nothing", async () => {
+    for (const spaced of SPACINGS) {
+      for (const [name, error] of UPSTREAM_ERROR_SHAPES) {
+        scripted = { events: [error], done: false, spaced };
+        const o = await seedTestOrg(gw.database);
+        const told = sseData(await (await chat(o, { stream_options: { include_usage: true } })).text());
+        const last = rec(JSON.parse(told.at(-1) ?? "null"));
+        // Before, `{"object" : "error", …}` and `{ "error" : …}`: relayed as a chunk, then "ended the stream early".
+        expect([how(spaced), name, told.length, rec(last.error).code]).toEqual([how(spaced), name, 1, "service_unavailable"]);
+        expect(String(rec(last.error).message)).toContain("failed while generating: the engine is overloaded");
+        const [row] = await rows(o.orgId);
+        expect([how(spaced), name, row?.status, row?.promptTokens, row?.completionTokens]).toEqual([how(spaced), name, 503, 0, 0]);
+      }
+    }
   });
 });
 

@@ -101,6 +101,18 @@ describe("deltaTextBytes counts the UTF-8 bytes of the decoded text", () => {
     expect(s.sentBytes).toBe(6 + 2 + 6 + 9 + 6 + 12);
   });
 
+  test("white space before or after a key's colon (`\"content\" : …`, tabs): every field counted as in compact JSON; a key in the text is text", () => {
+    const delta = {
+      content: 'say "content" : "x"',
+      refusal: "no",
+      reasoning_content: "hmm",
+      tool_calls: [{ index: 0, function: { arguments: '{"arguments" :\t"y"}' } }],
+    };
+    const want = deltaTextBytes(event(delta), scan());
+    expect(want).toBe(19 + 2 + 3 + 19);
+    for (const serialise of SERIALISERS) expect(deltaTextBytes(event(delta, serialise), scan())).toBe(want);
+  });
+
   test("any text: escaped as Python writes it or as JSON.stringify does, its count is its UTF-8 bytes", () => {
     fc.assert(
       fc.property(fc.string({ unit: "binary", maxLength: 60 }), fc.string({ unit: "grapheme", maxLength: 60 }), (a, b) => {
