@@ -35,51 +35,78 @@ export interface Readiness {
  * more. Before, each poll ran its own queries, each waited up to 5 s (503
  * after 5 to 10 s), and each stayed on its connection while the lock was
  * held: a poll a second took the whole pool in ten seconds.
- * `onChecked(up)`: whether the database answered the check's first query.
+ * `onChecked(up)`: whether the database answered the check's first query;
+ * false as soon as a poll has waited READY_TIMEOUT_MS for a check whose
+ * first query has no answer yet (the poll's 503), not only once that check
+ * ends: under a partition it ends when TCP gives up, and
+ * `gateway_database_up` said 1 for seconds while /readyz said 503. Only the
+ * newest check that has something to say is heard: an older one ending
+ * later does not undo it.
  */
 export function createReadiness(database: Database, onChecked?: (up: boolean) => void): Readiness {
-  /** Checks out, oldest first, with when each started. */
-  const checks: { at: number; result: Promise<boolean> }[] = [];
+  interface Check {
+    /** When it started (performance.now()). */
+    at: number;
+    seq: number;
+    /** The database answered its first query. */
+    reached: boolean;
+    result: Promise<boolean>;
+  }
+  /** Checks out, oldest first. */
+  const checks: Check[] = [];
+  let started = 0;
+  /** The newest check that reported to onChecked. */
+  let heard = 0;
 
-  async function check(): Promise<boolean> {
-    let up = false;
+  function report(c: Check, up: boolean) {
+    if (c.seq < heard) return;
+    heard = c.seq;
+    onChecked?.(up);
+  }
+
+  async function check(c: Check): Promise<boolean> {
     try {
       const tags =
         database.kind === "postgres"
           ? await database.db.transaction(async (tx) => {
               await tx.execute(sql.raw(`set local statement_timeout = ${READY_TIMEOUT_MS}`));
               await tx.execute(sql`select 1`);
-              up = true;
+              c.reached = true;
               return rowsOf<{ tag: string }>(await tx.execute(sql`select tag from gateway_migrations`));
             })
           : await (async () => {
               await database.rows(sql`select 1`);
-              up = true;
+              c.reached = true;
               return database.rows<{ tag: string }>(sql`select tag from gateway_migrations`);
             })();
       return migrationsApplied(tags.map((r) => r.tag));
     } catch {
       return false;
     } finally {
-      onChecked?.(up);
+      report(c, c.reached);
     }
   }
 
-  function current(now: number): Promise<boolean> | undefined {
+  function current(now: number): Check | undefined {
     const newest = checks.at(-1);
-    if (newest && now - newest.at < ANSWER_TIMEOUT_MS) return newest.result;
-    if (checks.length >= MAX_CHECKS) return newest?.result;
-    const entry = { at: now, result: check() };
-    checks.push(entry);
-    void entry.result.finally(() => checks.splice(checks.indexOf(entry), 1));
-    return entry.result;
+    if (newest && now - newest.at < ANSWER_TIMEOUT_MS) return newest;
+    if (checks.length >= MAX_CHECKS) return newest;
+    const c: Check = { at: now, seq: ++started, reached: false, result: Promise.resolve(false) };
+    c.result = check(c);
+    checks.push(c);
+    void c.result.finally(() => checks.splice(checks.indexOf(c), 1));
+    return c;
   }
 
   return {
     async ready() {
-      const result = current(performance.now());
-      if (!result) return false;
-      return answeredWithin(result, READY_TIMEOUT_MS, "readiness check").catch(() => false);
+      const c = current(performance.now());
+      if (!c) return false;
+      return answeredWithin(c.result, READY_TIMEOUT_MS, "readiness check").catch(() => {
+        // The check goes on (it may still answer, and then says so); meanwhile the database has not answered.
+        if (!c.reached) report(c, false);
+        return false;
+      });
     },
     out: () => checks.length,
   };

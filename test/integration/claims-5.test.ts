@@ -4,7 +4,7 @@ import { join } from "node:path";
 import OpenAI from "openai";
 import { eq } from "drizzle-orm";
 import { loadConfig } from "../../src/config/load.ts";
-import { openDatabase } from "../../src/db/client.ts";
+import { migrate, openDatabase } from "../../src/db/client.ts";
 import { usageEvents } from "../../src/db/schema.ts";
 import { SYSTEM_ACTOR_ID } from "../../src/lib/ids.ts";
 import { createLogger } from "../../src/lib/log.ts";
@@ -12,9 +12,10 @@ import { VERSION } from "../../src/lib/version.ts";
 import { type Gateway, startGateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { captureCli, withoutEnv } from "../helpers/cli.ts";
+import { startFreezeProxy } from "../helpers/freeze-proxy.ts";
 import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { eventually } from "../helpers/poll.ts";
-import { onlyJson, removeScratch, scratchDir } from "../helpers/process.ts";
+import { createScratchDatabase, onlyJson, removeScratch, scratchDir } from "../helpers/process.ts";
 import { TEST_PLANS, testAliases } from "./inference-fixtures.ts";
 
 // Servers, CLI runs on an embedded database and PGlite start-ups on a busy 2-core machine.
@@ -40,7 +41,9 @@ beforeAll(async () => {
   // Usage is written only when a test flushes it or the gateway stops.
   gw = await startTestGateway({ aliases: testAliases(sim.url), plans: TEST_PLANS, quota: { flushMs: 600_000 } });
 });
+const stops: (() => unknown)[] = [];
 afterAll(async () => {
+  for (const stop of stops.reverse()) await stop();
   await gw.stop();
   await sim.stop();
   removeScratch();
@@ -187,6 +190,42 @@ describe("gateway_database_up (docs/operations.md: last readiness check reached 
       expect(sample(await scrapeOf(g), "gateway_database_up")).toBe(0);
     } finally {
       await Promise.race([g.stop().catch(() => {}), Bun.sleep(3_000)]);
+    }
+  });
+
+  test.skipIf(!TEST_DATABASE_URL)("a database that stops answering (partition): 0 by the scrape after the first /readyz that answered 503, not seconds later", async () => {
+    const scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "c5_dbup");
+    stops.push(() => scratch.drop());
+    const held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 2 });
+    await migrate(held);
+    await held.close();
+    const proxy = await startFreezeProxy(scratch.url, 0);
+    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 4 });
+    const g = await startTestGateway({ drainMs: 100 }, db);
+    try {
+      expect((await fetch(`${g.url}/readyz`)).status).toBe(200);
+      expect(sample(await scrapeOf(g), "gateway_database_up")).toBe(1);
+      proxy.freeze();
+      // The poll waits READY_TIMEOUT_MS (2 s) for the check, which never gets an answer, and says 503.
+      const res = await fetch(`${g.url}/readyz`);
+      expect(res.status).toBe(503);
+      await res.arrayBuffer();
+      // Before: 1 for another ~7 s, until a second check's new connection timed out.
+      expect(sample(await scrapeOf(g), "gateway_database_up")).toBe(0);
+      proxy.thaw();
+      await eventually(
+        async () => (await fetch(`${g.url}/readyz`)).status,
+        (s) => s === 200,
+        "/readyz ready again once the database answers",
+        20_000,
+        200,
+      );
+      expect(sample(await scrapeOf(g), "gateway_database_up")).toBe(1);
+    } finally {
+      proxy.thaw();
+      await Promise.race([g.stop().catch(() => {}), Bun.sleep(10_000)]);
+      await db.close();
+      proxy.stop();
     }
   });
 });
