@@ -32,7 +32,8 @@ import { firstSeen } from "../lib/once.ts";
  * its minimum. When the shared counter cannot supply the rest the request is
  * refused with budget_exceeded, never admitted on a part of its reservation.
  * When available drops under half of the last lease, a refill runs in the
- * background; only a request that finds too little waits for it. The usage
+ * background; only a request that finds too little waits for it, and such
+ * requests are served in the order they arrived (`reserve`). The usage
  * writer (src/limits/usage-writer.ts) writes usage every flushMs (used += U,
  * leased -= min(U, granted)); on shutdown the unused lease is returned.
  *
@@ -115,9 +116,36 @@ interface OrgState {
   revoked: number;
   leasedAt: number;
   refill: Promise<void> | undefined;
+  /**
+   * Requests waiting for quota (`reserve`), oldest first. Only the oldest looks at the lease and takes
+   * tokens; a request that arrives while any waits queues behind them (admitNow admits none).
+   */
+  waitHead: Waiter | undefined;
+  waitTail: Waiter | undefined;
   /** A lease given up on (no answer in time) has not settled: no other is sent for this state until it does. */
   leaseUnanswered: boolean;
   lastUsed: number;
+}
+
+/** Why a waiting request is refused: budget_exceeded, 503 held by requests in flight, 503 no lease. */
+type Refusal = "spent" | "held" | "unavailable";
+
+/** A request waiting for quota, in its organisation's queue (OrgState.waitHead). */
+interface Waiter {
+  prev: Waiter | undefined;
+  next: Waiter | undefined;
+  /** Still in the queue (not admitted, refused or gone). */
+  queued: boolean;
+  want: number;
+  least: number;
+  /** The first lease started after it began waiting: only that look, or a later one, may refuse it. */
+  firstLook: number;
+  /** When it began waiting (`now`). */
+  since: number;
+  /** Ends what it awaits now (its turn, a lease, a sleep): its turn came, or it was refused with the oldest. */
+  resume: (() => void) | undefined;
+  /** Refused with the oldest waiter, on the same looks (refuseBehind). */
+  answer: Refusal | undefined;
 }
 
 /** Usage of orgs without a quota: still counted per period, for reports and a later quota. */
@@ -283,6 +311,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         revoked: 0,
         leasedAt: t,
         refill: undefined,
+        waitHead: undefined,
+        waitTail: undefined,
         leaseUnanswered: false,
         lastUsed: t,
       };
@@ -466,7 +496,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     }
     // An exhausted period is re-checked every few seconds: other instances may return leases, or the quota may grow.
     if (s.exhausted && t - s.checkedAt > 5_000) s.exhausted = false;
-    if (available(s) < want) return undefined;
+    // Requests waiting for quota come first, even when what is free would cover this one (reserve).
+    if (s.waitHead !== undefined || available(s) < want) return undefined;
     s.inflight += want;
     s.reservedSinceLease += want;
     refillAhead(s);
@@ -531,15 +562,95 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
    * flush intervals for them to return their unused part (they do at each
    * flush once the counter is empty); likewise while a write of this
    * instance's own return is under way (the row counts that lease until it lands).
+   *
+   * Waiters are served in arrival order: a request waits for its turn behind
+   * those that arrived before it (the organisation's queue), and only the
+   * oldest looks and takes tokens. Before, whoever looked first after tokens
+   * came free took them, so a large request could wait out its whole wait
+   * behind a stream of small ones and be refused while they were served.
+   * The oldest's wait is its own, from when its turn came (`reserveInTurn`);
+   * when it is refused, those behind it that the same looks refuse go with
+   * it (`refuseBehind`), so a spent quota ends a queue at once.
    */
-  async function reserve(s: OrgState, want: number, least: number): Promise<number | "spent" | "held" | "unavailable"> {
+  async function reserve(s: OrgState, want: number, least: number): Promise<number | Refusal> {
+    const me: Waiter = {
+      prev: s.waitTail,
+      next: undefined,
+      queued: true,
+      want,
+      least,
+      firstLook: s.looks + 1,
+      since: now(),
+      resume: undefined,
+      answer: undefined,
+    };
+    if (me.prev) me.prev.next = me;
+    else s.waitHead = me;
+    s.waitTail = me;
+    try {
+      // Behind others: its turn comes when each before it is admitted or refused, unless it is refused with them.
+      if (me.prev) await pause(me, undefined, undefined);
+      return me.answer ?? (await reserveInTurn(s, me));
+    } finally {
+      leave(s, me);
+    }
+  }
+
+  /** Takes a waiter out of its queue; when it was the oldest, the next one's turn comes. */
+  function leave(s: OrgState, w: Waiter): void {
+    if (!w.queued) return;
+    w.queued = false;
+    const { prev, next } = w;
+    if (prev) prev.next = next;
+    else s.waitHead = next;
+    if (next) next.prev = prev;
+    else s.waitTail = prev;
+    w.prev = undefined;
+    w.next = undefined;
+    if (!prev) next?.resume?.();
+  }
+
+  /**
+   * Waits until `p` settles (a lease), `ms` pass (a sleep between looks), or the waiter is resumed (its turn
+   * came, or it was refused with the oldest). Only on the waiting path.
+   */
+  function pause(me: Waiter, p: Promise<void> | undefined, ms: number | undefined): Promise<void> {
+    return new Promise<void>((resolve) => {
+      let timer: ReturnType<typeof setTimeout> | undefined;
+      const done = () => {
+        if (timer !== undefined) clearTimeout(timer);
+        // A lease that settles after the waiter went on leaves a later pause alone.
+        if (me.resume === done) me.resume = undefined;
+        resolve();
+      };
+      me.resume = done;
+      if (p) void p.then(done, done);
+      if (ms !== undefined) timer = setTimeout(done, ms);
+    });
+  }
+
+  /**
+   * `reserve` for the oldest waiter: the waiting loop. Its looks and its wait
+   * for other instances' lease count from when its turn came, not from when
+   * it arrived: a request that reached the front after a long wait behind
+   * another is never refused on looks that were not its own (a first
+   * attempt, reverted, counted its wait from when it queued: such a waiter
+   * was refused at once, with no look of its own, while lease was still
+   * coming back; quota-share, budget_exceeded with 905 of 20,000 tokens left).
+   */
+  async function reserveInTurn(s: OrgState, me: Waiter): Promise<number | Refusal> {
+    const { want, least } = me;
     let tries = 0;
-    /** The first lease started after this request began waiting: only its look, or a later one, may refuse it. */
+    /** The first lease started in its turn: only its look, or a later one, may refuse it. */
     const firstLook = s.looks + 1;
     let waitUntil: number | undefined;
     /** Other instances' lease at the first exact look of the wait (-1: none yet): lease that moves is in use, not stranded. */
     let othersFirst = -1;
     let othersMoved = false;
+    const refused = (answer: Refusal, waited: boolean): Refusal => {
+      refuseBehind(s, me, answer, waited, othersMoved);
+      return answer;
+    };
     for (;;) {
       const avail = available(s);
       const take = avail >= want ? want : s.exhausted && avail >= least ? avail : 0;
@@ -558,13 +669,14 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         // flight reserved beyond what they will use (a reservation is the prompt's bound, often several
         // times its count). Refusing before they settle would be a budget_exceeded while tokens remain.
         if (s.othersHold + s.inflight < least - avail) {
-          // Refused only on a look at the counter taken while this request waited. An earlier one (kept for
-          // admitNow) may predate lease given back since, this instance's own at a write while another asked
-          // for lease (observed() then leaves sharedFree at 0): a false budget_exceeded (quota.test.ts).
-          if (s.lookSeen >= firstLook) return "spent";
-          if (tries >= 8 || (tries > 0 && s.leaseError)) return "unavailable";
+          // Refused only on a look at the counter taken in its turn. An earlier one (kept for admitNow, or
+          // taken for the waiter before it) may predate lease given back since, this instance's own at a write
+          // while another asked for lease (observed() then leaves sharedFree at 0): a false budget_exceeded
+          // (quota.test.ts).
+          if (s.lookSeen >= firstLook) return refused("spent", false);
+          if (tries >= 8 || (tries > 0 && s.leaseError)) return refused("unavailable", false);
           tries++;
-          await refill(s);
+          await pause(me, refill(s), undefined);
           continue;
         }
         waitUntil ??= now() + shareWaitMs;
@@ -579,15 +691,57 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         // budget_exceeded ("retrying does not help", spec 7 rule 1) but a 503 to retry. Lease that did not
         // move in all that time (an instance that died with it, or that keeps it idle) is not coming back:
         // budget_exceeded, as before.
-        if (now() >= waitUntil) return s.inflight >= least - avail || othersMoved ? "held" : "spent";
-        await Bun.sleep(Math.max(20, Math.floor(opts.flushMs / 4)));
+        if (now() >= waitUntil) return refused(s.inflight >= least - avail || othersMoved ? "held" : "spent", true);
+        await pause(me, undefined, Math.max(20, Math.floor(opts.flushMs / 4)));
         s.exhausted = false;
         tries = 0;
       } else if (tries >= 8 || (tries > 0 && s.leaseError)) {
-        return "unavailable";
+        return refused("unavailable", false);
       }
       tries++;
-      await refill(s);
+      await pause(me, refill(s), undefined);
+    }
+  }
+
+  /**
+   * The oldest waiter was refused: each waiter behind it that the same looks
+   * refuse is refused with it, now, so that a spent quota does not make a
+   * queue of N waiters wait N times in series (each one's own look, or its
+   * own whole wait for a stranded lease). Only a waiter that began waiting
+   * before a look that has answered since (as its own refusal would need)
+   * and that cannot take what is available:
+   * - spent when what may still come free (other instances' lease,
+   *   reservations in flight) cannot cover it: the database said so;
+   * - after the oldest's whole wait (`waited`), spent when the rest is other
+   *   instances' lease that did not move all that time (stranded); held
+   *   (503, retry) when it is in use, for a waiter that wants no less than
+   *   the oldest did or has waited a whole wait itself. A smaller one that
+   *   came later may fit in what comes free next: it waits on;
+   * - unavailable when a lease started since it began waiting failed.
+   * Those that may still fit wait on, in order; the next gets its turn.
+   */
+  function refuseBehind(s: OrgState, head: Waiter, answer: Refusal, waited: boolean, othersMoved: boolean): void {
+    const avail = available(s);
+    const t = now();
+    for (let w = head.next; w !== undefined; ) {
+      const next = w.next;
+      const lack = w.least - avail;
+      let same: Refusal | undefined;
+      if (avail >= w.want || (s.exhausted && lack <= 0)) {
+        // It fits: its turn takes it.
+      } else if (answer === "unavailable") {
+        if (s.leaseError && s.looks >= w.firstLook) same = "unavailable";
+      } else if (s.exhausted && s.lookSeen >= w.firstLook && s.sharedFree < lack) {
+        if (s.othersHold + s.inflight < lack) same = "spent";
+        else if (waited && !(s.inflight >= lack || othersMoved)) same = "spent";
+        else if (waited && (w.least >= head.least || t - w.since >= shareWaitMs)) same = "held";
+      }
+      if (same !== undefined) {
+        w.answer = same;
+        leave(s, w);
+        w.resume?.();
+      }
+      w = next;
     }
   }
 

@@ -1,0 +1,101 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import type { Database } from "../../src/db/client.ts";
+import type { Gateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
+import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+
+// Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(60_000);
+
+/**
+ * How requests waiting for quota on one instance leave their queue
+ * (docs/decisions.md, Quota: waiters in arrival order), with the quota held
+ * by a request in flight that the upstream keeps until its client leaves.
+ */
+
+/** 40 characters; reserved at its bound 512 + 16 + 40 (src/inference/tokens.ts) plus max_tokens. */
+const PROMPT = "z".repeat(40);
+const PROMPT_BOUND = 512 + 16 + 40;
+/** A waiter looks for freed tokens every FLUSH_MS / 4 (1 s); its wait is min(3 × FLUSH_MS + 250, 5,000) ms. */
+const FLUSH_MS = 4_000;
+const BOUNDED_WAIT = 5_000;
+
+let sim: Simulator;
+let db: Database;
+let gw: Gateway;
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 1 });
+  db = await sharedDatabase();
+  gw = await startTestGateway({
+    aliases: testAliases(sim.url),
+    plans: TEST_PLANS,
+    // The held request below stays held for longer than any wait here (the default first byte timeout is 10 s).
+    upstream: upstreamSettings({ attempts: 1 }, { firstByteMs: 30_000 }),
+    quota: { leaseTokens: 100, flushMs: FLUSH_MS, maxBuffered: 100_000 },
+  });
+});
+afterAll(async () => {
+  sim?.setFault(null);
+  await gw?.stop();
+  await sim?.stop();
+});
+
+function chat(key: string, maxTokens: number, signal?: AbortSignal): Promise<Response> {
+  return fetch(`${gw.url}/v1/chat/completions`, {
+    method: "POST",
+    headers: { authorization: `Bearer ${key}`, "content-type": "application/json" },
+    body: JSON.stringify({ model: "svc-fast", max_tokens: maxTokens, messages: [{ role: "user", content: PROMPT }] }),
+    ...(signal ? { signal } : {}),
+  });
+}
+
+/**
+ * A request the upstream holds (the simulator hangs it) until its client leaves: it holds its reservation
+ * meanwhile. Resolves once the upstream has it; `leave` aborts its client (settled as 499, nothing charged).
+ */
+async function held(key: string, maxTokens: number): Promise<{ leave: () => Promise<void> }> {
+  const before = sim.stats.requests;
+  sim.setFault({ kind: "hang" });
+  const ac = new AbortController();
+  const res = chat(key, maxTokens, ac.signal).catch(() => undefined);
+  await until(async () => sim.stats.requests > before, "the held request upstream", 10_000, 10);
+  sim.setFault(null);
+  return {
+    leave: async () => {
+      ac.abort();
+      await res;
+    },
+  };
+}
+
+describe("waiters for quota, one instance", () => {
+  test("the quota held past the oldest waiter's whole wait: those behind it wanting as much are answered with it (503), not one wait each", async () => {
+    // Quota 2,500: the held request reserves 1,568 for longer than a wait; three waiters want 1,568 each,
+    // which only its end would free. Seen failing without it: answered one wait (5 s) apart, in series.
+    const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: 2_500, quotaWindow: "day" });
+    const hold = await held(org.serviceKey, 1_000);
+    try {
+      const sent = performance.now();
+      const answers = await Promise.all(
+        Array.from({ length: 3 }, async () => {
+          const res = await chat(org.personalKey, 1_000);
+          const at = performance.now() - sent;
+          const status = res.status === 200 ? "200" : `${res.status} ${(await errorOf(res)).code}`;
+          return { status, retryAfter: res.headers.get("retry-after"), at };
+        }),
+      );
+      const times = answers.map((a) => Math.round(a.at));
+      console.log(`quota-waiters held queue: answered after ${times.join(", ")} ms`);
+      expect(answers.map((a) => [a.status, a.retryAfter])).toEqual(Array(3).fill(["503 service_unavailable", "1"]));
+      // The oldest waited its whole wait for the held request; none waited one more after it.
+      expect(Math.min(...times)).toBeGreaterThanOrEqual(BOUNDED_WAIT - 100);
+      expect(Math.max(...times) - Math.min(...times)).toBeLessThan(BOUNDED_WAIT / 2);
+      expect(2 * (PROMPT_BOUND + 1_000)).toBeGreaterThan(2_500);
+    } finally {
+      await hold.leave();
+    }
+  });
+});
