@@ -317,7 +317,12 @@ export function createInferenceService(deps: ServiceDeps) {
     // answer stays within its reservation and the quota cannot be overshot by
     // a completion.
     const least = limit === undefined ? promptReserve + choices : undefined;
-    const ticket = metering.admitNow(principal, reservation, least) ?? (await metering.admit(principal, reservation, least));
+    let ticket = metering.admitNow(principal, reservation, least);
+    if (ticket === undefined) {
+      // Waited for quota: a client that left meanwhile gave up its place and reserved nothing (metering.ts, admit).
+      ticket = await metering.admit(principal, reservation, least, ctx.signal);
+      if (ctx.signal.aborted) return settleFailure(ticket, name, start, streamed, new ClientGone());
+    }
     if (limit === undefined && metered) body.max_tokens = Math.floor((ticket.reserved - promptReserve) / choices);
     // The reserved bound is max_completion_tokens when set (as vLLM and OpenAI take it); a server
     // that knows only max_tokens, or takes it first, gets the same bound there.
@@ -501,7 +506,12 @@ export function createInferenceService(deps: ServiceDeps) {
     const estimate = estimateEmbeddingTokens(body);
     // Reserved at the most the inputs can be (as chat's prompt), so no request overshoots the quota.
     const bound = embeddingTokenBound(body);
-    const ticket = metering.admitNow(principal, bound) ?? (await metering.admit(principal, bound));
+    let ticket = metering.admitNow(principal, bound);
+    if (ticket === undefined) {
+      // As chat's: a client that left while it waited for quota ends here (499, nothing charged).
+      ticket = await metering.admit(principal, bound, undefined, ctx.signal);
+      if (ctx.signal.aborted) return settleFailure(ticket, name, start, false, new ClientGone());
+    }
     const payloadFor = (t: Target) => {
       body.model = t.cfg.model;
       return JSON.stringify(body);

@@ -44,8 +44,15 @@ export interface Metering {
    * the quota has fewer left. With `minimum`, a request that can run with
    * less (its caller lowers max_tokens to fit) is given what is left, down to
    * `minimum`: `ticket.reserved` says how much.
+   *
+   * With `signal` (the request's: aborted when its client leaves), a request
+   * whose client leaves while it waits for quota leaves the queue at once
+   * (the next waiter's turn comes) and reserves nothing: the ticket has
+   * `reserved` 0. The caller checks `signal.aborted` after the await and
+   * settles the ticket as a client that left (499, nothing used); that check
+   * also releases a reservation made just before the client left.
    */
-  admit(principal: Principal, estimate: number, minimum?: number): Promise<Ticket>;
+  admit(principal: Principal, estimate: number, minimum?: number, signal?: AbortSignal): Promise<Ticket>;
   /**
    * `admit` when it can decide at once (no quota, or the local lease covers
    * the estimate: the steady state), without a promise; undefined when it

@@ -142,8 +142,10 @@ interface Waiter {
   firstLook: number;
   /** When it began waiting (`now`). */
   since: number;
-  /** Ends what it awaits now (its turn, a lease, a sleep): its turn came, or it was refused with the oldest. */
+  /** Ends what it awaits now (its turn, a lease, a sleep): its turn came, it was refused with the oldest, or its client left. */
   resume: (() => void) | undefined;
+  /** Its client left: out of the queue, it takes nothing. */
+  gone: boolean;
   /** Refused with the oldest waiter, on the same looks (refuseBehind). */
   answer: Refusal | undefined;
 }
@@ -504,7 +506,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     return new TicketImpl(p, want, s, t, s.period);
   }
 
-  async function admit(p: Principal, estimate: number, minimum?: number): Promise<Ticket> {
+  async function admit(p: Principal, estimate: number, minimum?: number, signal?: AbortSignal): Promise<Ticket> {
     const ready = admitNow(p, estimate, minimum);
     if (ready) return ready;
     const t = now();
@@ -517,12 +519,14 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     // Demand of the requests waiting sizes the next lease, so a burst of
     // thousands of requests is served by a few refills, not thousands.
     s.demand += want;
-    let got: number | "spent" | "held" | "unavailable";
+    let got: number | Refusal | "gone";
     try {
-      got = await reserve(s, want, least);
+      got = await reserve(s, want, least, signal);
     } finally {
       s.demand -= want;
     }
+    // Its client left while it waited: nothing reserved; the caller settles the ticket (499, nothing charged).
+    if (got === "gone") return new TicketImpl(p, 0, s, t, s.period);
     if (got === "spent") throw exceeded(s, t, least);
     if (got === "held") {
       throw new AppError(
@@ -572,7 +576,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
    * when it is refused, those behind it that the same looks refuse go with
    * it (`refuseBehind`), so a spent quota ends a queue at once.
    */
-  async function reserve(s: OrgState, want: number, least: number): Promise<number | Refusal> {
+  async function reserve(s: OrgState, want: number, least: number, signal: AbortSignal | undefined): Promise<number | Refusal | "gone"> {
+    if (signal?.aborted) return "gone";
     const me: Waiter = {
       prev: s.waitTail,
       next: undefined,
@@ -582,16 +587,27 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       firstLook: s.looks + 1,
       since: now(),
       resume: undefined,
+      gone: false,
       answer: undefined,
     };
     if (me.prev) me.prev.next = me;
     else s.waitHead = me;
     s.waitTail = me;
+    // A client that leaves takes its waiter out of the queue at once, whatever it awaits (its turn, a lease, a
+    // sleep): the next one's turn comes now, not when this one's wait would have ended (up to shareWaitMs).
+    const left = () => {
+      me.gone = true;
+      leave(s, me);
+      me.resume?.();
+    };
+    signal?.addEventListener("abort", left);
     try {
       // Behind others: its turn comes when each before it is admitted or refused, unless it is refused with them.
       if (me.prev) await pause(me, undefined, undefined);
+      if (me.gone) return "gone";
       return me.answer ?? (await reserveInTurn(s, me));
     } finally {
+      signal?.removeEventListener("abort", left);
       leave(s, me);
     }
   }
@@ -612,14 +628,14 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
 
   /**
    * Waits until `p` settles (a lease), `ms` pass (a sleep between looks), or the waiter is resumed (its turn
-   * came, or it was refused with the oldest). Only on the waiting path.
+   * came, it was refused with the oldest, or its client left). Only on the waiting path.
    */
   function pause(me: Waiter, p: Promise<void> | undefined, ms: number | undefined): Promise<void> {
     return new Promise<void>((resolve) => {
       let timer: ReturnType<typeof setTimeout> | undefined;
       const done = () => {
         if (timer !== undefined) clearTimeout(timer);
-        // A lease that settles after the waiter went on leaves a later pause alone.
+        // A lease that settles after the waiter went on (its client left) leaves a later pause alone.
         if (me.resume === done) me.resume = undefined;
         resolve();
       };
@@ -638,7 +654,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
    * was refused at once, with no look of its own, while lease was still
    * coming back; quota-share, budget_exceeded with 905 of 20,000 tokens left).
    */
-  async function reserveInTurn(s: OrgState, me: Waiter): Promise<number | Refusal> {
+  async function reserveInTurn(s: OrgState, me: Waiter): Promise<number | Refusal | "gone"> {
     const { want, least } = me;
     let tries = 0;
     /** The first lease started in its turn: only its look, or a later one, may refuse it. */
@@ -652,6 +668,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       return answer;
     };
     for (;;) {
+      // Its client left during the await before: out of the queue already (the next has its turn), it takes nothing.
+      if (me.gone) return "gone";
       const avail = available(s);
       const take = avail >= want ? want : s.exhausted && avail >= least ? avail : 0;
       if (take > 0) {

@@ -1,5 +1,7 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { and, eq } from "drizzle-orm";
 import type { Database } from "../../src/db/client.ts";
+import { usageCounters, usageEvents } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
@@ -71,7 +73,61 @@ async function held(key: string, maxTokens: number): Promise<{ leave: () => Prom
   };
 }
 
+async function eventsOf(orgId: string, keyId: string) {
+  return db.db
+    .select({ status: usageEvents.status, prompt: usageEvents.promptTokens, completion: usageEvents.completionTokens })
+    .from(usageEvents)
+    .where(and(eq(usageEvents.orgId, orgId), eq(usageEvents.keyId, keyId)));
+}
+
 describe("waiters for quota, one instance", () => {
+  test("a waiter whose client left leaves the queue at once: the next is admitted, the one that left is charged nothing (499)", async () => {
+    // Quota 2,500: the held request reserves 1,568; the oldest waiter wants 2,068 (waits for the held one);
+    // the later one wants 569, which fits beside the held one, but queues behind the oldest.
+    const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: 2_500, quotaWindow: "day" });
+    const hold = await held(org.serviceKey, 1_000);
+    try {
+      const headClient = new AbortController();
+      const head = chat(org.personalKey, 1_500, headClient.signal).catch(() => undefined);
+      await Bun.sleep(300);
+      const sent = performance.now();
+      const later = chat(org.serviceKey, 1);
+      await Bun.sleep(300);
+      headClient.abort();
+      await head;
+      const left = performance.now();
+      const res = await later;
+      const admittedAfter = performance.now() - left;
+      const status = res.status;
+      await res.arrayBuffer();
+      console.log(`quota-waiters: the later request ${status} ${Math.round(performance.now() - sent)} ms after it was sent, ${Math.round(admittedAfter)} ms after the oldest's client left`);
+      // Seen failing before: the oldest kept its place until its wait ended (5 s, 503 "held"), the later one behind it.
+      expect(status).toBe(200);
+      expect(admittedAfter).toBeLessThan(BOUNDED_WAIT / 2);
+      // As set up: the oldest did not fit beside the held request, the later one did.
+      expect(PROMPT_BOUND + 1_000 + PROMPT_BOUND + 1_500).toBeGreaterThan(2_500);
+      expect(PROMPT_BOUND + 1_000 + PROMPT_BOUND + 1).toBeLessThanOrEqual(2_500);
+    } finally {
+      await hold.leave();
+    }
+    // The oldest that left: one record, 499, nothing charged; and only the later request's usage counted.
+    await until(
+      async () => {
+        await gw.quota.flush();
+        return (await eventsOf(org.orgId, org.personalKeyId)).length > 0;
+      },
+      "the record of the oldest waiter that left",
+      10_000,
+      50,
+    );
+    expect(await eventsOf(org.orgId, org.personalKeyId)).toEqual([{ status: 499, prompt: 0, completion: 0 }]);
+    await gw.quota.flush();
+    const [row] = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, org.orgId));
+    const served = (await eventsOf(org.orgId, org.serviceKeyId)).filter((e) => e.status === 200);
+    expect(served.length).toBe(1);
+    expect(row?.used).toBe((served[0]?.prompt ?? 0) + (served[0]?.completion ?? 0));
+  });
+
   test("the quota held past the oldest waiter's whole wait: those behind it wanting as much are answered with it (503), not one wait each", async () => {
     // Quota 2,500: the held request reserves 1,568 for longer than a wait; three waiters want 1,568 each,
     // which only its end would free. Seen failing without it: answered one wait (5 s) apart, in series.
