@@ -144,6 +144,8 @@ interface Waiter {
   since: number;
   /** Ends what it awaits now (its turn, a lease, a sleep): its turn came, it was refused with the oldest, or its client left. */
   resume: (() => void) | undefined;
+  /** Ends the oldest waiter's sleep between looks, set only while it sleeps: a request settled and gave tokens back. */
+  nap: (() => void) | undefined;
   /** Its client left: out of the queue, it takes nothing. */
   gone: boolean;
   /** Refused with the oldest waiter, on the same looks (refuseBehind). */
@@ -587,6 +589,7 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
       firstLook: s.looks + 1,
       since: now(),
       resume: undefined,
+      nap: undefined,
       gone: false,
       answer: undefined,
     };
@@ -627,8 +630,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
   }
 
   /**
-   * Waits until `p` settles (a lease), `ms` pass (a sleep between looks), or the waiter is resumed (its turn
-   * came, it was refused with the oldest, or its client left). Only on the waiting path.
+   * Waits until `p` settles (a lease), `ms` pass (a sleep between looks: a settle may end it early), or the
+   * waiter is resumed (its turn came, it was refused with the oldest, or its client left). Only on the waiting path.
    */
   function pause(me: Waiter, p: Promise<void> | undefined, ms: number | undefined): Promise<void> {
     return new Promise<void>((resolve) => {
@@ -637,11 +640,15 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         if (timer !== undefined) clearTimeout(timer);
         // A lease that settles after the waiter went on (its client left) leaves a later pause alone.
         if (me.resume === done) me.resume = undefined;
+        if (me.nap === done) me.nap = undefined;
         resolve();
       };
       me.resume = done;
       if (p) void p.then(done, done);
-      if (ms !== undefined) timer = setTimeout(done, ms);
+      if (ms !== undefined) {
+        timer = setTimeout(done, ms);
+        me.nap = done;
+      }
     });
   }
 
@@ -710,9 +717,15 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
         // move in all that time (an instance that died with it, or that keeps it idle) is not coming back:
         // budget_exceeded, as before.
         if (now() >= waitUntil) return refused(s.inflight >= least - avail || othersMoved ? "held" : "spent", true);
-        await pause(me, undefined, Math.max(20, Math.floor(opts.flushMs / 4)));
+        // Until its next look; a request that settles wakes it (settle), and what it gave back is taken at
+        // once when it is enough. Otherwise the oldest saw it only at its next look (up to flushMs / 4 later).
+        // Real time, as the sleep is (`now` may be a test's clock).
+        const lookAt = performance.now() + Math.max(20, Math.floor(opts.flushMs / 4));
+        do await pause(me, undefined, Math.max(0, lookAt - performance.now()));
+        while (!me.gone && available(s) < least && performance.now() < lookAt);
         s.exhausted = false;
         tries = 0;
+        continue;
       } else if (tries >= 8 || (tries > 0 && s.leaseError)) {
         return refused("unavailable", false);
       }
@@ -776,6 +789,8 @@ export function createQuota(database: Database, log: Logger, opts: QuotaOptions)
     if (t.state) {
       t.state.inflight -= t.reserved;
       t.state.pending += tokens;
+      // What it reserved beyond its use is free now: the oldest waiter, if asleep between looks, looks at once.
+      t.state.waitHead?.nap?.();
     } else if (tokens > 0) {
       const start = periodStart(t.period, t.start);
       const k = key(p.orgId, start);

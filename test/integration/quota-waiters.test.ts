@@ -14,7 +14,10 @@ setDefaultTimeout(60_000);
 /**
  * How requests waiting for quota on one instance leave their queue
  * (docs/decisions.md, Quota: waiters in arrival order), with the quota held
- * by a request in flight that the upstream keeps until its client leaves.
+ * by a request in flight that the upstream keeps until its client leaves:
+ * at once when their client leaves; the oldest as soon as a request settles
+ * and gives back what it waits for, not at its next look (every flushMs / 4);
+ * and those wanting no less than the oldest with it when it is refused.
  */
 
 /** 40 characters; reserved at its bound 512 + 16 + 40 (src/inference/tokens.ts) plus max_tokens. */
@@ -126,6 +129,26 @@ describe("waiters for quota, one instance", () => {
     const served = (await eventsOf(org.orgId, org.serviceKeyId)).filter((e) => e.status === 200);
     expect(served.length).toBe(1);
     expect(row?.used).toBe((served[0]?.prompt ?? 0) + (served[0]?.completion ?? 0));
+  });
+
+  test("the oldest waiter is admitted as soon as a request settles and gives back what it waits for, not at its next look", async () => {
+    // Quota 2,000: the held request reserves 1,568; the waiter wants 569, which fits once the held one settles.
+    const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: 2_000, quotaWindow: "day" });
+    const hold = await held(org.serviceKey, 1_000);
+    const waiter = chat(org.personalKey, 1);
+    // Half way through the waiter's sleep between looks (every FLUSH_MS / 4 = 1 s): before, ~500 ms more.
+    await Bun.sleep(FLUSH_MS / 8);
+    const settledAt = performance.now();
+    await hold.leave();
+    const res = await waiter;
+    const after = performance.now() - settledAt;
+    await res.arrayBuffer();
+    console.log(`quota-waiters: the waiter ${res.status} ${Math.round(after)} ms after the held request's client left`);
+    // Seen failing before: the waiter was admitted only at its next look, ~500 ms after.
+    expect(res.status).toBe(200);
+    expect(after).toBeLessThan(300);
+    // The two did not fit together: the waiter waited for the held one.
+    expect(PROMPT_BOUND + 1_000 + PROMPT_BOUND + 1).toBeGreaterThan(2_000);
   });
 
   test("the quota held past the oldest waiter's whole wait: those behind it wanting as much are answered with it (503), not one wait each", async () => {
