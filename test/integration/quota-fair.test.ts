@@ -5,8 +5,8 @@ import { usageCounters } from "../../src/db/schema.ts";
 import { periodStart } from "../../src/limits/period.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
-import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+import { errorOf, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
+import { TEST_PLANS, post, seedTestOrg, testAliases, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(60_000);
@@ -53,23 +53,20 @@ afterAll(async () => {
   await sim?.stop();
 });
 
+const chat = (key: string, maxTokens: number) =>
+  post(gw, "/v1/chat/completions", key, { model: "svc-fast", max_tokens: maxTokens, messages: userMessages(PROMPT) });
+
 describe("waiters for quota, one instance", () => {
   test("a large request is admitted in its turn while small ones keep coming, not starved by them", async () => {
     // Seen failing before: the large request waited while each small one that arrived took what the ones
     // before it freed; after its wait it was refused 503 ("held by requests in flight"), never admitted.
-    const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: QUOTA, quotaWindow: "day" });
-    const chat = (maxTokens: number) =>
-      fetch(`${gw.url}/v1/chat/completions`, {
-        method: "POST",
-        headers: { authorization: `Bearer ${org.serviceKey}`, "content-type": "application/json" },
-        body: JSON.stringify({ model: "svc-fast", max_tokens: maxTokens, messages: [{ role: "user", content: PROMPT }] }),
-      });
+    const org = await seedTestOrg(db, { quotaTokens: QUOTA, quotaWindow: "day" });
     let flooding = true;
     let smallServed = 0;
     const statuses = new Map<string, number>();
     const client = async () => {
       while (flooding) {
-        const res = await chat(1);
+        const res = await chat(org.serviceKey, 1);
         const status = res.status === 200 ? "200" : `${res.status} ${(await errorOf(res)).code}`;
         if (res.status === 200) {
           await res.arrayBuffer();
@@ -82,7 +79,7 @@ describe("waiters for quota, one instance", () => {
     // The small ones hold the whole quota by now, some of them waiting for it.
     await Bun.sleep(1_000);
     const sent = performance.now();
-    const large = await chat(LARGE_MAX_TOKENS);
+    const large = await chat(org.serviceKey, LARGE_MAX_TOKENS);
     const waited = performance.now() - sent;
     const largeStatus = large.status === 200 ? "200" : `${large.status} ${(await errorOf(large)).code}`;
     flooding = false;
@@ -103,16 +100,12 @@ describe("waiters for quota, one instance", () => {
     // 608 each, which cannot fit unless that lease came back. The oldest waits its whole wait for it, then
     // budget_exceeded; the three behind it were refused on the same looks, at once. Seen failing without
     // that (each waiter's wait counted from its own turn): answered ~3.3 s apart, one wait each in series.
-    const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: 2_000, quotaWindow: "day" });
+    const org = await seedTestOrg(db, { quotaTokens: 2_000, quotaWindow: "day" });
     await db.db.insert(usageCounters).values({ orgId: org.orgId, windowStart: new Date(periodStart("day", Date.now())), used: 0, leased: 1_500 });
     const sent = performance.now();
     const answers = await Promise.all(
       Array.from({ length: 4 }, async () => {
-        const res = await fetch(`${gw.url}/v1/chat/completions`, {
-          method: "POST",
-          headers: { authorization: `Bearer ${org.serviceKey}`, "content-type": "application/json" },
-          body: JSON.stringify({ model: "svc-fast", max_tokens: 40, messages: [{ role: "user", content: PROMPT }] }),
-        });
+        const res = await chat(org.serviceKey, 40);
         const at = performance.now() - sent;
         return { status: `${res.status} ${(await errorOf(res)).code}`, at };
       }),

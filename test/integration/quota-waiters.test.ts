@@ -4,9 +4,9 @@ import type { Database } from "../../src/db/client.ts";
 import { usageCounters, usageEvents } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { errorOf, seedOrg, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
+import { errorOf, sharedDatabase, startTestGateway } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
-import { TEST_PLANS, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+import { TEST_PLANS, post, seedTestOrg, testAliases, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(60_000);
@@ -49,12 +49,7 @@ afterAll(async () => {
 });
 
 function chat(key: string, maxTokens: number, signal?: AbortSignal): Promise<Response> {
-  return fetch(`${gw.url}/v1/chat/completions`, {
-    method: "POST",
-    headers: { authorization: `Bearer ${key}`, "content-type": "application/json" },
-    body: JSON.stringify({ model: "svc-fast", max_tokens: maxTokens, messages: [{ role: "user", content: PROMPT }] }),
-    ...(signal ? { signal } : {}),
-  });
+  return post(gw, "/v1/chat/completions", key, { model: "svc-fast", max_tokens: maxTokens, messages: userMessages(PROMPT) }, signal ? { signal } : {});
 }
 
 /**
@@ -87,7 +82,7 @@ describe("waiters for quota, one instance", () => {
   test("a waiter whose client left leaves the queue at once: the next is admitted, the one that left is charged nothing (499)", async () => {
     // Quota 2,500: the held request reserves 1,568; the oldest waiter wants 2,068 (waits for the held one);
     // the later one wants 569, which fits beside the held one, but queues behind the oldest.
-    const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: 2_500, quotaWindow: "day" });
+    const org = await seedTestOrg(db, { quotaTokens: 2_500, quotaWindow: "day" });
     const hold = await held(org.serviceKey, 1_000);
     try {
       const headClient = new AbortController();
@@ -133,7 +128,7 @@ describe("waiters for quota, one instance", () => {
 
   test("the oldest waiter is admitted as soon as a request settles and gives back what it waits for, not at its next look", async () => {
     // Quota 2,000: the held request reserves 1,568; the waiter wants 569, which fits once the held one settles.
-    const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: 2_000, quotaWindow: "day" });
+    const org = await seedTestOrg(db, { quotaTokens: 2_000, quotaWindow: "day" });
     const hold = await held(org.serviceKey, 1_000);
     const waiter = chat(org.personalKey, 1);
     // Half way through the waiter's sleep between looks (every FLUSH_MS / 4 = 1 s): before, ~500 ms more.
@@ -154,7 +149,7 @@ describe("waiters for quota, one instance", () => {
   test("the quota held past the oldest waiter's whole wait: those behind it wanting as much are answered with it (503), not one wait each", async () => {
     // Quota 2,500: the held request reserves 1,568 for longer than a wait; three waiters want 1,568 each,
     // which only its end would free. Seen failing without it: answered one wait (5 s) apart, in series.
-    const org = await seedOrg(db, { plan: "Test", plans: Object.keys(TEST_PLANS), quotaTokens: 2_500, quotaWindow: "day" });
+    const org = await seedTestOrg(db, { quotaTokens: 2_500, quotaWindow: "day" });
     const hold = await held(org.serviceKey, 1_000);
     try {
       const sent = performance.now();
