@@ -1,5 +1,5 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { type Gateway } from "../../src/server.ts";
+import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
 import { TEST_PLANS, chatAlias, seedTestOrg, testAliases, upstreamSettings, userMessages } from "./inference-fixtures.ts";
@@ -30,11 +30,11 @@ afterAll(async () => {
   await sim.stop();
 });
 
-const chat = (g: Gateway, key: string, headers: Record<string, string> = {}) =>
+const chat = (g: Gateway, key: string, headers: Record<string, string> = {}, body: Record<string, unknown> = { model: "svc-fast", messages: userMessages() }) =>
   fetch(`${g.url}/v1/chat/completions`, {
     method: "POST",
     headers: bearer(key, { "content-type": "application/json", ...headers }),
-    body: JSON.stringify({ model: "svc-fast", messages: userMessages() }),
+    body: JSON.stringify(body),
     signal: AbortSignal.timeout(30_000),
   });
 
@@ -88,5 +88,33 @@ describe("every attempt answered 429 (docs/decisions.md, Failover: the shortest 
       expect({ status: res.status, code: err.code, retryAfter: res.headers.get("retry-after") }).toEqual({ status: 429, code: "rate_limit_error", retryAfter: "3" });
       expect(err.message).toContain("retry after 3 s.");
     }
+  });
+});
+
+describe("image parts (docs/decisions.md, Roles: image parts only in user messages)", () => {
+  test("an image in an assistant or a tool message is 400 on that part's type, whatever its URL; nothing goes upstream; the same image from the user passes", async () => {
+    const call = { id: "c1", type: "function", function: { name: "look", arguments: "{}" } };
+    const ask = { role: "user", content: "look" };
+    const parts = (url: string) => [
+      { type: "text", text: "here" },
+      { type: "image_url", image_url: { url } },
+    ];
+    for (const url of ["https://example.com/cat.png", "http://169.254.169.254/latest/meta-data/x.png", "data:image/png;base64,iVBORw0KGgo="]) {
+      const cases: [unknown[], string][] = [
+        [[ask, { role: "assistant", content: parts(url) }, ask], "messages[1].content[1].type"],
+        [[ask, { role: "assistant", content: null, tool_calls: [call] }, { role: "tool", tool_call_id: "c1", content: parts(url) }], "messages[2].content[1].type"],
+      ];
+      for (const [messages, param] of cases) {
+        const before = sim.stats.requests;
+        const res = await chat(gw, org.serviceKey, {}, { model: "svc-fast", messages });
+        // An answer (200) has no error: compared as its status, not thrown on.
+        const err = res.status === 200 ? (await res.arrayBuffer(), { code: null, param: null }) : await errorOf(res);
+        expect({ url: url.slice(0, 30), status: res.status, code: err.code, param: err.param }).toEqual({ url: url.slice(0, 30), status: 400, code: "invalid_request_error", param });
+        expect(sim.stats.requests).toBe(before);
+      }
+    }
+    const fromUser = await chat(gw, org.serviceKey, {}, { model: "svc-fast", messages: [{ role: "user", content: parts("data:image/png;base64,iVBORw0KGgo=") }] });
+    expect(fromUser.status).toBe(200);
+    await fromUser.arrayBuffer();
   });
 });
