@@ -38,6 +38,13 @@ const chat = (g: Gateway, key: string, headers: Record<string, string> = {}, bod
     signal: AbortSignal.timeout(30_000),
   });
 
+/** The error of a refusal; an answer (200) has none: compared as its status rather than thrown on. */
+async function errorOrNone(res: Response): Promise<{ code: string | null; param: string | null }> {
+  if (res.status !== 200) return errorOf(res);
+  await res.arrayBuffer();
+  return { code: null, param: null };
+}
+
 describe("the caller's x-request-id (docs/decisions.md, A key sent as the x-request-id: 1 to 128 of [A-Za-z0-9_.:-])", () => {
   test("128 such characters are the caller's id, answered and sent upstream; 129, or any other character, get a generated req_ id instead", async () => {
     const generated = /^req_[0-9a-f]{32}$/;
@@ -107,8 +114,7 @@ describe("image parts (docs/decisions.md, Roles: image parts only in user messag
       for (const [messages, param] of cases) {
         const before = sim.stats.requests;
         const res = await chat(gw, org.serviceKey, {}, { model: "svc-fast", messages });
-        // An answer (200) has no error: compared as its status, not thrown on.
-        const err = res.status === 200 ? (await res.arrayBuffer(), { code: null, param: null }) : await errorOf(res);
+        const err = await errorOrNone(res);
         expect({ url: url.slice(0, 30), status: res.status, code: err.code, param: err.param }).toEqual({ url: url.slice(0, 30), status: 400, code: "invalid_request_error", param });
         expect(sim.stats.requests).toBe(before);
       }
@@ -116,5 +122,33 @@ describe("image parts (docs/decisions.md, Roles: image parts only in user messag
     const fromUser = await chat(gw, org.serviceKey, {}, { model: "svc-fast", messages: [{ role: "user", content: parts("data:image/png;base64,iVBORw0KGgo=") }] });
     expect(fromUser.status).toBe(200);
     await fromUser.arrayBuffer();
+  });
+});
+
+describe("image URL schemes (docs/decisions.md, Roles: image URLs must be `http(s)://` or `data:image/`)", () => {
+  test("data: URLs of other media types, file:, javascript: and gopher: are 400 on the URL; http(s) and data:image/ pass", async () => {
+    const withImage = (url: string) => ({ model: "svc-fast", messages: [{ role: "user", content: [{ type: "text", text: "what is it?" }, { type: "image_url", image_url: { url } }] }] });
+    const refused = [
+      "data:text/html;base64,PHNjcmlwdD4=",
+      "data:application/octet-stream;base64,AAAA",
+      "data:,hello",
+      "data:;base64,iVBORw0KGgo=",
+      "file:///etc/passwd",
+      "javascript:alert(1)",
+      "gopher://93.184.215.14/x.png",
+    ];
+    for (const url of refused) {
+      const before = sim.stats.requests;
+      const res = await chat(gw, org.serviceKey, {}, withImage(url));
+      const err = await errorOrNone(res);
+      expect({ url, status: res.status, code: err.code, param: err.param }).toEqual({ url, status: 400, code: "invalid_request_error", param: "messages[0].content[1].image_url.url" });
+      expect(sim.stats.requests).toBe(before);
+    }
+    // Public address literals: no DNS lookup is needed to pass them.
+    for (const url of ["http://93.184.215.14/cat.png", "https://93.184.215.14/cat.png", "data:image/png;base64,iVBORw0KGgo="]) {
+      const res = await chat(gw, org.serviceKey, {}, withImage(url));
+      expect({ url, status: res.status }).toEqual({ url, status: 200 });
+      await res.arrayBuffer();
+    }
   });
 });
