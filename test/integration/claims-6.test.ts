@@ -1,4 +1,6 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { createKey } from "../../src/admin/service.ts";
+import { SYSTEM_ACTOR_ID } from "../../src/lib/ids.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
@@ -148,6 +150,54 @@ describe("image URL schemes (docs/decisions.md, Roles: image URLs must be `http(
     for (const url of ["http://93.184.215.14/cat.png", "https://93.184.215.14/cat.png", "data:image/png;base64,iVBORw0KGgo="]) {
       const res = await chat(gw, org.serviceKey, {}, withImage(url));
       expect({ url, status: res.status }).toEqual({ url, status: 200 });
+      await res.arrayBuffer();
+    }
+  });
+});
+
+describe("audit cursors are bound to every filter (docs/decisions.md, Audit cursors: one reused with different filters gets 400 invalid_body, param cursor)", () => {
+  test("`to` and `actor_id` too: a cursor minted under one value of either, or without it, is refused under another, or without it; the same filters take it", async () => {
+    const o = await seedTestOrg(gw.database);
+    // seedOrg's org, member and key events, and three more: each written by the host's actor.
+    for (let i = 0; i < 3; i++) await createKey(gw.database, { orgId: o.orgId, kind: "service", scopes: ["inference"], knownModels: [], tag: "gw" });
+    const audit = (params: Record<string, string>) => fetch(`${gw.url}/v1/audit-events?${new URLSearchParams(params)}`, { headers: bearer(o.serviceKey) });
+    const cursorOf = async (params: Record<string, string>) => {
+      const res = await audit({ ...params, limit: "1" });
+      expect(res.status).toBe(200);
+      const next = ((await res.json()) as { next_cursor: string }).next_cursor;
+      expect(next).not.toBe("");
+      return next;
+    };
+    const refused = async (params: Record<string, string>) => {
+      const res = await audit(params);
+      const err = await errorOrNone(res);
+      return { status: res.status, code: err.code, param: err.param };
+    };
+    const REFUSED = { status: 400, code: "invalid_body", param: "cursor" };
+    const to = "2999-01-01T00:00:00Z";
+    const otherActor = "6f1c2a4e-8b3d-4c5e-9f70-112233445566";
+
+    const plain = await cursorOf({});
+    const byTo = await cursorOf({ to });
+    const byActor = await cursorOf({ actor_id: SYSTEM_ACTOR_ID });
+    for (const [cursor, params] of [
+      [plain, { to }],
+      [plain, { actor_id: SYSTEM_ACTOR_ID }],
+      [byTo, {}],
+      [byTo, { to: "2998-01-01T00:00:00Z" }],
+      [byActor, {}],
+      [byActor, { actor_id: otherActor }],
+    ] as const) {
+      expect({ params, got: await refused({ ...params, cursor }) }).toEqual({ params, got: REFUSED });
+    }
+    // The filters it was minted under (another spelling of the same instant is the same filter).
+    for (const [cursor, params] of [
+      [plain, {}],
+      [byTo, { to: "2999-01-01T01:00:00+01:00" }],
+      [byActor, { actor_id: SYSTEM_ACTOR_ID }],
+    ] as const) {
+      const res = await audit({ ...params, cursor });
+      expect({ params, status: res.status }).toEqual({ params, status: 200 });
       await res.arrayBuffer();
     }
   });
