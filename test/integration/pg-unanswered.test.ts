@@ -6,7 +6,7 @@ import { createKeyVerifier } from "../../src/auth/verify.ts";
 import { ANSWER_TIMEOUT_MS, type Database, IDLE_IN_TRANSACTION_MS, LISTEN_CHECK_MS, migrate, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { type SeededOrg, TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { type FreezeProxy, startFreezeProxy } from "../helpers/freeze-proxy.ts";
 import { cleanEnv, createScratchDatabase, exitWithin, listeningUrl, type ScratchPostgres, startGatewayProcess } from "../helpers/process.ts";
 import { until } from "../helpers/poll.ts";
@@ -216,12 +216,7 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
     const hold = proxy.holdWhen(/insert into usage_batches/i, "statement");
     let stopped = false;
     try {
-      const org = await seedOrg(held, { quotaTokens: 1_000_000 });
-      let total = 0;
-      for (let i = 0; i < 3; i++) {
-        const tokens = await chatTokens(gw.url, org.serviceKey);
-        total += tokens;
-      }
+      const { org, total } = await threeChats(gw.url);
       const t = Date.now();
       const stop = gw.stop();
       await hold.held;
@@ -241,6 +236,17 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       await db.close();
     }
   });
+
+  /** A new organisation's three chat completions through the gateway at `url`: the organisation, and the tokens they used. */
+  async function threeChats(url: string): Promise<{ org: SeededOrg; total: number }> {
+    const org = await seedOrg(held, { quotaTokens: 1_000_000 });
+    let total = 0;
+    for (let i = 0; i < 3; i++) {
+      const tokens = await chatTokens(url, org.serviceKey);
+      total += tokens;
+    }
+    return { org, total };
+  }
 
   /** What the shared counter and the usage records of `orgId` hold. */
   async function written(orgId: string): Promise<{ used: number; requests: number }> {
@@ -290,12 +296,7 @@ describe.skipIf(!TEST_DATABASE_URL)("Postgres that stops answering", () => {
       );
       const hold = proxy.holdWhen(h.pattern, h.what, h.after);
       try {
-        const org = await seedOrg(held, { quotaTokens: 1_000_000 });
-        let total = 0;
-        for (let i = 0; i < 3; i++) {
-          const tokens = await chatTokens(gw.url, org.serviceKey);
-          total += tokens;
-        }
+        const { org, total } = await threeChats(gw.url);
         const t = Date.now();
         const first = gw.quota.flush().then(
           () => "written",
