@@ -1,7 +1,8 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { createKey, revokeKey } from "../../src/admin/service.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { bearer, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
+import { bearer, errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
 import { TEST_PLANS, seedTestOrg, testAliases, userMessages } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -74,5 +75,41 @@ describe("gateway_upstream_first_byte_seconds{alias} (docs/operations.md: upstre
     expect(jsonAdded).toBeGreaterThanOrEqual((TTFT_MS + GAP_MS) / 1000 - 0.05);
     expect(jsonAdded).toBeLessThanOrEqual(jsonTook + 0.05);
 
+  });
+});
+
+describe("refusals before the limiter do not count (docs/decisions.md, Rate limits: requests refused before the limiter (bad key, missing scope) do not)", () => {
+  test("70 requests each with a revoked key, an expired key, a key lacking the scope, and of an academy-only account: the organisation's window is untouched (59 left after one admitted request)", async () => {
+    const knownModels = ["svc-fast", "svc-smart", "svc-bigthink", "svc-embed"];
+    const std = await seedTestOrg(gw.database, { plan: "Standard" });
+    const auditOnly = await createKey(gw.database, { orgId: std.orgId, kind: "service", scopes: ["audit:read"], knownModels, tag: "gw" });
+    const expired = await createKey(gw.database, { orgId: std.orgId, kind: "service", scopes: ["inference"], knownModels, tag: "gw", expiresAt: new Date(Date.now() - 86_400_000) });
+    const revoked = await createKey(gw.database, { orgId: std.orgId, kind: "service", scopes: ["inference"], knownModels, tag: "gw" });
+    await revokeKey(gw.database, revoked.id);
+    const academy = await seedTestOrg(gw.database, { plan: "Standard", academyOnly: true });
+    const refusals: [string, string, string][] = [
+      [auditOnly.key, "/v1/models", "scope_missing"],
+      [std.personalKey, "/v1/audit-events", "scope_missing"],
+      [expired.key, "/v1/models", "key_expired"],
+      [revoked.key, "/v1/models", "unauthorized"],
+      [academy.serviceKey, "/v1/models", "academy_only"],
+    ];
+    for (const [key, path, code] of refusals) {
+      for (let i = 0; i < 70; i++) {
+        const res = await fetch(`${gw.url}${path}`, { headers: bearer(key) });
+        const err = await errorOf(res);
+        if (err.code !== code) expect({ path, i, code: err.code }).toEqual({ path, i, code });
+      }
+    }
+    // Each organisation's next admitted request is the first of its window: 60 allowed, 59 left.
+    const own = await fetch(`${gw.url}/v1/models`, { headers: bearer(std.serviceKey) });
+    expect(own.status).toBe(200);
+    await own.arrayBuffer();
+    expect([own.headers.get("x-ratelimit-limit-requests"), own.headers.get("x-ratelimit-remaining-requests")]).toEqual(["60", "59"]);
+    // The audit log is open to academy-only accounts (spec 4.5): their one admitted request here.
+    const acad = await fetch(`${gw.url}/v1/audit-events`, { headers: bearer(academy.serviceKey) });
+    expect(acad.status).toBe(200);
+    await acad.arrayBuffer();
+    expect([acad.headers.get("x-ratelimit-limit-requests"), acad.headers.get("x-ratelimit-remaining-requests")]).toEqual(["60", "59"]);
   });
 });
