@@ -1,8 +1,12 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { createKey, revokeKey } from "../../src/admin/service.ts";
+import { openDatabase, migrate, type Database } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { bearer, errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, bearer, errorOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { startFreezeProxy } from "../helpers/freeze-proxy.ts";
+import { until } from "../helpers/poll.ts";
+import { createScratchDatabase } from "../helpers/process.ts";
 import { TEST_PLANS, seedTestOrg, testAliases, userMessages } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -111,5 +115,62 @@ describe("refusals before the limiter do not count (docs/decisions.md, Rate limi
     expect(acad.status).toBe(200);
     await acad.arrayBuffer();
     expect([acad.headers.get("x-ratelimit-limit-requests"), acad.headers.get("x-ratelimit-remaining-requests")]).toEqual(["60", "59"]);
+  });
+});
+
+describe.skipIf(!TEST_DATABASE_URL)("gateway_database_unanswered{work} (docs/operations.md: by kind: lease, budget_audit, audit_read, response_read)", () => {
+  test("an audit-log read and a stored-response read given up on (the database does not answer) each show under their own kind until they settle", async () => {
+    const scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "c7_unanswered");
+    let held: Database | undefined;
+    let db: Database | undefined;
+    let own: Gateway | undefined;
+    const proxy = await startFreezeProxy(scratch.url, 0);
+    try {
+      held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 2 });
+      await migrate(held);
+      db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 10 });
+      own = await startTestGateway({ responses: { enabled: true } }, db);
+      const g = own;
+      const seeded = await seedOrg(held);
+      const unanswered = async (work: string) => sample(await scrapeOf(g), "gateway_database_unanswered", { work });
+      // The key is cached before the database stops answering: the reads below are the only database work.
+      const me = await fetch(`${g.url}/v1/me`, { headers: bearer(seeded.serviceKey) });
+      expect(me.status).toBe(200);
+      await me.arrayBuffer();
+      // Both reads once, side by side, before: each then has a pool connection open (a new one, through the frozen proxy, would fail to connect instead).
+      const warm = await Promise.all(
+        ["/v1/audit-events", "/v1/responses/resp_nothere"].map(async (path) => {
+          const res = await fetch(`${g.url}${path}`, { headers: bearer(seeded.serviceKey) });
+          await res.arrayBuffer();
+          return res.status;
+        }),
+      );
+      expect(warm).toEqual([200, 404]);
+      expect({ audit: await unanswered("audit_read"), response: await unanswered("response_read") }).toEqual({ audit: 0, response: 0 });
+      proxy.freeze();
+      const reads = await Promise.all(
+        ["/v1/audit-events", "/v1/responses/resp_nothere"].map(async (path) => {
+          const res = await fetch(`${g.url}${path}`, { headers: bearer(seeded.serviceKey), signal: AbortSignal.timeout(20_000) });
+          return `${res.status} ${(await errorOf(res)).code}`;
+        }),
+      );
+      expect(reads).toEqual(["503 service_unavailable", "503 service_unavailable"]);
+      // Given up on (the 503s) and not settled: each under its own kind, and nothing under the others.
+      expect({ audit: await unanswered("audit_read"), response: await unanswered("response_read"), lease: await unanswered("lease"), budget: await unanswered("budget_audit") }).toEqual({
+        audit: 1,
+        response: 1,
+        lease: 0,
+        budget: 0,
+      });
+      proxy.thaw();
+      await until(async () => (await unanswered("audit_read")) + (await unanswered("response_read")) === 0, "the given-up reads to settle", 10_000, 100);
+    } finally {
+      proxy.thaw();
+      await own?.stop();
+      await db?.close();
+      proxy.stop();
+      await held?.close();
+      await scratch.drop();
+    }
   });
 });
