@@ -13,6 +13,7 @@ import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, sharedDatab
 import { eventually } from "../helpers/poll.ts";
 import { cleanEnv, exitWithin, listeningUrl, onlyJson, removeScratch, runGateway, scratchDir, startGatewayProcess, waitFor200 } from "../helpers/process.ts";
 import { TEST_PLANS, chatAlias, sseData, testAliases, upstreamSettings } from "./inference-fixtures.ts";
+import { scrapeOf } from "../helpers/scrape.ts";
 
 // Servers, child processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(90_000);
@@ -43,13 +44,6 @@ afterAll(async () => {
   await gw.stop();
   await sim.stop();
 });
-
-async function scrapeOf(g: Gateway): Promise<string> {
-  if (!g.metricsUrl) throw new Error("metrics are not served");
-  const res = await fetch(g.metricsUrl);
-  expect(res.status).toBe(200);
-  return res.text();
-}
 
 /** The value of an unlabelled series in a scrape. */
 function sample(text: string, name: string): number {

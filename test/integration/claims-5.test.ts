@@ -17,6 +17,7 @@ import { TEST_DATABASE_URL, bearer, errorOf, freshDatabase, seedOrg, startTestGa
 import { eventually } from "../helpers/poll.ts";
 import { createScratchDatabase, onlyJson, removeScratch, scratchDir } from "../helpers/process.ts";
 import { TEST_PLANS, testAliases } from "./inference-fixtures.ts";
+import { scrapeOf, sample } from "../helpers/scrape.ts";
 
 // Servers, CLI runs on an embedded database and PGlite start-ups on a busy 2-core machine.
 setDefaultTimeout(120_000);
@@ -58,25 +59,6 @@ const chat = (key: string, extra: Record<string, unknown> = {}, g: Gateway = gw)
 
 /** What the quota reserves for the prompt "hi" (src/inference/tokens.ts): a token a byte (2), 16 for the message, 512 for the template. */
 const HI_RESERVE = 512 + 16 + 2;
-
-async function scrapeOf(g: Gateway): Promise<string> {
-  if (!g.metricsUrl) throw new Error("metrics are not served");
-  const res = await fetch(g.metricsUrl);
-  expect(res.status).toBe(200);
-  return res.text();
-}
-
-/** The sum of a scrape's samples of `name` whose labels include `labels` (0 when none). */
-function sample(text: string, name: string, labels: Record<string, string> = {}): number {
-  let total = 0;
-  for (const line of text.split("\n")) {
-    const m = /^([a-z_:]+)(\{[^}]*\})? (\S+)$/.exec(line);
-    if (!m || m[1] !== name) continue;
-    const l = m[2] ?? "";
-    if (Object.entries(labels).every(([k, v]) => l.includes(`${k}="${v}"`))) total += Number(m[3]);
-  }
-  return total;
-}
 
 describe("budget_exceeded's OpenAI type (docs/decisions.md, Error body: `type` the OpenAI class, … `insufficient_quota`)", () => {
   test("a refusal for want of quota is type insufficient_quota, as OpenAI's own quota error, on the wire and as the openai SDK reads it", async () => {

@@ -8,6 +8,7 @@ import { startFreezeProxy } from "../helpers/freeze-proxy.ts";
 import { until } from "../helpers/poll.ts";
 import { createScratchDatabase } from "../helpers/process.ts";
 import { TEST_PLANS, seedTestOrg, testAliases, userMessages } from "./inference-fixtures.ts";
+import { scrapeOf, sample } from "../helpers/scrape.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(90_000);
@@ -44,25 +45,6 @@ const chat = (g: Gateway, key: string, body: Record<string, unknown> = {}) =>
     body: JSON.stringify({ model: "svc-fast", messages: userMessages(), ...body }),
     signal: AbortSignal.timeout(30_000),
   });
-
-async function scrapeOf(g: Gateway): Promise<string> {
-  if (!g.metricsUrl) throw new Error("metrics are not served");
-  const res = await fetch(g.metricsUrl);
-  expect(res.status).toBe(200);
-  return res.text();
-}
-
-/** The sum of a scrape's samples of `name` whose labels include `labels` (0 when none). */
-function sample(text: string, name: string, labels: Record<string, string> = {}): number {
-  let total = 0;
-  for (const line of text.split("\n")) {
-    const m = /^([a-z_:]+)(\{[^}]*\})? (\S+)$/.exec(line);
-    if (!m || m[1] !== name) continue;
-    const l = m[2] ?? "";
-    if (Object.entries(labels).every(([k, v]) => l.includes(`${k}="${v}"`))) total += Number(m[3]);
-  }
-  return total;
-}
 
 describe("gateway_upstream_first_byte_seconds{alias} (docs/operations.md: upstream time to headers)", () => {
   test("a JSON answer whose headers take ~0.8 s adds about that to the histogram, no more than the whole request took", async () => {

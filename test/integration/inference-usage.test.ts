@@ -99,6 +99,18 @@ const upstream = Bun.serve({
 const base = `http://127.0.0.1:${upstream.port}/v1`;
 
 /** JSON as Python's json.dumps writes it by default (`", "` and `": "` separators), as servers built on it stream. */
+/** A stream of two choices (n = 2): choice 0 sends 20 deltas of 40 characters, choice 1 two, then stops; choice 0 stops last. */
+function twoChoiceEvents(): unknown[] {
+  const events: unknown[] = [chunkOf([deltaOf({ role: "assistant", content: "" })]), chunkOf([deltaOf({ role: "assistant", content: "" }, 1)])];
+  for (let i = 0; i < 20; i++) {
+    events.push(chunkOf([deltaOf({ content: "a".repeat(40) })]));
+    if (i < 2) events.push(chunkOf([deltaOf({ content: "b".repeat(40) }, 1)]));
+    if (i === 2) events.push(chunkOf([{ index: 1, delta: {}, finish_reason: "stop" }]));
+  }
+  events.push(chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]));
+  return events;
+}
+
 function pythonJson(v: unknown): string {
   if (Array.isArray(v)) return `[${v.map(pythonJson).join(", ")}]`;
   if (v !== null && typeof v === "object") return `{${Object.entries(v).map(([k, x]) => `${JSON.stringify(k)}: ${pythonJson(x)}`).join(", ")}}`;
@@ -1041,13 +1053,7 @@ describe("an upstream that writes JSON white space before or after its colons (`
       expect([how(spaced), row?.status, row?.completionTokens]).toEqual([how(spaced), 200, 5]);
 
       // n = 2, one event per choice: choice 1 (two events, then stop) within its bound, choice 0 cut after its fifth.
-      const events: unknown[] = [chunkOf([deltaOf({ role: "assistant", content: "" })]), chunkOf([deltaOf({ role: "assistant", content: "" }, 1)])];
-      for (let i = 0; i < 20; i++) {
-        events.push(chunkOf([deltaOf({ content: "a".repeat(40) })]));
-        if (i < 2) events.push(chunkOf([deltaOf({ content: "b".repeat(40) }, 1)]));
-        if (i === 2) events.push(chunkOf([{ index: 1, delta: {}, finish_reason: "stop" }]));
-      }
-      events.push(chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]));
+      const events = twoChoiceEvents();
       scripted = { events, done: true, spaced };
       const n2 = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
       const chunks = sseData(await (await chat(n2, { max_tokens: 5, n: 2 })).text())
@@ -1476,13 +1482,7 @@ describe("an upstream that ignores max_tokens", () => {
   });
 
   test("streamed with n = 2: the bound holds per choice; the choice that ran past it ends with length, one that had finished keeps its stop", async () => {
-    const events: unknown[] = [chunkOf([deltaOf({ role: "assistant", content: "" })]), chunkOf([deltaOf({ role: "assistant", content: "" }, 1)])];
-    for (let i = 0; i < 20; i++) {
-      events.push(chunkOf([deltaOf({ content: "a".repeat(40) })]));
-      if (i < 2) events.push(chunkOf([deltaOf({ content: "b".repeat(40) }, 1)]));
-      if (i === 2) events.push(chunkOf([{ index: 1, delta: {}, finish_reason: "stop" }]));
-    }
-    events.push(chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]));
+    const events = twoChoiceEvents();
     scripted = { events, done: true };
     const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
     const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), max_tokens: 5, n: 2, stream: true });

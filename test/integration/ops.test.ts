@@ -8,6 +8,7 @@ import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { bearer, errorOf, freshDatabase, rejectionOf, type SeededOrg, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { ROOT } from "../helpers/process.ts";
 import { parseExposition } from "../helpers/prom-text.ts";
+import { sample } from "../helpers/scrape.ts";
 
 // Servers, processes and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -29,18 +30,6 @@ afterAll(async () => {
 function metricsUrl(g: Gateway): string {
   if (!g.metricsUrl) throw new Error("metrics are not served");
   return g.metricsUrl;
-}
-
-function sample(text: string, name: string, labels: Record<string, string> = {}): number {
-  let total = 0;
-  for (const line of text.split("\n")) {
-    if (!line.startsWith(name)) continue;
-    const m = /^([a-z_:]+)(\{[^}]*\})? (\S+)$/.exec(line);
-    if (!m || m[1] !== name) continue;
-    const l = m[2] ?? "";
-    if (Object.entries(labels).every(([k, v]) => l.includes(`${k}="${v}"`))) total += Number(m[3]);
-  }
-  return total;
 }
 
 describe("GET /metrics", () => {
