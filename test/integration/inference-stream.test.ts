@@ -362,6 +362,17 @@ describe("streamed chat: a client that leaves once the answer is complete", () =
     return (await gw2.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, orgId)))[0];
   }
 
+  /** The organisation's usage row once the request has been settled (after the client left, asynchronously); undefined after 10 s. */
+  async function settledUsageRow(orgId: string) {
+    const deadline = performance.now() + 10_000;
+    let row = await usageRow(orgId);
+    while (!row && performance.now() < deadline) {
+      await Bun.sleep(20);
+      row = await usageRow(orgId);
+    }
+    return row;
+  }
+
   /** Streams the scripted answer and disconnects as soon as its finish chunk has arrived; resolves when it has. */
   async function leaveAfterFinish(key: string, model = "svc-script", finish = '"finish_reason":"stop"'): Promise<number> {
     const ac = new AbortController();
@@ -378,12 +389,7 @@ describe("streamed chat: a client that leaves once the answer is complete", () =
     for (let i = 0; i < 15 && !run.cancelled; i++) await Bun.sleep(20);
     // False when the gateway closed the call: nothing more could be sent (the row then shows the estimate).
     fake.sendUsage(run);
-    const deadline = performance.now() + 10_000;
-    let row = await usageRow(o.orgId);
-    while (!row && performance.now() < deadline) {
-      await Bun.sleep(20);
-      row = await usageRow(o.orgId);
-    }
+    const row = await settledUsageRow(o.orgId);
     expect(row).toMatchObject({ status: 499, streamed: true, promptTokens: 1234, completionTokens: 77 });
   });
 
@@ -394,12 +400,7 @@ describe("streamed chat: a client that leaves once the answer is complete", () =
     for (let i = 0; i < 15 && !run.cancelled; i++) await Bun.sleep(20);
     // Before: the finish was not seen, the upstream call was closed as the client left, and the estimate charged (5).
     expect(spaced.sendUsage(run)).toBe(true);
-    const deadline = performance.now() + 10_000;
-    let row = await usageRow(o.orgId);
-    while (!row && performance.now() < deadline) {
-      await Bun.sleep(20);
-      row = await usageRow(o.orgId);
-    }
+    const row = await settledUsageRow(o.orgId);
     expect(row).toMatchObject({ status: 499, streamed: true, promptTokens: 1234, completionTokens: 77 });
   });
 
@@ -408,11 +409,7 @@ describe("streamed chat: a client that leaves once the answer is complete", () =
     const o = await seedTestOrg(gw2.database);
     run = fake.next();
     const left = await leaveAfterFinish(o.personalKey);
-    let row = await usageRow(o.orgId);
-    while (!row && performance.now() - left < 10_000) {
-      await Bun.sleep(20);
-      row = await usageRow(o.orgId);
-    }
+    const row = await settledUsageRow(o.orgId);
     const settledAfter = performance.now() - left;
     expect(row).toMatchObject({ status: 499, streamed: true, promptTokens: promptEstimate, completionTokens: 5 });
     expect(settledAfter).toBeLessThan(2_500);
