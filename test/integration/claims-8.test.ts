@@ -1,10 +1,14 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { listKeys } from "../../src/admin/service.ts";
-import type { Database } from "../../src/db/client.ts";
+import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { bearer, startTestGateway } from "../helpers/harness.ts";
+import { startFreezeProxy } from "../helpers/freeze-proxy.ts";
+import { TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { wholeQuotaMaxTokens } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
+import { createScratchDatabase } from "../helpers/process.ts";
+import { sample, scrapeOf } from "../helpers/scrape.ts";
 import { TEST_PLANS, seedTestOrg, testAliases, userMessages } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -86,6 +90,56 @@ describe("a key's last_used_at (keys list; docs/decisions.md: the batched last_u
       expect(at).toBeLessThanOrEqual(t1);
     } finally {
       if (!stopped) await own.stop();
+    }
+  });
+});
+
+describe.skipIf(!TEST_DATABASE_URL)("gateway_database_unanswered{work=\"budget_audit\"} (docs/operations.md: by kind: lease, budget_audit, audit_read, response_read)", () => {
+  test("a billing.budget_exceeded audit write the database does not answer shows under budget_audit until it settles; the refusal itself is at once", async () => {
+    const scratch = await createScratchDatabase(TEST_DATABASE_URL as string, "c8_budget");
+    let held: Database | undefined;
+    let db: Database | undefined;
+    let own: Gateway | undefined;
+    const proxy = await startFreezeProxy(scratch.url, 0);
+    let release = () => {};
+    try {
+      held = await openDatabase({ databaseUrl: scratch.url, dataDir: "", poolMax: 2 });
+      await migrate(held);
+      db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 10 });
+      own = await startTestGateway({ aliases: testAliases(sim.url), plans: TEST_PLANS }, db);
+      const g = own;
+      const org = await seedOrg(held, { quotaTokens: 1_000, quotaWindow: "day" });
+      const unanswered = async () => {
+        const text = await scrapeOf(g);
+        const kinds = ["budget_audit", "lease", "audit_read", "response_read"] as const;
+        return Object.fromEntries(kinds.map((work) => [work, sample(text, "gateway_database_unanswered", { work })]));
+      };
+      const first = await chat(g, org.serviceKey, { max_tokens: 5 });
+      expect(first.status).toBe(200); // its counter row exists from now on
+      await first.arrayBuffer();
+      // A request reserving the whole quota, more than the first one left: refused for want of what is left, which
+      // takes the period's billing.budget_exceeded event (written in the background).
+      const fits = await wholeQuotaMaxTokens(g.url, org.serviceKey, 1_000);
+      // The audit row's insert never reaches the server (nor does an answer come back) until released.
+      const hold = proxy.holdWhen(/insert into "audit_events"/, "statement");
+      release = () => hold.release();
+      const t = Date.now();
+      const refused = await chat(g, org.serviceKey, { max_tokens: fits });
+      expect(`${refused.status} ${(await errorOf(refused)).code}`).toBe("429 budget_exceeded");
+      expect(Date.now() - t).toBeLessThan(4_000); // the refusal does not wait for its audit write
+      await hold.held;
+      // Given up on after 5 s (ANSWER_TIMEOUT_MS) and not settled: under its own kind, nothing under the others.
+      await until(async () => (await unanswered()).budget_audit === 1, "the audit write to show as given up on", 15_000, 100);
+      expect(await unanswered()).toEqual({ budget_audit: 1, lease: 0, audit_read: 0, response_read: 0 });
+      hold.release();
+      await until(async () => (await unanswered()).budget_audit === 0, "the given-up audit write to settle", 15_000, 100);
+    } finally {
+      release();
+      await own?.stop();
+      await db?.close();
+      proxy.stop();
+      await held?.close();
+      await scratch.drop();
     }
   });
 });
