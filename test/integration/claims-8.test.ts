@@ -1,5 +1,6 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { listKeys } from "../../src/admin/service.ts";
+import { recordAudit } from "../../src/audit/record.ts";
 import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
@@ -27,7 +28,7 @@ let sim: Simulator;
 
 beforeAll(async () => {
   sim = await startSimulator({ port: 0, ttftMs: 5, interTokenMs: 1, completionTokens: 3 });
-  gw = await startTestGateway({ aliases: testAliases(sim.url), plans: TEST_PLANS });
+  gw = await startTestGateway({ aliases: testAliases(sim.url), plans: TEST_PLANS, responses: { enabled: true } });
 });
 afterAll(async () => {
   await gw.stop();
@@ -141,5 +142,93 @@ describe.skipIf(!TEST_DATABASE_URL)("gateway_database_unanswered{work=\"budget_a
       await held?.close();
       await scratch.drop();
     }
+  });
+});
+
+interface QueryParameter {
+  name: string;
+  in: string;
+  schema: { type: string; minimum?: number; maximum?: number; default?: unknown; enum?: string[]; maxLength?: number };
+}
+
+describe("the OpenAPI document's query parameters are what the endpoints take (docs/operations.md: built from the same schemas that validate requests)", () => {
+  test("GET /v1/audit-events and GET /v1/responses/{id}/input_items: each declared bound, enum, length and default holds over HTTP", async () => {
+    const doc = (await (await fetch(`${gw.url}/openapi.json`)).json()) as { paths: Record<string, { get?: { parameters?: QueryParameter[] } }> };
+    const org = await seedTestOrg(gw.database);
+    // More events than any page the document allows by default.
+    await recordAudit(
+      gw.database.db,
+      Array.from({ length: 60 }, (_, i) => ({
+        orgId: org.orgId,
+        action: "org.created",
+        category: "org" as const,
+        actor: { type: "system" as const, id: "00000000-0000-0000-0000-000000000000", name: "gateway", email: "", keyId: null },
+        targets: [{ key: "org_id", kind: "organization", id: org.orgId, name: `n${i}`, email: "" }],
+        details: {},
+      })),
+    );
+    // A stored response with more input items than the document's default page.
+    const created = await fetch(`${gw.url}/v1/responses`, {
+      method: "POST",
+      headers: bearer(org.serviceKey, { "content-type": "application/json" }),
+      body: JSON.stringify({ model: "svc-fast", input: Array.from({ length: 30 }, (_, i) => ({ role: "user", content: `m${i}` })) }),
+    });
+    expect(created.status).toBe(200);
+    const id = String(((await created.json()) as { id: string }).id);
+    const operations: [string, string, number][] = [
+      ["/v1/audit-events", "/v1/audit-events", 64],
+      ["/v1/responses/{id}/input_items", `/v1/responses/${id}/input_items`, 30],
+    ];
+    const wrong: unknown[] = [];
+    let checked = 0;
+    for (const [path, url, items] of operations) {
+      const params = (doc.paths[path]?.get?.parameters ?? []).filter((p) => p.in === "query");
+      expect(params.length).toBeGreaterThan(0);
+      const get = async (query: Record<string, string>) => {
+        const res = await fetch(`${gw.url}${url}?${new URLSearchParams(query)}`, { headers: bearer(org.serviceKey) });
+        if (res.status !== 200) return { status: res.status, param: (await errorOf(res)).param };
+        return { status: 200, length: ((await res.json()) as { data: unknown[] }).data.length };
+      };
+      const ok = async (name: string, value: string) => {
+        checked++;
+        const r = await get({ [name]: value });
+        if (r.status !== 200) wrong.push({ path, name, value, expected: 200, got: r });
+        return r;
+      };
+      const refused = async (name: string, value: string) => {
+        checked++;
+        const r = await get({ [name]: value });
+        if (r.status !== 400 || r.param !== name) wrong.push({ path, name, value, expected: `400 on ${name}`, got: r });
+      };
+      for (const p of params) {
+        const s = p.schema;
+        if (s.type === "integer") {
+          if (s.minimum !== undefined) {
+            await ok(p.name, String(s.minimum));
+            await refused(p.name, String(s.minimum - 1));
+          }
+          if (s.maximum !== undefined) {
+            const r = await ok(p.name, String(s.maximum));
+            // A page of the maximum holds every item when there are fewer.
+            if (p.name === "limit" && r.length !== Math.min(items, s.maximum)) wrong.push({ path, name: p.name, value: s.maximum, length: r.length });
+            await refused(p.name, String(s.maximum + 1));
+          }
+        }
+        for (const v of s.enum ?? []) await ok(p.name, v);
+        if (s.enum) await refused(p.name, "not-one-of-them");
+        if (s.maxLength !== undefined) {
+          await ok(p.name, "a".repeat(s.maxLength));
+          await refused(p.name, "a".repeat(s.maxLength + 1));
+        }
+        if (p.name === "limit") {
+          // The declared default is the page length a request without limit gets.
+          checked++;
+          const r = await get({});
+          if (r.status !== 200 || r.length !== s.default) wrong.push({ path, name: "limit (default)", expected: s.default, got: r });
+        }
+      }
+    }
+    expect(wrong).toEqual([]);
+    expect(checked).toBeGreaterThan(20);
   });
 });
