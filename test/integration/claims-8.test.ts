@@ -232,3 +232,38 @@ describe("the OpenAPI document's query parameters are what the endpoints take (d
     expect(checked).toBeGreaterThan(20);
   });
 });
+
+describe("a malformed key comes before the lookup budget (docs/decisions.md, Order of checks: key present and well-formed (401 unauthorized) → lookup budget for keys not in the cache (429))", () => {
+  test("malformed keys are 401 unauthorized without a lookup: they spend none of the network's budget, and are still 401 once unknown keys spent it", async () => {
+    const own = await startTestGateway({ keyCache: { unknownPerPrefixPerMin: 3 } });
+    try {
+      const base62 = (n: number) => Array.from({ length: n }, (_, i) => "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"[(i * 7 + Date.now()) % 62]).join("");
+      const unknownKey = () => `sk-gw-${crypto.randomUUID().replaceAll("-", "").slice(0, 32)}${base62(11)}`;
+      // Not sk-gw- + 43 base62 characters: short, long, another service's tag, a character outside base62.
+      const malformed = ["sk-gw-short", `sk-gw-${base62(42)}`, `sk-gw-${base62(44)}`, `sk-xx-${base62(43)}`, `sk-gw-${base62(42)}_`, `sk_gw_${base62(43)}`];
+      const me = async (key: string) => {
+        const res = await fetch(`${own.url}/v1/me`, { headers: bearer(key) });
+        const e = await errorOf(res);
+        return `${res.status} ${e.code}`;
+      };
+      const misses = async () => sample(await scrapeOf(own), "gateway_key_cache_total", { result: "miss" });
+      const before = await misses();
+      // Twice each, before the budget is touched: every one 401, and no lookup.
+      const first = [];
+      for (const k of [...malformed, ...malformed]) first.push(await me(k));
+      expect(first).toEqual(Array(malformed.length * 2).fill("401 unauthorized"));
+      expect(await misses()).toBe(before);
+      // The network's three lookups are all still there for well-formed keys not in the cache; then 429.
+      const unknown = [];
+      for (let i = 0; i < 4; i++) unknown.push(await me(unknownKey()));
+      expect(unknown).toEqual(["401 unauthorized", "401 unauthorized", "401 unauthorized", "429 rate_limit_error"]);
+      // The budget spent: a malformed key is refused for what it is, 401, not throttled.
+      const after = [];
+      for (const k of malformed) after.push(await me(k));
+      expect(after).toEqual(Array(malformed.length).fill("401 unauthorized"));
+      expect(await misses()).toBe(before + 3);
+    } finally {
+      await own.stop();
+    }
+  });
+});
