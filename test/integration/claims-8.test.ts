@@ -1,11 +1,12 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { listKeys } from "../../src/admin/service.ts";
+import { listKeys, revokeKey, setOrg } from "../../src/admin/service.ts";
 import { recordAudit } from "../../src/audit/record.ts";
+import { sql } from "drizzle-orm";
 import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { startFreezeProxy } from "../helpers/freeze-proxy.ts";
-import { TEST_DATABASE_URL, bearer, errorOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, bearer, errorOf, rejectionOf, seedOrg, startTestGateway } from "../helpers/harness.ts";
 import { wholeQuotaMaxTokens } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
 import { createScratchDatabase } from "../helpers/process.ts";
@@ -265,5 +266,47 @@ describe("a malformed key comes before the lookup budget (docs/decisions.md, Ord
     } finally {
       await own.stop();
     }
+  });
+});
+
+describe("a change and its audit row commit together (README: key lifecycle and organisation changes write their audit events and their NOTIFY in the same transaction as the change)", () => {
+  test("when the audit row cannot be written, a revocation and a quota change do not happen: the key still works, the quota is as it was, nothing reaches the gateway", async () => {
+    const org = await seedTestOrg(gw.database, { quotaTokens: 1_000_000, quotaWindow: "day" });
+    const me = async () => {
+      const res = await fetch(`${gw.url}/v1/me`, { headers: bearer(org.serviceKey) });
+      await res.arrayBuffer();
+      return res.status;
+    };
+    expect(await me()).toBe(200); // cached from now on: only a NOTIFY can take it out
+    // The database refuses this organisation's api_key.revoked and billing.quota_changed rows (and nothing else's).
+    const name = `c8_refuse_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
+    await gw.database.db.execute(
+      sql.raw(`create function ${name}() returns trigger as $$ begin
+        if new.org_id = '${org.orgId}' and new.action in ('api_key.revoked', 'billing.quota_changed') then raise exception 'refused by the test'; end if;
+        return new; end $$ language plpgsql`),
+    );
+    await gw.database.db.execute(sql.raw(`create trigger ${name} before insert on audit_events for each row execute function ${name}()`));
+    try {
+      const revoke = await rejectionOf(revokeKey(gw.database, org.serviceKeyId));
+      expect(String(revoke)).toContain('insert into "audit_events"');
+      const lower = await rejectionOf(setOrg(gw.database, { id: org.orgId, plans: Object.keys(TEST_PLANS), quotaTokens: 10 }));
+      expect(String(lower)).toContain('insert into "audit_events"');
+      // Rows as they were.
+      expect((await listKeys(gw.database, org.orgId)).find((k) => k.id === org.serviceKeyId)?.revoked_at).toBeNull();
+      const [row] = await gw.database.rows<{ quota: number | string | null }>(sql`select quota_tokens as quota from organizations where id = ${org.orgId}`);
+      expect(Number(row?.quota)).toBe(1_000_000);
+      // And no NOTIFY went out: the cached key is still served, and a request larger than 10 tokens is still admitted.
+      await Bun.sleep(500);
+      expect(await me()).toBe(200);
+      const res = await chat(gw, org.serviceKey, { max_tokens: 50 });
+      expect(res.status).toBe(200);
+      await res.arrayBuffer();
+    } finally {
+      await gw.database.db.execute(sql.raw(`drop trigger if exists ${name} on audit_events`));
+      await gw.database.db.execute(sql.raw(`drop function if exists ${name}()`));
+    }
+    // Without the refusal both go through, audited, and the key is refused at once.
+    await revokeKey(gw.database, org.serviceKeyId);
+    await until(async () => (await me()) === 401, "the revocation to reach the gateway", 10_000, 20);
   });
 });
