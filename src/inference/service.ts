@@ -11,6 +11,7 @@ import { countTextAfterReport, type ReportedText, sseAsCompletion } from "./whol
 import { upstreamMessage } from "./upstream/error-body.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
 import { type Counted, type UsageBounds, countUsage, usageDetails } from "./usage.ts";
+import { embeddingData, embeddingInputs } from "./embedding-answer.ts";
 import {
   DEFAULT_IMAGE_TOKENS,
   charsToTokens,
@@ -135,7 +136,7 @@ export function checkChatAgainstAlias(body: ChatBody, name: string, alias: Alias
  * inputs is never refused for its size.
  */
 function embeddingAnswerLimit(body: EmbeddingsBody, aliasDimensions: number | undefined, configured: number): number {
-  const inputs = Array.isArray(body.input) && typeof body.input[0] !== "number" ? body.input.length : 1;
+  const inputs = embeddingInputs(body.input);
   return Math.max(configured, inputs * (body.dimensions ?? aliasDimensions ?? 4096) * 24 + 64 * 1024);
 }
 
@@ -522,10 +523,9 @@ export function createInferenceService(deps: ServiceDeps) {
       target = res.target;
       const parsed = parseJson(res.body);
       if (!isRecord(parsed) || !Array.isArray(parsed.data)) throw badUpstreamAnswer(name, res.target);
-      const data = parsed.data.map((d: unknown, i: number) => {
-        const e = isRecord(d) ? d : {};
-        return { object: "embedding", index: int(e.index) ?? i, embedding: e.embedding };
-      });
+      // One vector of numbers per input, in index order, in the encoding asked (embedding-answer.ts); else unreadable.
+      const data = embeddingData(parsed.data, body);
+      if (!data) throw badUpstreamAnswer(name, res.target);
       const counted = countUsage(
         isRecord(parsed.usage) ? parsed.usage : undefined,
         { promptTokens: estimate, completionTokens: 0 },
@@ -533,7 +533,7 @@ export function createInferenceService(deps: ServiceDeps) {
       );
       if (counted.rejected) implausibleUsage(name, res.target, { prompt_tokens: counted.rejected.prompt_tokens }, ctx.requestId);
       const promptTokens = counted.promptTokens;
-      // Spec 2.4; the embedding stays as the upstream wrote it (floats, or base64 when asked). Serialised before settling, as chat's.
+      // Spec 2.4. Serialised before settling, as chat's.
       const reply = JSON.stringify({ object: "list", data, model: name, usage: { prompt_tokens: promptTokens, total_tokens: promptTokens } });
       metering.settle(ticket, { promptTokens, completionTokens: 0 }, outcome(name, res.target, 200, start, false));
       return { reply, usage: { promptTokens, completionTokens: 0 } };

@@ -54,7 +54,7 @@ const upstream = Bun.serve({
   hostname: "127.0.0.1",
   port: 0,
   async fetch(req) {
-    const body = (await req.json()) as { stream?: boolean };
+    const body = (await req.json()) as { stream?: boolean; input?: unknown };
     if (scripted && "endless" in scripted) {
       const run = scripted;
       const bytes = new TextEncoder().encode(`data: ${JSON.stringify(run.endless)}\n\n`);
@@ -85,7 +85,10 @@ const upstream = Bun.serve({
       return new Response(new ReadableStream({ start: (c) => c.enqueue(bytes) }), { headers: { "content-type": "text/event-stream" } });
     }
     if (new URL(req.url).pathname.endsWith("/embeddings")) {
-      return Response.json({ object: "list", model: EMBED_MODEL, data: [{ object: "embedding", index: 0, embedding: [0.5, 0.5] }], usage });
+      // One vector per input (a string or a token list is one input), as spec 2.4 asks of the answer.
+      const inputs = typeof body.input === "string" || typeof arr(body.input)[0] === "number" ? 1 : arr(body.input).length;
+      const data = Array.from({ length: inputs }, (_, index) => ({ object: "embedding", index, embedding: [0.5, 0.5] }));
+      return Response.json({ object: "list", model: EMBED_MODEL, data, usage });
     }
     const head = { id: "c1", created: 1, model: CHAT_MODEL };
     if (!body.stream) {
