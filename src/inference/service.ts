@@ -161,8 +161,11 @@ function withTextArguments(call: unknown): unknown {
 function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unknown>; completionBytes: number } | undefined {
   if (!isRecord(raw) || !Array.isArray(raw.choices)) return undefined;
   let completionBytes = 0;
-  const choices = raw.choices.map((c: unknown, i: number) => {
-    const choice = isRecord(c) ? c : {};
+  const choices: Record<string, unknown>[] = [];
+  raw.choices.forEach((c: unknown, i: number) => {
+    // An entry that is not an object carries no answer; an answer with none is no answer (unreadable).
+    if (!isRecord(c)) return;
+    const choice = c;
     const m = isRecord(choice.message) ? choice.message : {};
     const content = typeof m.content === "string" ? m.content : null;
     completionBytes += stringBytes(content);
@@ -180,13 +183,14 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     }
     // Generated text too, for the estimate when the upstream reports no usage; the reasoning once under either name.
     completionBytes += Math.max(stringBytes(m.reasoning_content), stringBytes(m.reasoning)) + stringBytes(m.refusal);
-    return {
+    choices.push({
       index: int(choice.index) ?? i,
       message,
       logprobs: choice.logprobs ?? null,
       finish_reason: typeof choice.finish_reason === "string" ? choice.finish_reason : "stop",
-    };
+    });
   });
+  if (choices.length === 0) return undefined;
   return {
     out: {
       id: typeof raw.id === "string" ? raw.id : `chatcmpl-${crypto.randomUUID().replaceAll("-", "")}`,

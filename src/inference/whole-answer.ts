@@ -24,6 +24,8 @@ export function wholeAnswer(body: Buffer, alias: string): WholeAnswer {
   }
   if (!isRecord(v)) return undefined;
   if (!Array.isArray(v.choices)) return "error" in v || v.object === "error" || "detail" in v ? { error: true } : undefined;
+  // No choice that is an object: no answer (a JSON answer to a non-streamed request with none is unreadable too).
+  if (!v.choices.some(isRecord)) return undefined;
   const head = {
     id: typeof v.id === "string" ? v.id : "",
     object: "chat.completion.chunk",
@@ -33,7 +35,8 @@ export function wholeAnswer(body: Buffer, alias: string): WholeAnswer {
   const events: string[] = [];
   const event = (extra: Record<string, unknown>) => events.push(`data: ${JSON.stringify({ ...head, ...extra })}\n\n`);
   v.choices.forEach((c: unknown, i: number) => {
-    const choice = isRecord(c) ? c : {};
+    if (!isRecord(c)) return;
+    const choice = c;
     const index = typeof choice.index === "number" && Number.isSafeInteger(choice.index) ? choice.index : i;
     const m = isRecord(choice.message) ? choice.message : {};
     const delta: Record<string, unknown> = { role: "assistant" };

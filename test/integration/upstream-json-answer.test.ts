@@ -1,0 +1,75 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { eq } from "drizzle-orm";
+import { usageEvents } from "../../src/db/schema.ts";
+import type { Gateway } from "../../src/server.ts";
+import { errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
+import { CHAT_MODEL, TEST_PLANS, chatAlias, post, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+
+// Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(30_000);
+
+/**
+ * A chat upstream's whole (JSON) answer that no client can read as a chat
+ * completion, through the gateway over real HTTP: chat JSON and streamed
+ * (a server that answers a stream whole), the Responses API JSON.
+ */
+
+/** The scripted upstream's next JSON answer. */
+let answer: Record<string, unknown>;
+let upstream: ReturnType<typeof Bun.serve>;
+let gw: Gateway;
+let org: SeededOrg;
+
+const USAGE = { prompt_tokens: 3, completion_tokens: 1, total_tokens: 4 };
+const completion = (choices: unknown[], extra: Record<string, unknown> = {}) => ({ id: "c1", object: "chat.completion", created: 1, model: CHAT_MODEL, choices, usage: USAGE, ...extra });
+
+beforeAll(async () => {
+  upstream = Bun.serve({ port: 0, hostname: "127.0.0.1", fetch: () => Response.json(answer) });
+  gw = await startTestGateway({
+    aliases: { "svc-fast": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }]) },
+    plans: TEST_PLANS,
+    upstream: upstreamSettings({ attempts: 1, breakerFailures: 1_000_000 }),
+    responses: { enabled: true },
+  });
+  org = await seedTestOrg(gw.database);
+});
+
+afterAll(async () => {
+  await gw.stop();
+  upstream.stop(true);
+});
+
+async function usageRows(orgId: string) {
+  await gw.quota.flush();
+  return gw.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, orgId));
+}
+
+describe("a JSON answer with no choice (choices: [], or none an object) is no answer: 503, nothing charged", () => {
+  for (const [name, choices] of [
+    ["choices: []", []],
+    ["choices: [null, 5]", [null, 5]],
+  ] as const) {
+    test(`${name}: chat JSON and the Responses API JSON answer 503 unreadable`, async () => {
+      answer = completion([...choices]);
+      const o = await seedTestOrg(gw.database);
+      const chat = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() });
+      expect(chat.status).toBe(503);
+      expect(await errorOf(chat)).toMatchObject({ type: "service_unavailable", message: "The model 'svc-fast' sent an unreadable answer; retry with backoff." });
+      const resp = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi", store: false });
+      expect(resp.status).toBe(503);
+      expect(await errorOf(resp)).toMatchObject({ type: "service_unavailable", message: "The model 'svc-fast' sent an unreadable answer; retry with backoff." });
+      // One row for both (rows are summed by key, alias, target and status within a write).
+      const rows = await usageRows(o.orgId);
+      expect(rows.map((r) => [r.status, r.promptTokens, r.completionTokens, r.requests])).toEqual([[503, 0, 0, 2]]);
+    });
+
+    test(`${name}: a stream answered whole ends with an error event, not an empty answer`, async () => {
+      answer = completion([...choices]);
+      const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", messages: userMessages(), stream: true });
+      expect(res.status).toBe(200);
+      const data = sseData(await res.text());
+      expect(data.length).toBe(1);
+      expect(JSON.parse(data[0] as string)).toMatchObject({ error: { type: "service_unavailable" } });
+    });
+  }
+});
