@@ -7,7 +7,7 @@ import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
 import type { ImageUrlCheck } from "./image-url.ts";
 import { type EndableStream, type RelayOptions, relayStream, type StreamEnd, streamCharge } from "./stream.ts";
-import { countTextAfterReport, type ReportedText, sseAsCompletion } from "./whole-answer.ts";
+import { choiceIndexOf, countTextAfterReport, createdOf, type ReportedText, sseAsCompletion } from "./whole-answer.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
 import { type Counted, type UsageBounds, countUsage, usageDetails } from "./usage.ts";
@@ -106,7 +106,6 @@ function takeResolve(resolve: (o: StreamOutcome) => void): void {
   taken = resolve;
 }
 
-const int = (v: unknown): number | undefined => (typeof v === "number" && Number.isFinite(v) ? Math.max(0, Math.round(v)) : undefined);
 
 /** Alias-dependent rules: capabilities (images, tools) and the context window. */
 export function checkChatAgainstAlias(body: ChatBody, name: string, alias: AliasConfig): void {
@@ -162,7 +161,8 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
   if (!isRecord(raw) || !Array.isArray(raw.choices)) return undefined;
   let completionBytes = 0;
   const choices: Record<string, unknown>[] = [];
-  raw.choices.forEach((c: unknown, i: number) => {
+  const sent: unknown[] = raw.choices;
+  sent.forEach((c: unknown, i: number) => {
     // An entry that is not an object carries no answer; an answer with none is no answer (unreadable).
     if (!isRecord(c)) return;
     const choice = c;
@@ -184,7 +184,7 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     // Generated text too, for the estimate when the upstream reports no usage; the reasoning once under either name.
     completionBytes += Math.max(stringBytes(m.reasoning_content), stringBytes(m.reasoning)) + stringBytes(m.refusal);
     choices.push({
-      index: int(choice.index) ?? i,
+      index: choiceIndexOf(choice.index, i, sent.length),
       message,
       logprobs: choice.logprobs ?? null,
       finish_reason: typeof choice.finish_reason === "string" ? choice.finish_reason : "stop",
@@ -195,7 +195,7 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     out: {
       id: typeof raw.id === "string" ? raw.id : `chatcmpl-${crypto.randomUUID().replaceAll("-", "")}`,
       object: "chat.completion",
-      created: int(raw.created) ?? Math.floor(Date.now() / 1000),
+      created: createdOf(raw.created),
       model: alias,
       choices,
     },

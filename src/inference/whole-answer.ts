@@ -13,6 +13,23 @@ import { type Counted, MAX_TOKEN_COUNT, type UsageBounds, countUsage } from "./u
  * API. Before, the answer was held unread and the stream failed "ended
  * early", the client got an error and the generated tokens were not charged.
  */
+/** The most a `created` may be: clients read it as an unsigned 32-bit count of seconds (async-openai's u32), up to 2106. */
+const MAX_CREATED = 2 ** 32 - 1;
+
+/**
+ * An upstream answer's `created`, when it is a whole number of seconds from 0
+ * to MAX_CREATED; else the time now. A number written as `1e+308`, or a
+ * fraction, is no integer to a strict client (a u32 or i64 field).
+ */
+export function createdOf(v: unknown): number {
+  return typeof v === "number" && Number.isInteger(v) && v >= 0 && v <= MAX_CREATED ? v : Math.floor(Date.now() / 1000);
+}
+
+/** A choice's `index` when it is a whole number below the number of choices (its position among them), else its position. */
+export function choiceIndexOf(v: unknown, position: number, choices: number): number {
+  return typeof v === "number" && Number.isInteger(v) && v >= 0 && v < choices ? v : position;
+}
+
 export type WholeAnswer = { events: Buffer } | { error: true } | undefined;
 
 export function wholeAnswer(body: Buffer, alias: string): WholeAnswer {
@@ -25,19 +42,20 @@ export function wholeAnswer(body: Buffer, alias: string): WholeAnswer {
   if (!isRecord(v)) return undefined;
   if (!Array.isArray(v.choices)) return "error" in v || v.object === "error" || "detail" in v ? { error: true } : undefined;
   // No choice that is an object: no answer (a JSON answer to a non-streamed request with none is unreadable too).
-  if (!v.choices.some(isRecord)) return undefined;
+  const all: unknown[] = v.choices;
+  if (!all.some(isRecord)) return undefined;
   const head = {
     id: typeof v.id === "string" ? v.id : "",
     object: "chat.completion.chunk",
-    created: typeof v.created === "number" && Number.isSafeInteger(v.created) ? v.created : Math.floor(Date.now() / 1000),
+    created: createdOf(v.created),
     model: alias,
   };
   const events: string[] = [];
   const event = (extra: Record<string, unknown>) => events.push(`data: ${JSON.stringify({ ...head, ...extra })}\n\n`);
-  v.choices.forEach((c: unknown, i: number) => {
+  all.forEach((c: unknown, i: number) => {
     if (!isRecord(c)) return;
     const choice = c;
-    const index = typeof choice.index === "number" && Number.isSafeInteger(choice.index) ? choice.index : i;
+    const index = choiceIndexOf(choice.index, i, all.length);
     const m = isRecord(choice.message) ? choice.message : {};
     const delta: Record<string, unknown> = { role: "assistant" };
     for (const k of ["content", "refusal", "reasoning_content", "reasoning"] as const) if (typeof m[k] === "string") delta[k] = m[k];

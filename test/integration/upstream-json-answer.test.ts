@@ -73,3 +73,41 @@ describe("a JSON answer with no choice (choices: [], or none an object) is no an
     });
   }
 });
+
+describe("the answer's integers are integers a strict client reads (u32/i64 fields: created, index)", () => {
+  /** `created` and each choice's `index` as the client gets them, JSON and streamed, read from the text (1e+308 is no integer there). */
+  async function numbersOf(stream: boolean): Promise<string[]> {
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", messages: userMessages(), stream });
+    expect(res.status).toBe(200);
+    const text = await res.text();
+    return [...text.matchAll(/"(created|index)":([^,}\]]*)/g)].map((m) => `${m[1]}:${m[2]}`);
+  }
+
+  for (const [name, created, index] of [
+    ["1e308", 1e308, 1e308],
+    ["negative", -5, -1],
+    ["fractional", 1.5, 0.5],
+    ["a string", "1700000000", "0"],
+    ["2^53", 2 ** 53, 2 ** 53],
+  ] as const) {
+    test(`created and index ${name}: the time of the answer and the choice's position, JSON and streamed`, async () => {
+      answer = completion([{ index, message: { role: "assistant", content: "hi" }, finish_reason: "stop" }], { created });
+      const before = Math.floor(Date.now() / 1000);
+      for (const stream of [false, true]) {
+        const numbers = await numbersOf(stream);
+        expect(numbers.length).toBeGreaterThan(1);
+        for (const n of numbers) {
+          const [field, value] = n.split(":") as [string, string];
+          expect(value).toMatch(/^\d+$/);
+          if (field === "index") expect(value).toBe("0");
+          else expect(Number(value)).toBeGreaterThanOrEqual(before);
+        }
+      }
+    });
+  }
+
+  test("plausible ones are kept as sent", async () => {
+    answer = completion([{ index: 0, message: { role: "assistant", content: "hi" }, finish_reason: "stop" }], { created: 1_700_000_000 });
+    for (const stream of [false, true]) for (const n of await numbersOf(stream)) expect(["created:1700000000", "index:0"]).toContain(n);
+  });
+});
