@@ -140,15 +140,21 @@ function embeddingAnswerLimit(body: EmbeddingsBody, aliasDimensions: number | un
 }
 
 /**
- * A tool call whose `function.arguments` is a JSON object or array (some
- * OpenAI-compatible servers send the arguments parsed) with its JSON text
- * there instead, the string the SDKs take; any other call as sent.
+ * A tool call in the shape the SDKs read (the openai SDK's and the Vercel AI
+ * SDK's types: `id` a string, `type` "function", `function.name` and
+ * `function.arguments` strings), or undefined for an entry that is not an
+ * object (it carries no call). Arguments sent as a JSON object or array
+ * (some OpenAI-compatible servers send them parsed) become their JSON text;
+ * any other value that is not a string, "". A missing or non-string id is a
+ * new `call_…`, a name that is not a string "". Other fields as sent.
  */
-function withTextArguments(call: unknown): unknown {
-  if (!isRecord(call) || !isRecord(call.function)) return call;
-  const args = call.function.arguments;
-  if (typeof args !== "object" || args === null) return call;
-  return { ...call, function: { ...call.function, arguments: JSON.stringify(args) } };
+function shapeToolCall(call: unknown): Record<string, unknown> | undefined {
+  if (!isRecord(call)) return undefined;
+  const fn = isRecord(call.function) ? call.function : {};
+  const args = fn.arguments;
+  const text = typeof args === "string" ? args : typeof args === "object" && args !== null ? JSON.stringify(args) : "";
+  const id = typeof call.id === "string" && call.id !== "" ? call.id : `call_${crypto.randomUUID().replaceAll("-", "").slice(0, 24)}`;
+  return { ...call, id, type: "function", function: { ...fn, name: typeof fn.name === "string" ? fn.name : "", arguments: text } };
 }
 
 /**
@@ -170,14 +176,19 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     const content = typeof m.content === "string" ? m.content : null;
     completionBytes += stringBytes(content);
     const message: Record<string, unknown> = { role: "assistant", content, refusal: null };
-    if (Array.isArray(m.tool_calls) && m.tool_calls.length > 0) {
-      const calls = m.tool_calls.map(withTextArguments);
-      message.tool_calls = calls;
-      // Each call's arguments (as text), as a stream of the same answer counts them (chunk-bytes.ts): the
-      // call's JSON around them is the gateway's serialisation, not generated text. Before, that JSON
-      // was counted too, so the same answer was charged ~16 tokens a call more whole than streamed.
-      for (const call of calls) if (isRecord(call) && isRecord(call.function)) completionBytes += stringBytes(call.function.arguments);
+    const calls: Record<string, unknown>[] = [];
+    if (Array.isArray(m.tool_calls)) {
+      for (const sent of m.tool_calls) {
+        const call = shapeToolCall(sent);
+        if (!call) continue;
+        calls.push(call);
+        // Each call's arguments (as text), as a stream of the same answer counts them (chunk-bytes.ts): the
+        // call's JSON around them is the gateway's serialisation, not generated text. Before, that JSON
+        // was counted too, so the same answer was charged ~16 tokens a call more whole than streamed.
+        completionBytes += stringBytes((call.function as Record<string, unknown>).arguments);
+      }
     }
+    if (calls.length > 0) message.tool_calls = calls;
     for (const k of ["reasoning_content", "reasoning", "refusal"] as const) {
       if (typeof m[k] === "string") message[k] = m[k];
     }

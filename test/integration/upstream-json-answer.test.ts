@@ -1,4 +1,6 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { createOpenAI } from "@ai-sdk/openai";
+import { generateText } from "ai";
 import { eq } from "drizzle-orm";
 import { usageEvents } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
@@ -109,5 +111,45 @@ describe("the answer's integers are integers a strict client reads (u32/i64 fiel
   test("plausible ones are kept as sent", async () => {
     answer = completion([{ index: 0, message: { role: "assistant", content: "hi" }, finish_reason: "stop" }], { created: 1_700_000_000 });
     for (const stream of [false, true]) for (const n of await numbersOf(stream)) expect(["created:1700000000", "index:0"]).toContain(n);
+  });
+});
+
+describe("a JSON answer's tool calls are sent in the shape the SDKs read (id, type function, function.name and .arguments as strings)", () => {
+  const ask = () => post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", messages: userMessages() });
+  const withCalls = (tool_calls: unknown[]) => completion([{ index: 0, message: { role: "assistant", content: null, tool_calls }, finish_reason: "tool_calls" }]);
+
+  test("entries that are not objects are left out; a missing or non-string id, type, name or arguments is filled in", async () => {
+    answer = withCalls([
+      5,
+      null,
+      { id: 3, type: "x", function: { name: 7, arguments: null } },
+      { type: "function", function: { name: "get_weather", arguments: '{"city":"Oslo"}' } },
+      { id: "call_1", type: "function" },
+      { id: "call_2", type: "function", function: { name: "f", arguments: 12 } },
+    ]);
+    const res = await ask();
+    expect(res.status).toBe(200);
+    const calls = ((await res.json()) as { choices: { message: { tool_calls: unknown } }[] }).choices[0]?.message.tool_calls as { id: string; type: string; function: { name: string; arguments: string } }[];
+    expect(calls.length).toBe(4);
+    for (const c of calls) {
+      expect(c.id).toMatch(/^call_/);
+      expect(c.type).toBe("function");
+      expect(typeof c.function.name).toBe("string");
+      expect(typeof c.function.arguments).toBe("string");
+    }
+    expect(calls.map((c) => [c.function.name, c.function.arguments])).toEqual([
+      ["", ""],
+      ["get_weather", '{"city":"Oslo"}'],
+      ["", ""],
+      ["f", ""],
+    ]);
+    expect(calls[3]?.id).toBe("call_2");
+  });
+
+  test("the Vercel AI SDK reads the answer (its schema: type 'function', name and arguments strings)", async () => {
+    answer = withCalls([{ id: 3, type: "x", function: { name: "get_weather", arguments: null } }, { id: "call_9", type: "function", function: { name: "get_weather", arguments: '{"city":"Oslo"}' } }]);
+    const provider = createOpenAI({ apiKey: org.personalKey, baseURL: `${gw.url}/v1` });
+    const r = await generateText({ model: provider.chat("svc-fast"), prompt: "x", maxRetries: 0 });
+    expect(r.toolCalls.map((c) => c.toolName)).toEqual(["get_weather", "get_weather"]);
   });
 });
