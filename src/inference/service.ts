@@ -157,6 +157,45 @@ function shapeToolCall(call: unknown): Record<string, unknown> | undefined {
   return { ...call, id, type: "function", function: { ...fn, name: typeof fn.name === "string" ? fn.name : "", arguments: text } };
 }
 
+/** A logprob entry's bytes when they are a list of byte values, else null. */
+const bytesOf = (v: unknown): number[] | null =>
+  Array.isArray(v) && v.every((b) => typeof b === "number" && Number.isInteger(b) && b >= 0 && b <= 255) ? (v as number[]) : null;
+
+/** One token's logprob as the SDKs read it ({token, logprob, bytes}), or undefined when it is no token with a finite logprob. */
+function tokenLogprob(v: unknown): { token: string; logprob: number; bytes: number[] | null } | undefined {
+  if (!isRecord(v) || typeof v.token !== "string" || typeof v.logprob !== "number" || !Number.isFinite(v.logprob)) return undefined;
+  return { token: v.token, logprob: v.logprob, bytes: bytesOf(v.bytes) };
+}
+
+/** A list of logprob entries, each with its top_logprobs; entries that are no token left out; null when not a list. */
+function logprobList(v: unknown): Record<string, unknown>[] | null {
+  if (!Array.isArray(v)) return null;
+  const out: Record<string, unknown>[] = [];
+  for (const e of v) {
+    const t = tokenLogprob(e);
+    if (!t) continue;
+    const top: unknown[] = [];
+    const sent = (e as Record<string, unknown>).top_logprobs;
+    if (Array.isArray(sent)) for (const x of sent) {
+      const tt = tokenLogprob(x);
+      if (tt) top.push(tt);
+    }
+    out.push({ ...t, top_logprobs: top });
+  }
+  return out;
+}
+
+/**
+ * A choice's `logprobs` in the shape the SDKs read (`{content, refusal}`,
+ * each a list of entries or null): null when it is not an object, and
+ * entries that are not a token with a finite logprob left out, at either
+ * depth. The Vercel AI SDK refuses a whole answer for one such entry.
+ */
+function shapeLogprobs(v: unknown): Record<string, unknown> | null {
+  if (!isRecord(v)) return null;
+  return { content: logprobList(v.content), refusal: logprobList(v.refusal) };
+}
+
 /**
  * Spec 2.3 with `model` = the alias; tool calls (their arguments as text),
  * finish reasons, reasoning text and requested logprobs pass through.
@@ -197,7 +236,7 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     choices.push({
       index: choiceIndexOf(choice.index, i, sent.length),
       message,
-      logprobs: choice.logprobs ?? null,
+      logprobs: shapeLogprobs(choice.logprobs),
       finish_reason: typeof choice.finish_reason === "string" ? choice.finish_reason : "stop",
     });
   });

@@ -153,3 +153,29 @@ describe("a JSON answer's tool calls are sent in the shape the SDKs read (id, ty
     expect(r.toolCalls.map((c) => c.toolName)).toEqual(["get_weather", "get_weather"]);
   });
 });
+
+describe("a JSON answer's logprobs are sent in the shape the SDKs read, or null", () => {
+  const good = { token: "hi", logprob: -0.5, bytes: [104, 105], top_logprobs: [{ token: "hi", logprob: -0.5, bytes: [104, 105] }] };
+  const withLogprobs = (logprobs: unknown) => completion([{ index: 0, message: { role: "assistant", content: "hi" }, logprobs, finish_reason: "stop" }]);
+  const logprobsOf = async () => {
+    const res = await post(gw, "/v1/chat/completions", org.personalKey, { model: "svc-fast", messages: userMessages(), logprobs: true, top_logprobs: 1 });
+    expect(res.status).toBe(200);
+    return ((await res.json()) as { choices: { logprobs: unknown }[] }).choices[0]?.logprobs;
+  };
+
+  test("not an object: null; entries that are not a token with a finite logprob are left out, at either depth", async () => {
+    answer = withLogprobs("zzz");
+    expect(await logprobsOf()).toBeNull();
+    answer = withLogprobs({ content: [{ token: 5 }, null, { ...good, top_logprobs: [...good.top_logprobs, { token: 3 }, { token: "x", logprob: "1" }] }, { token: "y", logprob: -1, bytes: "zz", top_logprobs: "zz" }], refusal: 7 });
+    expect(await logprobsOf()).toEqual({ content: [good, { token: "y", logprob: -1, bytes: null, top_logprobs: [] }], refusal: null });
+    answer = withLogprobs({ content: [good], refusal: null });
+    expect(await logprobsOf()).toEqual({ content: [good], refusal: null });
+  });
+
+  test("the Vercel AI SDK reads an answer whose upstream logprobs were garbage", async () => {
+    answer = withLogprobs({ content: [{ token: 5 }] });
+    const provider = createOpenAI({ apiKey: org.personalKey, baseURL: `${gw.url}/v1` });
+    const r = await generateText({ model: provider.chat("svc-fast"), prompt: "x", maxRetries: 0 });
+    expect(r.text).toBe("hi");
+  });
+});
