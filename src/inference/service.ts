@@ -14,9 +14,9 @@ import { type Counted, type UsageBounds, countUsage, usageDetails } from "./usag
 import { embeddingData, embeddingInputs } from "./embedding-answer.ts";
 import {
   DEFAULT_IMAGE_TOKENS,
-  charsToTokens,
   choiceCount,
   completionLimit,
+  deliveredTokens,
   embeddingTokenBound,
   estimateEmbeddingTokens,
   estimatePromptTokens,
@@ -410,7 +410,7 @@ export function createInferenceService(deps: ServiceDeps) {
         target = res.target;
         let parsed = parseJson(res.body);
         /** Text around the last usage report of an answer sent as SSE: the report does not count what followed it. */
-        const reported: ReportedText = { before: 0, after: 0 };
+        const reported: ReportedText = { before: 0, after: 0, events: 0, eventsAfter: 0 };
         if (parsed === undefined) {
           // A server that streams what it was asked for whole (whole-answer.ts).
           const assembled = sseAsCompletion(res.body, reported);
@@ -427,7 +427,8 @@ export function createInferenceService(deps: ServiceDeps) {
         const counted =
           rawUsage && reported.after > 0
             ? countTextAfterReport(rawUsage, promptEstimate, reported, bounds)
-            : countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: charsToTokens(shaped.completionBytes) }, bounds);
+            : // An answer sent as SSE: each event of text at least one token, as a stream's (tokens.ts, deliveredTokens).
+              countUsage(rawUsage, { promptTokens: promptEstimate, completionTokens: deliveredTokens(shaped.completionBytes, reported.events) }, bounds);
         checkedUsage(name, res.target, counted, reservedCap, ctx.requestId);
         const { promptTokens, completionTokens } = counted;
         promptOverReserve(name, promptTokens, metered ? promptReserve : undefined, ctx.requestId);

@@ -26,7 +26,7 @@ import {
   withAlias,
   withWholeLineEnd,
 } from "./chunk-bytes.ts";
-import { charsToTokens } from "./tokens.ts";
+import { deliveredTokens } from "./tokens.ts";
 import { type Counted, type UsageBounds, type UsageDetails, countUsage, detailsAsSent, usageDetails } from "./usage.ts";
 import { wholeAnswer } from "./whole-answer.ts";
 
@@ -78,6 +78,8 @@ export interface StreamEnd {
   usage: { promptTokens: number; completionTokens: number } | undefined;
   /** UTF-8 bytes of the delta text delivered to the client (its text, whatever escapes the upstream wrote it with). */
   deliveredChars: number;
+  /** Events of delta text delivered to the client: each stands for at least one generated token. */
+  deliveredEvents: number;
   reason?: string;
 }
 
@@ -188,11 +190,11 @@ function errorEvent(opts: RelayOptions, message: string): Uint8Array {
 
 /**
  * A stream's completion so far: the last usage report plus the text delivered
- * after it (~4 bytes a token), or before any report the delivered text alone.
+ * after it (deliveredTokens), or before any report the delivered text alone.
  * Module functions, not closures: an open stream holds none of them.
  */
-function completionSoFar(usage: StreamEnd["usage"], delivered: number, atUsage: number): number {
-  return usage === undefined ? charsToTokens(delivered) : usage.completionTokens + charsToTokens(delivered - atUsage);
+function completionSoFar(usage: StreamEnd["usage"], delivered: number, atUsage: number, events: number, eventsAtUsage: number): number {
+  return usage === undefined ? deliveredTokens(delivered, events) : usage.completionTokens + deliveredTokens(delivered - atUsage, events - eventsAtUsage);
 }
 
 /**
@@ -209,7 +211,7 @@ function completionSoFar(usage: StreamEnd["usage"], delivered: number, atUsage: 
 export function streamCharge(end: StreamEnd, promptEstimate: number, completionBound: number): { promptTokens: number; completionTokens: number } {
   const nothing = end.usage === undefined && end.deliveredChars === 0 && (end.outcome === "failed" || end.outcome === "ended");
   if (nothing) return { promptTokens: 0, completionTokens: 0 };
-  const counted = end.usage ?? { promptTokens: promptEstimate, completionTokens: charsToTokens(end.deliveredChars) };
+  const counted = end.usage ?? { promptTokens: promptEstimate, completionTokens: deliveredTokens(end.deliveredChars, end.deliveredEvents) };
   return { promptTokens: counted.promptTokens, completionTokens: Math.min(counted.completionTokens, completionBound) };
 }
 
@@ -257,6 +259,9 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
   private sentChars = 0;
   /** deliveredChars when the last usage report arrived (that event's own text included): what followed is not in it. */
   private charsAtUsage = 0;
+  /** Events of delta text delivered to the client, and their number when the last usage report arrived (as charsAtUsage). */
+  private deliveredEvents = 0;
+  private eventsAtUsage = 0;
   private ended = false;
   private upstreamError: string | undefined;
   private readonly gen: RelayOptions["generation"];
@@ -330,6 +335,17 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
     this.up.abort(message);
   }
 
+  /** The completion so far (the module's completionSoFar of this stream's counts). */
+  private completionSoFar(): number {
+    return completionSoFar(this.usage, this.deliveredChars, this.charsAtUsage, this.deliveredEvents, this.eventsAtUsage);
+  }
+
+  /** The text delivered so far is counted by the usage now taken (a report, or the gateway's own). */
+  private usageCoversDelivered(): void {
+    this.charsAtUsage = this.deliveredChars;
+    this.eventsAtUsage = this.deliveredEvents;
+  }
+
   private end(outcome: StreamEnd["outcome"], reason?: string): void {
     if (this.ended) return;
     this.ended = true;
@@ -339,9 +355,9 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
     // Only the upstream's own failures count against its breaker.
     this.up.finish(outcome === "done" ? true : outcome === "failed" ? false : null);
     const usage = this.usage;
-    const reported = usage && { promptTokens: usage.promptTokens, completionTokens: completionSoFar(usage, this.deliveredChars, this.charsAtUsage) };
-    const deliveredChars = this.deliveredChars;
-    const end: StreamEnd = reason ? { outcome, usage: reported, deliveredChars, reason } : { outcome, usage: reported, deliveredChars };
+    const reported = usage && { promptTokens: usage.promptTokens, completionTokens: this.completionSoFar() };
+    const { deliveredChars, deliveredEvents } = this;
+    const end: StreamEnd = reason ? { outcome, usage: reported, deliveredChars, deliveredEvents, reason } : { outcome, usage: reported, deliveredChars, deliveredEvents };
     this.opts.onEnd(end);
     // The client left: a transform (a stored Response) is told now, with what the request is charged; not at
     // the moment the client left, as a complete answer's usage chunk may still come then (`cancel`), and is charged.
@@ -393,7 +409,7 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
     const opts = this.opts;
     // A report that leaves the prompt out (a server reporting it on the first chunk, the completion on the
     // last) keeps the count reported before; before, the estimate took its place.
-    const estimate = { promptTokens: this.usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: charsToTokens(this.deliveredChars + text) };
+    const estimate = { promptTokens: this.usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: deliveredTokens(this.deliveredChars + text, this.deliveredEvents + (text > 0 ? 1 : 0)) };
     const parsed = usageOf(event.toString("utf8", at, event.length - termLen), estimate, opts.bounds);
     if (parsed) {
       this.usage = { promptTokens: parsed.counted.promptTokens, completionTokens: parsed.counted.completionTokens };
@@ -427,7 +443,7 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
     if (this.clientLeft) {
       // The client left once the answer was complete: nothing is relayed, the usage (or [DONE]) is looked for.
       if (isDone(event, at)) this.sawDone = true;
-      else if (carriesUsage(event, at) && this.takeUsage(event, at, termLen, 0)) this.charsAtUsage = this.deliveredChars;
+      else if (carriesUsage(event, at) && this.takeUsage(event, at, termLen, 0)) this.usageCoversDelivered();
       return undefined;
     }
     if (isDone(event, at)) {
@@ -438,10 +454,10 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
       // was the early report (1 completion token) while the record charged the text after it too.
       if (opts.clientWantsUsage && (this.usage === undefined || this.deliveredChars > this.charsAtUsage)) {
         // Never past the bound the upstream was sent (usage.ts): that is what is charged.
-        const completion = completionSoFar(this.usage, this.deliveredChars, this.charsAtUsage);
+        const completion = this.completionSoFar();
         const usage = { promptTokens: this.usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: Math.min(completion, opts.bounds?.completionTokens ?? Number.POSITIVE_INFINITY) };
         this.usage = usage;
-        this.charsAtUsage = this.deliveredChars;
+        this.usageCoversDelivered();
         const chunk = {
           id: this.chunkId ?? "",
           object: "chat.completion.chunk",
@@ -486,7 +502,7 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
       if (parsed) {
         reported = true;
         if (!opts.clientWantsUsage && parsed.onlyUsage) {
-          this.charsAtUsage = this.deliveredChars;
+          this.usageCoversDelivered();
           return undefined;
         }
         if (parsed.rewritten !== undefined) {
@@ -498,8 +514,9 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
       }
     }
     this.deliveredChars += text;
+    if (text > 0) this.deliveredEvents++;
     this.sentChars += this.sentBytes;
-    if (reported) this.charsAtUsage = this.deliveredChars;
+    if (reported) this.usageCoversDelivered();
     // A transform re-serialises the events (the Responses API names the alias itself): no swap to make.
     // Otherwise every event is swapped, an alias equal to the configured id too: a server may name another model.
     if (this.tf) return event;
@@ -650,10 +667,10 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
   private async finishAtBound(c: ReadableStreamDirectController, g: NonNullable<RelayOptions["generation"]>): Promise<void> {
     const opts = this.opts;
     this.up.abort("the upstream went past max_tokens");
-    const completion = Math.min(g.maxTokens * g.choices, Math.max(completionSoFar(this.usage, this.deliveredChars, this.charsAtUsage), this.textEvents));
+    const completion = Math.min(g.maxTokens * g.choices, Math.max(this.completionSoFar(), this.textEvents));
     const usage = { promptTokens: this.usage?.promptTokens ?? opts.promptEstimate ?? 0, completionTokens: completion };
     this.usage = usage;
-    this.charsAtUsage = this.deliveredChars;
+    this.usageCoversDelivered();
     const term = this.termOut();
     const head = `data: {"id":${JSON.stringify(this.chunkId ?? "")},"object":"chat.completion.chunk","created":${Math.floor(Date.now() / 1000)},"model":${JSON.stringify(opts.alias)},"choices":`;
     const closing: Buffer[] = [];

@@ -15,6 +15,17 @@ import type { ChatBody, ChatMessage, EmbeddingsBody } from "./model.ts";
 
 export const charsToTokens = (chars: number): number => Math.ceil(chars / 4);
 
+/**
+ * The tokens delivered text stands for when no count says: ~4 bytes a token,
+ * but never fewer than its events of text, each at least one generated token
+ * (a server streams a token an event, or more: text of one byte a token, such
+ * as digits in Qwen's tokenizer, is a token an event and a quarter of that by
+ * its bytes). The stream relay's cut at the bound counts the events so too (stream.ts, `finishAtBound`).
+ */
+export function deliveredTokens(bytes: number, events: number): number {
+  return Math.max(events, charsToTokens(bytes));
+}
+
 /** UTF-8 bytes of a string: what the estimates count (service.ts and whole-answer.ts count answers with it too). */
 export const utf8 = (s: string): number => Buffer.byteLength(s, "utf8");
 

@@ -1,6 +1,6 @@
 import { isRecord } from "../lib/guards.ts";
 import { sseDataOf } from "../lib/sse.ts";
-import { charsToTokens, utf8 } from "./tokens.ts";
+import { deliveredTokens, utf8 } from "./tokens.ts";
 import { type Counted, MAX_TOKEN_COUNT, type UsageBounds, countUsage } from "./usage.ts";
 
 /**
@@ -79,10 +79,16 @@ interface Acc {
   logprobs: unknown[] | undefined;
 }
 
-/** UTF-8 bytes of an answer's generated text up to and including its last usage report's event (`before`), and after it (`after`). */
+/**
+ * UTF-8 bytes of an answer's generated text up to and including its last usage report's event (`before`), and after it
+ * (`after`); and its events of text, each at least one generated token (deliveredTokens, stream.ts): all of them
+ * (`events`, with or without a report) and those after the report (`eventsAfter`).
+ */
 export interface ReportedText {
   before: number;
   after: number;
+  events: number;
+  eventsAfter: number;
 }
 
 /**
@@ -115,6 +121,9 @@ export function sseAsCompletion(text: string, reported?: ReportedText): Record<s
   /** UTF-8 bytes of generated text up to and including the last usage report's event, and after it (the estimates count bytes, tokens.ts). */
   let before = 0;
   let unreported = 0;
+  /** Events of text in all, and since the last report. */
+  let events = 0;
+  let eventsUnreported = 0;
   // Read as the SSE standard reads it (lib/sse.ts): an event the body ends before its blank line is none.
   for (const data of sseDataOf(text)) {
     // [DONE] ends the answer: what follows is neither in it nor charged, as the stream relay drops it (stream.ts).
@@ -180,18 +189,25 @@ export function sseAsCompletion(text: string, reported?: ReportedText): Record<s
         for (const lp of c.logprobs.content) acc.logprobs.push(lp);
       }
     }
+    if (bytes > 0) {
+      events++;
+      eventsUnreported++;
+    }
     // A report counts the text of its own event (as the relay counts it); what follows is not in it.
     if (isRecord(v.usage)) {
       // A report that leaves the prompt out (reported on the first chunk, the completion on the last) keeps the earlier count, as the relay does.
       usage = v.usage.prompt_tokens === undefined && usage?.prompt_tokens !== undefined ? { ...v.usage, prompt_tokens: usage.prompt_tokens } : v.usage;
       before += unreported + bytes;
       unreported = 0;
+      eventsUnreported = 0;
     } else unreported += bytes;
   }
   if (!head) return undefined;
   if (reported) {
     reported.before = usage ? before : 0;
     reported.after = usage ? unreported : 0;
+    reported.events = events;
+    reported.eventsAfter = usage ? eventsUnreported : 0;
   }
   return {
     id: head.id,
@@ -226,7 +242,7 @@ export function sseAsCompletion(text: string, reported?: ReportedText): Record<s
  * completion tokens, where it had sent 1).
  */
 export function countTextAfterReport(usage: Record<string, unknown>, promptEstimate: number, reported: ReportedText, bounds: UsageBounds): Counted {
-  const counted = countUsage(usage, { promptTokens: promptEstimate, completionTokens: charsToTokens(reported.before) }, bounds);
-  const completionTokens = Math.min(bounds.completionTokens, MAX_TOKEN_COUNT, counted.completionTokens + charsToTokens(reported.after));
+  const counted = countUsage(usage, { promptTokens: promptEstimate, completionTokens: deliveredTokens(reported.before, reported.events - reported.eventsAfter) }, bounds);
+  const completionTokens = Math.min(bounds.completionTokens, MAX_TOKEN_COUNT, counted.completionTokens + deliveredTokens(reported.after, reported.eventsAfter));
   return { ...counted, completionTokens };
 }

@@ -530,6 +530,27 @@ describe("usage the upstream leaves out, or reports before the end", () => {
     expect(row?.completionTokens).toBe(60);
   });
 
+  test("without usage, one character an event (digits: a token each in Qwen's tokenizer): each event of text is charged at least a token, as the bound's cut counts them", async () => {
+    const promptEstimate = await estimateOf(true);
+    // 200 events of one digit, then the finish: at least 200 tokens generated, 200 bytes (~50 at 4 bytes a token).
+    const events = [
+      chunkOf([deltaOf({ role: "assistant", content: "" })]),
+      ...Array.from({ length: 200 }, () => chunkOf([deltaOf({ content: "7" })])),
+      chunkOf([{ index: 0, delta: {}, finish_reason: "stop" }]),
+    ];
+    // Streamed, complete and cut off (no [DONE]); and a non-streamed request the upstream answers with the same SSE.
+    for (const [stream, done] of [[true, true], [true, false], [false, true]] as const) {
+      scripted = { events, done };
+      const o = await seedTestOrg(gw.database, { quotaTokens: 10_000 });
+      const res = await post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream, max_tokens: 200 });
+      expect(res.status).toBe(200);
+      await res.text();
+      const [row] = await rows(o.orgId);
+      // Before: 50 (200 bytes at 4 a token), where one event more (past max_tokens: 200) was charged 200.
+      expect({ stream, done, prompt: row?.promptTokens, completion: row?.completionTokens }).toEqual({ stream, done, prompt: promptEstimate, completion: 200 });
+    }
+  });
+
   test("streamed without usage, the client asking for it: a usage chunk with what was counted comes before [DONE] (chat), and the Response carries it (Responses API)", async () => {
     const promptEstimate = await estimateOf(true);
     const events = [

@@ -91,26 +91,28 @@ describe("text after the last usage report", () => {
   const unbounded = { promptTokens: Number.POSITIVE_INFINITY, completionTokens: Number.POSITIVE_INFINITY };
 
   test("the answer's usage is the report as the upstream sent it; the text before and after it is told apart", () => {
-    const reported: ReportedText = { before: 0, after: 0 };
+    const reported: ReportedText = { before: 0, after: 0, events: 0, eventsAfter: 0 };
     const got = sseAsCompletion(answer({ prompt_tokens: 9, completion_tokens: 1, total_tokens: 10 }), reported);
     // Before: completion_tokens 101 and total_tokens 110, the gateway's sum in the upstream's place.
     expect(got && "usage" in got ? got.usage : undefined).toEqual({ prompt_tokens: 9, completion_tokens: 1, total_tokens: 10 });
-    expect(reported).toEqual({ before: 4, after: 400 });
+    expect(reported).toEqual({ before: 4, after: 400, events: 2, eventsAfter: 1 });
     // No report: nothing is told apart (the estimate of the whole answer is what counts).
-    const none: ReportedText = { before: 0, after: 0 };
+    const none: ReportedText = { before: 0, after: 0, events: 0, eventsAfter: 0 };
     sseAsCompletion('data: {"choices":[{"index":0,"delta":{"content":"abcd"}}]}\n\n', none);
-    expect(none).toEqual({ before: 0, after: 0 });
+    expect(none).toEqual({ before: 0, after: 0, events: 1, eventsAfter: 0 });
   });
 
   test("countTextAfterReport: the report checked as sent, then the text after it added (~4 bytes a token), never past the bound", () => {
-    const reported = { before: 4, after: 400 };
+    const reported = { before: 4, after: 400, events: 2, eventsAfter: 1 };
     expect(countTextAfterReport({ prompt_tokens: 9, completion_tokens: 1 }, 8, reported, unbounded)).toEqual({ promptTokens: 9, completionTokens: 101, rejected: undefined });
     // Past the bound: capped there, and nothing the upstream sent was implausible.
     expect(countTextAfterReport({ prompt_tokens: 9, completion_tokens: 1 }, 8, reported, { ...unbounded, completionTokens: 10 })).toEqual({ promptTokens: 9, completionTokens: 10, rejected: undefined });
     // The upstream's own count past the bound: named as it sent it.
     expect(countTextAfterReport({ prompt_tokens: 9, completion_tokens: 50 }, 8, reported, { ...unbounded, completionTokens: 10 })).toEqual({ promptTokens: 9, completionTokens: 10, rejected: { completion_tokens: "50" } });
     // 0 reported before any text is a count (nothing was generated yet), not a placeholder.
-    expect(countTextAfterReport({ prompt_tokens: 9, completion_tokens: 0 }, 8, { before: 0, after: 400 }, unbounded)).toEqual({ promptTokens: 9, completionTokens: 100, rejected: undefined });
+    expect(countTextAfterReport({ prompt_tokens: 9, completion_tokens: 0 }, 8, { before: 0, after: 400, events: 1, eventsAfter: 1 }, unbounded)).toEqual({ promptTokens: 9, completionTokens: 100, rejected: undefined });
+    // Text of a byte a token (digits, one an event): each event after the report is at least a token, not a quarter of one.
+    expect(countTextAfterReport({ prompt_tokens: 9, completion_tokens: 1 }, 8, { before: 1, after: 200, events: 201, eventsAfter: 200 }, unbounded)).toEqual({ promptTokens: 9, completionTokens: 1 + 200, rejected: undefined });
     // 0 after text is a placeholder: named, replaced by the estimate of the text before it, and the text after added.
     expect(countTextAfterReport({ prompt_tokens: 9, completion_tokens: 0 }, 8, reported, unbounded)).toEqual({ promptTokens: 9, completionTokens: 1 + 100, rejected: { completion_tokens: "0" } });
   });
