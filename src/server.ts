@@ -265,8 +265,11 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
           clearInterval(sweep);
           await step("metrics", () => metricsServer?.stop(true));
           await step("inference", () => inference.stop());
-          await step("responses", () => responsesApi?.stop());
+          // Usage first: it is what is billed, and stored responses add none to it.
+          // Stored responses wait at most ANSWER_TIMEOUT_MS (store.ts); before, their write waited on a locked table
+          // with no bound, ahead of the usage, until the service manager killed the process (responses-metering.test.ts).
           await step("usage", () => quota.stop());
+          await step("responses", () => responsesApi?.stop());
           await step("security", () => security.drain());
           await step("keys", () => verifier.stop());
           if (ownsDb) await step("database", () => database.close());

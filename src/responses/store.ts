@@ -1,6 +1,6 @@
 import { sql } from "drizzle-orm";
 import type { Principal } from "../auth/types.ts";
-import type { Database } from "../db/client.ts";
+import { ANSWER_TIMEOUT_MS, type Database } from "../db/client.ts";
 import { type Bound, BoundFull, boundedCall, createBound, maxOutAtOnce } from "../db/bounded.ts";
 import { rowsOf } from "../db/raw.ts";
 import { pgArray } from "../db/arrays.ts";
@@ -153,6 +153,8 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
    */
   let queue: PendingSave[] = [];
   let flushing: Promise<void> | undefined;
+  /** The rows of the write under way (taken off the queue), for the stop's word on what was not written. */
+  let writing: readonly PendingSave[] = [];
 
   /**
    * Queues a response; settles when its row is committed or refused. Never
@@ -203,9 +205,11 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
         lastWriteAt = performance.now();
         const batch = queue.slice(0, SAVE_BATCH);
         queue = queue.slice(SAVE_BATCH);
+        writing = batch;
         await writeBatch(batch);
       }
     } finally {
+      writing = [];
       flushing = undefined;
     }
   }
@@ -463,11 +467,31 @@ export function createResponseStore(database: Database, opts: StoreOptions) {
       timer = setInterval(() => void sweep(), SWEEP_EVERY_MS);
       timer.unref?.();
     },
-    /** Stops the sweep and writes what is still queued, so a clean stop loses no stored response. */
+    /**
+     * Stops the sweep and writes what is still queued, so a clean stop loses no stored response; but waits
+     * for that at most ANSWER_TIMEOUT_MS, as the stop's other writes do (docs/decisions.md, Quota: a graceful
+     * stop while the database does not answer). The writes are not ended by the server (insertRows): a locked
+     * table held the stop for as long as the lock was held, until the service manager killed the process.
+     * Past the wait, the responses not written are named in an error line and the stop goes on.
+     */
     async stop() {
       clearInterval(timer);
       await sweeping;
-      await flushing;
+      const out = flushing;
+      if (!out) return;
+      let late: ReturnType<typeof setTimeout> | undefined;
+      const written = await Promise.race([
+        out.then(() => true),
+        new Promise<boolean>((resolve) => {
+          late = setTimeout(() => resolve(false), ANSWER_TIMEOUT_MS);
+        }),
+      ]);
+      clearTimeout(late);
+      if (written) return;
+      log.error("stored responses not written at shutdown: the database did not take them in time", {
+        waited_ms: ANSWER_TIMEOUT_MS,
+        response_ids: [...writing, ...queue].map((b) => b.row.id),
+      });
     },
   };
 }

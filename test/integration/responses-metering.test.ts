@@ -130,6 +130,42 @@ describe.skipIf(!TEST_DATABASE_URL)("a store write that hangs (Postgres)", () =>
       await admin.end();
     }
   });
+
+  test("a stop while that write still waits: the usage is written and the leases returned first, and the stop ends in bounded time", async () => {
+    // Its own gateway (stopped here), writing usage only at the stop; an organisation with a quota, so a lease is out.
+    const g = await startTestGateway({ aliases: testAliases(sim.url), plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 1 }), responses: { enabled: true }, quota: { flushMs: 600_000 } });
+    const o = await seedTestOrg(g.database, { quotaTokens: 1_000_000 });
+    const admin = postgres(TEST_DATABASE_URL ?? "", { max: 1, onnotice: () => {} });
+    const locker = await admin.reserve();
+    let stopped: Promise<void> | undefined;
+    try {
+      await locker`begin`;
+      await locker`lock table responses in access exclusive mode`;
+      const json = await post(g, "/v1/responses", o.personalKey, { model: "svc-fast", input: "x" }, { signal: AbortSignal.timeout(12_000) });
+      expect(json.status).toBe(200);
+      await json.arrayBuffer();
+      // The lock is held for the whole stop (a long transaction, a VACUUM FULL): the stored response cannot be written.
+      const t = Date.now();
+      stopped = g.stop();
+      const ended = await Promise.race([stopped.then(() => true), Bun.sleep(15_000).then(() => false)]);
+      const counter = await g.database.rows<{ used: number; leased: number }>(sql`select used::int as used, leased::int as leased from usage_counters where org_id = ${o.orgId}`);
+      const events = await g.database.rows<{ n: number }>(sql`select count(*)::int as n from usage_events where org_id = ${o.orgId}`);
+      // Before: the stop waited for the stored response's write as long as the lock was held, before writing any usage
+      // (systemd's TimeoutStopSec would have killed it with the usage and the lease lost).
+      expect({ ended, withinMs: Date.now() - t < 15_000, usageRows: events[0]?.n, leased: counter[0]?.leased, used: (counter[0]?.used ?? 0) > 0 }).toEqual({
+        ended: true,
+        withinMs: true,
+        usageRows: 1,
+        leased: 0,
+        used: true,
+      });
+    } finally {
+      await locker`rollback`;
+      locker.release();
+      await admin.end();
+      await stopped;
+    }
+  });
 });
 
 describe("an answer larger than upstream.maxResponseBytes", () => {
