@@ -33,8 +33,11 @@ const CHOICES = Buffer.from('"choices"');
 const DELTA = Buffer.from('"delta"');
 const INDEX = Buffer.from('"index"');
 const FINISH_REASON = Buffer.from('"finish_reason"');
-/** A chunk's `"id"` near its start (vLLM writes it first): a JSON string, escapes included. */
-const CHUNK_ID = /^\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){0,256}")/;
+/**
+ * A chunk's `"id"` near its start (vLLM writes it first): a JSON string, escapes included; JSON white space may
+ * stand before the brace too (the SSE field drops one space after `data:`, not two, nor a tab).
+ */
+const CHUNK_ID = /^[ \t\r\n]*\{[ \t\r\n]*"id"[ \t\r\n]*:[ \t\r\n]*("(?:[^"\\]|\\.){0,256}")/;
 
 /** The id of a chunk (`data` from `at`), or "" when it has none we can read: looked up once per stream. */
 export function chunkIdOf(event: Buffer, at: number): string {

@@ -1,6 +1,6 @@
 import { describe, expect, test } from "bun:test";
 import fc from "fast-check";
-import { type DeltaScan, deltaTextBytes, swapFields, withAlias } from "../../src/inference/chunk-bytes.ts";
+import { chunkIdOf, type DeltaScan, dataAt, deltaTextBytes, swapFields, withAlias } from "../../src/inference/chunk-bytes.ts";
 import type { Target } from "../../src/inference/upstream/index.ts";
 
 /**
@@ -199,5 +199,31 @@ describe("withAlias: the model an event names, whatever it is, becomes the alias
   test("an alias equal to the configured id: another name is still swapped", () => {
     const e = eventOf(chunkOf("some-other-name", "hi"), JSON.stringify);
     expect(parsed(swapped(e, UP))).toEqual(chunkOf(UP, "hi"));
+  });
+});
+
+describe("chunkIdOf: the id the gateway's own chunks carry (usage at [DONE], the cut at max_tokens)", () => {
+  const idOf = (line: string) => {
+    const event = Buffer.from(`${line}\n\n`);
+    return chunkIdOf(event, dataAt(event));
+  };
+  test("read with any JSON white space before the brace, inside it and around the colon", () => {
+    for (const line of [
+      'data: {"id":"chatcmpl-1","object":"chat.completion.chunk"}',
+      'data:{"id":"chatcmpl-1"}',
+      'data:  {"id":"chatcmpl-1"}',
+      'data:\t{"id":"chatcmpl-1"}',
+      'data: \t {\n "id" : "chatcmpl-1" }',
+      'data: {\r\n\t"id":\t"chatcmpl-1"}',
+    ]) {
+      expect({ line, id: idOf(line) }).toEqual({ line, id: "chatcmpl-1" });
+    }
+  });
+  test("escapes decoded; no id, a non-string id, an id after 256 characters or not first: empty", () => {
+    expect(idOf('data: {"id":"a\\"b\\u00e9"}')).toBe('a"b\u00e9');
+    expect(idOf('data: {"object":"chat.completion.chunk","id":"x"}')).toBe("");
+    expect(idOf('data: {"id":5}')).toBe("");
+    expect(idOf(`data: {"id":"${"x".repeat(300)}"}`)).toBe("");
+    expect(idOf("data: [DONE]")).toBe("");
   });
 });
