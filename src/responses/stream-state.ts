@@ -13,7 +13,10 @@
  * message item ends when an item of another kind begins (a later delta of
  * the same kind opens a new item); function calls stay open until the choice
  * finishes, because chat may interleave argument deltas of several calls by
- * index. An answer with neither text nor a tool call ends with an empty
+ * index. A function_call item is added when its arguments begin (or another
+ * item begins, or the choice finishes), not at its name's first piece: some
+ * servers stream the name in pieces, and the added event carries it whole.
+ * An answer with neither text nor a tool call ends with an empty
  * message, as the JSON answer does. The final event (`response.completed` /
  * `response.incomplete`) waits for `[DONE]`, since the usage chunk comes after
  * the finish_reason chunk.
@@ -75,7 +78,7 @@ interface OpenReasoning {
 interface Call {
   callId: string | undefined;
   name: string;
-  /** Argument text received before the call's name (the item opens once the name is known). */
+  /** Argument text received before the item is added (once its name and its arguments have both begun). */
   pending: string;
   item?: FunctionCallItem;
   index: number;
@@ -352,6 +355,7 @@ export class ChatToResponses {
   private openReasoning(): OpenReasoning {
     this.closeMessage("completed");
     if (!this.rs) {
+      this.addHeld();
       const item: ReasoningItem = { type: "reasoning", id: itemId("rs"), summary: [], content: [], status: "in_progress" };
       const index = this.addItem(item);
       const part: ReasoningText = { type: "reasoning_text", text: "" };
@@ -372,6 +376,7 @@ export class ChatToResponses {
   private openMessage(): OpenMessage {
     this.closeReasoning("completed");
     if (!this.msg) {
+      this.addHeld();
       const item: MessageItem = { type: "message", id: itemId("msg"), status: "in_progress", role: "assistant", content: [] };
       this.msg = { item, index: this.addItem(item) };
     }
@@ -482,20 +487,25 @@ export class ChatToResponses {
     const fn = isRecord(tc.function) ? tc.function : {};
     if (typeof tc.id === "string" && tc.id !== "") call.callId ??= tc.id;
     const args = argumentsText(fn.arguments);
+    const name = str(fn.name);
     if (!call.item) {
-      call.name += str(fn.name);
+      call.name += name;
       call.pending += args;
-      if (call.name !== "") this.openCall(call);
-    } else if (args) {
+      // The item is added once its arguments begin (or another item does): a name sent in pieces is whole by then (decisions.md).
+      if (call.name !== "" && call.pending !== "") this.openCall(call);
+      return;
+    }
+    // A piece of the name after the arguments began: the added event had the name as it stood; the done events and the Response have it whole.
+    call.item.name += name;
+    if (args) {
       call.item.arguments += args;
       this.emit("response.function_call_arguments.delta", `"item_id":"${call.item.id}","output_index":${call.index},"delta":${q(args)}`);
     }
   }
 
-  private openCall(call: Call): void {
+  /** The call's item, made (not yet in the output). */
+  private callItem(call: Call): FunctionCallItem {
     this.callIds ??= new Set();
-    this.closeReasoning("completed");
-    this.closeMessage("completed");
     const item: FunctionCallItem = {
       type: "function_call",
       id: itemId("fc"),
@@ -505,6 +515,27 @@ export class ChatToResponses {
       status: "in_progress",
     };
     call.item = item;
+    return item;
+  }
+
+  /**
+   * The calls held back (a name, no arguments yet) that came before `upTo` (all of them without it) are
+   * added, with their names as they stand: before another item, so that items keep the order the answer
+   * began them in.
+   */
+  private addHeld(upTo?: Call): void {
+    if (!this.calls) return;
+    for (const c of this.calls.values()) {
+      if (c === upTo) return;
+      if (!c.item && c.name !== "") this.openCall(c);
+    }
+  }
+
+  private openCall(call: Call): void {
+    this.addHeld(call);
+    this.closeReasoning("completed");
+    this.closeMessage("completed");
+    const item = this.callItem(call);
     call.index = this.addItem(item);
     if (call.pending) {
       item.arguments = call.pending;
@@ -582,6 +613,14 @@ export class ChatToResponses {
   private markOpenIncomplete(): void {
     this.settleText(this.msg);
     this.settleReasoning(this.rs);
+    // A call whose name came but whose arguments had not begun (its item not yet added) is in the output, as the rest.
+    if (this.calls) {
+      for (const call of this.calls.values()) {
+        if (call.item || call.name === "") continue;
+        call.index = this.output.length;
+        this.output.push(this.callItem(call));
+      }
+    }
     for (const item of this.output) if (item.status === "in_progress") item.status = "incomplete";
   }
 
