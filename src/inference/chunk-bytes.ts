@@ -312,6 +312,47 @@ export function choiceIndexOf(event: Buffer, at: number): number {
   return v === first ? -1 : k;
 }
 
+/** The data (from `at`) has a `"choices":` key whose value is not an empty array (a usage-only chunk's `[]`). */
+export function carriesChoices(event: Buffer, at: number): boolean {
+  let v = keyValueAt(event, CHOICES, at);
+  if (v === -1) return false;
+  if (event[v] !== OPEN_BRACKET) return true;
+  do v++;
+  while (isSpace(event[v]));
+  return event[v] !== CLOSE_BRACKET;
+}
+
+/**
+ * The event with each choice's `index` replaced by `indexFor(index)` (a
+ * number index only), parsed and written again: the rare event of a choice
+ * the answer numbers otherwise than the client may read it (stream.ts,
+ * `Relay.renumbered`). Undefined when no index changes or the event is not
+ * a chunk that can be read (it then goes on as sent).
+ */
+export function renumberedChoicesEvent(payload: string, indexFor: (index: number) => number, term: string): Buffer | undefined {
+  let v: unknown;
+  try {
+    v = JSON.parse(payload);
+  } catch {
+    return undefined;
+  }
+  if (!isRecord(v) || !Array.isArray(v.choices)) return undefined;
+  let changed = false;
+  for (const c of v.choices) {
+    if (!isRecord(c) || typeof c.index !== "number") continue;
+    const k = indexFor(c.index);
+    if (k === c.index) continue;
+    c.index = k;
+    changed = true;
+  }
+  if (!changed) return undefined;
+  try {
+    return Buffer.from(`data: ${JSON.stringify(v)}${term}`);
+  } catch {
+    return undefined;
+  }
+}
+
 /** The event gives a finish_reason (a string, not null); asked of one-choice events only. */
 export function finishes(event: Buffer, at: number): boolean {
   const v = keyValueAt(event, FINISH_REASON, at);

@@ -8,6 +8,7 @@ import { isRecord } from "../lib/guards.ts";
 import {
   blankLineOf,
   CRLF2,
+  carriesChoices,
   carriesUsage,
   choiceIndexOf,
   chunkIdOf,
@@ -20,6 +21,7 @@ import {
   isPlainData,
   LF2,
   plainDataEvent,
+  renumberedChoicesEvent,
   type SwapFields,
   swapFields,
   textArgumentsEvent,
@@ -274,6 +276,12 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
   private finishedChoices = 0;
   private readonly finished: boolean[] | undefined;
   /**
+   * With n > 1: the index each of the upstream's choices goes to the client with (`renumbered`), and
+   * the indices given so far (the choices begun). At most n entries.
+   */
+  private indexMap: Map<number, number> | undefined;
+  private readonly begun: boolean[] | undefined;
+  /**
    * The client left once the answer was complete, before its usage chunk: the
    * upstream is read on for that chunk, relaying nothing (`cancel`); `drainTimer`
    * gives up after DRAIN_MS, `drained` counts the bytes read meanwhile.
@@ -308,6 +316,7 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
     this.perChoice = gen && gen.choices > 1 ? new Array<number>(gen.choices).fill(0) : undefined;
     this.choices = gen?.choices ?? opts.choices ?? 1;
     this.finished = this.choices > 1 ? new Array<boolean>(this.choices).fill(false) : undefined;
+    this.begun = this.choices > 1 ? new Array<boolean>(this.choices).fill(false) : undefined;
     this.idleTimer = setTimeout(idleCheck, opts.idleMs, this);
   }
 
@@ -386,6 +395,36 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
       }
     }
     return this.textEvents > g.maxTokens * g.choices;
+  }
+
+  /**
+   * The index the client gets the upstream's choice `u` with (n > 1): its own when it is below n and
+   * not given to another, else the lowest one not given yet; as sent once n are given (an upstream
+   * answering more choices than asked).
+   */
+  private clientIndex(u: number, begun: boolean[]): number {
+    this.indexMap ??= new Map();
+    const map = this.indexMap;
+    const had = map.get(u);
+    if (had !== undefined) return had;
+    const k = Number.isSafeInteger(u) && u >= 0 && u < begun.length && !begun[u] ? u : begun.indexOf(false);
+    if (k === -1) return u;
+    begun[k] = true;
+    map.set(u, k);
+    return k;
+  }
+
+  /**
+   * The event with its choices numbered as the client may read them (n > 1), or undefined when it
+   * goes as sent: the openai SDK's chat stream refuses a choice index at or past the n it asked for
+   * ("invalid choice index") and keys choices by index, so an upstream that skips one (choices 0
+   * and 2 of 2) broke it. Only an event whose choice needs a new index is parsed (as is one whose
+   * choice cannot be read from its bytes).
+   */
+  private renumbered(event: Buffer, at: number, termLen: number, begun: boolean[]): Buffer | undefined {
+    const k = choiceIndexOf(event, at);
+    if (k >= 0 ? k < begun.length && this.clientIndex(k, begun) === k : !carriesChoices(event, at)) return undefined;
+    return renumberedChoicesEvent(event.toString("utf8", at, event.length - termLen), (u) => this.clientIndex(u, begun), this.termOut());
   }
 
   /**
@@ -480,6 +519,15 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
     if (this.structuredArguments) {
       // Rare (servers that send the arguments parsed): the event is rebuilt with them as text, then counted.
       const rebuilt = textArgumentsEvent(event.toString("utf8", at, event.length - termLen), this.termOut());
+      if (rebuilt) {
+        event = rebuilt;
+        termLen = this.termOut().length;
+        at = dataAt(event);
+        text = deltaTextBytes(event, this);
+      }
+    }
+    if (this.begun) {
+      const rebuilt = this.renumbered(event, at, termLen, this.begun);
       if (rebuilt) {
         event = rebuilt;
         termLen = this.termOut().length;

@@ -1,0 +1,149 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { sql } from "drizzle-orm";
+import OpenAI from "openai";
+import type { Gateway } from "../../src/server.ts";
+import { type SeededOrg, startTestGateway } from "../helpers/harness.ts";
+import { TEST_PLANS, arr, chatAlias, rec, seedTestOrg, upstreamSettings } from "./inference-fixtures.ts";
+
+setDefaultTimeout(30_000);
+
+/**
+ * Chat answers with fewer choices than the `n` asked, or choice indices that
+ * skip, from a scripted upstream, read by the openai SDK (which indexes a
+ * streamed answer's choices by `index` and refuses one at or past `n`), and
+ * what each is charged.
+ */
+
+const HEAD = { id: "chatcmpl-n", object: "chat.completion.chunk", created: 1, model: "m" };
+const chunk = (index: number, delta: Record<string, unknown>, finish: string | null = null) =>
+  `data: ${JSON.stringify({ ...HEAD, choices: [{ index, delta, logprobs: null, finish_reason: finish }] })}\n\n`;
+const usage = (completion: number) =>
+  `data: ${JSON.stringify({ ...HEAD, choices: [], usage: { prompt_tokens: 5, completion_tokens: completion, total_tokens: 5 + completion } })}\n\n`;
+const DONE = "data: [DONE]\n\n";
+
+const jsonAnswer = (choices: { index: number; content: string }[], completion?: number) => ({
+  id: "chatcmpl-j",
+  object: "chat.completion",
+  created: 1,
+  model: "m",
+  choices: choices.map((c) => ({ index: c.index, message: { role: "assistant", content: c.content }, logprobs: null, finish_reason: "stop" })),
+  ...(completion !== undefined ? { usage: { prompt_tokens: 5, completion_tokens: completion, total_tokens: 5 + completion } } : {}),
+});
+
+/** Streamed scripts, by the user's text. */
+const STREAMS: Record<string, string[]> = {
+  // n = 2 asked, one choice answered.
+  fewer: [chunk(0, { role: "assistant", content: "" }), chunk(0, { content: "only one" }), chunk(0, {}, "stop"), usage(2), DONE],
+  // n = 2 asked, choices 0 and 2 answered.
+  skips: [
+    chunk(0, { role: "assistant", content: "" }),
+    chunk(2, { role: "assistant", content: "" }),
+    chunk(0, { content: "zero" }),
+    chunk(2, { content: "two" }),
+    chunk(0, {}, "stop"),
+    chunk(2, {}, "stop"),
+    usage(2),
+    DONE,
+  ],
+  // n = 2 asked, choices 3 and 5 answered, both in each chunk.
+  "skips-together": [
+    `data: ${JSON.stringify({ ...HEAD, choices: [3, 5].map((index) => ({ index, delta: { role: "assistant", content: `c${index}` }, logprobs: null, finish_reason: null })) })}\n\n`,
+    `data: ${JSON.stringify({ ...HEAD, choices: [5, 3].map((index) => ({ index, delta: {}, logprobs: null, finish_reason: "stop" })) })}\n\n`,
+    usage(2),
+    DONE,
+  ],
+};
+/** JSON answers, by the user's text. */
+const JSONS: Record<string, unknown> = {
+  fewer: jsonAnswer([{ index: 0, content: "only one" }], 2),
+  skips: jsonAnswer(
+    [
+      { index: 0, content: "zero" },
+      { index: 2, content: "two" },
+    ],
+    2,
+  ),
+};
+
+let upstream: ReturnType<typeof Bun.serve>;
+let gw: Gateway;
+let org: SeededOrg;
+let client: OpenAI;
+
+beforeAll(async () => {
+  upstream = Bun.serve({
+    port: 0,
+    hostname: "127.0.0.1",
+    async fetch(req) {
+      const body = rec(await req.json());
+      const text = String(rec(arr(body.messages).at(-1)).content);
+      if (body.stream === true) return new Response((STREAMS[text] ?? []).join(""), { headers: { "content-type": "text/event-stream" } });
+      return Response.json(JSONS[text] ?? {});
+    },
+  });
+  gw = await startTestGateway({
+    aliases: { "svc-n": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }]) },
+    plans: TEST_PLANS,
+    upstream: upstreamSettings({ attempts: 1 }),
+  });
+  org = await seedTestOrg(gw.database);
+  client = new OpenAI({ baseURL: `${gw.url}/v1`, apiKey: org.personalKey, maxRetries: 0 });
+});
+afterAll(async () => {
+  await gw.stop();
+  upstream.stop(true);
+});
+
+async function lastUsage(): Promise<{ prompt: number; completion: number; status: number }> {
+  await gw.quota.flush();
+  const rows = await gw.database.rows<{ prompt_tokens: number; completion_tokens: number; status: number }>(
+    sql`select prompt_tokens, completion_tokens, status from usage_events where key_id = ${org.personalKeyId} order by id desc limit 1`,
+  );
+  const r = rows[0];
+  return { prompt: Number(r?.prompt_tokens), completion: Number(r?.completion_tokens), status: Number(r?.status) };
+}
+
+const ask = (text: string) => ({ model: "svc-n", n: 2, max_tokens: 10, messages: [{ role: "user" as const, content: text }] });
+
+describe("n = 2, one choice answered", () => {
+  test("JSON: the one choice, charged what the upstream reports", async () => {
+    const r = await client.chat.completions.create(ask("fewer"));
+    expect(r.choices.map((c) => [c.index, c.message.content])).toEqual([[0, "only one"]]);
+    expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
+  });
+
+  test("streamed: the SDK's finalChatCompletion() has the one choice; charged what the upstream reports", async () => {
+    const final = await client.chat.completions.stream(ask("fewer")).finalChatCompletion();
+    expect(final.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([[0, "only one", "stop"]]);
+    expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
+  });
+});
+
+describe("n = 2, choices 0 and 2 answered", () => {
+  test("JSON: indices the SDK can take, each choice once, charged what the upstream reports", async () => {
+    const r = await client.chat.completions.create(ask("skips"));
+    expect(r.choices.map((c) => [c.index, c.message.content])).toEqual([
+      [0, "zero"],
+      [1, "two"],
+    ]);
+    expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
+  });
+
+  test("streamed: the SDK's finalChatCompletion() reads both choices; charged what the upstream reports", async () => {
+    const final = await client.chat.completions.stream(ask("skips")).finalChatCompletion();
+    expect(final.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([
+      [0, "zero", "stop"],
+      [1, "two", "stop"],
+    ]);
+    expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
+  });
+
+  test("streamed, both choices in each chunk (3 and 5): renumbered 0 and 1, in the order they began", async () => {
+    const final = await client.chat.completions.stream(ask("skips-together")).finalChatCompletion();
+    expect(final.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([
+      [0, "c3", "stop"],
+      [1, "c5", "stop"],
+    ]);
+    expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
+  });
+});
