@@ -706,8 +706,8 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
   /**
    * The upstream went past the max_tokens it was sent (it ignores the bound):
    * its call is closed (the GPU stops) and the answer ends as one cut at its
-   * bound would: a chunk with finish_reason "length" for each choice not yet
-   * finished, the usage chunk when the client asked for it, then [DONE]. The
+   * bound would: a chunk with finish_reason "length" for each choice begun and
+   * not yet finished, the usage chunk when the client asked for it, then [DONE]. The
    * completion is charged at most the bound: what the upstream counted or the
    * text delivered (~4 bytes a token), but never less than the events of
    * text seen (each at least one token), and never more than n × max_tokens.
@@ -723,6 +723,8 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
     const head = `data: {"id":${JSON.stringify(this.chunkId ?? "")},"object":"chat.completion.chunk","created":${Math.floor(Date.now() / 1000)},"model":${JSON.stringify(opts.alias)},"choices":`;
     const closing: Buffer[] = [];
     for (let k = 0; k < g.choices; k++) {
+      // Not a choice that never began (fewer than n came): the openai SDK refuses a choice with no role ("missing role").
+      if (this.begun && !this.begun[k]) continue;
       if (!this.finished?.[k]) closing.push(Buffer.from(`${head}[{"index":${k},"delta":{},"logprobs":null,"finish_reason":"length"}]}${term}`));
     }
     if (opts.clientWantsUsage) {

@@ -52,6 +52,13 @@ const STREAMS: Record<string, string[]> = {
     usage(2),
     DONE,
   ],
+  // n = 2 asked with max_tokens 3, one choice answered, going past its bound (no usage report).
+  "fewer-past-bound": [
+    chunk(0, { role: "assistant", content: "" }),
+    ...Array.from({ length: 6 }, (_, i) => chunk(0, { content: `w${i} ` })),
+    chunk(0, {}, "stop"),
+    DONE,
+  ],
 };
 /** JSON answers, by the user's text. */
 const JSONS: Record<string, unknown> = {
@@ -145,5 +152,14 @@ describe("n = 2, choices 0 and 2 answered", () => {
       [1, "c5", "stop"],
     ]);
     expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
+  });
+});
+
+describe("n = 2, one choice answered past its max_tokens", () => {
+  test("streamed: the gateway ends it at the bound; the SDK reads the one choice, cut for length; charged the tokens seen", async () => {
+    const final = await client.chat.completions.stream({ ...ask("fewer-past-bound"), max_tokens: 3 }).finalChatCompletion();
+    expect(final.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([[0, "w0 w1 w2 ", "length"]]);
+    // The events of text seen, the one past the bound too (each at least one token generated), within n × the bound: 4.
+    expect(await lastUsage()).toMatchObject({ completion: 4, status: 200 });
   });
 });
