@@ -84,7 +84,10 @@ beforeAll(async () => {
     async fetch(req) {
       const body = rec(await req.json());
       const text = String(rec(arr(body.messages).at(-1)).content);
-      if (body.stream === true) return new Response((STREAMS[text] ?? []).join(""), { headers: { "content-type": "text/event-stream" } });
+      // "sse:" and "json:" answer so whatever was asked.
+      if (text.startsWith("json:")) return Response.json(JSONS[text.slice(5)] ?? {});
+      const script = STREAMS[text.replace(/^sse:/, "")];
+      if (body.stream === true || text.startsWith("sse:")) return new Response((script ?? []).join(""), { headers: { "content-type": "text/event-stream" } });
       return Response.json(JSONS[text] ?? {});
     },
   });
@@ -161,5 +164,25 @@ describe("n = 2, one choice answered past its max_tokens", () => {
     expect(final.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([[0, "w0 w1 w2 ", "length"]]);
     // The events of text seen, the one past the bound too (each at least one token generated), within n × the bound: 4.
     expect(await lastUsage()).toMatchObject({ completion: 4, status: 200 });
+  });
+});
+
+describe("answered in the other form than asked, choices 0 and 2 of n = 2", () => {
+  test("a JSON request answered as a stream: indices 0 and 1", async () => {
+    const r = await client.chat.completions.create(ask("sse:skips"));
+    expect(r.choices.map((c) => [c.index, c.message.content])).toEqual([
+      [0, "zero"],
+      [1, "two"],
+    ]);
+    expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
+  });
+
+  test("a streamed request answered in JSON: the SDK's finalChatCompletion() reads both choices", async () => {
+    const final = await client.chat.completions.stream(ask("json:skips")).finalChatCompletion();
+    expect(final.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([
+      [0, "zero", "stop"],
+      [1, "two", "stop"],
+    ]);
+    expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
   });
 });
