@@ -157,6 +157,12 @@ describe("a function name streamed in pieces", () => {
     });
   }
 
+  test("not streamed (the upstream answers the JSON request as a stream): the call's name whole", async () => {
+    const r = await client.responses.create({ model: "svc-tools", input: "split-name-3", tools: TOOLS });
+    const call = r.output.find((o) => o.type === "function_call");
+    expect(call?.type === "function_call" ? [call.name, call.arguments] : []).toEqual(["get_weather", '{"city":"Paris"}']);
+  });
+
   test("the openai SDK's responses.stream(): finalResponse() has the whole name, and equals responses.retrieve()", async () => {
     const stream = client.responses.stream({ model: "svc-tools", input: "split-name", tools: TOOLS });
     const names: string[] = [];
