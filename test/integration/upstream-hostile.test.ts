@@ -317,9 +317,13 @@ describe("answers nested past JSON.stringify's stack", () => {
   const choice = (message: string, extra = "") =>
     `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"${CHAT_MODEL}","choices":[{"index":0,"message":${message},"finish_reason":"stop"${extra}}],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}`;
 
+  // What the answer sends on as the upstream wrote it: a tool call's arguments sent as JSON (their text is
+  // sent), and the fields of a call the gateway does not read. (A call that is no object, and logprobs entries
+  // that are no token, are left out, so nothing of them is serialised: below.)
   for (const [name, body] of [
-    ["tool calls", choice(`{"role":"assistant","content":null,"tool_calls":[${DEEP}]}`)],
-    ["logprobs", choice(`{"role":"assistant","content":"hi"}`, `,"logprobs":{"content":[{"token":"hi","logprob":-1,"top_logprobs":${DEEP}}]}`)],
+    ["tool call arguments", choice(`{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"f","arguments":${DEEP}}}]}`)],
+    ["a tool call's own fields", choice(`{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"f","arguments":"{}"},"x":${DEEP}}]}`)],
+    ["a tool call's function fields", choice(`{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"f","arguments":"{}","x":${DEEP}}}]}`)],
   ]) {
     test(`a chat answer with such ${name} is the usual 503 for an unreadable answer, not a 500, and is not charged`, async () => {
       const { gw, chat } = await setup((c) => answer(c, body ?? ""));
@@ -332,6 +336,19 @@ describe("answers nested past JSON.stringify's stack", () => {
       expect(Number(/^gateway_tokens_total\{alias="svc-fast",direction="completion"\} (\d+)$/m.exec(metrics)?.[1] ?? 0)).toBe(0);
     });
   }
+  test("a tool call that is no object, and logprobs entries that are no token, are left out: the answer is served", async () => {
+    const body = choice(
+      `{"role":"assistant","content":"hi","tool_calls":[${DEEP}]}`,
+      `,"logprobs":{"content":[{"token":"hi","logprob":-1,"bytes":null,"top_logprobs":${DEEP}}]}`,
+    );
+    const { chat } = await setup((c) => answer(c, body));
+    const res = await chat({ logprobs: true });
+    expect(res.status).toBe(200);
+    const out = (await res.json()) as { choices: { message: Record<string, unknown>; logprobs: unknown }[] };
+    expect(out.choices[0]?.message.tool_calls).toBeUndefined();
+    expect(out.choices[0]?.message.content).toBe("hi");
+    expect(out.choices[0]?.logprobs).toEqual({ content: [{ token: "hi", logprob: -1, bytes: null, top_logprobs: [] }], refusal: null });
+  });
 
   test("an embedding answer with such a vector: the same", async () => {
     const { gw, embed } = await setup((c) => answer(c, `{"object":"list","data":[{"object":"embedding","index":0,"embedding":${DEEP}}],"model":"m","usage":{"prompt_tokens":7,"total_tokens":7}}`));
