@@ -234,7 +234,7 @@ export function createApp(deps: AppDeps) {
     .onAfterResponse(({ request, set, path, route: served }) => {
       const s = stateOf(request);
       if (!s) return;
-      const status = typeof set.status === "number" ? set.status : 200;
+      const status = s.status ?? (typeof set.status === "number" ? set.status : 200);
       // The pattern of the route that served it (`/v1/responses/:id`; `/v1/models` for `/v1/models/`);
       // a request refused before routing (the browser rule) has none, and is labelled by its path.
       const route = routeLabel(served ?? path);

@@ -12,6 +12,12 @@ export interface RequestState {
   completionTokens?: number;
   streamed?: boolean;
   errorCode?: string;
+  /**
+   * The status a request came to when its handler returned no answer for the
+   * client: 499, the client left before one (an unread Response whose status
+   * the framework does not copy into `set.status`).
+   */
+  status?: number;
   /** Refused by the organisation's rate limit (not every rate_limit_error is: auth/guard.ts RateLimited). */
   rateLimited?: boolean;
   /**

@@ -90,6 +90,8 @@ export function createInference(deps: InferenceDeps) {
       state.promptTokens = served.usage.promptTokens;
       state.completionTokens = served.usage.completionTokens;
     }
+    // A client that left before any answer: its unread Response says 499, which the access line and metrics take.
+    if (state && !served.ended && typeof served.reply !== "string") state.status = served.reply.status;
     if (served.ended && state) {
       state.ended = served.ended.then((o) => {
         Object.assign(state, { promptTokens: o.usage.promptTokens, completionTokens: o.usage.completionTokens }, o.error ? { errorCode: o.error } : {});

@@ -74,7 +74,7 @@ export interface StreamOutcome {
 /** What a call came to. */
 export interface Served {
   reply: Reply;
-  /** The tokens counted for an answer sent whole; absent for a stream and for a client that left. */
+  /** The tokens counted for an answer sent whole, or charged to a client that left; absent for a stream. */
   usage?: UsageReport;
   /** A stream: settles when it ends. */
   ended?: Promise<StreamOutcome>;
@@ -270,11 +270,17 @@ export function createInferenceService(deps: ServiceDeps) {
     return { alias, target: target?.label ?? "", status, latencyMs: performance.now() - start, streamed };
   }
 
-  /** Settles a failed call with nothing delivered and turns "client gone" into a response nobody reads. */
-  function settleFailure(ticket: Ticket, alias: string, start: number, streamed: boolean, e: unknown): Served {
+  /**
+   * Settles a failed call with nothing delivered and turns "client gone" into a response nobody reads.
+   * A client that left once the request was sent upstream (the upstream had the prompt and worked on
+   * it) is charged `promptEstimate`, as a stream it leaves before any text is (streamCharge); one that
+   * left before (waiting for quota, connecting, between attempts) or after a refusal, nothing.
+   */
+  function settleFailure(ticket: Ticket, alias: string, start: number, streamed: boolean, e: unknown, promptEstimate = 0): Served {
     if (e instanceof ClientGone) {
-      metering.settle(ticket, NO_USAGE, outcome(alias, undefined, 499, start, streamed));
-      return { reply: new Response(null, { status: 499 }) };
+      const usage = e.sent ? { promptTokens: promptEstimate, completionTokens: 0 } : NO_USAGE;
+      metering.settle(ticket, usage, outcome(alias, undefined, 499, start, streamed));
+      return { reply: new Response(null, { status: 499 }), usage };
     }
     metering.settle(ticket, NO_USAGE, outcome(alias, undefined, e instanceof AppError ? deps.wire.statusOf(e.code) : 500, start, streamed));
     throw e;
@@ -439,7 +445,7 @@ export function createInferenceService(deps: ServiceDeps) {
         metering.settle(ticket, { promptTokens, completionTokens }, outcome(name, target, 200, start, false));
         return { reply, usage: { promptTokens, completionTokens } };
       } catch (e) {
-        return settleFailure(ticket, name, start, false, unreadable(e, name, target));
+        return settleFailure(ticket, name, start, false, unreadable(e, name, target), promptEstimate);
       }
     }
 
@@ -447,7 +453,7 @@ export function createInferenceService(deps: ServiceDeps) {
     try {
       opened = await upstream.open(name, alias, "/chat/completions", payloadFor, ctx);
     } catch (e) {
-      return settleFailure(ticket, name, start, true, e);
+      return settleFailure(ticket, name, start, true, e, promptEstimate);
     }
     // A bound was sent: an upstream that streams past it is cut there (stream.ts).
     const generation = told > 0 ? { maxTokens: told, choices } : undefined;
@@ -593,7 +599,7 @@ export function createInferenceService(deps: ServiceDeps) {
       metering.settle(ticket, { promptTokens, completionTokens: 0 }, outcome(name, res.target, 200, start, false));
       return { reply, usage: { promptTokens, completionTokens: 0 } };
     } catch (e) {
-      return settleFailure(ticket, name, start, false, unreadable(e, name, target));
+      return settleFailure(ticket, name, start, false, unreadable(e, name, target), estimate);
     }
   }
 

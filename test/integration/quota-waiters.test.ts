@@ -54,7 +54,7 @@ function chat(key: string, maxTokens: number, signal?: AbortSignal): Promise<Res
 
 /**
  * A request the upstream holds (the simulator hangs it) until its client leaves: it holds its reservation
- * meanwhile. Resolves once the upstream has it; `leave` aborts its client (settled as 499, nothing charged).
+ * meanwhile. Resolves once the upstream has it; `leave` aborts its client (settled as 499, charged its prompt estimate).
  */
 async function held(key: string, maxTokens: number): Promise<{ leave: () => Promise<void> }> {
   const before = sim.stats.requests;
@@ -119,11 +119,23 @@ describe("waiters for quota, one instance", () => {
       50,
     );
     expect(await eventsOf(org.orgId, org.personalKeyId)).toEqual([{ status: 499, prompt: 0, completion: 0 }]);
-    await gw.quota.flush();
+    await until(
+      async () => {
+        await gw.quota.flush();
+        return (await eventsOf(org.orgId, org.serviceKeyId)).length === 2;
+      },
+      "the records of the held and the later request",
+      10_000,
+      50,
+    );
     const [row] = await db.db.select().from(usageCounters).where(eq(usageCounters.orgId, org.orgId));
-    const served = (await eventsOf(org.orgId, org.serviceKeyId)).filter((e) => e.status === 200);
+    const service = await eventsOf(org.orgId, org.serviceKeyId);
+    const served = service.filter((e) => e.status === 200);
     expect(served.length).toBe(1);
-    expect(row?.used).toBe((served[0]?.prompt ?? 0) + (served[0]?.completion ?? 0));
+    // The held request was sent upstream before its client left: charged its prompt estimate (decisions.md).
+    const heldRows = service.filter((e) => e.status === 499);
+    expect(heldRows.map((e) => [e.prompt > 0, e.completion])).toEqual([[true, 0]]);
+    expect(row?.used).toBe(service.reduce((n, e) => n + e.prompt + e.completion, 0));
   });
 
   test("the oldest waiter is admitted as soon as a request settles and gives back what it waits for, not at its next look", async () => {

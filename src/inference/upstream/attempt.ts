@@ -10,8 +10,18 @@ import type { AppError } from "../../lib/errors.ts";
 import type { AbortLike, UpstreamResponse } from "./http1.ts";
 import type { Target } from "./targets.ts";
 
-/** Client went away while we were still trying; there is nobody to answer. */
-export class ClientGone extends Error {}
+/**
+ * Client went away while we were still trying; there is nobody to answer.
+ * `sent`: the attempt in progress had written the request to the upstream
+ * (which has the prompt and works on it) and had no refusal from it; false
+ * when the client left before (waiting for quota, connecting, between
+ * attempts) or after an error status.
+ */
+export class ClientGone extends Error {
+  constructor(readonly sent = false) {
+    super();
+  }
+}
 
 /** Why an attempt was given up (a timeout, an empty stream): worth trying the next target. */
 export class AttemptFailed extends Error {}
@@ -64,6 +74,8 @@ export type Outcome<T> =
  */
 export class Attempt implements AbortLike {
   aborted = false;
+  /** The request was written to a connection (requestSent). */
+  sent = false;
   reason: unknown = undefined;
   /** The exchange's abort listener; an attempt has one exchange at a time. */
   private listener: (() => void) | undefined;
@@ -77,6 +89,11 @@ export class Attempt implements AbortLike {
     // The attempt is its own listener (handleEvent) and the timer's argument: no closures per attempt.
     client.addEventListener("abort", this, ONCE);
     this.timer = setTimeout(firstByteTimeout, firstByteMs, this);
+  }
+
+  /** The exchange wrote the request to a connection. */
+  requestSent(): void {
+    this.sent = true;
   }
 
   /** The client's signal aborted: the client went away. */

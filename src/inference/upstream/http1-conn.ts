@@ -209,6 +209,7 @@ export class Conn {
       return;
     }
     this.sentAt = performance.now();
+    ex.signal.requestSent?.();
     const n = s.write(payload);
     if (n < payload.byteLength) this.pendingWrite = payload.subarray(Math.max(0, n));
   }

@@ -44,6 +44,8 @@ export interface AbortLike {
   readonly reason: unknown;
   addEventListener(type: "abort", listener: () => void, options?: { once?: boolean }): void;
   removeEventListener(type: "abort", listener: () => void): void;
+  /** Told when the request's bytes are written to a connection (the router's Attempt: the upstream has the prompt). */
+  requestSent?(): void;
 }
 
 /**

@@ -141,6 +141,8 @@ export function createUpstream(deps: UpstreamDeps) {
     const a = new Attempt(target, ctx.signal, timeouts.firstByteMs);
     target.breaker.acquire(now());
     let headed = false;
+    /** The upstream answered with an error status: it did no work for this request. */
+    let refused = false;
     let handedOver = false;
     const sentAt = performance.now();
     try {
@@ -156,6 +158,7 @@ export function createUpstream(deps: UpstreamDeps) {
       headed = true;
       deps.observe?.attempt(aliasName, target.label, res.ok ? "ok" : `http_${res.status}`, (performance.now() - sentAt) / 1000);
       if (res.status < 200 || res.status > 299) {
+        refused = true;
         a.clearTimer();
         return await judge<T>(res, target, call);
       }
@@ -166,7 +169,7 @@ export function createUpstream(deps: UpstreamDeps) {
       const reason: unknown = a.aborted ? a.reason : e;
       if (reason instanceof ClientGone || ctx.signal.aborted) {
         target.breaker.release();
-        throw new ClientGone();
+        throw new ClientGone(a.sent && !refused);
       }
       const timedOut = reason instanceof AttemptFailed || reason instanceof ConnectTimeout;
       const why = timedOut ? reason.message : `connection error: ${reason instanceof Error ? reason.message : String(reason)}`;
