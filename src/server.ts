@@ -246,8 +246,11 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
             // settled), with a short, bounded moment for those last bytes; only then is what remains reset.
             const STREAM_FLUSH_MS = 1_000;
             const streams = inference.endStreams("The gateway is shutting down; the stream was ended. Retry the request.");
-            if (how === "timeout") log.warn("drain time over; ending open streams", { drain_ms: config.drainMs, streams });
-            else log.warn("drain ended by a second stop signal; ending open streams", { streams });
+            // Requests still waiting for an upstream's answer are answered 503 the same moment (not reset with
+            // their connection below), and settled before the final usage write (inference.stop waits for them).
+            const requests = inference.endCalls("The gateway is shutting down; the request was ended. Retry the request.");
+            if (how === "timeout") log.warn("drain time over; ending open streams", { drain_ms: config.drainMs, streams, requests });
+            else log.warn("drain ended by a second stop signal; ending open streams", { streams, requests });
             let flushTimer: ReturnType<typeof setTimeout> | undefined;
             const flushed = await Promise.race([
               drained.then(() => true),

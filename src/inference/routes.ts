@@ -10,12 +10,15 @@ import type { Metrics } from "../metrics/registry.ts";
 import type { Metering } from "../limits/metering.ts";
 import { allowedAliases } from "./aliases.ts";
 import type { Principal } from "../auth/types.ts";
-import { type CheckedCall, createInferenceService, type Reply } from "./service.ts";
+import { type CheckedCall, createInferenceService, type Reply, type Served } from "./service.ts";
 import { type ConnectProbe, createConnectProbe } from "./upstream/probe.ts";
 import { createUpstream } from "./upstream/index.ts";
 import { createImageUrlCheck, type HostLookup } from "./image-url.ts";
 
 export { allowedAliases } from "./aliases.ts";
+
+/** How long the stop waits for calls to settle before its final usage write. */
+const STOP_SETTLE_MS = 2_000;
 
 export interface InferenceDeps {
   config: Config;
@@ -60,6 +63,17 @@ export function createInference(deps: InferenceDeps) {
   });
   const created = Math.floor(Date.now() / 1000);
 
+  /**
+   * Calls not yet settled (from the call's start, through its wait for quota and the upstream, to the
+   * end of its stream): the stop waits for them before its final usage write (`stop`), so no request
+   * that settles during the stop is left out of it.
+   */
+  let unsettled = 0;
+  let allSettled: (() => void) | undefined;
+  const callSettled = () => {
+    if (--unsettled === 0) allSettled?.();
+  };
+
 
   /**
    * Runs a checked call and writes what it came to into the request's
@@ -83,9 +97,18 @@ export function createInference(deps: InferenceDeps) {
     const signal = request.signal;
     const requestId = state?.id ?? "";
     // Only a stream closes later: its relay gives the idle timeout back just before (non-streams: answered()).
-    const served = await call.run(
-      call.streamed ? { signal, requestId, transform, beforeClose: () => restoreIdleTimeout(request) } : transform ? { signal, requestId, transform } : { signal, requestId },
-    );
+    unsettled++;
+    let served: Served;
+    try {
+      served = await call.run(
+        call.streamed ? { signal, requestId, transform, beforeClose: () => restoreIdleTimeout(request) } : transform ? { signal, requestId, transform } : { signal, requestId },
+      );
+    } catch (e) {
+      callSettled();
+      throw e;
+    }
+    if (served.ended) served.ended.then(callSettled, callSettled);
+    else callSettled();
     if (served.usage && state) {
       state.promptTokens = served.usage.promptTokens;
       state.completionTokens = served.usage.completionTokens;
@@ -151,7 +174,28 @@ export function createInference(deps: InferenceDeps) {
         ),
     /** Shutdown past the drain limit: open streams end with an error event (service.ts); returns how many. */
     endStreams: (message: string) => service.endStreams(message),
-    async stop() {
+    /** Shutdown past the drain limit: calls still waiting for an upstream's answer end with a 503 (router.ts, endCalls); returns how many. */
+    endCalls: (message: string) => upstream.endCalls(message),
+    /**
+     * After the drain: waits (at most `waitMs`) for every call to settle, so that the final usage write
+     * that follows holds them all; the calls the drain ended settle within moments. Then closes idle
+     * upstream connections.
+     */
+    async stop(waitMs = STOP_SETTLE_MS) {
+      if (unsettled > 0) {
+        let timer: ReturnType<typeof setTimeout> | undefined;
+        const done = await Promise.race([
+          new Promise<true>((r) => {
+            allSettled = () => r(true);
+          }),
+          new Promise<false>((r) => {
+            timer = setTimeout(() => r(false), waitMs);
+          }),
+        ]);
+        clearTimeout(timer);
+        allSettled = undefined;
+        if (!done) log.warn("requests still unsettled at the final usage write; their usage is not recorded", { requests: unsettled });
+      }
       upstream.close();
     },
   };

@@ -415,3 +415,67 @@ describe(`a second stop signal during the drain (${TEST_DATABASE_URL ? "Postgres
     }
   }, 90_000);
 });
+
+describe(`requests still waiting for the upstream's answer at the drain limit (${TEST_DATABASE_URL ? "Postgres" : "embedded database"})`, () => {
+  test("each is answered 503 service_unavailable (not a reset connection), and its usage record is written by the stop's final usage write: 503, nothing charged, the lease returned, exit 0", async () => {
+    // A JSON request and a stream whose upstream takes 30 s to its first byte, against a drain limit of 0.3 s.
+    // Before, the forced close of their connections at the drain's end settled them asynchronously, as clients
+    // that left, racing the final usage write; a record settled after it was lost.
+    const { pg, dir: heldDir, open, orgId: heldOrg, key: heldKey } = await seededStore("held");
+    const slow = await startSimulator({ port: 0, ttftMs: 30_000, interTokenMs: 10, completionTokens: 5 });
+    let proc: Proc | undefined;
+    try {
+      const config = join(work, "config-held.json");
+      // The flush interval is far longer than the test: only the graceful stop can write the usage.
+      writeFileSync(config, JSON.stringify({ drainMs: 300, accessLog: true, quota: { flushMs: 60_000 }, upstream: { timeouts: { firstByteMs: 60_000 } } }));
+      proc = startGatewayProcess(["serve", "--port", "0", "--config", config, ...(pg ? [] : ["--data-dir", heldDir])], {
+        env: cleanEnv({ UPSTREAM_BASE_URL: slow.url, DATABASE_URL: pg?.url }),
+      });
+      const base = await listeningUrl(proc);
+      await waitFor200(`${base}/readyz`);
+      const ask = (stream: boolean) =>
+        fetch(`${base}/v1/chat/completions`, {
+          method: "POST",
+          headers: { authorization: `Bearer ${heldKey}`, "content-type": "application/json" },
+          body: JSON.stringify({ model: "svc-fast", stream, messages: [{ role: "user", content: "Say something slowly." }] }),
+        }).then(
+          async (r) => ({ status: r.status, code: ((await r.json().catch(() => ({}))) as { error?: { code?: string } }).error?.code }),
+          (e: unknown) => ({ status: 0, code: `rejected: ${String(e)}` }),
+        );
+      const plain = ask(false);
+      const streaming = ask(true);
+      await until(() => slow.stats.inFlight >= 2, "both requests at the upstream", 10_000, 10);
+      const t0 = Date.now();
+      proc.kill("SIGTERM");
+      const answers = await Promise.all([plain, streaming]);
+      const code = await exitWithin(proc, 20_000);
+      const out = proc.stdout();
+      expect({ code, out: code === 0 ? "" : out }).toEqual({ code: 0, out: "" });
+      expect(Date.now() - t0).toBeLessThan(15_000);
+      expect(out).toContain("drain time over");
+      expect(answers).toEqual([
+        { status: 503, code: "service_unavailable" },
+        { status: 503, code: "service_unavailable" },
+      ]);
+
+      const db = await open();
+      try {
+        const rows = await db.rows<{ status: number; streamed: boolean; prompt_tokens: number; completion_tokens: number }>(
+          sql`select status, streamed, prompt_tokens, completion_tokens from usage_events where org_id = ${heldOrg} order by streamed`,
+        );
+        expect(rows).toEqual([
+          { status: 503, streamed: false, prompt_tokens: 0, completion_tokens: 0 },
+          { status: 503, streamed: true, prompt_tokens: 0, completion_tokens: 0 },
+        ]);
+        expect(await countersOf(db, heldOrg)).toEqual({ used: 0, leased: 0 });
+      } finally {
+        await db.close();
+      }
+    } finally {
+      proc?.kill("SIGKILL");
+      await proc?.exited;
+      await slow.stop();
+      await pg?.drop();
+    }
+  }, 90_000);
+});

@@ -63,6 +63,10 @@ function sleep(ms: number, signal: AbortSignal): Promise<void> {
 
 export function createUpstream(deps: UpstreamDeps) {
   const { config, log } = deps;
+  /** Attempts waiting for an upstream's answer (until it is read, or a stream's first bytes are handed over). */
+  const live = new Set<Attempt>();
+  /** Set by endCalls (shutdown): the error every call still in flight ends with. */
+  let closing: AppError | undefined;
   const random = deps.random ?? Math.random;
   const now = deps.now ?? Date.now;
   const up = config.upstream;
@@ -139,6 +143,7 @@ export function createUpstream(deps: UpstreamDeps) {
     const payload = call.payloadFor(target);
     const { ctx, timeouts, aliasName } = call;
     const a = new Attempt(target, ctx.signal, timeouts.firstByteMs);
+    live.add(a);
     target.breaker.acquire(now());
     let headed = false;
     /** The upstream answered with an error status: it did no work for this request. */
@@ -171,11 +176,17 @@ export function createUpstream(deps: UpstreamDeps) {
         target.breaker.release();
         throw new ClientGone(a.sent && !refused);
       }
+      // Ended by the gateway's shutdown (endCalls): no verdict on the target.
+      if (reason === closing) {
+        target.breaker.release();
+        throw closing;
+      }
       const timedOut = reason instanceof AttemptFailed || reason instanceof ConnectTimeout;
       const why = timedOut ? reason.message : `connection error: ${reason instanceof Error ? reason.message : String(reason)}`;
       if (!headed) deps.observe?.attempt(aliasName, target.label, timedOut ? "timeout" : "connect_error", undefined);
       return { kind: "retry", why, countsAsFailure: true, ...(reason instanceof AnswerTooLarge ? { detail: reason.message } : {}) };
     } finally {
+      live.delete(a);
       a.clearTimer();
       if (!handedOver) a.unlink();
     }
@@ -200,6 +211,7 @@ export function createUpstream(deps: UpstreamDeps) {
         await sleep(delay, ctx.signal);
       }
       if (ctx.signal.aborted) throw new ClientGone();
+      if (closing) throw closing;
       const target = pickTarget(list, tried, now(), random);
       if (!target) break;
       tried.add(target);
@@ -266,12 +278,24 @@ export function createUpstream(deps: UpstreamDeps) {
     return out;
   }
 
+  /**
+   * Shutdown past the drain limit: every call still waiting for an upstream's answer (a JSON answer,
+   * or a stream's first bytes) ends now with `message` as a 503 service_unavailable, as an open stream
+   * ends with its error event, and none starts another attempt. Returns how many were ended.
+   */
+  function endCalls(message: string): number {
+    closing ??= new AppError("service_unavailable", message);
+    const n = live.size;
+    for (const a of [...live]) a.abort(closing);
+    return n;
+  }
+
   /** Closes idle upstream connections (streams still open keep theirs until they end). */
   function close(): void {
     if (!deps.http) http.close();
   }
 
-  return { complete, open, breakers, close };
+  return { complete, open, breakers, close, endCalls };
 }
 
 export type Upstream = ReturnType<typeof createUpstream>;
