@@ -277,10 +277,13 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
   private readonly finished: boolean[] | undefined;
   /**
    * With n > 1: the index each of the upstream's choices goes to the client with (`renumbered`), and
-   * the indices given so far (the choices begun). At most n entries.
+   * the indices given so far (the choices begun). At most n entries, and one for each choice past n.
    */
   private indexMap: Map<number, number> | undefined;
   private readonly begun: boolean[] | undefined;
+  /** The indices (n or more) given to choices past the n asked, and the lowest one to try next (`clientIndex`). */
+  private extraGiven: Set<number> | undefined;
+  private nextExtra = 0;
   /**
    * The client left once the answer was complete, before its usage chunk: the
    * upstream is read on for that chunk, relaying nothing (`cancel`); `drainTimer`
@@ -399,17 +402,28 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
 
   /**
    * The index the client gets the upstream's choice `u` with (n > 1): its own when it is below n and
-   * not given to another, else the lowest one not given yet; as sent once n are given (an upstream
-   * answering more choices than asked).
+   * not given to another, else the lowest one not given yet. Once n are given (an upstream answering
+   * more choices than asked), its own when that is n or more and not given, else the lowest such one
+   * not given: never one another choice has, whose text it would be merged into (choices 0, 2, 1 of
+   * n = 2 sent 2 as 1, then 1 as 1 too).
    */
   private clientIndex(u: number, begun: boolean[]): number {
     this.indexMap ??= new Map();
     const map = this.indexMap;
     const had = map.get(u);
     if (had !== undefined) return had;
-    const k = Number.isSafeInteger(u) && u >= 0 && u < begun.length && !begun[u] ? u : begun.indexOf(false);
-    if (k === -1) return u;
-    begun[k] = true;
+    let k = Number.isSafeInteger(u) && u >= 0 && u < begun.length && !begun[u] ? u : begun.indexOf(false);
+    if (k === -1) {
+      this.extraGiven ??= new Set();
+      const given = this.extraGiven;
+      if (Number.isSafeInteger(u) && u >= begun.length && !given.has(u)) k = u;
+      else {
+        this.nextExtra = Math.max(this.nextExtra, begun.length);
+        while (given.has(this.nextExtra)) this.nextExtra++;
+        k = this.nextExtra;
+      }
+      given.add(k);
+    } else begun[k] = true;
     map.set(u, k);
     return k;
   }

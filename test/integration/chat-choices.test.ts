@@ -52,6 +52,17 @@ const STREAMS: Record<string, string[]> = {
     usage(2),
     DONE,
   ],
+  // n = 2 asked, three choices answered, beginning in the order 0, 2, 1 (2 takes the free index 1).
+  more: [
+    chunk(0, { role: "assistant", content: "zero" }),
+    chunk(2, { role: "assistant", content: "two" }),
+    chunk(1, { role: "assistant", content: "one" }),
+    chunk(0, {}, "stop"),
+    chunk(2, {}, "stop"),
+    chunk(1, {}, "stop"),
+    usage(3),
+    DONE,
+  ],
   // n = 2 asked with max_tokens 3, one choice answered, going past its bound (no usage report).
   "fewer-past-bound": [
     chunk(0, { role: "assistant", content: "" }),
@@ -155,6 +166,30 @@ describe("n = 2, choices 0 and 2 answered", () => {
       [1, "c5", "stop"],
     ]);
     expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
+  });
+});
+
+describe("n = 2, three choices answered (0, 2, then 1)", () => {
+  test("streamed: no two of the upstream's choices share an index (2 takes 1; the extra one is not merged into it)", async () => {
+    const res = await fetch(`${gw.url}/v1/chat/completions`, {
+      method: "POST",
+      headers: { authorization: `Bearer ${org.personalKey}`, "content-type": "application/json" },
+      body: JSON.stringify({ ...ask("more"), stream: true }),
+    });
+    expect(res.status).toBe(200);
+    const texts = new Map<number, string[]>();
+    for (const line of (await res.text()).split("\n")) {
+      if (!line.startsWith("data: {")) continue;
+      for (const c of arr(rec(JSON.parse(line.slice(6))).choices)) {
+        const content = rec(rec(c).delta).content;
+        if (typeof content === "string" && content !== "") texts.set(Number(rec(c).index), [...(texts.get(Number(rec(c).index)) ?? []), content]);
+      }
+    }
+    // Choices 0 and 2 go out as 0 and 1 (the SDK reads them); the third is no part of either.
+    expect(texts.get(0)).toEqual(["zero"]);
+    expect(texts.get(1)).toEqual(["two"]);
+    expect([...texts.values()].sort()).toEqual([["one"], ["two"], ["zero"]]);
+    expect(await lastUsage()).toEqual({ prompt: 5, completion: 3, status: 200 });
   });
 });
 
