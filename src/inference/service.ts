@@ -7,7 +7,7 @@ import { resolveAlias } from "./aliases.ts";
 import { type ChatBody, type EmbeddingsBody, firstImage, parseChatBody, parseEmbeddingsBody } from "./model.ts";
 import type { ImageUrlCheck } from "./image-url.ts";
 import { type EndableStream, type RelayOptions, relayStream, type StreamEnd, streamCharge } from "./stream.ts";
-import { choiceIndexOf, countTextAfterReport, createdOf, type ReportedText, sseAsCompletion } from "./whole-answer.ts";
+import { choiceIndices, countTextAfterReport, createdOf, type ReportedText, sseAsCompletion } from "./whole-answer.ts";
 import { upstreamMessage } from "./upstream/error-body.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
 import { type Counted, type UsageBounds, countUsage, usageDetails } from "./usage.ts";
@@ -207,6 +207,7 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
   let completionBytes = 0;
   const choices: Record<string, unknown>[] = [];
   const sent: unknown[] = raw.choices;
+  const indices = choiceIndices(sent);
   sent.forEach((c: unknown, i: number) => {
     // An entry that is not an object carries no answer; an answer with none is no answer (unreadable).
     if (!isRecord(c)) return;
@@ -234,7 +235,7 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     // Generated text too, for the estimate when the upstream reports no usage; the reasoning once under either name.
     completionBytes += Math.max(stringBytes(m.reasoning_content), stringBytes(m.reasoning)) + stringBytes(m.refusal);
     choices.push({
-      index: choiceIndexOf(choice.index, i, sent.length),
+      index: indices[i] ?? i,
       message,
       logprobs: shapeLogprobs(choice.logprobs),
       finish_reason: typeof choice.finish_reason === "string" ? choice.finish_reason : "stop",

@@ -25,9 +25,37 @@ export function createdOf(v: unknown): number {
   return typeof v === "number" && Number.isInteger(v) && v >= 0 && v <= MAX_CREATED ? v : Math.floor(Date.now() / 1000);
 }
 
-/** A choice's `index` when it is a whole number below the number of choices (its position among them), else its position. */
-export function choiceIndexOf(v: unknown, position: number, choices: number): number {
-  return typeof v === "number" && Number.isInteger(v) && v >= 0 && v < choices ? v : position;
+/**
+ * Each choice's `index` (undefined for an entry that is no object): its own when it is a whole number
+ * below the number of choices and no earlier choice has it, else its position when no choice has that,
+ * else the lowest index none has. Never two choices with one index: a server that numbers every choice
+ * 0 had its choices merged into one by a client that keys them by index (the openai SDK's stream of an
+ * answer sent whole).
+ */
+export function choiceIndices(all: readonly unknown[]): (number | undefined)[] {
+  const out = new Array<number | undefined>(all.length).fill(undefined);
+  const taken = new Set<number>();
+  for (let i = 0; i < all.length; i++) {
+    const c = all[i];
+    if (!isRecord(c)) continue;
+    const v = c.index;
+    if (typeof v === "number" && Number.isInteger(v) && v >= 0 && v < all.length && !taken.has(v)) {
+      out[i] = v;
+      taken.add(v);
+    }
+  }
+  let free = 0;
+  for (let i = 0; i < all.length; i++) {
+    if (out[i] !== undefined || !isRecord(all[i])) continue;
+    let k = i;
+    if (taken.has(k)) {
+      while (taken.has(free)) free++;
+      k = free;
+    }
+    out[i] = k;
+    taken.add(k);
+  }
+  return out;
 }
 
 export type WholeAnswer = { events: Buffer } | { error: true } | undefined;
@@ -52,10 +80,11 @@ export function wholeAnswer(body: Buffer, alias: string): WholeAnswer {
   };
   const events: string[] = [];
   const event = (extra: Record<string, unknown>) => events.push(`data: ${JSON.stringify({ ...head, ...extra })}\n\n`);
+  const indices = choiceIndices(all);
   all.forEach((c: unknown, i: number) => {
     if (!isRecord(c)) return;
     const choice = c;
-    const index = choiceIndexOf(choice.index, i, all.length);
+    const index = indices[i] ?? i;
     const m = isRecord(choice.message) ? choice.message : {};
     const delta: Record<string, unknown> = { role: "assistant" };
     for (const k of ["content", "refusal", "reasoning_content", "reasoning"] as const) if (typeof m[k] === "string") delta[k] = m[k];

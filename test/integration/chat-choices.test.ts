@@ -73,6 +73,14 @@ const STREAMS: Record<string, string[]> = {
 };
 /** JSON answers, by the user's text. */
 const JSONS: Record<string, unknown> = {
+  // n = 2 asked, both choices answered with index 0 (a server that does not number its choices).
+  "same-index": jsonAnswer(
+    [
+      { index: 0, content: "zero" },
+      { index: 0, content: "other" },
+    ],
+    2,
+  ),
   fewer: jsonAnswer([{ index: 0, content: "only one" }], 2),
   skips: jsonAnswer(
     [
@@ -164,6 +172,25 @@ describe("n = 2, choices 0 and 2 answered", () => {
     expect(final.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([
       [0, "c3", "stop"],
       [1, "c5", "stop"],
+    ]);
+    expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
+  });
+});
+
+describe("n = 2, both choices answered in JSON with index 0", () => {
+  test("JSON: each choice its own index, 0 and 1", async () => {
+    const r = await client.chat.completions.create(ask("same-index"));
+    expect(r.choices.map((c) => [c.index, c.message.content])).toEqual([
+      [0, "zero"],
+      [1, "other"],
+    ]);
+  });
+
+  test("a streamed request answered in JSON: the SDK's finalChatCompletion() reads both choices, not one with their texts merged", async () => {
+    const final = await client.chat.completions.stream(ask("json:same-index")).finalChatCompletion();
+    expect(final.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([
+      [0, "zero", "stop"],
+      [1, "other", "stop"],
     ]);
     expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
   });
