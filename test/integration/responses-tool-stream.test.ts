@@ -88,6 +88,18 @@ beforeAll(async () => {
     async fetch(req) {
       const body = rec(await req.json());
       const last = rec(arr(body.messages).at(-1));
+      if (last.content === "held") {
+        // A call's name, then nothing until the gateway closes the call (its client left).
+        const head = [chunk({ role: "assistant", content: "" }), chunk({ tool_calls: [{ index: 0, id: "call_1", type: "function", function: { name: "foo" } }] })].join("");
+        return new Response(
+          new ReadableStream({
+            start(c) {
+              c.enqueue(new TextEncoder().encode(head));
+            },
+          }),
+          { headers: { "content-type": "text/event-stream" } },
+        );
+      }
       const script = SCRIPTS[String(last.content)] ?? SCRIPTS["split-name"] ?? [];
       return new Response(script.join(""), { headers: { "content-type": "text/event-stream" } });
     },
@@ -246,5 +258,31 @@ describe("a function name streamed in pieces", () => {
     expect(arr(failed.output).map((o) => [rec(o).type, rec(o).name, rec(o).call_id, rec(o).status])).toEqual([["function_call", "foo", "call_1", "incomplete"]]);
     const stored = rec(await (await fetch(`${gw.url}/v1/responses/${String(failed.id)}`, { headers: { authorization: `Bearer ${org.personalKey}` } })).json());
     expect(stored).toEqual(failed);
+  });
+
+  test("the client leaves while a call's name has come and its arguments have not: the stored Response (cancelled) has the call, incomplete", async () => {
+    const ac = new AbortController();
+    const res = await post(gw, "/v1/responses", org.personalKey, { model: "svc-tools", stream: true, input: "held", tools: TOOLS }, { signal: ac.signal });
+    const reader = (res.body as ReadableStream<Uint8Array>).getReader();
+    let text = "";
+    while (!text.includes("response.in_progress")) {
+      const r = await reader.read();
+      if (r.done) break;
+      text += new TextDecoder().decode(r.value);
+    }
+    const id = String(rec(events(text).find((e) => e.type === "response.created")?.response).id);
+    await Bun.sleep(100);
+    ac.abort();
+    let stored: Record<string, unknown> = {};
+    for (let i = 0; i < 100; i++) {
+      const got = await fetch(`${gw.url}/v1/responses/${id}`, { headers: { authorization: `Bearer ${org.personalKey}` } });
+      if (got.status === 200) {
+        stored = rec(await got.json());
+        break;
+      }
+      await Bun.sleep(50);
+    }
+    expect(stored.status).toBe("cancelled");
+    expect(arr(stored.output).map((o) => [rec(o).type, rec(o).name, rec(o).call_id, rec(o).arguments, rec(o).status])).toEqual([["function_call", "foo", "call_1", "", "incomplete"]]);
   });
 });
