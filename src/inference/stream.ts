@@ -874,14 +874,22 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
         // No event at all, and one JSON document: a server that does not stream answered whole (whole-answer.ts).
         const framer = this.framer;
         const body = this.sep === undefined && framer.pendingBytes > 0 && this.endedBecause === undefined ? framer.pending() : undefined;
-        const whole = body ? wholeAnswer(body, opts.alias) : undefined;
-        if (whole && "error" in whole) this.upstreamError = upstreamMessage(String(body)).message;
-        else if (whole) {
-          framer.reset();
-          this.feed(whole.events);
+        let whole: ReturnType<typeof wholeAnswer>;
+        try {
+          whole = body ? wholeAnswer(body, opts.alias) : undefined;
+          if (whole && "error" in whole) this.upstreamError = upstreamMessage(String(body)).message;
+          else if (whole) {
+            framer.reset();
+            this.feed(whole.events);
+          }
+        } catch {
+          // An answer the gateway cannot write again as chunks (nested past JSON.stringify's stack): unreadable, as
+          // the same answer to a non-streamed request is (a 503). Before, the error escaped the relay: the
+          // connection was reset and the request never settled.
+          return this.fail(c, `The model '${opts.alias}' sent an unreadable answer.`);
         }
         // [DONE] ends a stream before its body does (finishAtDone): a body that ends first was cut off.
-        else return this.fail(c, this.endedBecause ?? `The model '${opts.alias}' ended the stream early.`);
+        if (!whole) return this.fail(c, this.endedBecause ?? `The model '${opts.alias}' ended the stream early.`);
         continue;
       }
       try {

@@ -2,9 +2,11 @@ import { afterAll, afterEach, describe, expect, setDefaultTimeout, test } from "
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { sql } from "drizzle-orm";
 import type { Config } from "../../src/config/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
 import { blocks, chunk, type HostileConn, type HostileUpstream, hostileUpstream } from "../helpers/hostile-upstream.ts";
 import { CHAT_MODEL, chatAlias, embedAlias, eventually, post, rec, seedTestOrg, sseData, TEST_PLANS, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
@@ -336,6 +338,27 @@ describe("answers nested past JSON.stringify's stack", () => {
       expect(Number(/^gateway_tokens_total\{alias="svc-fast",direction="completion"\} (\d+)$/m.exec(metrics)?.[1] ?? 0)).toBe(0);
     });
   }
+  test("a streamed request answered whole (one JSON document) with such tool call arguments: the stream ends with its error event, settled once as a failure, not charged", async () => {
+    const body = choice(`{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"f","arguments":${DEEP}}}]}`);
+    const { gw, chat } = await setup((c) => answer(c, body));
+    const failed = async () => {
+      await gw.quota.flush();
+      const rows = await gw.database.rows<{ n: number }>(sql`select coalesce(sum(requests), 0)::int as n from usage_events where status = 503 and streamed`);
+      return Number(rows[0]?.n);
+    };
+    const before = await failed();
+    const res = await chat({ stream: true });
+    expect(res.status).toBe(200);
+    const text = await res.text().catch((e: unknown) => `read failed: ${String(e)}`);
+    const events = sseData(text);
+    const last = rec(JSON.parse(events.at(-1) ?? "{}"));
+    expect({ code: rec(last.error).code, message: String(rec(last.error).message).includes("unreadable") }).toEqual({ code: "service_unavailable", message: true });
+    // Settled once, as the failure the client saw (its record written), not left open: none of the answer's 5 completion tokens counted.
+    await until(async () => (await failed()) === before + 1, "the stream's usage record (503)", 5_000, 50);
+    const metrics = await (await fetch(`${gw.metricsUrl}`)).text();
+    expect(Number(/^gateway_tokens_total\{alias="svc-fast",direction="completion"\} (\d+)$/m.exec(metrics)?.[1] ?? 0)).toBe(0);
+  });
+
   test("a tool call that is no object, and logprobs entries that are no token, are left out: the answer is served", async () => {
     const body = choice(
       `{"role":"assistant","content":"hi","tool_calls":[${DEEP}]}`,
