@@ -1,0 +1,115 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { eq } from "drizzle-orm";
+import { usageEvents } from "../../src/db/schema.ts";
+import type { Gateway } from "../../src/server.ts";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { startTestGateway } from "../helpers/harness.ts";
+import { until } from "../helpers/poll.ts";
+import { TEST_PLANS, chatAlias, post, seedTestOrg, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+
+// Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
+setDefaultTimeout(90_000);
+
+/**
+ * Claims of README.md, docs/operations.md, docs/decisions.md and the OpenAPI
+ * document that the earlier rounds (claims-*.test.ts) left without a test
+ * able to fail on them (round 9). Each test names the claim it holds; each
+ * was shown failing against a mutation of src/ that breaks its claim (see
+ * the commit messages).
+ */
+
+let sim: Simulator;
+
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 5, interTokenMs: 1, completionTokens: 3 });
+});
+afterAll(async () => {
+  await sim.stop();
+});
+
+async function usageOf(gw: Gateway, orgId: string) {
+  await gw.quota.flush();
+  return gw.database.db
+    .select({ status: usageEvents.status, prompt: usageEvents.promptTokens, completion: usageEvents.completionTokens })
+    .from(usageEvents)
+    .where(eq(usageEvents.orgId, orgId));
+}
+
+describe("a client that leaves before its request reached an upstream that works on it is charged nothing (docs/decisions.md: one that leaves … in the backoff between attempts, or after the upstream refused it (an error status), is charged nothing)", () => {
+  /** What the upstream does with each request: "refuse" answers 500 and holds its body until the gateway leaves; "busy" answers 503 at once. */
+  let mode: "refuse" | "busy" = "busy";
+  let received = 0;
+  let gone = 0;
+  const upstream = Bun.serve({
+    hostname: "127.0.0.1",
+    port: 0,
+    idleTimeout: 0,
+    async fetch(req) {
+      await req.text();
+      received++;
+      if (mode === "busy") return Response.json({ error: { message: "busy", type: "server_error" } }, { status: 503 });
+      // The error status goes out at once; its body never comes until the gateway gives up the connection.
+      const body = new ReadableStream({
+        start(controller) {
+          controller.enqueue(new TextEncoder().encode('{"error": {"message": "'));
+          req.signal.addEventListener("abort", () => {
+            gone++;
+            try {
+              controller.close();
+            } catch {}
+          });
+        },
+      });
+      return new Response(body, { status: 500, headers: { "content-type": "application/json" } });
+    },
+  });
+  const base = `http://127.0.0.1:${upstream.port}/v1`;
+  let gw: Gateway;
+
+  beforeAll(async () => {
+    gw = await startTestGateway({
+      aliases: { "svc-fast": chatAlias([{ baseUrl: base }]) },
+      plans: TEST_PLANS,
+      // Two attempts, the second after a backoff of 2.5-7.5 s (50% to 150% of backoffMs): the client leaves during it.
+      upstream: upstreamSettings({ attempts: 2, backoffMs: 5_000, breakerFailures: 1_000 }, { firstByteMs: 30_000 }),
+    });
+  });
+  afterAll(async () => {
+    await gw?.stop();
+    await upstream.stop(true);
+  });
+
+  for (const stream of [false, true]) {
+    test(`${stream ? "streamed" : "JSON"}: refused at once (503), the client leaves in the backoff before the next attempt: 499, nothing charged, no second attempt`, async () => {
+      mode = "busy";
+      const o = await seedTestOrg(gw.database, { quotaTokens: 1_000_000, quotaWindow: "day" });
+      const before = received;
+      const ac = new AbortController();
+      const res = post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream }, { signal: ac.signal }).catch(() => undefined);
+      await until(() => received > before, "the first attempt upstream", 10_000, 5);
+      await Bun.sleep(300);
+      ac.abort();
+      await res;
+      await until(async () => (await usageOf(gw, o.orgId)).length > 0, "the usage record", 10_000, 20);
+      expect(await usageOf(gw, o.orgId)).toEqual([{ status: 499, prompt: 0, completion: 0 }]);
+      expect(received).toBe(before + 1);
+    });
+
+    test(`${stream ? "streamed" : "JSON"}: the upstream refused it (500) and the client leaves while its error body is read: 499, nothing charged`, async () => {
+      mode = "refuse";
+      const o = await seedTestOrg(gw.database, { quotaTokens: 1_000_000, quotaWindow: "day" });
+      const before = received;
+      const left = gone;
+      const ac = new AbortController();
+      const res = post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages(), stream }, { signal: ac.signal }).catch(() => undefined);
+      await until(() => received > before, "the request upstream", 10_000, 5);
+      await Bun.sleep(300);
+      ac.abort();
+      await res;
+      await until(() => gone > left, "the upstream connection given up", 10_000, 5);
+      await until(async () => (await usageOf(gw, o.orgId)).length > 0, "the usage record", 10_000, 20);
+      expect(await usageOf(gw, o.orgId)).toEqual([{ status: 499, prompt: 0, completion: 0 }]);
+      expect(received).toBe(before + 1);
+    });
+  }
+});
