@@ -1,11 +1,11 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { eq } from "drizzle-orm";
+import { eq, sql } from "drizzle-orm";
 import { usageEvents } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { startTestGateway } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
-import { TEST_PLANS, chatAlias, post, seedTestOrg, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+import { TEST_PLANS, chatAlias, post, seedTestOrg, testAliases, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(90_000);
@@ -113,3 +113,27 @@ describe("a client that leaves before its request reached an upstream that works
     });
   }
 });
+
+describe("responses.retentionDays (README configuration table: keep responses that many days; docs/decisions.md, Retention: from creation)", () => {
+  test("a gateway configured with 7 (and 1) days stores each response to expire that many days after its creation", async () => {
+    for (const days of [7, 1]) {
+      const gw = await startTestGateway({ aliases: testAliases(sim.url), plans: TEST_PLANS, responses: { enabled: true, retentionDays: days } });
+      try {
+        const o = await seedTestOrg(gw.database);
+        const res = await post(gw, "/v1/responses", o.personalKey, { model: "svc-fast", input: "hi" });
+        expect(res.status).toBe(200);
+        const id = String(((await res.json()) as { id: string }).id);
+        const [row] = await gw.database.rows<{ seconds: number }>(
+          sql`select extract(epoch from expires_at - created_at) as seconds from responses where id = ${id}`,
+        );
+        // `days` days to the hour (created_at is the database's clock, expires_at the gateway's).
+        expect({ days, hours: Math.round(Number(row?.seconds) / 3_600) }).toEqual({ days, hours: days * 24 });
+        // Retrievable meanwhile.
+        expect((await fetch(`${gw.url}/v1/responses/${id}`, { headers: { authorization: `Bearer ${o.personalKey}` } })).status).toBe(200);
+      } finally {
+        await gw.stop();
+      }
+    }
+  });
+});
+
