@@ -137,3 +137,50 @@ describe("responses.retentionDays (README configuration table: keep responses th
   });
 });
 
+
+describe("a request between attempts at the drain limit (docs/decisions.md, Shutdown: requests still waiting for an upstream's answer then end the same moment the same way … answered 503 service_unavailable, recorded as a 503 with nothing charged; no further attempt starts)", () => {
+  test("an upstream that answered 503, the next attempt 1-3 s away when drainMs (300) ends: the client gets 503 service_unavailable, not a reset; no second attempt; usage 503, nothing charged", async () => {
+    let received = 0;
+    const upstream = Bun.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      async fetch(req) {
+        await req.text();
+        received++;
+        return Response.json({ error: { message: "busy", type: "server_error" } }, { status: 503 });
+      },
+    });
+    const gw = await startTestGateway({
+      aliases: { "svc-fast": chatAlias([{ baseUrl: `http://127.0.0.1:${upstream.port}/v1` }]) },
+      plans: TEST_PLANS,
+      // The second attempt waits 1-3 s (50% to 150% of min(backoffMs, 2 s)): well past the drain's 300 ms.
+      upstream: upstreamSettings({ attempts: 3, backoffMs: 2_000, breakerFailures: 1_000 }),
+      drainMs: 300,
+    });
+    try {
+      const o = await seedTestOrg(gw.database, { quotaTokens: 1_000_000, quotaWindow: "day" });
+      type Got = { status: number; body: { error?: { code?: string; message?: string } } | null };
+      const answer: Promise<Got> = post(gw, "/v1/chat/completions", o.personalKey, { model: "svc-fast", messages: userMessages() }).then(
+        async (r) => ({ status: r.status, body: (await r.json().catch(() => null)) as Got["body"] }),
+        (e: unknown) => ({ status: 0, body: { error: { code: String((e as { code?: string }).code ?? e) } } }),
+      );
+      await until(() => received === 1, "the first attempt upstream", 10_000, 5);
+      const t0 = performance.now();
+      await gw.stop();
+      const stopMs = performance.now() - t0;
+      const got = await answer;
+      expect({ status: got.status, code: got.body?.error?.code }).toEqual({ status: 503, code: "service_unavailable" });
+      expect(got.body?.error?.message).toContain("shutting down");
+      expect(received).toBe(1);
+      expect(stopMs).toBeLessThan(4_000);
+      const rows = await gw.database.db
+        .select({ status: usageEvents.status, prompt: usageEvents.promptTokens, completion: usageEvents.completionTokens })
+        .from(usageEvents)
+        .where(eq(usageEvents.orgId, o.orgId));
+      expect(rows).toEqual([{ status: 503, prompt: 0, completion: 0 }]);
+    } finally {
+      await gw.stop();
+      await upstream.stop(true);
+    }
+  });
+});

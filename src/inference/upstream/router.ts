@@ -48,16 +48,22 @@ const RETRY_STATUS = new Set([429, 500, 502, 503, 504]);
 const MISCONFIGURED = new Set([401, 403, 404, 405]);
 const MAX_BACKOFF_MS = 2_000;
 
-function sleep(ms: number, signal: AbortSignal): Promise<void> {
+/**
+ * Waits `ms`, or less when the client leaves or the gateway's shutdown ends the calls in flight
+ * (`wakers`: endCalls wakes every call between attempts, which then ends with its 503).
+ */
+function sleep(ms: number, signal: AbortSignal, wakers: Set<() => void>): Promise<void> {
   if (ms <= 0) return Promise.resolve();
   return new Promise((resolve) => {
     const done = () => {
       clearTimeout(timer);
       signal.removeEventListener("abort", done);
+      wakers.delete(done);
       resolve();
     };
     const timer = setTimeout(done, ms);
     signal.addEventListener("abort", done, { once: true });
+    wakers.add(done);
   });
 }
 
@@ -65,6 +71,8 @@ export function createUpstream(deps: UpstreamDeps) {
   const { config, log } = deps;
   /** Attempts waiting for an upstream's answer (until it is read, or a stream's first bytes are handed over). */
   const live = new Set<Attempt>();
+  /** Calls waiting between attempts (the backoff): endCalls wakes them, and they end with its error. */
+  const between = new Set<() => void>();
   /** Set by endCalls (shutdown): the error every call still in flight ends with. */
   let closing: AppError | undefined;
   const random = deps.random ?? Math.random;
@@ -208,7 +216,7 @@ export function createUpstream(deps: UpstreamDeps) {
     for (let i = 0; i < up.attempts; i++) {
       if (i > 0) {
         const delay = Math.min(MAX_BACKOFF_MS, up.backoffMs * 2 ** (i - 1)) * (0.5 + random());
-        await sleep(delay, ctx.signal);
+        if (!closing) await sleep(delay, ctx.signal, between);
       }
       if (ctx.signal.aborted) throw new ClientGone();
       if (closing) throw closing;
@@ -280,13 +288,15 @@ export function createUpstream(deps: UpstreamDeps) {
 
   /**
    * Shutdown past the drain limit: every call still waiting for an upstream's answer (a JSON answer,
-   * or a stream's first bytes) ends now with `message` as a 503 service_unavailable, as an open stream
-   * ends with its error event, and none starts another attempt. Returns how many were ended.
+   * or a stream's first bytes, or the backoff before its next attempt) ends now with `message` as a 503
+   * service_unavailable, as an open stream ends with its error event, and none starts another attempt.
+   * Returns how many were ended.
    */
   function endCalls(message: string): number {
     closing ??= new AppError("service_unavailable", message);
-    const n = live.size;
+    const n = live.size + between.size;
     for (const a of [...live]) a.abort(closing);
+    for (const wake of [...between]) wake();
     return n;
   }
 
