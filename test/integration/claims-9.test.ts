@@ -1,9 +1,11 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { type AddressInfo, type Server, type Socket, connect, createServer } from "node:net";
 import { eq, sql } from "drizzle-orm";
+import { openDatabase } from "../../src/db/client.ts";
 import { usageEvents } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { startTestGateway } from "../helpers/harness.ts";
+import { TEST_DATABASE_URL, startTestGateway } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
 import { TEST_PLANS, chatAlias, post, seedTestOrg, testAliases, upstreamSettings, userMessages } from "./inference-fixtures.ts";
 
@@ -181,6 +183,72 @@ describe("a request between attempts at the drain limit (docs/decisions.md, Shut
     } finally {
       await gw.stop();
       await upstream.stop(true);
+    }
+  });
+});
+
+describe.skipIf(!TEST_DATABASE_URL)("the Postgres reconnect backoff (docs/decisions.md, Sessions ended under load reconnect at once: reconnectBackoff doubles from 50 ms to 1 s; a database that refuses sees about one attempt a second per pooled connection)", () => {
+  test("after 6 s of refused connections a query is answered within ~1 s of the database accepting again, and the refusals saw a bounded number of attempts", async () => {
+    const target = new URL(String(TEST_DATABASE_URL));
+    const sockets = new Set<Socket>();
+    let attempts = 0;
+    const forward = (client: Socket) => {
+      attempts++;
+      sockets.add(client);
+      const up = connect(Number(target.port || 5432), target.hostname);
+      sockets.add(up);
+      client.pipe(up).on("error", () => {});
+      up.pipe(client).on("error", () => {});
+      const end = () => {
+        client.destroy();
+        up.destroy();
+      };
+      client.on("close", end).on("error", end);
+      up.on("close", end).on("error", end);
+    };
+    let proxy: Server = createServer(forward);
+    await new Promise<void>((r) => proxy.listen(0, "127.0.0.1", () => r()));
+    const port = (proxy.address() as AddressInfo).port;
+    const url = new URL(String(TEST_DATABASE_URL));
+    url.hostname = "127.0.0.1";
+    url.port = String(port);
+    const database = await openDatabase({ databaseUrl: url.toString(), dataDir: "memory://", poolMax: 1 });
+    try {
+      expect(await database.rows(sql`select 1 as one`)).toEqual([{ one: 1 }]);
+      // The database goes away: the session is cut and new connections are refused (ECONNREFUSED).
+      const closed = new Promise<void>((r) => proxy.close(() => r()));
+      for (const s of sockets) s.destroy();
+      sockets.clear();
+      await closed;
+      const refusedFrom = performance.now();
+      let failures = 0;
+      while (performance.now() - refusedFrom < 6_000) {
+        await database.rows(sql`select 1`).catch(() => failures++);
+        await Bun.sleep(20);
+      }
+      expect(failures).toBeGreaterThanOrEqual(3);
+      // Counted by the driver's attempts: with no backoff hundreds; ours about one a second after the first doublings.
+      expect(failures).toBeLessThanOrEqual(25);
+      // The database accepts again: the next query waits at most the capped backoff (1 s), not the driver's 3^n / 100 s.
+      attempts = 0;
+      proxy = createServer(forward);
+      await new Promise<void>((r) => proxy.listen(port, "127.0.0.1", () => r()));
+      const back = performance.now();
+      let answered = false;
+      while (!answered && performance.now() - back < 30_000) {
+        answered = await database.rows(sql`select 1 as one`).then(
+          (r) => r.length === 1,
+          () => false,
+        );
+      }
+      const waited = performance.now() - back;
+      expect(answered).toBe(true);
+      expect(waited).toBeLessThan(2_000);
+      expect(attempts).toBeGreaterThanOrEqual(1);
+    } finally {
+      await database.close().catch(() => {});
+      proxy.close();
+      for (const s of sockets) s.destroy();
     }
   });
 });
