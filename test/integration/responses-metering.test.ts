@@ -1,9 +1,10 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
 import postgres from "postgres";
-import type { Gateway } from "../../src/server.ts";
+import { createLogger } from "../../src/lib/log.ts";
+import { type Gateway, startGateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
-import { readUntilThenLeave, type SeededOrg, startTestGateway, TEST_DATABASE_URL } from "../helpers/harness.ts";
+import { readUntilThenLeave, type SeededOrg, sharedDatabase, startTestGateway, TEST_DATABASE_URL, testConfig } from "../helpers/harness.ts";
 import { type LateUsageRun, type LateUsageUpstream, lateUsageUpstream } from "../helpers/late-usage-upstream.ts";
 import { eventually } from "../helpers/poll.ts";
 import { TEST_PLANS, arr, chatAlias, post, rec, seedTestOrg, testAliases, upstreamSettings } from "./inference-fixtures.ts";
@@ -131,9 +132,14 @@ describe.skipIf(!TEST_DATABASE_URL)("a store write that hangs (Postgres)", () =>
     }
   });
 
-  test("a stop while that write still waits: the usage is written and the leases returned first, and the stop ends in bounded time", async () => {
+  test("a stop while that write still waits: the usage is written and the leases returned first, and the stop ends in bounded time, naming the responses not written", async () => {
     // Its own gateway (stopped here), writing usage only at the stop; an organisation with a quota, so a lease is out.
-    const g = await startTestGateway({ aliases: testAliases(sim.url), plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 1 }), responses: { enabled: true }, quota: { flushMs: 600_000 } });
+    const lines: Record<string, unknown>[] = [];
+    const g = await startGateway({
+      config: await testConfig({ aliases: testAliases(sim.url), plans: TEST_PLANS, upstream: upstreamSettings({ attempts: 1 }), responses: { enabled: true }, quota: { flushMs: 600_000 } }),
+      database: await sharedDatabase(),
+      log: createLogger("error", (l) => lines.push(JSON.parse(l) as Record<string, unknown>)),
+    });
     const o = await seedTestOrg(g.database, { quotaTokens: 1_000_000 });
     const admin = postgres(TEST_DATABASE_URL ?? "", { max: 1, onnotice: () => {} });
     const locker = await admin.reserve();
@@ -143,7 +149,7 @@ describe.skipIf(!TEST_DATABASE_URL)("a store write that hangs (Postgres)", () =>
       await locker`lock table responses in access exclusive mode`;
       const json = await post(g, "/v1/responses", o.personalKey, { model: "svc-fast", input: "x" }, { signal: AbortSignal.timeout(12_000) });
       expect(json.status).toBe(200);
-      await json.arrayBuffer();
+      const id = String(rec(await json.json()).id);
       // The lock is held for the whole stop (a long transaction, a VACUUM FULL): the stored response cannot be written.
       const t = Date.now();
       stopped = g.stop();
@@ -159,6 +165,9 @@ describe.skipIf(!TEST_DATABASE_URL)("a store write that hangs (Postgres)", () =>
         leased: 0,
         used: true,
       });
+      // decisions.md: past the 5 s the error line "stored responses not written at shutdown" names their ids.
+      const notWritten = lines.filter((l) => String(l.msg).startsWith("stored responses not written at shutdown"));
+      expect(notWritten.map((l) => ({ level: l.level, ids: l.response_ids }))).toEqual([{ level: "error", ids: [id] }]);
     } finally {
       await locker`rollback`;
       locker.release();
