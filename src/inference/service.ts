@@ -207,7 +207,8 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
   let completionBytes = 0;
   const choices: Record<string, unknown>[] = [];
   const sent: unknown[] = raw.choices;
-  const indices = choiceIndices(sent);
+  // One choice (the usual answer) is index 0 whatever it says: no list or set of indices made for it.
+  const indices = sent.length > 1 ? choiceIndices(sent) : undefined;
   sent.forEach((c: unknown, i: number) => {
     // An entry that is not an object carries no answer; an answer with none is no answer (unreadable).
     if (!isRecord(c)) return;
@@ -235,7 +236,7 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
     // Generated text too, for the estimate when the upstream reports no usage; the reasoning once under either name.
     completionBytes += Math.max(stringBytes(m.reasoning_content), stringBytes(m.reasoning)) + stringBytes(m.refusal);
     choices.push({
-      index: indices[i] ?? i,
+      index: indices ? (indices[i] ?? i) : 0,
       message,
       logprobs: shapeLogprobs(choice.logprobs),
       finish_reason: typeof choice.finish_reason === "string" ? choice.finish_reason : "stop",
