@@ -15,7 +15,7 @@ import type { AliasConfig, Config } from "../../config/schema.ts";
 import { AppError } from "../../lib/errors.ts";
 import type { Logger } from "../../lib/log.ts";
 import { type Completed, type Opened, openStream, readWhole } from "./answer.ts";
-import { AnswerTooLarge, Attempt, AttemptFailed, type Call, type CallContext, ClientGone, type Outcome } from "./attempt.ts";
+import { AnswerTooLarge, Attempt, AttemptFailed, type Call, type CallContext, ClientGone, InFlight, type Outcome } from "./attempt.ts";
 import { ERROR_BODY_MS, readErrorBody, retryAfterSeconds, upstreamMessage } from "./error-body.ts";
 import { ConnectTimeout, createHttp1Client, type Http1Client, type UpstreamResponse } from "./http1.ts";
 import type { ConnectProbe } from "./probe.ts";
@@ -70,7 +70,7 @@ function sleep(ms: number, signal: AbortSignal, wakers: Set<() => void>): Promis
 export function createUpstream(deps: UpstreamDeps) {
   const { config, log } = deps;
   /** Attempts waiting for an upstream's answer (until it is read, or a stream's first bytes are handed over). */
-  const live = new Set<Attempt>();
+  const live = new InFlight();
   /** Calls waiting between attempts (the backoff): endCalls wakes them, and they end with its error. */
   const between = new Set<() => void>();
   /** Set by endCalls (shutdown): the error every call still in flight ends with. */
@@ -295,7 +295,7 @@ export function createUpstream(deps: UpstreamDeps) {
   function endCalls(message: string): number {
     closing ??= new AppError("service_unavailable", message);
     const n = live.size + between.size;
-    for (const a of [...live]) a.abort(closing);
+    for (const a of live.toArray()) a.abort(closing);
     for (const wake of [...between]) wake();
     return n;
   }
