@@ -7,7 +7,7 @@ import { TEST_DATABASE_URL, bearer, errorOf, type SeededOrg, seedOrg, startTestG
 import { startFreezeProxy } from "../helpers/freeze-proxy.ts";
 import { until } from "../helpers/poll.ts";
 import { createScratchDatabase } from "../helpers/process.ts";
-import { TEST_PLANS, seedTestOrg, testAliases, userMessages } from "./inference-fixtures.ts";
+import { chatOn, seedTestOrg, TEST_PLANS, testAliases } from "./inference-fixtures.ts";
 import { scrapeOf, sample } from "../helpers/scrape.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
@@ -38,13 +38,7 @@ afterAll(async () => {
   await sim.stop();
 });
 
-const chat = (g: Gateway, key: string, body: Record<string, unknown> = {}) =>
-  fetch(`${g.url}/v1/chat/completions`, {
-    method: "POST",
-    headers: bearer(key, { "content-type": "application/json" }),
-    body: JSON.stringify({ model: "svc-fast", messages: userMessages(), ...body }),
-    signal: AbortSignal.timeout(30_000),
-  });
+const chat = chatOn;
 
 describe("gateway_upstream_first_byte_seconds{alias} (docs/operations.md: upstream time to headers)", () => {
   test("a JSON answer whose headers take ~0.8 s adds about that to the histogram, no more than the whole request took", async () => {

@@ -11,7 +11,7 @@ import { wholeQuotaMaxTokens } from "../helpers/pg-locks.ts";
 import { until } from "../helpers/poll.ts";
 import { createScratchDatabase } from "../helpers/process.ts";
 import { sample, scrapeOf } from "../helpers/scrape.ts";
-import { TEST_PLANS, seedTestOrg, testAliases, userMessages } from "./inference-fixtures.ts";
+import { chatOn, seedTestOrg, TEST_PLANS, testAliases } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(90_000);
@@ -36,13 +36,7 @@ afterAll(async () => {
   await sim.stop();
 });
 
-const chat = (g: Gateway, key: string, body: Record<string, unknown> = {}) =>
-  fetch(`${g.url}/v1/chat/completions`, {
-    method: "POST",
-    headers: bearer(key, { "content-type": "application/json" }),
-    body: JSON.stringify({ model: "svc-fast", messages: userMessages(), ...body }),
-    signal: AbortSignal.timeout(30_000),
-  });
+const chat = chatOn;
 
 /** Each key's last_used_at as `keys list` shows it (src/admin/service.ts listKeys), by key id. */
 async function lastUsed(database: Database, orgId: string): Promise<Map<string, string | null>> {

@@ -117,6 +117,10 @@ export function post(gw: Gateway, path: string, key: string | undefined, body: u
 
 export const userMessages = (text = "hi") => [{ role: "user", content: text }];
 
+/** A chat request on svc-fast with `body` merged in, given up after 30 s. */
+export const chatOn = (gw: Gateway, key: string, body: Record<string, unknown> = {}): Promise<Response> =>
+  post(gw, "/v1/chat/completions", key, { model: "svc-fast", messages: userMessages(), ...body }, { signal: AbortSignal.timeout(30_000) });
+
 /** What the simulator answers with `completionTokens: 6`. */
 export const SIX_TOKEN_TEXT = "token0 token1 token2 token3 token4 token5 ";
 /** The simulator's prompt count for one user message "Say hi": 3 + 4 per message + ceil(6 / 4). */
