@@ -322,6 +322,17 @@ export function carriesChoices(event: Buffer, at: number): boolean {
   return event[v] !== CLOSE_BRACKET;
 }
 
+/** A chunk's data parsed, when it is an object with a `choices` list (the rare events rewritten below); else undefined. */
+function parsedChunk(payload: string): (Record<string, unknown> & { choices: unknown[] }) | undefined {
+  let v: unknown;
+  try {
+    v = JSON.parse(payload);
+  } catch {
+    return undefined;
+  }
+  return isRecord(v) && Array.isArray(v.choices) ? (v as Record<string, unknown> & { choices: unknown[] }) : undefined;
+}
+
 /**
  * The event with each choice's `index` replaced by `indexFor(index)` (a
  * number index only), parsed and written again: the rare event of a choice
@@ -330,13 +341,8 @@ export function carriesChoices(event: Buffer, at: number): boolean {
  * a chunk that can be read (it then goes on as sent).
  */
 export function renumberedChoicesEvent(payload: string, indexFor: (index: number) => number, term: string): Buffer | undefined {
-  let v: unknown;
-  try {
-    v = JSON.parse(payload);
-  } catch {
-    return undefined;
-  }
-  if (!isRecord(v) || !Array.isArray(v.choices)) return undefined;
+  const v = parsedChunk(payload);
+  if (!v) return undefined;
   let changed = false;
   for (const c of v.choices) {
     if (!isRecord(c) || typeof c.index !== "number") continue;
@@ -381,13 +387,8 @@ export function carriesUsage(event: Buffer, at: number): boolean {
  * is nothing to replace or it cannot be done (the event then goes on as sent).
  */
 export function textArgumentsEvent(payload: string, term: string): Buffer | undefined {
-  let v: unknown;
-  try {
-    v = JSON.parse(payload);
-  } catch {
-    return undefined;
-  }
-  if (!isRecord(v) || !Array.isArray(v.choices)) return undefined;
+  const v = parsedChunk(payload);
+  if (!v) return undefined;
   let replaced = false;
   try {
     for (const c of v.choices) {
