@@ -7,7 +7,7 @@ import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { TEST_DATABASE_URL, startTestGateway } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
-import { TEST_PLANS, chatAlias, post, seedTestOrg, testAliases, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+import { TEST_PLANS, chatAlias, post, seedTestOrg, testAliases, upstreamSettings, userMessages, chargesOf } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(90_000);
@@ -29,13 +29,7 @@ afterAll(async () => {
   await sim.stop();
 });
 
-async function usageOf(gw: Gateway, orgId: string) {
-  await gw.quota.flush();
-  return gw.database.db
-    .select({ status: usageEvents.status, prompt: usageEvents.promptTokens, completion: usageEvents.completionTokens })
-    .from(usageEvents)
-    .where(eq(usageEvents.orgId, orgId));
-}
+const usageOf = chargesOf;
 
 describe("a client that leaves before its request reached an upstream that works on it is charged nothing (docs/decisions.md: one that leaves … in the backoff between attempts, or after the upstream refused it (an error status), is charged nothing)", () => {
   /** What the upstream does with each request: "refuse" answers 500 and holds its body until the gateway leaves; "busy" answers 503 at once. */

@@ -6,7 +6,7 @@ import { type Gateway, startGateway } from "../../src/server.ts";
 import { type SeededOrg, sharedDatabase, testConfig } from "../helpers/harness.ts";
 import { until } from "../helpers/poll.ts";
 import { sample, scrapeOf } from "../helpers/scrape.ts";
-import { CHAT_MODEL, EMBED_MODEL, TEST_PLANS, chatAlias, embedAlias, post, seedTestOrg, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+import { CHAT_MODEL, EMBED_MODEL, TEST_PLANS, chatAlias, embedAlias, post, seedTestOrg, upstreamSettings, userMessages, chargesOf } from "./inference-fixtures.ts";
 
 setDefaultTimeout(60_000);
 
@@ -83,13 +83,7 @@ const KINDS: Kind[] = [
   { name: "embeddings", path: "/v1/embeddings", body: { model: "svc-embed", input: "hi" }, route: "/v1/embeddings" },
 ];
 
-async function eventsOf(orgId: string) {
-  await gw.quota.flush();
-  return gw.database.db
-    .select({ status: usageEvents.status, prompt: usageEvents.promptTokens, completion: usageEvents.completionTokens })
-    .from(usageEvents)
-    .where(eq(usageEvents.orgId, orgId));
-}
+const eventsOf = (orgId: string) => chargesOf(gw, orgId);
 
 /** What the gateway charges this request by its own estimate: answered at once with no usage, the prompt estimate and no completion. */
 async function estimateOf(kind: Kind): Promise<number> {

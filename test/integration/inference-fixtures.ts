@@ -1,5 +1,7 @@
 import type { AliasConfig, Config } from "../../src/config/schema.ts";
+import { eq } from "drizzle-orm";
 import type { Database } from "../../src/db/client.ts";
+import { usageEvents } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { seedOrg, type SeededOrg } from "../helpers/harness.ts";
@@ -116,6 +118,17 @@ export function post(gw: Gateway, path: string, key: string | undefined, body: u
 }
 
 export const userMessages = (text = "hi") => [{ role: "user", content: text }];
+
+/** An organisation's usage records, once the gateway's buffered usage is written. */
+export async function usageEventsOf(gw: Gateway, orgId: string) {
+  await gw.quota.flush();
+  return gw.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, orgId));
+}
+
+/** The same, as status and token counts. */
+export async function chargesOf(gw: Gateway, orgId: string) {
+  return (await usageEventsOf(gw, orgId)).map((r) => ({ status: r.status, prompt: r.promptTokens, completion: r.completionTokens }));
+}
 
 /** A chat request on svc-fast with `body` merged in, given up after 30 s. */
 export const chatOn = (gw: Gateway, key: string, body: Record<string, unknown> = {}): Promise<Response> =>

@@ -1,6 +1,4 @@
 import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { eq } from "drizzle-orm";
-import { usageEvents } from "../../src/db/schema.ts";
 import { parseChatBody } from "../../src/inference/model.ts";
 import { estimatePromptTokens } from "../../src/inference/tokens.ts";
 import type { Gateway } from "../../src/server.ts";
@@ -21,6 +19,7 @@ import {
   sseData,
   testAliases,
   upstreamSettings,
+  usageEventsOf,
   userMessages,
 } from "./inference-fixtures.ts";
 
@@ -68,10 +67,7 @@ afterAll(async () => {
 const stream = (body: Record<string, unknown>, init?: RequestInit, key = org.personalKey) =>
   post(gw, "/v1/chat/completions", key, { stream: true, messages: userMessages(), ...body }, init);
 
-async function usageRows(orgId: string) {
-  await gw.quota.flush();
-  return gw.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, orgId));
-}
+const usageRows = (orgId: string) => usageEventsOf(gw, orgId);
 
 /** The one usage row of an organisation, once the request has been settled (after the client left, that is asynchronous). */
 async function settledRow(orgId: string) {
@@ -358,8 +354,7 @@ describe("streamed chat: a client that leaves once the answer is complete", () =
   });
 
   async function usageRow(orgId: string) {
-    await gw2.quota.flush();
-    return (await gw2.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, orgId)))[0];
+    return (await usageEventsOf(gw2, orgId))[0];
   }
 
   /** The organisation's usage row once the request has been settled (after the client left, asynchronously); undefined after 10 s. */

@@ -1,10 +1,8 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { eq } from "drizzle-orm";
 import OpenAI from "openai";
-import { usageEvents } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
-import { EMBED_MODEL, TEST_PLANS, arr, embedAlias, post, rec, seedTestOrg, upstreamSettings } from "./inference-fixtures.ts";
+import { EMBED_MODEL, TEST_PLANS, arr, embedAlias, post, rec, seedTestOrg, upstreamSettings, usageEventsOf } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -57,10 +55,7 @@ const entry = (index: unknown, embedding: unknown) => ({ object: "embedding", in
 /** Float32 little-endian bytes as base64, as the openai SDK decodes them. */
 const b64 = (v: number[]) => Buffer.from(new Float32Array(v).buffer).toString("base64");
 
-async function usageRows(orgId: string) {
-  await gw.quota.flush();
-  return gw.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, orgId));
-}
+const usageRows = (orgId: string) => usageEventsOf(gw, orgId);
 
 describe("an embeddings answer that is not one vector of numbers per input: 503, nothing charged", () => {
   const cases: [name: string, input: unknown, data: unknown, extra?: Record<string, unknown>][] = [

@@ -1,11 +1,9 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { createOpenAI } from "@ai-sdk/openai";
 import { generateText } from "ai";
-import { eq } from "drizzle-orm";
-import { usageEvents } from "../../src/db/schema.ts";
 import type { Gateway } from "../../src/server.ts";
 import { errorOf, type SeededOrg, startTestGateway } from "../helpers/harness.ts";
-import { CHAT_MODEL, TEST_PLANS, chatAlias, post, seedTestOrg, sseData, upstreamSettings, userMessages } from "./inference-fixtures.ts";
+import { CHAT_MODEL, TEST_PLANS, chatAlias, post, seedTestOrg, sseData, upstreamSettings, userMessages, usageEventsOf } from "./inference-fixtures.ts";
 
 // Servers and PGlite start-up: more than the default 5 s per test on a busy machine.
 setDefaultTimeout(30_000);
@@ -41,10 +39,7 @@ afterAll(async () => {
   upstream.stop(true);
 });
 
-async function usageRows(orgId: string) {
-  await gw.quota.flush();
-  return gw.database.db.select().from(usageEvents).where(eq(usageEvents.orgId, orgId));
-}
+const usageRows = (orgId: string) => usageEventsOf(gw, orgId);
 
 describe("a JSON answer with no choice (choices: [], or none an object) is no answer: 503, nothing charged", () => {
   for (const [name, choices] of [
