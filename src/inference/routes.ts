@@ -107,20 +107,22 @@ export function createInference(deps: InferenceDeps) {
       callSettled();
       throw e;
     }
-    if (served.ended) served.ended.then(callSettled, callSettled);
-    else callSettled();
+    // A stream settles when it ends (its `ended` only ever resolves), and its tokens and status are written
+    // into the access-log state then: one reaction does both.
+    if (served.ended) {
+      const ended = served.ended.then((o) => {
+        callSettled();
+        if (state) Object.assign(state, { promptTokens: o.usage.promptTokens, completionTokens: o.usage.completionTokens }, o.error ? { errorCode: o.error } : {});
+        return o.status;
+      });
+      if (state) state.ended = ended;
+    } else callSettled();
     if (served.usage && state) {
       state.promptTokens = served.usage.promptTokens;
       state.completionTokens = served.usage.completionTokens;
     }
     // A client that left before any answer: its unread Response says 499, which the access line and metrics take.
     if (state && !served.ended && typeof served.reply !== "string") state.status = served.reply.status;
-    if (served.ended && state) {
-      state.ended = served.ended.then((o) => {
-        Object.assign(state, { promptTokens: o.usage.promptTokens, completionTokens: o.usage.completionTokens }, o.error ? { errorCode: o.error } : {});
-        return o.status;
-      });
-    }
     return served.reply;
   }
 
