@@ -29,6 +29,8 @@
  * --compare DIR (also measure a gateway from another checkout, e.g. `git archive COMMIT | tar -x -C DIR` with node_modules linked: paired before/after figures),
  * --binary PATH (this checkout's gateway runs as the compiled executable at PATH, `bun run build`'s dist/gateway, as operators run it, rather than from source;
  * with `--compare .` the same code from source is the base: what bundling and minifying change),
+ * --base-env K=V,... (environment added for the base gateway only; with `--compare .` the same code under
+ * other runtime settings, e.g. `BUN_JSC_useConcurrentGC=0`),
  * --gc (gateway and bare proxy run with JSC's GC log, `BUN_JSC_logGC=1`; each c1
  * run also prints the request thread's collections: how many, the young
  * budget, and their pauses. At c1 wrk's coordinated-omission correction turns each pause of P
@@ -58,6 +60,7 @@ const { values: args } = parseArgs({
     only: { type: "string" },
     gc: { type: "boolean", default: false },
     binary: { type: "string" },
+    "base-env": { type: "string" },
   },
   strict: false,
 });
@@ -239,9 +242,10 @@ async function startGateway(src: string, name: Target["name"], simUrl: string): 
   const logPath = join(dir, `${name}.log`);
   const profile = args.profile && name === "gateway" ? ["--cpu-prof", "--cpu-prof-md", "--cpu-prof-interval=200", `--cpu-prof-dir=${args.profile}`] : [];
   const gcLog = args.gc ? join(dir, `${name}.gc.log`) : undefined;
+  const extra = name === "base" && args["base-env"] ? Object.fromEntries(String(args["base-env"]).split(",").map((kv) => [kv.slice(0, kv.indexOf("=")), kv.slice(kv.indexOf("=") + 1)])) : {};
   const gw = Bun.spawn(pin(0, args.binary && name === "gateway" ? [String(args.binary), "serve", "--config", config] : ["bun", ...profile, "run", "src/main.ts", "serve", "--config", config]), {
     cwd: src,
-    env: gcLog ? { ...env, BUN_JSC_logGC: "1" } : env,
+    env: gcLog ? { ...env, ...extra, BUN_JSC_logGC: "1" } : { ...env, ...extra },
     stdout: Bun.file(logPath),
     stderr: gcLog ? Bun.file(gcLog) : "inherit",
   });
