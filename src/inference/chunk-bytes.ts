@@ -66,6 +66,7 @@ const OPEN_BRACE = 0x7b;
 const OPEN_BRACKET = 0x5b;
 const TAB = 0x09;
 const COLON = 0x3a;
+const ZERO = 0x30;
 
 /** JSON white space: what may stand before and after a key's colon. */
 function isSpace(c: number | undefined): boolean {
@@ -292,10 +293,14 @@ export function deltaTextBytes(event: Buffer, scan: DeltaScan): number {
 /**
  * The index of the one choice an event carries (vLLM sends each choice in an
  * event of its own, `"choices":[{"index":K,"delta":…`), or -1 when it carries
- * several or its index is not found before its delta: such an event counts
- * only towards the stream's total. `"delta":` is found only as a key (inside
- * a JSON string its closing quote would be escaped); a tool call's `"index"`
- * lies inside the delta, after it.
+ * several, its index is not found before its delta, or the index is not
+ * written as a plain integer from 0 to 9999 (digits, no leading zero, then
+ * `,`, `}` or white space: not `1.5`, `1e0`, `-1`, `"1"`, `01`): such an
+ * event counts only towards the stream's total, and with n > 1 is parsed and
+ * renumbered (stream.ts, `Relay.renumbered`). Before, the leading digits were
+ * read, so `1.5` was choice 1 here while the client got 1.5 as sent.
+ * `"delta":` is found only as a key (inside a JSON string its closing quote
+ * would be escaped); a tool call's `"index"` lies inside the delta, after it.
  */
 export function choiceIndexOf(event: Buffer, at: number): number {
   const c = keyValueAt(event, CHOICES, at);
@@ -309,7 +314,10 @@ export function choiceIndexOf(event: Buffer, at: number): number {
   let k = 0;
   const first = v;
   for (let b = event[v]; b !== undefined && b >= 0x30 && b <= 0x39 && v - first < 4; b = event[++v]) k = k * 10 + b - 0x30;
-  return v === first ? -1 : k;
+  if (v === first || (event[first] === ZERO && v - first > 1)) return -1;
+  // The byte after the digits ends the number: else it was not all of it (a fraction, an exponent, a fifth digit).
+  const after = event[v];
+  return after === COMMA || after === CLOSE_BRACE || isSpace(after) ? k : -1;
 }
 
 /** The data (from `at`) has a `"choices":` key whose value is not an empty array (a usage-only chunk's `[]`). */
@@ -334,20 +342,25 @@ function parsedChunk(payload: string): (Record<string, unknown> & { choices: unk
 }
 
 /**
- * The event with each choice's `index` replaced by `indexFor(index)` (a
- * number index only), parsed and written again: the rare event of a choice
- * the answer numbers otherwise than the client may read it (stream.ts,
- * `Relay.renumbered`). Undefined when no index changes or the event is not
- * a chunk that can be read (it then goes on as sent).
+ * The event with each choice's `index` replaced by `indexFor(index)`, parsed
+ * and written again: the rare event of a choice the answer numbers otherwise
+ * than the client may read it (stream.ts, `Relay.renumbered`). An index that
+ * is not a number (`"1"`, null, none) is passed as what tells its choice
+ * apart: a string as it is, anything else as null. Undefined when no index
+ * changes and `always` is false, or the event is not a chunk that can be
+ * read (it then goes on as sent). `always` writes it again even so: its
+ * indices' bytes were no plain integer (`1e0`, `1.0`), which a strict client
+ * (an integer field) refuses while JSON.parse reads them as one.
  */
-export function renumberedChoicesEvent(payload: string, indexFor: (index: number) => number, term: string): Buffer | undefined {
+export function renumberedChoicesEvent(payload: string, indexFor: (index: number | string | null) => number, term: string, always: boolean): Buffer | undefined {
   const v = parsedChunk(payload);
   if (!v) return undefined;
-  let changed = false;
+  let changed = always;
   for (const c of v.choices) {
-    if (!isRecord(c) || typeof c.index !== "number") continue;
-    const k = indexFor(c.index);
-    if (k === c.index) continue;
+    if (!isRecord(c)) continue;
+    const i = c.index;
+    const k = indexFor(typeof i === "number" || typeof i === "string" ? i : null);
+    if (k === i) continue;
     c.index = k;
     changed = true;
   }

@@ -279,7 +279,7 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
    * With n > 1: the index each of the upstream's choices goes to the client with (`renumbered`), and
    * the indices given so far (the choices begun). At most n entries, and one for each choice past n.
    */
-  private indexMap: Map<number, number> | undefined;
+  private indexMap: Map<number | string | null, number> | undefined;
   private readonly begun: boolean[] | undefined;
   /** The indices (n or more) given to choices past the n asked, and the lowest one to try next (`clientIndex`). */
   private extraGiven: Set<number> | undefined;
@@ -405,18 +405,20 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
    * not given to another, else the lowest one not given yet. Once n are given (an upstream answering
    * more choices than asked), its own when that is n or more and not given, else the lowest such one
    * not given: never one another choice has, whose text it would be merged into (choices 0, 2, 1 of
-   * n = 2 sent 2 as 1, then 1 as 1 too).
+   * n = 2 sent 2 as 1, then 1 as 1 too). An index that is no whole number (`1.5`, `-1`, `"1"`,
+   * none: null) is its choice's name only, and takes the lowest one not given, as one that skips.
    */
-  private clientIndex(u: number, begun: boolean[]): number {
+  private clientIndex(u: number | string | null, begun: boolean[]): number {
     this.indexMap ??= new Map();
     const map = this.indexMap;
     const had = map.get(u);
     if (had !== undefined) return had;
-    let k = Number.isSafeInteger(u) && u >= 0 && u < begun.length && !begun[u] ? u : begun.indexOf(false);
+    const own = typeof u === "number" && Number.isSafeInteger(u) && u >= 0 ? u : -1;
+    let k = own >= 0 && own < begun.length && !begun[own] ? own : begun.indexOf(false);
     if (k === -1) {
       this.extraGiven ??= new Set();
       const given = this.extraGiven;
-      if (Number.isSafeInteger(u) && u >= begun.length && !given.has(u)) k = u;
+      if (own >= begun.length && !given.has(own)) k = own;
       else {
         this.nextExtra = Math.max(this.nextExtra, begun.length);
         while (given.has(this.nextExtra)) this.nextExtra++;
@@ -433,12 +435,14 @@ class Relay implements DirectUnderlyingSource<Uint8Array>, EventSink, DeltaScan,
    * goes as sent: the openai SDK's chat stream refuses a choice index at or past the n it asked for
    * ("invalid choice index") and keys choices by index, so an upstream that skips one (choices 0
    * and 2 of 2) broke it. Only an event whose choice needs a new index is parsed (as is one whose
-   * choice cannot be read from its bytes).
+   * choice cannot be read from its bytes: several choices, or an index not written as a plain
+   * integer, `1.5`, `1e0`, `"1"`), and one that is parsed is written again, its indices as plain
+   * integers: before, `1.5` was read as choice 1 by its bytes and went to the client as sent.
    */
   private renumbered(event: Buffer, at: number, termLen: number, begun: boolean[]): Buffer | undefined {
     const k = choiceIndexOf(event, at);
     if (k >= 0 ? k < begun.length && this.clientIndex(k, begun) === k : !carriesChoices(event, at)) return undefined;
-    return renumberedChoicesEvent(event.toString("utf8", at, event.length - termLen), (u) => this.clientIndex(u, begun), this.termOut());
+    return renumberedChoicesEvent(event.toString("utf8", at, event.length - termLen), (u) => this.clientIndex(u, begun), this.termOut(), k < 0);
   }
 
   /**

@@ -20,6 +20,11 @@ const chunk = (index: number, delta: Record<string, unknown>, finish: string | n
 const usage = (completion: number) =>
   `data: ${JSON.stringify({ ...HEAD, choices: [], usage: { prompt_tokens: 5, completion_tokens: completion, total_tokens: 5 + completion } })}\n\n`;
 const DONE = "data: [DONE]\n\n";
+/** A chunk whose choice index is written as `index` (raw JSON text: `1.5`, `"1"`, `1e0`), the rest as JSON writes it. */
+const rawChunk = (index: string, delta: Record<string, unknown>, finish: string | null = null) =>
+  chunk(0, delta, finish).replace('"index":0', `"index":${index}`);
+/** Indices a choice may be written with that are not a plain non-negative integer (or not one below 10,000). */
+const ODD_INDICES = ["1.5", "1e0", "1.0", "-1", '"1"', "12345", "1 ", " 1.5"];
 
 const jsonAnswer = (choices: { index: number; content: string }[], completion?: number) => ({
   id: "chatcmpl-j",
@@ -61,6 +66,31 @@ const STREAMS: Record<string, string[]> = {
     chunk(2, {}, "stop"),
     chunk(1, {}, "stop"),
     usage(3),
+    DONE,
+  ],
+  // n = 2 asked, choice 0 and a choice whose index is no plain integer (`odd:1.5`, …).
+  ...Object.fromEntries(
+    ODD_INDICES.map((x) => [
+      `odd:${x}`,
+      [
+        chunk(0, { role: "assistant", content: "" }),
+        rawChunk(x, { role: "assistant", content: "" }),
+        chunk(0, { content: "zero" }),
+        rawChunk(x, { content: "other" }),
+        chunk(0, {}, "stop"),
+        rawChunk(x, {}, "stop"),
+        usage(2),
+        DONE,
+      ],
+    ]),
+  ),
+  // n = 2 asked, choice 1.5 begins before choice 1: read as one choice by its bytes, they were merged.
+  "odd-then-one": [
+    rawChunk("1.5", { role: "assistant", content: "half" }),
+    chunk(1, { role: "assistant", content: "one" }),
+    rawChunk("1.5", {}, "stop"),
+    chunk(1, {}, "stop"),
+    usage(2),
     DONE,
   ],
   // n = 2 asked with max_tokens 3, one choice answered, going past its bound (no usage report).
@@ -217,6 +247,49 @@ describe("n = 2, three choices answered (0, 2, then 1)", () => {
     expect(texts.get(1)).toEqual(["two"]);
     expect([...texts.values()].sort()).toEqual([["one"], ["two"], ["zero"]]);
     expect(await lastUsage()).toEqual({ prompt: 5, completion: 3, status: 200 });
+  });
+});
+
+/** A streamed request's data chunks as received (raw text, and parsed). */
+async function streamedChunks(text: string): Promise<{ raw: string; parsed: Record<string, unknown> }[]> {
+  const res = await fetch(`${gw.url}/v1/chat/completions`, {
+    method: "POST",
+    headers: { authorization: `Bearer ${org.personalKey}`, "content-type": "application/json" },
+    body: JSON.stringify({ ...ask(text), stream: true }),
+  });
+  expect(res.status).toBe(200);
+  return (await res.text())
+    .split("\n")
+    .filter((l) => l.startsWith("data: {"))
+    .map((l) => ({ raw: l.slice(6), parsed: rec(JSON.parse(l.slice(6))) }));
+}
+
+describe("n = 2, a choice index that is no plain non-negative integer", () => {
+  for (const x of ODD_INDICES) {
+    test(`streamed, index ${JSON.stringify(x)}: the SDK reads choices 0 and 1; every index the client gets is written as a plain integer below n`, async () => {
+      const final = await client.chat.completions.stream(ask(`odd:${x}`)).finalChatCompletion();
+      expect(final.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([
+        [0, "zero", "stop"],
+        [1, "other", "stop"],
+      ]);
+      expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
+      for (const { raw, parsed } of await streamedChunks(`odd:${x}`)) {
+        for (const c of arr(parsed.choices)) expect([0, 1]).toContain(rec(c).index as number);
+        // As a strict client reads it (an integer field: serde's u32, Go's int): digits only, no 1e0 nor 1.0.
+        expect(raw).not.toMatch(/"index":(?![01][ \t\r\n]*[,}])/);
+      }
+      // This request's usage written now, not summed into the next test's.
+      await gw.quota.flush();
+    });
+  }
+
+  test("streamed, choice 1.5 then choice 1: two choices, not one with their texts merged", async () => {
+    const final = await client.chat.completions.stream(ask("odd-then-one")).finalChatCompletion();
+    expect(final.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([
+      [0, "half", "stop"],
+      [1, "one", "stop"],
+    ]);
+    expect(await lastUsage()).toEqual({ prompt: 5, completion: 2, status: 200 });
   });
 });
 

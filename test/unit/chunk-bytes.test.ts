@@ -1,6 +1,6 @@
 import { describe, expect, test } from "bun:test";
 import fc from "fast-check";
-import { chunkIdOf, type DeltaScan, dataAt, deltaTextBytes, swapFields, withAlias } from "../../src/inference/chunk-bytes.ts";
+import { choiceIndexOf, chunkIdOf, type DeltaScan, dataAt, deltaTextBytes, swapFields, withAlias } from "../../src/inference/chunk-bytes.ts";
 import type { Target } from "../../src/inference/upstream/index.ts";
 
 /**
@@ -225,5 +225,17 @@ describe("chunkIdOf: the id the gateway's own chunks carry (usage at [DONE], the
     expect(idOf('data: {"id":5}')).toBe("");
     expect(idOf(`data: {"id":"${"x".repeat(300)}"}`)).toBe("");
     expect(idOf("data: [DONE]")).toBe("");
+  });
+});
+
+describe("choiceIndexOf: the one choice an event carries, read from its bytes only when written as a plain integer", () => {
+  const withIndex = (index: string) => Buffer.from(`data: {"id":"c1","choices":[{"index":${index},"delta":{"content":"x"}}]}\n\n`);
+  test("digits then a comma, a brace or white space: that number", () => {
+    for (const [written, k] of [["0", 0], ["1", 1], ["9999", 9999], ["1 ", 1], ["1\t", 1], ["\n2\n", 2]] as const) expect(choiceIndexOf(withIndex(written), 6)).toBe(k);
+    expect(choiceIndexOf(Buffer.from('data: {"choices":[{"delta":{},"index":0}, {"index":1}]}\n\n'), 6)).toBe(-1);
+    expect(choiceIndexOf(Buffer.from('data: {"choices":[{"index":3}'.concat(',"delta":{}}]}\n\n')), 6)).toBe(3);
+  });
+  test("anything else (a fraction, an exponent, a sign, a string, a leading zero, five digits): -1, the event is parsed", () => {
+    for (const written of ["1.5", "1e0", "1E0", "1.0", "-1", '"1"', "01", "00", "12345", "null", "true", "[1]"]) expect([written, choiceIndexOf(withIndex(written), 6)]).toEqual([written, -1]);
   });
 });
