@@ -4,7 +4,7 @@
  * is hostile input like any other: an entry missing, one too many, an index
  * repeated or past the inputs, a vector that is not numbers (a string, a
  * null, 1e400, which JSON.parse reads as Infinity and JSON.stringify writes
- * as null), vectors of different lengths or of other dimensions than asked,
+ * as null, 1e39, a float32's Infinity), vectors of different lengths or of other dimensions than asked,
  * base64 that is not a float32 vector: none is an answer to the request, and
  * `embeddingData` returns undefined for it (the caller answers 503, as for
  * any unreadable answer). A client zips the vectors to its inputs and stores
@@ -48,12 +48,18 @@ function decoded(s: string): number[] | undefined {
   return out;
 }
 
-/** Whether v is a non-empty array of finite numbers. */
+/**
+ * Whether v is a non-empty array of numbers finite as float32s: one past
+ * ±3.4028234663852886e38 once rounded to a float32 (1e39, finite as a
+ * double) is Infinity in the base64 a client decodes, and no embedding any
+ * model of float32 (or narrower) weights makes, so no answer in either
+ * encoding (the same upstream answer is one or not whatever was asked).
+ */
 function isVector(v: unknown): v is number[] {
   if (!Array.isArray(v) || v.length === 0) return false;
   for (let i = 0; i < v.length; i++) {
     const x = v[i];
-    if (typeof x !== "number" || !Number.isFinite(x)) return false;
+    if (typeof x !== "number" || !Number.isFinite(Math.fround(x))) return false;
   }
   return true;
 }

@@ -76,6 +76,10 @@ describe("an embeddings answer that is not one vector of numbers per input: 503,
     ["base64 that is not base64", ["a"], [entry(0, "not base64!")]],
     ["base64 of a length that is no float32 vector", ["a"], [entry(0, Buffer.from([1, 2, 3]).toString("base64"))]],
     ["base64 of a NaN", ["a"], [entry(0, Buffer.from(new Float32Array([Number.NaN]).buffer).toString("base64"))], { encoding_format: "float" }],
+    // Finite as a double, Infinity as a float32 (past 3.4028234663852886e38): base64 of it decodes to Infinity.
+    ["base64 asked, a float beyond a float32 (1e39)", ["a"], [entry(0, [0.5, 1e39])], { encoding_format: "base64" }],
+    ["base64 asked, a float beyond a float32 (-3.5e38)", ["a"], [entry(0, [-3.5e38, 0.5])], { encoding_format: "base64" }],
+    ["floats asked, a float beyond a float32 (1e39): no embedding either", ["a"], [entry(0, [0.5, 1e39])], { encoding_format: "float" }],
   ];
   for (const [name, input, data, extra] of cases) {
     test(name, async () => {
@@ -122,6 +126,14 @@ describe("an embeddings answer the gateway can read is rebuilt to spec 2.4", () 
     answer = (body) => [entry(0, body.encoding_format === "base64" ? b64(vector) : vector)];
     expect(arr(rec(await (await embed({ input: ["a"], encoding_format: "base64" })).json()).data)).toEqual([entry(0, b64(vector))]);
     expect(arr(rec(await (await embed({ input: ["a"], encoding_format: "float" })).json()).data)).toEqual([entry(0, vector)]);
+  });
+
+  test("the largest float32 (3.4028234663852886e38, and a double that rounds to it) is an answer: base64 of it decodes to it", async () => {
+    const max = 3.4028234663852886e38;
+    answer = () => [entry(0, [max, -3.4028235e38])];
+    const res = rec(await (await embed({ input: ["a"], encoding_format: "base64" })).json());
+    const bytes = Buffer.from(String(rec(arr(res.data)[0]).embedding), "base64");
+    expect([bytes.readFloatLE(0), bytes.readFloatLE(4)]).toEqual([max, -max]);
   });
 
   test("the openai SDK gets its numbers whichever form the upstream answers in (it asks for base64 by default)", async () => {
