@@ -1,0 +1,221 @@
+import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { type Simulator, startSimulator } from "../../src/sim/index.ts";
+import { TEST_DATABASE_URL } from "../helpers/harness.ts";
+import {
+  type Proc,
+  type ScratchPostgres,
+  cleanEnv,
+  createScratchDatabase,
+  exitWithin,
+  freePort,
+  listeningUrl,
+  onlyJson,
+  removeScratch,
+  run,
+  runGateway,
+  scratchDir,
+  startGatewayProcess,
+  waitFor200,
+} from "../helpers/process.ts";
+
+// Gateway processes and PGlite start-ups on a busy 2-core machine.
+setDefaultTimeout(240_000);
+
+/**
+ * Claims round 10: promises of the README's Quick start, Configuration and
+ * CLI sections and of docs/operations.md that an operator acts on and no
+ * other test held, each through a real `gateway` process.
+ */
+
+let sim: Simulator;
+beforeAll(async () => {
+  sim = await startSimulator({ port: 0, ttftMs: 0, interTokenMs: 0, completionTokens: 4 });
+});
+afterAll(async () => {
+  await sim?.stop();
+  removeScratch();
+});
+
+describe("README, Quick start: the demo prints ready-to-paste curl lines", () => {
+  test("every curl line `serve --demo` prints runs as printed (in sh) and is answered 200 with what it asks for", async () => {
+    const demo = startGatewayProcess(["serve", "--demo", "--port", "0"], { env: cleanEnv({ MIMALLOC_PURGE_HOLES: "0" }) });
+    try {
+      await listeningUrl(demo);
+      await demo.waitForLine(/^Stop with Ctrl-C\.$/, 60_000);
+      const out = demo.stdout();
+      const block = out.slice(out.indexOf("\nTry:\n") + "\nTry:\n".length, out.indexOf("\nOr with the OpenAI SDK"));
+      // Commands as sh reads them: a trailing backslash continues the line.
+      const commands = block
+        .replace(/\\\n\s*/g, "")
+        .split("\n")
+        .map((l) => l.trim())
+        .filter(Boolean);
+      expect(commands.length).toBeGreaterThanOrEqual(7);
+      expect(commands.every((c) => c.startsWith("curl "))).toBe(true);
+      const answers: Record<string, unknown> = {};
+      for (const command of commands) {
+        // Pasted as printed; the status is appended on a line of its own (curl's --write-out, set from the environment).
+        const r = await run(["sh", "-c", `curl() { command curl -w '\\n%{http_code}' "$@"; }\n${command}`], { env: cleanEnv() });
+        const lines = r.stdout.trimEnd().split("\n");
+        const status = lines.pop();
+        expect({ command, code: r.code, status }).toEqual({ command, code: 0, status: "200" });
+        const path = /http:\/\/[^/]+(\/v1\/[a-z/-]+)/.exec(command)?.[1] ?? "";
+        const body = lines.join("\n");
+        answers[`${path}${command.includes('"stream":true') ? " stream" : ""}`] = command.includes('"stream":true') ? body : JSON.parse(body);
+      }
+      const me = answers["/v1/me"] as { key: { kind: string } };
+      expect(me.key.kind).toBe("personal");
+      const models = answers["/v1/models"] as { data: { id: string }[] };
+      expect(models.data.map((m) => m.id).sort()).toEqual(["svc-bigthink", "svc-embed", "svc-fast", "svc-smart"]);
+      const chat = answers["/v1/chat/completions"] as { choices: { message: { content: string } }[] };
+      expect(chat.choices[0]?.message.content.length).toBeGreaterThan(0);
+      const stream = String(answers["/v1/chat/completions stream"]);
+      expect(stream).toContain('"object":"chat.completion.chunk"');
+      expect(stream.trimEnd().endsWith("data: [DONE]")).toBe(true);
+      const response = answers["/v1/responses"] as { object: string; status: string; output_text?: string };
+      expect([response.object, response.status]).toEqual(["response", "completed"]);
+      const embedding = answers["/v1/embeddings"] as { data: { embedding: number[] }[] };
+      expect(embedding.data[0]?.embedding.length).toBeGreaterThan(0);
+      const audit = answers["/v1/audit-events"] as { data: unknown[] };
+      expect(audit.data).toHaveLength(5);
+      demo.kill("SIGTERM");
+      expect(await exitWithin(demo, 30_000)).toBe(0);
+    } finally {
+      demo.kill("SIGKILL");
+    }
+  });
+});
+
+describe(`README, Configuration: logLevel (LOG_LEVEL) and accessLog in a serve process (${TEST_DATABASE_URL ? "Postgres" : "embedded database"})`, () => {
+  let pg: ScratchPostgres | undefined;
+  let dir: string;
+  let key: string;
+  let orgId: string;
+  let keyId: string;
+  let env: Record<string, string>;
+
+  beforeAll(async () => {
+    dir = scratchDir("gw-claims10-log-");
+    pg = TEST_DATABASE_URL ? await createScratchDatabase(TEST_DATABASE_URL, "gw_claims10") : undefined;
+    env = cleanEnv({ UPSTREAM_BASE_URL: sim.url, GATEWAY_DATA_DIR: join(dir, "data"), ...(pg ? { DATABASE_URL: pg.url } : {}) });
+    const org = await runGateway(["orgs", "create", "--name", "Logs", "--json"], { env });
+    expect(org.code).toBe(0);
+    orgId = onlyJson<{ id: string }>(org.stdout).id;
+    const k = await runGateway(["keys", "create", "--org", orgId, "--kind", "service", "--scopes", "inference", "--json"], { env });
+    expect(k.code).toBe(0);
+    ({ key, id: keyId } = onlyJson<{ key: string; id: string }>(k.stdout));
+  });
+  afterAll(async () => {
+    await pg?.drop();
+  });
+
+  /** Serve with `extra` in its environment (on a port picked beforehand: at warn and above there is no listening line), send one chat completion, stop it. */
+  async function served(extra: Record<string, string>, args: string[] = [], accessLine = false): Promise<{ proc: Proc; requestId: string; lines: string[]; metrics?: string }> {
+    const port = freePort();
+    const proc = startGatewayProcess(["serve", "--port", String(port), ...args], { env: { ...env, ...extra } });
+    try {
+      await waitFor200(`http://127.0.0.1:${port}/readyz`, 60_000);
+      const res = await fetch(`http://127.0.0.1:${port}/v1/chat/completions`, {
+        method: "POST",
+        headers: { authorization: `Bearer ${key}`, "content-type": "application/json" },
+        body: JSON.stringify({ model: "svc-fast", messages: [{ role: "user", content: "hello there" }] }),
+      });
+      expect(res.status).toBe(200);
+      await res.json();
+      const requestId = String(res.headers.get("x-request-id"));
+      // The line of a request already answered is written at the end of its turn: give it a moment before the stop.
+      let metrics: string | undefined;
+      if (accessLine) {
+        await proc.waitForLine(new RegExp(`"msg":"request".*"request_id":"${requestId}"`), 10_000);
+        // The metrics listener's address as the listening line gives it (METRICS_LISTEN=127.0.0.1:0: any free port).
+        const listening = JSON.parse(await proc.waitForLine(/"msg":"listening"/)) as { metrics_url: string };
+        metrics = await (await fetch(listening.metrics_url)).text();
+      }
+      proc.kill("SIGTERM");
+      expect(await exitWithin(proc, 30_000)).toBe(0);
+      return { proc, requestId, lines: proc.stdout().split("\n").filter(Boolean), metrics };
+    } finally {
+      proc.kill("SIGKILL");
+    }
+  }
+
+  test("by default (info, accessLog true): JSON lines on stdout, the listening line's metrics_url is where /metrics answers, one access line with the documented fields", async () => {
+    const { proc, requestId, lines, metrics } = await served({}, [], true);
+    expect(metrics).toMatch(/^gateway_http_requests_total\{route="\/v1\/chat\/completions",method="POST",status="200",code=""\} 1$/m);
+    // docs/operations.md: "Logs are JSON lines on stdout".
+    for (const l of lines) expect(() => JSON.parse(l)).not.toThrow();
+    expect(proc.stderr()).toBe("");
+    const parsed = lines.map((l) => JSON.parse(l) as Record<string, unknown>);
+    // One line per request: the chat completion's, and the /readyz polls' before it.
+    const access = parsed.filter((l) => l.msg === "request" && l.request_id === requestId);
+    expect(access).toHaveLength(1);
+    expect(parsed.filter((l) => l.msg === "request" && l.route === "/readyz").length).toBeGreaterThan(0);
+    const line = access[0] ?? {};
+    // "one access line per request with request id, organisation, key id, route, alias, status, latency and tokens".
+    expect({
+      request_id: line.request_id,
+      org_id: line.org_id,
+      key_id: line.key_id,
+      route: line.route,
+      alias: line.alias,
+      status: line.status,
+      latency: typeof line.latency_ms === "number" && line.latency_ms > 0,
+      prompt: typeof line.prompt_tokens === "number" && line.prompt_tokens > 0,
+      completion_tokens: line.completion_tokens,
+    }).toEqual({
+      request_id: requestId,
+      org_id: orgId,
+      key_id: keyId,
+      route: "/v1/chat/completions",
+      alias: "svc-fast",
+      status: 200,
+      latency: true,
+      prompt: true,
+      completion_tokens: 4,
+    });
+    expect(parsed.some((l) => l.msg === "stopped")).toBe(true);
+  });
+
+  test("accessLog false (config file): no access line, the other info lines stay", async () => {
+    const cfg = join(dir, "no-access.json");
+    writeFileSync(cfg, JSON.stringify({ accessLog: false }));
+    const { lines } = await served({}, ["--config", cfg]);
+    const msgs = lines.map((l) => (JSON.parse(l) as { msg: string }).msg);
+    expect(msgs).toContain("listening");
+    expect(msgs).toContain("stopped");
+    expect(msgs).not.toContain("request");
+  });
+
+  test("LOG_LEVEL=warn: no info line (listening, request, stopped), the start's warning still written; LOG_LEVEL=silent: nothing on stdout at all", async () => {
+    // MIMALLOC_PURGE_HOLES unset: serve warns at start (docs/operations.md, The allocator setting).
+    const warn = await served({ LOG_LEVEL: "warn" });
+    const levels = warn.lines.map((l) => (JSON.parse(l) as { level: string }).level);
+    expect(levels.length).toBeGreaterThan(0);
+    expect(levels.filter((l) => l !== "warn" && l !== "error")).toEqual([]);
+    expect(warn.lines.some((l) => l.includes("MIMALLOC_PURGE_HOLES is unset"))).toBe(true);
+    const silent = await served({ LOG_LEVEL: "silent" });
+    expect(silent.proc.stdout()).toBe("");
+    expect(silent.proc.stderr()).toBe("");
+  });
+});
+
+describe("README, Configuration: dbPoolMax is 1–200", () => {
+  test("`config check` refuses 0, 201 and 10.5 (exit 2, the option named) and accepts 1 and 200", async () => {
+    const work = scratchDir("gw-claims10-pool-");
+    const env = cleanEnv();
+    for (const [v, ok] of [
+      [0, false],
+      [201, false],
+      [10.5, false],
+      [1, true],
+      [200, true],
+    ] as const) {
+      const file = join(work, `pool-${v}.json`);
+      writeFileSync(file, JSON.stringify({ dbPoolMax: v }));
+      const r = await runGateway(["config", "check", "--config", file], { env });
+      expect({ v, code: r.code, named: r.stderr.includes("/dbPoolMax") }).toEqual({ v, code: ok ? 0 : 2, named: !ok });
+    }
+  });
+});
