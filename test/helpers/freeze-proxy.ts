@@ -28,6 +28,12 @@ export interface FreezeProxy {
    * answer is lost until the release.
    */
   holdWhen(pattern: RegExp, what: "statement" | "answer", after?: RegExp): Hold;
+  /**
+   * What each connection sent while frozen (dropped bytes, as text, a bound
+   * statement's text added), one entry per connection that sent anything:
+   * the connections the gateway put work on that will get no answer.
+   */
+  sentWhileFrozen(): string[];
   thaw(): void;
   stop(): void;
 }
@@ -48,6 +54,8 @@ interface Pair {
   listens: boolean;
   /** Prepared statements' text by name (a Bind names the statement only): what holdWhen() matches. */
   statements: Map<string, string>;
+  /** What the client sent while frozen (dropped). */
+  dropped: string;
   /** Bytes kept while the connection is held (holdWhen), each direction in order. */
   hold?: { what: "statement" | "answer"; toServer: Uint8Array[]; toClient: Uint8Array[]; serverClosed: boolean };
 }
@@ -88,7 +96,7 @@ export async function startFreezeProxy(targetUrl: string, port: number): Promise
     port,
     socket: {
       open(client) {
-        const pair: Pair = { client, early: [], frozen, listens: false, statements: new Map() };
+        const pair: Pair = { client, early: [], frozen, listens: false, statements: new Map(), dropped: "" };
         client.data = pair;
         pairs.add(pair);
         void Bun.connect<{ pair: Pair }>({
@@ -116,7 +124,10 @@ export async function startFreezeProxy(targetUrl: string, port: number): Promise
       },
       data(client, bytes) {
         const pair = client.data;
-        if (pair.frozen) return;
+        if (pair.frozen) {
+          pair.dropped += sentText(pair, Buffer.from(bytes).toString("latin1"));
+          return;
+        }
         if (pair.hold?.what === "statement") {
           pair.hold.toServer.push(new Uint8Array(bytes));
           return;
@@ -185,6 +196,9 @@ export async function startFreezeProxy(targetUrl: string, port: number): Promise
           if (kept.serverClosed) pair.client.end();
         },
       };
+    },
+    sentWhileFrozen() {
+      return [...pairs].filter((p) => p.frozen && p.dropped !== "").map((p) => p.dropped);
     },
     thaw() {
       frozen = false;

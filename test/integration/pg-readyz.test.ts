@@ -1,4 +1,5 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
+import { sql } from "drizzle-orm";
 import { type Database, migrate, openDatabase } from "../../src/db/client.ts";
 import { TEST_DATABASE_URL, bearer, startTestGateway } from "../helpers/harness.ts";
 import { type FreezeProxy, startFreezeProxy } from "../helpers/freeze-proxy.ts";
@@ -70,6 +71,31 @@ describe.skipIf(!TEST_DATABASE_URL)("/readyz while the database does not answer"
       expect(summary(rs)).toEqual({ statuses: [503], slow: [] });
       proxy.thaw();
       await until(async () => (await poll(gw.url)).status === 200, "/readyz 200 once the database answers again", 20_000, 200);
+    } finally {
+      proxy.thaw();
+      await gw.stop();
+      await db.close();
+      proxy.stop();
+    }
+  });
+
+  // docs/operations.md, Health: "polls share one check, which holds one pool connection (two once a check has gone
+  // unanswered for 5 s)". Counted at the proxy: the connections that were sent a readiness check's `begin` and never
+  // got an answer.
+  test("a database that stops answering: 12 s of polls (a burst, then three a second) leave readiness work on two connections, no more", async () => {
+    const proxy: FreezeProxy = await startFreezeProxy(scratch.url, 0);
+    const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 10 });
+    const gw = await startTestGateway({}, db);
+    try {
+      // Six connections open and idle, so every check finds one (a new one would time out and reconnect while frozen).
+      await Promise.all(Array.from({ length: 6 }, () => db.rows(sql`select pg_sleep(0.2)`)));
+      expect((await poll(gw.url)).status).toBe(200);
+      proxy.freeze();
+      const rs = await balancer(gw.url, 10, 36, 333);
+      expect(summary(rs).statuses).toEqual([503]);
+      const checks = proxy.sentWhileFrozen().filter((t) => /\bbegin\b/i.test(t));
+      // Before the shared check, each poll began its own: 46 here.
+      expect(checks.length).toBe(2);
     } finally {
       proxy.thaw();
       await gw.stop();
