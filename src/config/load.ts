@@ -11,6 +11,17 @@ export class ConfigError extends Error {
   }
 }
 
+/**
+ * What `serve` refuses in a configuration the loader accepts: no upstream at
+ * all. The admin commands need none (they run where the service's
+ * environment may not be), so the loader does not; `config check` lists it,
+ * so that "valid" there means `serve` starts on it.
+ */
+export function serveProblems(config: Config): string[] {
+  if (Object.keys(config.aliases).length > 0) return [];
+  return ["/aliases: no upstream configured; set UPSTREAM_BASE_URL or aliases in the config file (or try --demo)"];
+}
+
 export interface LoadInput {
   env: Record<string, string | undefined>;
   /** Path of a JSON config file (from --config or GATEWAY_CONFIG). */

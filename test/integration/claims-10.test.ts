@@ -204,7 +204,7 @@ describe(`README, Configuration: logLevel (LOG_LEVEL) and accessLog in a serve p
 describe("README, Configuration: dbPoolMax is 1–200", () => {
   test("`config check` refuses 0, 201 and 10.5 (exit 2, the option named) and accepts 1 and 200", async () => {
     const work = scratchDir("gw-claims10-pool-");
-    const env = cleanEnv();
+    const env = cleanEnv({ UPSTREAM_BASE_URL: "http://10.0.0.5:8000/v1" });
     for (const [v, ok] of [
       [0, false],
       [201, false],
@@ -217,5 +217,27 @@ describe("README, Configuration: dbPoolMax is 1–200", () => {
       const r = await runGateway(["config", "check", "--config", file], { env });
       expect({ v, code: r.code, named: r.stderr.includes("/dbPoolMax") }).toEqual({ v, code: ok ? 0 : 2, named: !ok });
     }
+  });
+});
+
+describe("README, Configuration: `gateway config check` lists every problem with its path and exits 2", () => {
+  test("an environment with no upstream (no UPSTREAM_BASE_URL, no aliases in the file), which serve refuses with exit 2: config check refuses it too, naming /aliases", async () => {
+    const work = scratchDir("gw-claims10-check-");
+    const file = join(work, "config.json");
+    writeFileSync(file, JSON.stringify({ port: 8080 }));
+    const env = cleanEnv({ GATEWAY_DATA_DIR: join(work, "data") });
+    // What systemd runs (deploy/gateway.service): exit 2, not restarted (RestartPreventExitStatus=2).
+    const serve = await runGateway(["serve", "--config", file], { env });
+    expect({ code: serve.code, named: serve.stderr.includes("/aliases") }).toEqual({ code: 2, named: true });
+    // What an operator runs before it, on the same file and environment.
+    const check = await runGateway(["config", "check", "--config", file], { env });
+    expect({ code: check.code, stdout: check.stdout, named: check.stderr.includes("/aliases") }).toEqual({ code: 2, stdout: "", named: true });
+    // Either way of naming an upstream satisfies both.
+    const withUpstream = await runGateway(["config", "check", "--config", file], { env: { ...env, UPSTREAM_BASE_URL: "http://10.0.0.5:8000/v1" } });
+    expect({ code: withUpstream.code, stderr: withUpstream.stderr }).toEqual({ code: 0, stderr: "" });
+    const aliases = join(work, "aliases.json");
+    writeFileSync(aliases, JSON.stringify({ aliases: { "svc-fast": { targets: [{ baseUrl: "http://10.0.0.5:8000/v1", model: "m" }] } } }));
+    const withAliases = await runGateway(["config", "check", "--config", aliases], { env });
+    expect({ code: withAliases.code, stderr: withAliases.stderr }).toEqual({ code: 0, stderr: "" });
   });
 });

@@ -460,7 +460,8 @@ describe("gateway config check|print", () => {
 
   test("check: a valid file exits 0; --json prints only JSON", async () => {
     const { o, out } = capture();
-    expect(await runCli(["config", "check", "--config", file({ port: 9000 }), "--json"], out)).toBe(0);
+    const aliases = { "svc-fast": { targets: [{ baseUrl: "http://10.0.0.5:8000/v1", model: "m" }] } };
+    expect(await runCli(["config", "check", "--config", file({ port: 9000, aliases }), "--json"], out)).toBe(0);
     expect(JSON.parse(o.out)).toEqual({ ok: true });
     expect(o.err).toBe("");
   });

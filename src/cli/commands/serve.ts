@@ -2,7 +2,7 @@ import { serveAdminSocket } from "../admin-socket.ts";
 import { defineCommand } from "../command.ts";
 import { config, int, waitForSignal } from "../context.ts";
 import { seedDemo } from "../demo.ts";
-import { ConfigError, upstreamAliases } from "../../config/load.ts";
+import { ConfigError, serveProblems, upstreamAliases } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
 import { runtimeEnvWarning } from "../../lib/runtime-env.ts";
 import { VERSION } from "../../lib/version.ts";
@@ -47,9 +47,8 @@ export const serve = defineCommand({
       };
     } else {
       cfg = await config(values, overrides);
-      if (Object.keys(cfg.aliases).length === 0) {
-        throw new ConfigError(["/aliases: no upstream configured; set UPSTREAM_BASE_URL or aliases in the config file (or try --demo)"]);
-      }
+      const problems = serveProblems(cfg);
+      if (problems.length > 0) throw new ConfigError(problems);
     }
     const gw = await startGateway({ config: cfg });
     // From the moment it listens, SIGTERM/SIGINT/SIGHUP are a graceful stop: handled now, before the awaits
