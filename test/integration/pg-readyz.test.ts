@@ -82,7 +82,7 @@ describe.skipIf(!TEST_DATABASE_URL)("/readyz while the database does not answer"
   // docs/operations.md, Health: "polls share one check, which holds one pool connection (two once a check has gone
   // unanswered for 5 s)". Counted at the proxy: the connections that were sent a readiness check's `begin` and never
   // got an answer.
-  test("a database that stops answering: 12 s of polls (a burst, then three a second) leave readiness work on two connections, no more", async () => {
+  test("a database that stops answering: 12 s of polls (a burst, then three a second) leave readiness work on two connections, no more; /healthz still answers 200 at once", async () => {
     const proxy: FreezeProxy = await startFreezeProxy(scratch.url, 0);
     const db = await openDatabase({ databaseUrl: proxy.url, dataDir: "", poolMax: 10 });
     const gw = await startTestGateway({}, db);
@@ -96,6 +96,9 @@ describe.skipIf(!TEST_DATABASE_URL)("/readyz while the database does not answer"
       const checks = proxy.sentWhileFrozen().filter((t) => /\bbegin\b/i.test(t));
       // Before the shared check, each poll began its own: 46 here.
       expect(checks.length).toBe(2);
+      // "GET /healthz (alive)": no database work, so 200 at once while /readyz is 503 (a liveness probe must not restart it).
+      const alive = await timedCall(`${gw.url}/healthz`, {}, 10_000);
+      expect({ status: alive.status, fast: alive.ms < ANSWER_MS }).toEqual({ status: 200, fast: true });
     } finally {
       proxy.thaw();
       await gw.stop();
