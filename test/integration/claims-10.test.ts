@@ -1,9 +1,12 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
-import { writeFileSync } from "node:fs";
+import { existsSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { type Simulator, startSimulator } from "../../src/sim/index.ts";
 import { TEST_DATABASE_URL } from "../helpers/harness.ts";
 import {
+  BUN,
+  MAIN,
+  ROOT,
   type Proc,
   type ScratchPostgres,
   cleanEnv,
@@ -239,5 +242,60 @@ describe("README, Configuration: `gateway config check` lists every problem with
     writeFileSync(aliases, JSON.stringify({ aliases: { "svc-fast": { targets: [{ baseUrl: "http://10.0.0.5:8000/v1", model: "m" }] } } }));
     const withAliases = await runGateway(["config", "check", "--config", aliases], { env });
     expect({ code: withAliases.code, stderr: withAliases.stderr }).toEqual({ code: 0, stderr: "" });
+  });
+});
+
+describe(`docs/operations.md, Deployment: the CLI given the service's environment file (${TEST_DATABASE_URL ? "Postgres" : "embedded database"})`, () => {
+  test("the documented `sh -c 'set -a; . gateway.env; exec gateway orgs create …'` line, run as written while the service runs: the organisation is in the service's database, made under its configuration", async () => {
+    const doc = readFileSync(join(ROOT, "docs", "operations.md"), "utf8");
+    const line = /^sudo sh -c '(set -a; \. \/etc\/gateway\/gateway\.env; exec gateway [^']+)'$/m.exec(doc)?.[1];
+    expect(line).toBeDefined();
+    const root = scratchDir("gw-claims10-envfile-");
+    // /var/lib/gateway, /etc/gateway, and the folder root's shell is in when the operator types the line.
+    const state = join(root, "var-lib-gateway");
+    const etc = join(root, "etc-gateway");
+    const cwd = join(root, "root-home");
+    for (const d of [etc, cwd]) Bun.spawnSync(["mkdir", "-p", d]);
+    const pg = TEST_DATABASE_URL ? await createScratchDatabase(TEST_DATABASE_URL, "gw_envfile") : undefined;
+    // "When that file sets DATABASE_URL or GATEWAY_CONFIG": a configuration of its own (another key tag, a plan of its own as the default).
+    const configFile = join(etc, "config.json");
+    writeFileSync(configFile, JSON.stringify({ keyTag: "acme", plans: { Gold: { requestsPerMinute: 500 } }, defaultPlan: "Gold" }));
+    const envFile = join(etc, "gateway.env");
+    writeFileSync(envFile, [`UPSTREAM_BASE_URL=${sim.url}`, `GATEWAY_CONFIG=${configFile}`, ...(pg ? [`DATABASE_URL=${pg.url}`] : []), ""].join("\n"));
+    const fileEnv = Object.fromEntries(
+      readFileSync(envFile, "utf8")
+        .split("\n")
+        .filter(Boolean)
+        .map((l) => [l.slice(0, l.indexOf("=")), l.slice(l.indexOf("=") + 1)]),
+    );
+    // The service as deploy/gateway.service runs it: EnvironmentFile, `serve --data-dir /var/lib/gateway`.
+    const server = startGatewayProcess(["serve", "--data-dir", state, "--port", "0"], { cwd: state.replace(/var-lib-gateway$/, ""), env: cleanEnv({ ...fileEnv, MIMALLOC_PURGE_HOLES: "0" }) });
+    try {
+      const url = await listeningUrl(server);
+      await waitFor200(`${url}/readyz`, 60_000);
+      const script = (line ?? "")
+        .replaceAll("/etc/gateway/gateway.env", envFile)
+        .replaceAll("/var/lib/gateway", state)
+        .replace("exec gateway ", `exec ${BUN} run ${MAIN} `);
+      const r = await run(["sh", "-c", script], { cwd, env: cleanEnv() });
+      expect({ code: r.code, stderr: r.stderr }).toEqual({ code: 0, stderr: "" });
+      const org = onlyJson<{ id: string; plan: string }>(r.stdout);
+      // Made under the service's configuration, and nothing left where root's shell was.
+      expect(org.plan).toBe("Gold");
+      expect(existsSync(join(cwd, "data"))).toBe(false);
+      // In the service's database: a key made for it (the service's way: its data directory, or its Postgres) works against the service.
+      const key = await runGateway(["keys", "create", "--org", org.id, "--kind", "service", "--scopes", "inference", "--data-dir", state, "--json"], { env: cleanEnv(fileEnv) });
+      expect({ code: key.code, stderr: key.stderr }).toEqual({ code: 0, stderr: "" });
+      const secret = onlyJson<{ key: string }>(key.stdout).key;
+      expect(secret.startsWith("sk-acme-")).toBe(true);
+      const me = await fetch(`${url}/v1/me`, { headers: { authorization: `Bearer ${secret}` } });
+      expect(me.status).toBe(200);
+      expect(((await me.json()) as { organization: { id: string } }).organization.id).toBe(org.id);
+      server.kill("SIGTERM");
+      expect(await exitWithin(server, 30_000)).toBe(0);
+    } finally {
+      server.kill("SIGKILL");
+      await pg?.drop();
+    }
   });
 });
