@@ -299,3 +299,44 @@ describe(`docs/operations.md, Deployment: the CLI given the service's environmen
     }
   });
 });
+
+describe(`docs/operations.md, Deployment: which configuration a CLI command without GATEWAY_CONFIG uses while the service runs (${TEST_DATABASE_URL ? "Postgres" : "embedded database"})`, () => {
+  test(
+    TEST_DATABASE_URL
+      ? "on Postgres the CLI works on its own: the default plan and key tag, a key the service (keyTag acme) refuses"
+      : "on the embedded database the command runs inside the service, with the service's configuration: its default plan and its key tag, a key that works",
+    async () => {
+      const root = scratchDir("gw-claims10-cfg-");
+      const state = join(root, "state");
+      const configFile = join(root, "config.json");
+      writeFileSync(configFile, JSON.stringify({ keyTag: "acme", plans: { Gold: { requestsPerMinute: 500 } }, defaultPlan: "Gold" }));
+      const pg = TEST_DATABASE_URL ? await createScratchDatabase(TEST_DATABASE_URL, "gw_cfgcli") : undefined;
+      const dbEnv = pg ? { DATABASE_URL: pg.url } : {};
+      const server = startGatewayProcess(["serve", "--data-dir", state, "--port", "0"], {
+        env: cleanEnv({ UPSTREAM_BASE_URL: sim.url, GATEWAY_CONFIG: configFile, MIMALLOC_PURGE_HOLES: "0", ...dbEnv }),
+      });
+      try {
+        const url = await listeningUrl(server);
+        await waitFor200(`${url}/readyz`, 60_000);
+        // The operator's shell: the database (DATABASE_URL or --data-dir), not the configuration.
+        const env = cleanEnv(dbEnv);
+        const org = await runGateway(["orgs", "create", "--name", "Acme", "--data-dir", state, "--json"], { env });
+        expect({ code: org.code, stderr: org.stderr }).toEqual({ code: 0, stderr: "" });
+        const made = onlyJson<{ id: string; plan: string }>(org.stdout);
+        const key = await runGateway(["keys", "create", "--org", made.id, "--kind", "service", "--scopes", "inference", "--data-dir", state, "--json"], { env });
+        expect({ code: key.code, stderr: key.stderr }).toEqual({ code: 0, stderr: "" });
+        const secret = onlyJson<{ key: string }>(key.stdout).key;
+        const me = await fetch(`${url}/v1/me`, { headers: { authorization: `Bearer ${secret}` } });
+        await me.arrayBuffer();
+        expect({ plan: made.plan, tag: secret.split("-")[1], status: me.status }).toEqual(
+          pg ? { plan: "Standard", tag: "gw", status: 401 } : { plan: "Gold", tag: "acme", status: 200 },
+        );
+        server.kill("SIGTERM");
+        expect(await exitWithin(server, 30_000)).toBe(0);
+      } finally {
+        server.kill("SIGKILL");
+        await pg?.drop();
+      }
+    },
+  );
+});
