@@ -48,3 +48,35 @@ describe("log lines", () => {
     expect(lines("silent", (log) => log.error("e"))).toEqual([]);
   });
 });
+
+describe("the stdout writer (docs/operations.md, Logs: lines written in one turn of the event loop go out in one write, and what is left, synchronously at exit)", () => {
+  const LOG = new URL("../../src/lib/log.ts", import.meta.url).pathname;
+
+  /** Runs `body` in a child Bun with the gateway's logger at info; stdout.write calls are counted (to stderr) as they happen. */
+  async function child(body: string): Promise<{ code: number; stdout: string; writes: number }> {
+    const script = `
+      const write = process.stdout.write.bind(process.stdout);
+      process.stdout.write = (chunk, ...rest) => { process.stderr.write("W"); return write(chunk, ...rest); };
+      const { createLogger } = await import(${JSON.stringify(LOG)});
+      const log = createLogger("info");
+      ${body}
+    `;
+    const p = Bun.spawn([process.execPath, "-e", script], { stdout: "pipe", stderr: "pipe", env: { PATH: process.env.PATH ?? "" } });
+    const [stdout, stderr, code] = await Promise.all([new Response(p.stdout).text(), new Response(p.stderr).text(), p.exited]);
+    return { code, stdout, writes: [...stderr].filter((c) => c === "W").length };
+  }
+
+  test("200 lines logged in one turn: one write, every line in order", async () => {
+    const r = await child(`for (let i = 0; i < 200; i++) log.info("line", { i }); await new Promise((r) => setTimeout(r, 50));`);
+    expect(r.code).toBe(0);
+    const lines = r.stdout.split("\n").filter(Boolean);
+    expect(lines.map((l) => (JSON.parse(l) as { i: number }).i)).toEqual(Array.from({ length: 200 }, (_, i) => i));
+    expect(r.writes).toBe(1);
+  });
+
+  test("lines logged just before process.exit (no later turn) are still written, exit code kept", async () => {
+    const r = await child(`log.info("first"); log.error("last words", { code: 3 }); process.exit(3);`);
+    expect(r.code).toBe(3);
+    expect(r.stdout.split("\n").filter(Boolean).map((l) => (JSON.parse(l) as { msg: string }).msg)).toEqual(["first", "last words"]);
+  });
+});
