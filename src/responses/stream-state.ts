@@ -83,6 +83,23 @@ interface Call {
   item?: FunctionCallItem;
   index: number;
   done: boolean;
+  /**
+   * The arguments once the item is added, held as JSON string content as an open text part's are (item.arguments
+   * is set from it for the done events and any Response built while the call is open).
+   */
+  args: JsonText | undefined;
+  /** `,"item_id":"…","output_index":…,"delta":"`, as bytes (the delta events the upstream's bytes go into). */
+  deltaHead: Buffer | undefined;
+}
+
+/** The call's arguments held (made with the first piece after its item is added). */
+function argsOf(call: Call): JsonText {
+  let a = call.args;
+  if (!a) {
+    a = new JsonText();
+    call.args = a;
+  }
+  return a;
 }
 
 /** One chat tool-call index per call; more than this in one answer is not a model talking. */
@@ -228,6 +245,43 @@ const TEXT_DELTA_END = Buffer.from('","logprobs":[]}\n\n');
 /** A reasoning delta event, before its sequence number and after its delta's content. */
 const REASONING_DELTA_START = Buffer.from('event: response.reasoning_text.delta\ndata: {"type":"response.reasoning_text.delta","sequence_number":');
 const REASONING_DELTA_END = Buffer.from('"}\n\n');
+/** A function call's arguments delta event, before its sequence number (it ends as a reasoning delta event does). */
+const ARGS_DELTA_START = Buffer.from('event: response.function_call_arguments.delta\ndata: {"type":"response.function_call_arguments.delta","sequence_number":');
+
+/**
+ * A plain argument delta as vLLM's tool parsers (and the simulator) write one, after the call's first chunk
+ * (its id and name): `{…,"choices":[{"index":0,"delta":{"tool_calls":[{"index":K,"function":{"arguments":"…"}}]},"logprobs":null,"finish_reason":null}]}`.
+ */
+const ARGS_HEAD = Buffer.from(',"choices":[{"index":0,"delta":{"tool_calls":[{"index":');
+const ARGS_MID = Buffer.from(',"function":{"arguments":"');
+const ARGS_TAIL = Buffer.from('"}}]},"logprobs":null,"finish_reason":null}]}');
+/** The tool-call index `argumentsAt` read (set when it returns a start). */
+let argsIndex = 0;
+
+/**
+ * The chunk b[from..to) is a plain argument delta (ARGS_HEAD … ARGS_TAIL, no usage or error) whose tool-call index
+ * is a plain integer (at most 9 digits, no leading zero) and whose arguments are JSON string content as
+ * JSON.stringify writes it (isStringifiedText): where that content starts (it ends where ARGS_TAIL starts), the index
+ * in `argsIndex`; else -1, for the decoding path.
+ */
+export function argumentsAt(b: Buffer, from: number, to: number): number {
+  const end = to - ARGS_TAIL.length;
+  if (b[from] !== 0x7b || end < from || b.compare(ARGS_TAIL, 0, ARGS_TAIL.length, end, to) !== 0) return -1;
+  const at = b.indexOf(ARGS_HEAD, from);
+  if (at === -1 || at + ARGS_HEAD.length > end) return -1;
+  const u = b.lastIndexOf(USAGE_KEY, at);
+  const e = b.lastIndexOf(ERROR_KEY, at);
+  if ((u !== -1 && u >= from) || (e !== -1 && e >= from)) return -1;
+  let i = at + ARGS_HEAD.length;
+  const first = i;
+  let k = 0;
+  while (i < end && (b[i] as number) >= 0x30 && (b[i] as number) <= 0x39) k = k * 10 + ((b[i++] as number) - 0x30);
+  if (i === first || i - first > 9 || (b[first] === 0x30 && i > first + 1)) return -1;
+  const start = i + ARGS_MID.length;
+  if (start > end || b.compare(ARGS_MID, 0, ARGS_MID.length, i, start) !== 0 || !isStringifiedText(b, start, end)) return -1;
+  argsIndex = k;
+  return start;
+}
 
 export class ChatToResponses {
   /**
@@ -429,7 +483,7 @@ export class ChatToResponses {
   private plainReasoning(b: Buffer, from: number, to: number, out: ByteWriter): boolean {
     const start = reasoningTextAt(b, from, to);
     // The role chunk: nothing to write, and nothing decoded to find that out.
-    if (start === -1) return isRoleChunk(b, from, to);
+    if (start === -1) return this.plainArguments(b, from, to, out) || isRoleChunk(b, from, to);
     const end = to - PLAIN_TAIL_BYTES.length;
     // An empty reasoning delta opens nothing, as `choice` reads it.
     if (start === end) return true;
@@ -442,6 +496,26 @@ export class ChatToResponses {
     return true;
   }
 
+  /**
+   * `plainText` for a plain argument delta (`argumentsAt`) of a call whose item is added: its arguments go from the
+   * upstream's bytes to the event's as well. Any other (a call not yet added, a name, an id) is decoded.
+   */
+  private plainArguments(b: Buffer, from: number, to: number, out: ByteWriter): boolean {
+    const start = argumentsAt(b, from, to);
+    if (start === -1) return false;
+    const call = this.calls?.get(argsIndex);
+    const item = call?.item;
+    if (!call || !item) return false;
+    const end = to - ARGS_TAIL.length;
+    // An empty piece: no event, as `toolCallDelta` reads it.
+    if (start === end) return true;
+    argsOf(call).appendContent(b, start, end);
+    out.string(this.take());
+    call.deltaHead ??= Buffer.from(`,"item_id":"${item.id}","output_index":${call.index},"delta":"`);
+    this.deltaEvent(out, ARGS_DELTA_START, call.deltaHead, b, start, end, REASONING_DELTA_END);
+    return true;
+  }
+
   /** A delta event written as bytes: its start, its sequence number, the part's fields, the upstream's text bytes b[from..to), its end. */
   private deltaEvent(out: ByteWriter, head: Buffer, fields: Buffer, b: Buffer, from: number, to: number, tail: Buffer): void {
     out.bytes(head);
@@ -449,6 +523,11 @@ export class ChatToResponses {
     out.bytes(fields);
     out.bytes(b, from, to);
     out.bytes(tail);
+  }
+
+  /** The call's item.arguments from the arguments held, for its done events and any Response built while it is open. */
+  private settleArguments(call: Call): void {
+    if (call.item && call.args && call.args.byteLength > 0) call.item.arguments = call.args.text();
   }
 
   /** part.text from the text held, for the done events and any Response built while the part is open. */
@@ -481,7 +560,7 @@ export class ChatToResponses {
     let call = calls.get(key);
     if (!call) {
       if (calls.size >= MAX_CALLS) return;
-      call = { callId: undefined, name: "", pending: "", index: -1, done: false };
+      call = { callId: undefined, name: "", pending: "", index: -1, done: false, args: undefined, deltaHead: undefined };
       calls.set(key, call);
     }
     const fn = isRecord(tc.function) ? tc.function : {};
@@ -498,8 +577,9 @@ export class ChatToResponses {
     // A piece of the name after the arguments began: the added event had the name as it stood; the done events and the Response have it whole.
     call.item.name += name;
     if (args) {
-      call.item.arguments += args;
-      this.emit("response.function_call_arguments.delta", `"item_id":"${call.item.id}","output_index":${call.index},"delta":${q(args)}`);
+      const quoted = q(args);
+      argsOf(call).appendQuoted(quoted);
+      this.emit("response.function_call_arguments.delta", `"item_id":"${call.item.id}","output_index":${call.index},"delta":${quoted}`);
     }
   }
 
@@ -538,8 +618,9 @@ export class ChatToResponses {
     const item = this.callItem(call);
     call.index = this.addItem(item);
     if (call.pending) {
-      item.arguments = call.pending;
-      this.emit("response.function_call_arguments.delta", `"item_id":"${item.id}","output_index":${call.index},"delta":${q(call.pending)}`);
+      const quoted = q(call.pending);
+      argsOf(call).appendQuoted(quoted);
+      this.emit("response.function_call_arguments.delta", `"item_id":"${item.id}","output_index":${call.index},"delta":${quoted}`);
       call.pending = "";
     }
   }
@@ -589,6 +670,7 @@ export class ChatToResponses {
       const item = call.item;
       if (!item) continue;
       call.done = true;
+      this.settleArguments(call);
       this.emit("response.function_call_arguments.done", `"item_id":"${item.id}","output_index":${call.index},"name":${q(item.name)},"arguments":${q(item.arguments)}`);
       item.status = status;
       this.emit("response.output_item.done", `"output_index":${call.index},"item":${q(item)}`);
@@ -616,6 +698,7 @@ export class ChatToResponses {
     // A call whose name came but whose arguments had not begun (its item not yet added) is in the output, as the rest.
     if (this.calls) {
       for (const call of this.calls.values()) {
+        this.settleArguments(call);
         if (call.item || call.name === "") continue;
         call.index = this.output.length;
         this.output.push(this.callItem(call));

@@ -9,7 +9,7 @@ import { ByteWriter } from "../../src/lib/byte-writer.ts";
 import { responsesTransform } from "../../src/responses/events.ts";
 import { isStringifiedText, JsonText } from "../../src/responses/json-text.ts";
 import type { ResponseObject } from "../../src/responses/output.ts";
-import { isRoleChunk, plainTextAt, plainTextDelta, reasoningTextAt } from "../../src/responses/stream-state.ts";
+import { argumentsAt, isRoleChunk, plainTextAt, plainTextDelta, reasoningTextAt } from "../../src/responses/stream-state.ts";
 import { chunk, DONE, meta, ROLE, USAGE } from "../helpers/responses.ts";
 
 /** A small seeded generator, so a failure can be run again (FUZZ_SEED). */
@@ -314,6 +314,96 @@ describe("the text delta event's bytes", () => {
     tf.cancel();
     expect(finals).toHaveLength(1);
     expect(finals[0]).toMatchObject({ status: "cancelled", output_text: "café ok", output: [{ status: "incomplete", content: [{ text: "café ok" }] }] });
+  });
+});
+
+/** A plain argument delta of tool call `index` exactly as vLLM writes it, with its arguments' JSON string content as given. */
+const rawArgs = (content: string, index = "0") =>
+  `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"chat-small","choices":[{"index":0,"delta":{"tool_calls":[{"index":${index},"function":{"arguments":"${content}"}}]},"logprobs":null,"finish_reason":null}]}\n\n`;
+const callOpen = (index: number, name: string, args = "") => chunk({ tool_calls: [{ index, id: `call_${index}`, type: "function", function: { name, arguments: args } }] });
+const argsDelta = (index: number, args: string) => chunk({ tool_calls: [{ index, function: { arguments: args } }] });
+
+describe("argumentsAt and the argument delta event's bytes", () => {
+  const at = (e: string) => {
+    const b = Buffer.from(e);
+    return argumentsAt(b, 6, b.length - 2);
+  };
+  test("takes vLLM's argument delta after the call's first chunk, and nothing else", () => {
+    expect(at(argsDelta(0, '{"a":"\\"é😀\n'))).toBeGreaterThan(0);
+    expect(at(rawArgs("x", "12"))).toBeGreaterThan(0);
+    // A leading zero, a negative or fractional index, ten digits: decoded.
+    for (const index of ["01", "-1", "1.0", "1e0", '"1"', "1234567890", ""]) expect(at(rawArgs("x", index))).toBe(-1);
+    // Another spelling of the text, an unescaped quote or control character: decoded.
+    for (const content of ["\\u0041", "\\/", '"', "\n"]) expect(at(rawArgs(content))).toBe(-1);
+    // A name, an id, a type, two calls, usage or an error before the choices, a finish, logprobs, text: decoded.
+    expect(at(callOpen(0, "f", "x"))).toBe(-1);
+    expect(at(chunk({ tool_calls: [{ index: 0, function: { name: "f", arguments: "x" } }] }))).toBe(-1);
+    expect(at(chunk({ tool_calls: [{ index: 0, function: { arguments: "x" } }, { index: 1, function: { arguments: "y" } }] }))).toBe(-1);
+    expect(at(rawArgs("x").replace('"created":1', '"usage":null'))).toBe(-1);
+    expect(at(rawArgs("x").replace('"created":1', '"error":null'))).toBe(-1);
+    expect(at(argsDelta(0, "x").replace('"finish_reason":null', '"finish_reason":"stop"'))).toBe(-1);
+    expect(at(chunk({ content: "x", tool_calls: [{ index: 0, function: { arguments: "x" } }] }))).toBe(-1);
+  });
+
+  test("taken as bytes once the call's item is added; before (a name not yet come), decoded; both give the same bytes as events cut in two", () => {
+    const events = [ROLE, argsDelta(0, '{"a":'), callOpen(0, "f"), argsDelta(0, '"b\\"'), argsDelta(0, ""), argsDelta(0, '"}'), chunk({}, "tool_calls"), USAGE, DONE];
+    const w = whole(events);
+    // The first piece (no name yet) and the call's first chunk are decoded; the pieces after go as bytes.
+    expect(w.outs[3]).toBeString();
+    expect(w.outs[4]).toBeInstanceOf(Uint8Array);
+    expect(w.outs[5]).toBe("");
+    expect(w.outs[6]).toBeInstanceOf(Uint8Array);
+    expect(normalise(w.text)).toBe(normalise(split(events).text));
+    expect(deltasOf(w.text, "response.function_call_arguments.delta")).toEqual(['{"a":', '"b\\"', '"}']);
+    expect(w.finals[0]?.output).toMatchObject([{ type: "function_call", name: "f", arguments: '{"a":"b\\""}', status: "completed" }]);
+  });
+
+  test("random answers of text and interleaved calls: whole events (bytes where the upstream escaped as JSON.stringify) and events cut in two (decoded) give the same bytes", () => {
+    const r = rng(SEED + 7);
+    let byBytes = 0;
+    for (let run = 0; run < 300; run++) {
+      const events = [ROLE];
+      const want = new Map<number, string>();
+      if (r.next() < 0.5) events.push(chunk({ content: randomText(r) }));
+      const n = 1 + r.int(12);
+      for (let i = 0; i < n; i++) {
+        const index = r.int(3);
+        const t = randomText(r);
+        if (!want.has(index)) {
+          events.push(callOpen(index, `f${index}`, r.next() < 0.3 ? t : ""));
+          want.set(index, "");
+        } else if (r.next() < 0.8) events.push(argsDelta(index, t));
+        else events.push(rawArgs(otherSpelling(t, r), String(index)));
+        // The first chunk carried arguments only when the roll above gave them: what was sent is what counts.
+        const sent = events[events.length - 1] as string;
+        const v = JSON.parse(sent.slice(6)) as { choices: { delta: { tool_calls: { function: { arguments: string } }[] } }[] };
+        want.set(index, `${want.get(index)}${v.choices[0]?.delta.tool_calls[0]?.function.arguments}`);
+      }
+      const end = r.next();
+      if (end < 0.8) events.push(chunk({}, "tool_calls"), USAGE, DONE);
+      else if (end < 0.9) events.push(USAGE, DONE);
+      const { w } = sameWholeAndSplit(run, events);
+      byBytes += w.outs.filter((o) => o instanceof Uint8Array).length;
+      if (end >= 0.9) continue;
+      const calls = (w.finals[0]?.output ?? []).filter((o) => o.type === "function_call") as { name: string; arguments: string }[];
+      expect(calls.map((c) => [c.name, c.arguments])).toEqual([...want].map(([k, v]) => [`f${k}`, v]));
+    }
+    expect(byBytes).toBeGreaterThan(300);
+  });
+
+  test("a client gone, or the stream failed, mid-call: the Response has the arguments so far, bytes and decoded pieces joined", () => {
+    for (const end of ["cancel", "fail"] as const) {
+      const finals: ResponseObject[] = [];
+      const tf = responsesTransform(meta({ store: false }), (r) => {
+        finals.push(r);
+      });
+      tf.start();
+      for (const e of [ROLE, callOpen(0, "f", "{"), argsDelta(0, '"a":'), rawArgs("\\u0031"), argsDelta(0, "2")]) tf.events([Buffer.from(e)]);
+      if (end === "cancel") tf.cancel();
+      else tf.fail("gone");
+      expect(finals).toHaveLength(1);
+      expect(finals[0]?.output).toMatchObject([{ type: "function_call", name: "f", arguments: '{"a":12', status: "incomplete" }]);
+    }
   });
 });
 
