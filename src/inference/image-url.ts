@@ -294,9 +294,12 @@ export function createImageUrlCheck(given: Partial<ImageUrlPolicy>, lookup: Host
     if (policy.allowPrivate) return undefined;
     let pending: Pending[] | undefined;
     let distinct: Set<string> | undefined;
-    for (const [i, m] of messages.entries()) {
+    // Indexed loops: entries() made an iterator and a pair per message on every request.
+    for (let i = 0; i < messages.length; i++) {
+      const m = messages[i] as ChatMessage;
       if (m.role !== "user" || !Array.isArray(m.content)) continue;
-      for (const [j, part] of m.content.entries()) {
+      for (let j = 0; j < m.content.length; j++) {
+        const part = m.content[j] as (typeof m.content)[number];
         // Parts were validated (model.ts): an image_url part holds { url: string }.
         const image = part.type === "image_url" ? (part as { image_url?: unknown }).image_url : undefined;
         if (!isRecord(image) || typeof image.url !== "string") continue;
