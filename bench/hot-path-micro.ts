@@ -90,6 +90,7 @@ measure("access log line: after (log.info, time formatted once per ms)", () => {
 // 3. An attempt's abort bookkeeping: the client's signal, the first-byte timer, the exchange's listener.
 const client = new AbortController().signal;
 const onAbort = () => {};
+const abortListener = { handleEvent: onAbort };
 const target = {} as Target;
 measure("attempt bookkeeping: before (AbortController + listeners)", () => {
   const ac = new AbortController();
@@ -103,8 +104,8 @@ measure("attempt bookkeeping: before (AbortController + listeners)", () => {
 });
 measure("attempt bookkeeping: after (the Attempt is the signal)", () => {
   const a = new Attempt(target, client, 60_000);
-  a.addEventListener("abort", onAbort);
-  a.removeEventListener("abort", onAbort);
+  a.addEventListener("abort", abortListener);
+  a.removeEventListener("abort", abortListener);
   a.clearTimer();
   a.unlink();
 });

@@ -7,7 +7,7 @@
 
 import type { TimeoutsConfig } from "../../config/schema.ts";
 import type { AppError } from "../../lib/errors.ts";
-import type { AbortLike, UpstreamResponse } from "./http1.ts";
+import type { AbortLike, AbortListener, UpstreamResponse } from "./http1.ts";
 import type { Target } from "./targets.ts";
 
 /**
@@ -81,7 +81,7 @@ export class Attempt implements AbortLike {
   prevInFlight: Attempt | undefined = undefined;
   nextInFlight: Attempt | undefined = undefined;
   /** The exchange's abort listener; an attempt has one exchange at a time. */
-  private listener: (() => void) | undefined;
+  private listener: AbortListener | undefined;
   private timer: ReturnType<typeof setTimeout> | undefined;
 
   constructor(
@@ -104,11 +104,11 @@ export class Attempt implements AbortLike {
     this.abort(new ClientGone());
   }
 
-  addEventListener(_type: "abort", listener: () => void): void {
+  addEventListener(_type: "abort", listener: AbortListener): void {
     this.listener = listener;
   }
 
-  removeEventListener(_type: "abort", listener: () => void): void {
+  removeEventListener(_type: "abort", listener: AbortListener): void {
     if (this.listener === listener) this.listener = undefined;
   }
 
@@ -119,7 +119,7 @@ export class Attempt implements AbortLike {
     this.reason = reason;
     const l = this.listener;
     this.listener = undefined;
-    l?.();
+    l?.handleEvent();
   }
 
   /** Stops the attempt's timer (first byte, or body idle): the answer arrived, or the attempt is over. */

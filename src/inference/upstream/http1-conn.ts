@@ -509,7 +509,7 @@ export class Conn {
     if (ex.retry && !ex.gotBytes && !ex.signal.aborted && performance.now() - this.sentAt < this.pool.staleRetryMs) {
       // A kept-alive connection the server had closed as we sent: it processed nothing; send it again.
       // Later than that, the server may have been working on it (a crash mid-prefill): not resent here.
-      ex.retry();
+      ex.retry.resend(ex);
       return;
     }
     if (this.framing === Framing.UntilClose && !ex.headPending && !why) {

@@ -34,6 +34,11 @@ export interface ExchangeConn {
   resumeReading(): void;
 }
 
+/** An abort listener as an object (the exchange itself): no closure per exchange. */
+export interface AbortListener {
+  handleEvent(): void;
+}
+
 /**
  * What an exchange needs of an abort signal. An AbortSignal has it; so does
  * the router's Attempt, which spares the request path an AbortController
@@ -42,18 +47,33 @@ export interface ExchangeConn {
 export interface AbortLike {
   readonly aborted: boolean;
   readonly reason: unknown;
-  addEventListener(type: "abort", listener: () => void, options?: { once?: boolean }): void;
-  removeEventListener(type: "abort", listener: () => void): void;
+  addEventListener(type: "abort", listener: AbortListener, options?: { once?: boolean }): void;
+  removeEventListener(type: "abort", listener: AbortListener): void;
   /** Told when the request's bytes are written to a connection (the router's Attempt: the upstream has the prompt). */
   requestSent?(): void;
+}
+
+/** Sends an exchange again on a new connection (the pool it was sent from). */
+export interface Resender {
+  resend(ex: Exchange): void;
+}
+
+const ONCE = { once: true } as const;
+
+/** `new Promise(takeHead)` leaves the promise's resolve and reject functions here: a promise made with no closure. */
+let takenResolve: ((r: UpstreamResponse) => void) | undefined;
+let takenReject: ((e: Error) => void) | undefined;
+function takeHead(resolve: (r: UpstreamResponse) => void, reject: (e: Error) => void): void {
+  takenResolve = resolve;
+  takenReject = reject;
 }
 
 /**
  * One request and its response on one connection: the head promise, then the
  * body as a queue read by one reader. Methods rather than closures, so an
- * open stream holds a few small objects.
+ * open stream holds a few small objects; the exchange is its own abort listener.
  */
-export class Exchange implements UpstreamResponse, ByteReader {
+export class Exchange implements UpstreamResponse, ByteReader, AbortListener {
   status = 0;
   ok = false;
   headers: Map<string, string> | undefined;
@@ -62,7 +82,7 @@ export class Exchange implements UpstreamResponse, ByteReader {
   gotBytes = false;
   conn: ExchangeConn | undefined;
   /** Set while the request is on a reused connection for the first time: sends it again on a new one. */
-  retry: (() => void) | undefined;
+  retry: Resender | undefined;
   /**
    * The request's bytes, until an answer starts (a retry needs them): a
    * stream must not keep its request body (large prompts, base64 images)
@@ -79,12 +99,12 @@ export class Exchange implements UpstreamResponse, ByteReader {
   readonly headPromise: Promise<UpstreamResponse>;
 
   /** The abort listener: closes the connection, or fails the exchange while it has none. */
-  private readonly onAbort = () => {
+  handleEvent(): void {
     const r: unknown = this.signal.reason;
     const reason = r instanceof Error ? r : new UpstreamConnectionError("aborted");
     if (this.conn) this.conn.destroy(reason);
     else this.fail(reason);
-  };
+  }
 
   constructor(
     readonly signal: AbortLike,
@@ -94,11 +114,11 @@ export class Exchange implements UpstreamResponse, ByteReader {
     readonly connectMs: number | undefined,
   ) {
     this.payload = payload;
-    this.headPromise = new Promise<UpstreamResponse>((resolve, reject) => {
-      this.headResolve = resolve;
-      this.headReject = reject;
-    });
-    signal.addEventListener("abort", this.onAbort, { once: true });
+    this.headPromise = new Promise<UpstreamResponse>(takeHead);
+    this.headResolve = takenResolve;
+    this.headReject = takenReject;
+    takenResolve = takenReject = undefined;
+    signal.addEventListener("abort", this, ONCE);
   }
 
   header(name: string): string | undefined {
@@ -134,7 +154,7 @@ export class Exchange implements UpstreamResponse, ByteReader {
   private settled(): void {
     this.retry = undefined;
     this.payload = undefined;
-    this.signal.removeEventListener("abort", this.onAbort);
+    this.signal.removeEventListener("abort", this);
   }
 
   /** The body is complete. */

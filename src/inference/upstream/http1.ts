@@ -28,12 +28,12 @@
  */
 
 import { Conn, STALE_RETRY_MS, type SocketOpener } from "./http1-conn.ts";
-import { type AbortLike, ConnectTimeout, Exchange, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
+import { type AbortLike, ConnectTimeout, Exchange, type Resender, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
 import { type Origin, originOf } from "./origin.ts";
 import { type ConnectProbe, createConnectProbe } from "./probe.ts";
 
 export type { SocketOpener } from "./http1-conn.ts";
-export { type AbortLike, type ByteReader, ConnectTimeout, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
+export { type AbortLike, type AbortListener, type ByteReader, ConnectTimeout, type UpstreamResponse, UpstreamConnectionError } from "./http1-exchange.ts";
 
 export interface RequestOptions {
   method: "POST" | "GET";
@@ -41,6 +41,13 @@ export interface RequestOptions {
   path: string;
   /** Lower-case names; `host` and `content-length` are added here. */
   headers: Record<string, string>;
+  /**
+   * Headers many requests send the same (lower-case names; written before
+   * `headers`), as one object the caller keeps: the request line, host and
+   * these are checked and written once per object (and method and path), so
+   * a request writes only its own part of the head.
+   */
+  fixedHeaders?: Readonly<Record<string, string>>;
   body?: string;
   /** Aborting closes the connection; the request rejects (or the body read fails) with the signal's reason. */
   signal: AbortLike;
@@ -74,10 +81,21 @@ export interface Http1ClientOptions {
   connect?: SocketOpener;
 }
 
-const enc = new TextEncoder();
+/** A head's start: the request line, host and fixed headers, as written and as checked for one method and path. */
+interface HeadStart {
+  method: string;
+  path: string;
+  text: string;
+  bytes: number;
+}
+
+/** Why a header cannot be sent (a CR or LF would split it into another header), or undefined. */
+function badHeader(k: string, v: string): Error | undefined {
+  return /[\r\n]/.test(v) || /[\r\n:]/.test(k) ? new Error(`invalid upstream request header ${JSON.stringify(k)}`) : undefined;
+}
 
 /** The connections of one origin. */
-class Pool implements Endpoint {
+class Pool implements Endpoint, Resender {
   /** Host (IPv6 without brackets) and port, as the connect probe reads them from the same URL. */
   readonly hostname: string;
   readonly port: number;
@@ -91,6 +109,8 @@ class Pool implements Endpoint {
   private lifeSigns = 0;
 
   private readonly idleMs: number;
+  /** The head's start written for each caller's fixedHeaders object. */
+  private readonly starts = new WeakMap<object, HeadStart>();
 
   constructor(
     url: URL,
@@ -119,18 +139,65 @@ class Pool implements Endpoint {
       const r: unknown = opts.signal.reason;
       return Promise.reject(r instanceof Error ? r : new UpstreamConnectionError("aborted"));
     }
-    if (/[\s]/.test(opts.path)) return Promise.reject(new Error(`invalid upstream request path ${JSON.stringify(opts.path)}`));
+    const start = this.headStart(opts);
+    if (start instanceof Error) return Promise.reject(start);
+    // The request's bytes written into one buffer, piece by piece: no string is built for the head, and
+    // the body (a prompt of megabytes) is not copied into a joined string before it is encoded.
     const body = opts.body ?? "";
-    let head = `${opts.method} ${opts.path} HTTP/1.1\r\nhost: ${this.hostHeader}\r\n`;
+    const bodyBytes = Buffer.byteLength(body);
+    let size = start.bytes + bodyBytes + 2;
     for (const k in opts.headers) {
       const v = opts.headers[k] as string;
-      if (/[\r\n]/.test(v) || /[\r\n:]/.test(k)) return Promise.reject(new Error(`invalid upstream request header ${JSON.stringify(k)}`));
-      head += `${k}: ${v}\r\n`;
+      const bad = badHeader(k, v);
+      if (bad) return Promise.reject(bad);
+      size += Buffer.byteLength(k) + Buffer.byteLength(v) + 4;
     }
-    if (opts.method === "POST" || body !== "") head += `content-length: ${Buffer.byteLength(body)}\r\n`;
-    const ex = new Exchange(opts.signal, enc.encode(`${head}\r\n${body}`), this.highWaterMark, opts.connectMs);
+    const length = opts.method === "POST" || body !== "" ? String(bodyBytes) : undefined;
+    if (length !== undefined) size += CONTENT_LENGTH.length + length.length + 2;
+    const payload = Buffer.allocUnsafe(size);
+    let at = payload.write(start.text);
+    for (const k in opts.headers) {
+      at += payload.write(k, at);
+      at += payload.write(": ", at);
+      at += payload.write(opts.headers[k] as string, at);
+      at += payload.write("\r\n", at);
+    }
+    if (length !== undefined) {
+      at += payload.write(CONTENT_LENGTH, at);
+      at += payload.write(length, at);
+      at += payload.write("\r\n", at);
+    }
+    at += payload.write("\r\n", at);
+    payload.write(body, at);
+    const ex = new Exchange(opts.signal, payload, this.highWaterMark, opts.connectMs);
     this.dispatch(ex, false);
     return ex.headPromise;
+  }
+
+  /** The request line, host and fixed headers: checked and written once per fixedHeaders object, method and path. */
+  private headStart(opts: RequestOptions): HeadStart | Error {
+    const fixed = opts.fixedHeaders;
+    const kept = fixed && this.starts.get(fixed);
+    if (kept && kept.method === opts.method && kept.path === opts.path) return kept;
+    if (/[\s]/.test(opts.path)) return new Error(`invalid upstream request path ${JSON.stringify(opts.path)}`);
+    let text = `${opts.method} ${opts.path} HTTP/1.1\r\nhost: ${this.hostHeader}\r\n`;
+    if (fixed) {
+      for (const k in fixed) {
+        const v = fixed[k] as string;
+        const bad = badHeader(k, v);
+        if (bad) return bad;
+        text += `${k}: ${v}\r\n`;
+      }
+    }
+    const start = { method: opts.method, path: opts.path, text, bytes: Buffer.byteLength(text) };
+    if (fixed) this.starts.set(fixed, start);
+    return start;
+  }
+
+  /** A request on a reused connection that the server had closed: sent again on a new one (Conn.closed). */
+  resend(ex: Exchange): void {
+    ex.retry = undefined;
+    this.dispatch(ex, true);
   }
 
   /** Sends on the most recently used idle connection, or on a new one (always new for a retry). */
@@ -141,10 +208,7 @@ class Pool implements Endpoint {
       if (!conn?.dead) break;
     }
     if (conn) {
-      ex.retry = () => {
-        ex.retry = undefined;
-        this.dispatch(ex, true);
-      };
+      ex.retry = this;
       conn.send(ex);
       this.watchReused(ex);
       return;
@@ -236,6 +300,8 @@ class Pool implements Endpoint {
     this.sweeper = undefined;
   }
 }
+
+const CONTENT_LENGTH = "content-length: ";
 
 export interface Http1Client {
   /** The pool for a base URL's origin (created on first use); the URL's path is not part of it. */

@@ -47,6 +47,46 @@ const RETRY_STATUS = new Set([429, 500, 502, 503, 504]);
 /** The target is misconfigured (key, model id, path): another target may work; never the caller's fault. */
 const MISCONFIGURED = new Set([401, 403, 404, 405]);
 const MAX_BACKOFF_MS = 2_000;
+/** No target tried yet: a call's set of tried targets is made at its second attempt (most calls make one). */
+const NOTHING_TRIED = new Set<Target>();
+
+/**
+ * What every request to one target sends the same, made once: its headers
+ * for an answer as JSON and as a stream (the pool writes each object's part
+ * of the head once: http1.ts, fixedHeaders), and its paths.
+ */
+class TargetRequests {
+  readonly json: Readonly<Record<string, string>>;
+  readonly sse: Readonly<Record<string, string>>;
+  private readonly paths = new Map<string, string>();
+
+  constructor(private readonly target: Target) {
+    this.json = TargetRequests.headers(target, "application/json");
+    this.sse = TargetRequests.headers(target, "text/event-stream");
+  }
+
+  /** Allow-list: nothing of the client's request (its key above all) goes upstream; its id goes with each request. */
+  private static headers(target: Target, accept: string): Record<string, string> {
+    const h: Record<string, string> = {
+      "content-type": "application/json",
+      accept,
+      // No content coding: the client reads bodies as they come (see http1-conn); without this a server may pick one.
+      "accept-encoding": "identity",
+    };
+    if (target.authorization) h.authorization = target.authorization;
+    return h;
+  }
+
+  /** The target's base path and a call's path (`/v1` and `/chat/completions`). */
+  path(callPath: string): string {
+    let full = this.paths.get(callPath);
+    if (full === undefined) {
+      full = `${this.target.basePath}${callPath}`;
+      this.paths.set(callPath, full);
+    }
+    return full;
+  }
+}
 
 /**
  * Waits `ms`, or less when the client leaves or the gateway's shutdown ends the calls in flight
@@ -80,19 +120,8 @@ export function createUpstream(deps: UpstreamDeps) {
   const up = config.upstream;
   const http = deps.http ?? createHttp1Client(deps.probe ? { probe: deps.probe } : {});
   const targets = buildTargets(config, http);
-
-  function headersFor(target: Target, ctx: CallContext, stream: boolean): Record<string, string> {
-    // Allow-list: nothing of the client's request (its key above all) goes upstream.
-    const h: Record<string, string> = {
-      "content-type": "application/json",
-      accept: stream ? "text/event-stream" : "application/json",
-      // No content coding: the client reads bodies as they come (see http1-conn); without this a server may pick one.
-      "accept-encoding": "identity",
-      "x-request-id": ctx.requestId,
-    };
-    if (target.authorization) h.authorization = target.authorization;
-    return h;
-  }
+  const requests = new Map<Target, TargetRequests>();
+  for (const list of targets.values()) for (const t of list) requests.set(t, new TargetRequests(t));
 
   function failed(target: Target, why: string): void {
     if (target.breaker.failure(now())) {
@@ -158,13 +187,15 @@ export function createUpstream(deps: UpstreamDeps) {
     let refused = false;
     let handedOver = false;
     const sentAt = performance.now();
+    const fixed = requests.get(target) as TargetRequests;
     try {
       // The connect timeout is the client's: it owns the connection.
       const res = await target.endpoint.request({
         method: "POST",
-        path: `${target.basePath}${call.path}`,
+        path: fixed.path(call.path),
         body: payload,
-        headers: headersFor(target, ctx, call.stream),
+        fixedHeaders: call.stream ? fixed.sse : fixed.json,
+        headers: { "x-request-id": ctx.requestId },
         signal: a,
         connectMs: timeouts.connectMs,
       });
@@ -207,7 +238,8 @@ export function createUpstream(deps: UpstreamDeps) {
   async function run<T, R>(call: Call<T>, result: (target: Target, value: T) => R): Promise<R> {
     const { aliasName, ctx } = call;
     const list = targets.get(aliasName) ?? [];
-    const tried = new Set<Target>();
+    let tried: Set<Target> | undefined;
+    let previous: Target | undefined;
     let only429 = true;
     let made = 0;
     let retryAfter: number | undefined;
@@ -220,9 +252,13 @@ export function createUpstream(deps: UpstreamDeps) {
       }
       if (ctx.signal.aborted) throw new ClientGone();
       if (closing) throw closing;
-      const target = pickTarget(list, tried, now(), random);
+      if (previous) {
+        tried ??= new Set();
+        tried.add(previous);
+      }
+      const target = pickTarget(list, tried ?? NOTHING_TRIED, now(), random);
       if (!target) break;
-      tried.add(target);
+      previous = target;
       made++;
       const r = await attempt(call, target);
       if (r.kind === "ok") {
