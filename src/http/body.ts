@@ -29,15 +29,15 @@ export async function readJsonBody(request: Request, limit: number, code: ErrorC
   const declared = request.headers.get("content-length");
   if (declared !== null && Number(declared) > limit) throw tooLarge(code, limit);
   let bytes: Uint8Array;
+  const whole = declared !== null && Number(declared) <= WHOLE_BODY_MAX && idleMs !== undefined ? new WholeRead(code, idleMs) : undefined;
   try {
-    bytes =
-      declared !== null && Number(declared) <= WHOLE_BODY_MAX && idleMs !== undefined
-        ? await readWhole(request, code, idleMs)
-        : await readCounted(request, limit, code, idleMs);
+    bytes = whole ? await whole.read(request) : await readCounted(request, limit, code, idleMs);
   } catch (e) {
     if (e instanceof AppError) throw e;
     // The client went away mid-body (or Bun's idle timer cut it): a client error, not ours.
     throw new AppError(code, "The request body could not be read: the connection closed before it was complete.");
+  } finally {
+    whole?.clear();
   }
   if (bytes.byteLength === 0) throw new AppError(code, "Request body is empty; a JSON object is required.");
   let text: string;
@@ -81,21 +81,51 @@ const decoder = new TextDecoder("utf-8", { fatal: true });
 /** Declared bodies up to this size are read whole by Bun, within `idleMs` in all (see readJsonBody). */
 export const WHOLE_BODY_MAX = 1024 * 1024;
 
-/** A declared, small body, read by Bun in one piece; 400 if it is not complete within `idleMs`. */
-function readWhole(request: Request, code: ErrorCode, idleMs: number): Promise<Uint8Array> {
-  return new Promise<Uint8Array>((resolve, reject) => {
-    const timer = setTimeout(() => reject(stoppedArriving(code, idleMs, true)), idleMs);
-    request.bytes().then(
-      (b) => {
-        clearTimeout(timer);
-        resolve(b);
-      },
-      (e: unknown) => {
-        clearTimeout(timer);
-        reject(e);
-      },
-    );
-  });
+/** `new Promise(takeSettlers)` leaves the promise's resolve and reject functions here: a promise made with no closure. */
+let takenResolve: ((b: Uint8Array) => void) | undefined;
+let takenReject: ((e: unknown) => void) | undefined;
+function takeSettlers(resolve: (b: Uint8Array) => void, reject: (e: unknown) => void): void {
+  takenResolve = resolve;
+  takenReject = reject;
+}
+
+/**
+ * A declared, small body, read by Bun in one piece; 400 if it is not complete
+ * within `idleMs`. Bun's promise settles the read's through the read's own
+ * resolve and reject, and the read is the stall timer's argument: no closure
+ * a request (there were five). The caller clears the timer (`clear`).
+ */
+class WholeRead {
+  private reject: ((e: unknown) => void) | undefined;
+  private timer: ReturnType<typeof setTimeout> | undefined;
+
+  constructor(
+    readonly code: ErrorCode,
+    readonly idleMs: number,
+  ) {}
+
+  read(request: Request): Promise<Uint8Array> {
+    const whole = new Promise<Uint8Array>(takeSettlers);
+    const resolve = takenResolve as (b: Uint8Array) => void;
+    this.reject = takenReject;
+    takenResolve = takenReject = undefined;
+    this.timer = setTimeout(wholeStalled, this.idleMs, this);
+    request.bytes().then(resolve, this.reject);
+    return whole;
+  }
+
+  stalled(): void {
+    this.reject?.(stoppedArriving(this.code, this.idleMs, true));
+  }
+
+  clear(): void {
+    clearTimeout(this.timer);
+    this.reject = undefined;
+  }
+}
+
+function wholeStalled(read: WholeRead): void {
+  read.stalled();
 }
 
 /** Read the body as it streams in, stopping at the limit, and (with `idleMs`) when it stops arriving. */

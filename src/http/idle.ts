@@ -20,11 +20,13 @@ export type ConnectionTimer = { timeout(req: Request, seconds: number): void } |
 /**
  * An inference request's JSON body, read under the connection's idle timeout
  * (a slow-loris body is cut off: the reader's own timer answers 400 first, so
- * Bun's, in 4 s steps, waits longer), which is then lifted until the answer is
- * complete (`answered`; a stream's relay calls `restoreIdleTimeout`). The
- * lifted timer is kept on the request's state: no closure a request.
+ * Bun's, in 4 s steps, waits longer), which the route then lifts
+ * (`liftIdleTimeout`) until the answer is complete (`answered`; a stream's
+ * relay calls `restoreIdleTimeout`). The lifted timer is kept on the
+ * request's state: no closure a request, and no async frame of its own (the
+ * route awaits the read).
  */
-export async function readInferenceBody(request: Request, server: ConnectionTimer, limits: { bodyLimitBytes: number; idleTimeoutS: number }): Promise<unknown> {
+export function readInferenceBody(request: Request, server: ConnectionTimer, limits: { bodyLimitBytes: number; idleTimeoutS: number }): Promise<unknown> {
   const { idleTimeoutS } = limits;
   if (server) {
     server.timeout(request, Math.min(255, idleTimeoutS + 8));
@@ -34,9 +36,12 @@ export async function readInferenceBody(request: Request, server: ConnectionTime
       state.idleTimeoutS = idleTimeoutS;
     }
   }
-  const body = await readJsonBody(request, limits.bodyLimitBytes, "invalid_request_error", idleTimeoutS * 1000);
+  return readJsonBody(request, limits.bodyLimitBytes, "invalid_request_error", idleTimeoutS * 1000);
+}
+
+/** The body was read: the connection's idle timer is lifted until the answer is complete. */
+export function liftIdleTimeout(request: Request, server: ConnectionTimer): void {
   server?.timeout(request, 0);
-  return body;
 }
 
 /** The answer is complete (or about to be sent whole): the connection waits under idleTimeoutS again. Once. */

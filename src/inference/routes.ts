@@ -2,7 +2,7 @@ import { Elysia } from "elysia";
 import type { authPlugin } from "../http/auth.ts";
 import type { Config } from "../config/schema.ts";
 import { stateOf } from "../http/context.ts";
-import { answered, type ConnectionTimer, readInferenceBody, restoreIdleTimeout } from "../http/idle.ts";
+import { answered, type ConnectionTimer, liftIdleTimeout, readInferenceBody, restoreIdleTimeout } from "../http/idle.ts";
 import { errorBody, statusOf } from "../http/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import type { RelayTransform } from "../lib/relay-transform.ts";
@@ -79,14 +79,7 @@ export function createInference(deps: InferenceDeps) {
    * Runs a checked call and writes what it came to into the request's
    * access-log state: the alias first (a refusal on quota or by the upstream
    * is still logged with it), then the tokens, or for a stream, when it ends.
-   * JSON text gets its content type here; a Response carries its own.
    */
-  async function serve(call: CheckedCall, request: Request, set: { headers: Record<string, string | number> }) {
-    const reply = await run(call, request);
-    if (typeof reply === "string") set.headers["content-type"] = "application/json";
-    return reply;
-  }
-
   async function run(call: CheckedCall, request: Request, transform?: RelayTransform): Promise<Reply> {
     const state = stateOf(request);
     // Written field by field: no object literal per request for what the state already holds.
@@ -128,14 +121,20 @@ export function createInference(deps: InferenceDeps) {
 
   /**
    * A POST route's handler (one made per route, none per request): the body
-   * read and checked into a call, the call served, and the connection's idle
-   * timeout given back once the answer (or the error) is written.
+   * read and checked into a call, the call run, and the connection's idle
+   * timeout given back once the answer (or the error) is written. A call
+   * checked without waiting (no image host to resolve) is not awaited: no
+   * promise for it. JSON text gets its content type here; a Response carries its own.
    */
-  function inferenceRoute(check: (principal: Principal, body: unknown) => Promise<CheckedCall>) {
+  function inferenceRoute(check: (principal: Principal, body: unknown) => CheckedCall | Promise<CheckedCall>) {
     return async ({ principal, request, server, set }: { principal: Principal; request: Request; server: ConnectionTimer; set: { headers: Record<string, string | number> } }) => {
       let reply: Reply | undefined;
       try {
-        reply = await serve(await check(principal, await readInferenceBody(request, server, config)), request, set);
+        const raw = await readInferenceBody(request, server, config);
+        liftIdleTimeout(request, server);
+        const checked = check(principal, raw);
+        reply = await run(checked instanceof Promise ? await checked : checked, request);
+        if (typeof reply === "string") set.headers["content-type"] = "application/json";
         return reply;
       } finally {
         answered(request, reply);

@@ -341,17 +341,40 @@ export function createInferenceService(deps: ServiceDeps) {
     if (rejected) implausibleUsage(name, target, rejected, requestId);
   }
 
-  async function chat(principal: Principal, raw: unknown): Promise<CheckedCall> {
+  /**
+   * A chat body checked into a call (CheckedCall); throws AppError for a body refused. Not async: the
+   * call is returned as it is unless an image URL names a host to resolve (then a promise of it).
+   */
+  function chat(principal: Principal, raw: unknown): CheckedCall | Promise<CheckedCall> {
     const start = performance.now();
     const body = parseChatBody(raw);
     const name = body.model;
     const alias = resolveAlias(config, name, principal, "chat");
     checkChatAgainstAlias(body, name, alias);
+    const call = new ChatCall(principal, body, alias, start);
     // Synchronous (and allocation-free) unless an image URL names a host to resolve.
     const resolving = deps.imageUrls(body.messages);
-    if (resolving) await resolving;
-    const streamed = body.stream === true;
-    return { alias: name, streamed, run: (meta) => runChat(principal, body, alias, meta, start) };
+    return resolving ? resolving.then(() => call) : call;
+  }
+
+  /** A checked chat request (CheckedCall) whose run is a method: one object a request, not a closure and its scope. */
+  class ChatCall implements CheckedCall {
+    readonly alias: string;
+    readonly streamed: boolean;
+
+    constructor(
+      private readonly principal: Principal,
+      private readonly body: ChatBody,
+      private readonly aliasConfig: AliasConfig,
+      private readonly start: number,
+    ) {
+      this.alias = body.model;
+      this.streamed = body.stream === true;
+    }
+
+    run(meta: RequestMeta): Promise<Served> {
+      return runChat(this.principal, this.body, this.aliasConfig, meta, this.start);
+    }
   }
 
   async function runChat(principal: Principal, body: ChatBody, alias: AliasConfig, ctx: RequestMeta, start: number): Promise<Served> {
