@@ -60,6 +60,9 @@ export async function readWhole(res: UpstreamResponse, a: Attempt, call: Call<st
       a.touch();
     }
     const only = parts.length === 1 ? parts[0] : undefined;
+    // The connection's reads are Buffers (views of the socket's data): decoded as they are, without a
+    // view of their ArrayBuffer (which Bun makes on first access) and a Buffer over it.
+    if (only && Buffer.isBuffer(only)) return only.toString("utf8");
     return (only ? Buffer.from(only.buffer, only.byteOffset, only.byteLength) : Buffer.concat(parts, n)).toString("utf8");
   } finally {
     a.clearTimer();

@@ -103,6 +103,8 @@ export function hexValue(b: Buffer, from: number, to: number): number {
  * number, or a length past 2^53 (not a length any answer has) are undefined.
  */
 export function contentLength(v: string): number | undefined {
+  // The usual value, one number of at most 15 digits (below 2^53): read as it is, no list or strings made.
+  if (ONE_LENGTH.test(v)) return Number(v);
   let n: number | undefined;
   for (const part of v.split(",")) {
     const d = part.trim().replace(/^0+(?=.)/, "");
@@ -113,6 +115,8 @@ export function contentLength(v: string): number | undefined {
   }
   return n;
 }
+
+const ONE_LENGTH = /^\d{1,15}$/;
 
 enum Framing {
   None,
