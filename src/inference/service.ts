@@ -107,6 +107,10 @@ function takeResolve(resolve: (o: StreamOutcome) => void): void {
 }
 
 
+const BOUND_PARAMS = ["max_tokens", "max_completion_tokens"] as const;
+/** A message's text fields passed through as sent. */
+const PASSED_TEXT = ["reasoning_content", "reasoning", "refusal"] as const;
+
 /** Alias-dependent rules: capabilities (images, tools) and the context window. */
 export function checkChatAgainstAlias(body: ChatBody, name: string, alias: AliasConfig): void {
   const image = alias.capabilities.includes("images") ? undefined : firstImage(body.messages);
@@ -116,7 +120,8 @@ export function checkChatAgainstAlias(body: ChatBody, name: string, alias: Alias
   }
   const window = alias.contextWindow;
   if (window !== undefined) {
-    for (const param of ["max_tokens", "max_completion_tokens"] as const) {
+    for (let i = 0; i < BOUND_PARAMS.length; i++) {
+      const param = BOUND_PARAMS[i] as (typeof BOUND_PARAMS)[number];
       const v = body[param];
       if (typeof v === "number" && v > window) {
         throw new AppError(
@@ -196,6 +201,9 @@ function shapeLogprobs(v: unknown): Record<string, unknown> | null {
   return { content: logprobList(v.content), refusal: logprobList(v.refusal) };
 }
 
+/** What a choice without a message object is read as (never written to). */
+const NO_MESSAGE: Record<string, unknown> = Object.freeze({});
+
 /**
  * Spec 2.3 with `model` = the alias; tool calls (their arguments as text),
  * finish reasons, reasoning text and requested logprobs pass through.
@@ -209,16 +217,18 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
   const sent: unknown[] = raw.choices;
   // One choice (the usual answer) is index 0 whatever it says: no list or set of indices made for it.
   const indices = sent.length > 1 ? choiceIndices(sent) : undefined;
-  sent.forEach((c: unknown, i: number) => {
+  // Indexed loops, and a list of tool calls only for a message that has some: no closure, iterator or array a choice.
+  for (let i = 0; i < sent.length; i++) {
+    const c = sent[i];
     // An entry that is not an object carries no answer; an answer with none is no answer (unreadable).
-    if (!isRecord(c)) return;
+    if (!isRecord(c)) continue;
     const choice = c;
-    const m = isRecord(choice.message) ? choice.message : {};
+    const m = isRecord(choice.message) ? choice.message : NO_MESSAGE;
     const content = typeof m.content === "string" ? m.content : null;
     completionBytes += stringBytes(content);
     const message: Record<string, unknown> = { role: "assistant", content, refusal: null };
-    const calls: Record<string, unknown>[] = [];
     if (Array.isArray(m.tool_calls)) {
+      const calls: Record<string, unknown>[] = [];
       for (const sent of m.tool_calls) {
         const call = shapeToolCall(sent);
         if (!call) continue;
@@ -228,10 +238,11 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
         // was counted too, so the same answer was charged ~16 tokens a call more whole than streamed.
         completionBytes += stringBytes((call.function as Record<string, unknown>).arguments);
       }
+      if (calls.length > 0) message.tool_calls = calls;
     }
-    if (calls.length > 0) message.tool_calls = calls;
-    for (const k of ["reasoning_content", "reasoning", "refusal"] as const) {
-      if (typeof m[k] === "string") message[k] = m[k];
+    for (let k = 0; k < PASSED_TEXT.length; k++) {
+      const field = PASSED_TEXT[k] as (typeof PASSED_TEXT)[number];
+      if (typeof m[field] === "string") message[field] = m[field];
     }
     // Generated text too, for the estimate when the upstream reports no usage; the reasoning once under either name.
     completionBytes += Math.max(stringBytes(m.reasoning_content), stringBytes(m.reasoning)) + stringBytes(m.refusal);
@@ -241,7 +252,7 @@ function shapeCompletion(raw: unknown, alias: string): { out: Record<string, unk
       logprobs: shapeLogprobs(choice.logprobs),
       finish_reason: typeof choice.finish_reason === "string" ? choice.finish_reason : "stop",
     });
-  });
+  }
   if (choices.length === 0) return undefined;
   return {
     out: {
@@ -467,8 +478,10 @@ export function createInferenceService(deps: ServiceDeps) {
         shaped.out.usage = { prompt_tokens: promptTokens, completion_tokens: completionTokens, total_tokens: promptTokens + completionTokens, ...usageDetails(rawUsage, promptTokens, completionTokens) };
         // Serialised before settling: an answer that cannot be is a failure, settled once as one.
         const reply = JSON.stringify(shaped.out);
-        metering.settle(ticket, { promptTokens, completionTokens }, outcome(name, target, 200, start, false));
-        return { reply, usage: { promptTokens, completionTokens } };
+        // One report for the quota (which only reads it) and for the route's access-log state.
+        const usage: UsageReport = { promptTokens, completionTokens };
+        metering.settle(ticket, usage, outcome(name, target, 200, start, false));
+        return { reply, usage };
       } catch (e) {
         return settleFailure(ticket, name, start, false, unreadable(e, name, target), promptEstimate);
       }

@@ -54,28 +54,30 @@ const UNBOUNDED: UsageBounds = { promptTokens: Number.POSITIVE_INFINITY, complet
  * hundred of.
  */
 export function countUsage(usage: Record<string, unknown> | undefined, estimate: { promptTokens: number; completionTokens: number }, bounds = UNBOUNDED): Counted {
-  let rejected: Counted["rejected"];
-  let promptOver: number | undefined;
-  const pick = (key: "prompt_tokens" | "completion_tokens", fallback: number, bound: number): number => {
-    const v = usage?.[key];
-    if (plausible(v) && v > bound) {
-      rejected ??= {};
-      rejected[key] = clip(v);
-      if (key === "prompt_tokens") promptOver = v;
-      return Math.min(v, Math.max(bound, fallback));
-    }
-    // Zero for work the gateway saw done (a prompt sent, text delivered) is a placeholder, not a count.
-    if (plausible(v) && (v > 0 || fallback === 0)) return v;
-    if (v !== undefined) {
-      rejected ??= {};
-      rejected[key] = clip(v);
-    }
-    return fallback;
-  };
-  const promptTokens = pick("prompt_tokens", estimate.promptTokens, bounds.promptTokens);
+  // The counts are written into the result as they are picked: no closure a call.
+  const counted: Counted = { promptTokens: 0, completionTokens: 0, rejected: undefined };
+  counted.promptTokens = pick(counted, usage, "prompt_tokens", estimate.promptTokens, bounds.promptTokens);
   // The estimate capped first: past the bound it is no fallback either, and a count above the bound then comes to the bound.
-  const completionTokens = pick("completion_tokens", Math.min(estimate.completionTokens, bounds.completionTokens), bounds.completionTokens);
-  return promptOver === undefined ? { promptTokens, completionTokens, rejected } : { promptTokens, completionTokens, rejected, promptOver };
+  counted.completionTokens = pick(counted, usage, "completion_tokens", Math.min(estimate.completionTokens, bounds.completionTokens), bounds.completionTokens);
+  return counted;
+}
+
+/** One count of `usage`, or its fallback; a figure rejected or over its bound is noted in `counted`. */
+function pick(counted: Counted, usage: Record<string, unknown> | undefined, key: "prompt_tokens" | "completion_tokens", fallback: number, bound: number): number {
+  const v = usage?.[key];
+  if (plausible(v) && v > bound) {
+    counted.rejected ??= {};
+    counted.rejected[key] = clip(v);
+    if (key === "prompt_tokens") counted.promptOver = v;
+    return Math.min(v, Math.max(bound, fallback));
+  }
+  // Zero for work the gateway saw done (a prompt sent, text delivered) is a placeholder, not a count.
+  if (plausible(v) && (v > 0 || fallback === 0)) return v;
+  if (v !== undefined) {
+    counted.rejected ??= {};
+    counted.rejected[key] = clip(v);
+  }
+  return fallback;
 }
 
 /** The counts the openai SDK's CompletionUsage names in each breakdown (7.x); each is part of the count it details. */
@@ -115,8 +117,15 @@ function detailsOf(v: unknown, fields: readonly string[], part: number): Record<
 export function usageDetails(usage: Record<string, unknown> | undefined, promptTokens: number, completionTokens: number): UsageDetails {
   const prompt = detailsOf(usage?.prompt_tokens_details, PROMPT_DETAILS, promptTokens);
   const completion = detailsOf(usage?.completion_tokens_details, COMPLETION_DETAILS, completionTokens);
-  return { ...(prompt ? { prompt_tokens_details: prompt } : {}), ...(completion ? { completion_tokens_details: completion } : {}) };
+  // No breakdown (vLLM sends null): one shared empty object, not three made to be spread.
+  if (!prompt && !completion) return NO_DETAILS;
+  const out: UsageDetails = {};
+  if (prompt) out.prompt_tokens_details = prompt;
+  if (completion) out.completion_tokens_details = completion;
+  return out;
 }
+
+const NO_DETAILS: UsageDetails = Object.freeze({});
 
 /**
  * The breakdowns were sent as checked (each absent, null, or an object of
