@@ -44,7 +44,8 @@ export async function readWhole(res: UpstreamResponse, a: Attempt, call: Call<st
     res.body.cancel().catch(() => {});
     throw new AnswerTooLarge(maxBytes);
   }
-  a.watchBody(call.timeouts.idleMs);
+  // A body already complete (a small answer comes in the head's read) cannot go silent: no timer for it.
+  if (!res.over) a.watchBody(call.timeouts.idleMs);
   try {
     const parts: Uint8Array[] = [];
     let n = 0;

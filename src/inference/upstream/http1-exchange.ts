@@ -15,6 +15,8 @@ export interface UpstreamResponse {
   text(): Promise<string>;
   /** The body as it arrives; `cancel()` closes the connection. */
   readonly body: ByteReader;
+  /** The response ended or failed: what is left of its body is already here, and no read of it waits. */
+  readonly over: boolean;
 }
 
 /** The connection failed or closed before the response was complete. */
