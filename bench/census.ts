@@ -18,6 +18,11 @@
  * request from the young generation's budget). A window in which a
  * collection ran is measured again (a weak reference to a fresh object tells).
  *
+ * `--promoted --stream|--responses --requests 64 --tokens 40 --inter-token-ms 20`: instead, what N streams
+ * open at once leave in the old generation once they are over (a young collection while they are open
+ * promotes their state; a full collection then frees it): per stream, in bytes and cells. That is what
+ * fills the old generation towards a full collection, whose stop lands in every open stream's gaps.
+ *
  * Why it matters (docs/benchmarks.md, "What wrk's p99 at concurrency 1
  * measures"): JSC collects the young generation when the bytes allocated since
  * the last collection reach a budget, and at concurrency 1 the p99 that wrk
@@ -40,6 +45,9 @@ const { values: args } = parseArgs({
     requests: { type: "string", default: "300" },
     warmup: { type: "string", default: "3000" },
     windows: { type: "string", default: "5" },
+    // Instead of the census: --requests streams at once, a young collection while they are open, and what they
+    // leave in the old generation once over (what was promoted then died: the full collections' fuel), per stream.
+    promoted: { type: "boolean", default: false },
     // Streamed requests instead (chat, or the Responses API with `store: false`), and the upstream's tokens per answer:
     // the difference between two token counts over their difference is what one more chunk leaves.
     stream: { type: "boolean", default: false },
@@ -103,11 +111,48 @@ async function client(n: number): Promise<void> {
         ...(args.stream ? { stream: true } : {}),
       });
   const path = args.responses ? "/v1/responses" : "/v1/chat/completions";
+  if (args.promoted) {
+    // All at once, each stream read to its end.
+    const code = `const h={"content-type":"application/json",authorization:${JSON.stringify(`Bearer ${key}`)}};await Promise.all(Array.from({length:${n}},async()=>{const r=await fetch(${JSON.stringify(`${gw.url}${path}`)},{method:"POST",headers:h,body:${JSON.stringify(body)}});if(r.status!==200){console.error(r.status,await r.text());process.exit(1)}await r.arrayBuffer()}))`;
+    if ((await Bun.spawn(["bun", "-e", code], { stdout: "inherit", stderr: "inherit" }).exited) !== 0) throw new Error("client failed");
+    return;
+  }
   const code = `const h={"content-type":"application/json",authorization:${JSON.stringify(`Bearer ${key}`)}};for(let i=0;i<${n};i++){const r=await fetch(${JSON.stringify(`${gw.url}${path}`)},{method:"POST",headers:h,body:${JSON.stringify(body)}});if(r.status!==200){console.error(r.status,await r.text());process.exit(1)}await r.arrayBuffer()}`;
   const p = Bun.spawn(["bun", "-e", code], { stdout: "inherit", stderr: "inherit" });
   if ((await p.exited) !== 0) throw new Error("client failed");
 }
 
+if (args.promoted) {
+  const { edenGC, fullGC, heapSize } = await import("bun:jsc");
+  for (let i = 0; i < 3; i++) await client(N);
+  const perStream: number[] = [];
+  let types = "";
+  for (let w = 0; w < Number(args.windows); w++) {
+    fullGC();
+    const open = client(N);
+    // Mid-stream (the upstream's time between tokens times half the tokens): the open streams' state is promoted.
+    await Bun.sleep((Number(args["inter-token-ms"]) * Number(args.tokens)) / 2 + 300);
+    edenGC();
+    await open;
+    await Bun.sleep(50);
+    edenGC();
+    edenGC();
+    const before = heapSize();
+    const s0 = heapStats().objectTypeCounts;
+    fullGC();
+    perStream.push((before - heapSize()) / N);
+    const s1 = heapStats().objectTypeCounts;
+    if (w === 0) {
+      const d = Object.entries(s0).map(([t, c]) => [t, (c - (s1[t] ?? 0)) / N] as const).filter(([, c]) => c >= 0.5);
+      types = d.sort((a, b) => b[1] - a[1]).slice(0, 12).map(([t, c]) => `${t} ${c.toFixed(1)}`).join(", ");
+    }
+  }
+  perStream.sort((a, b) => a - b);
+  console.error(`promoted, then dead once over: ${perStream.map((x) => x.toFixed(0)).join(" ")} bytes a stream (median ${perStream[Math.floor(perStream.length / 2)]?.toFixed(0)}; ${N} at once); cells a stream: ${types}`);
+  await gw.stop();
+  sim.kill();
+  process.exit(0);
+}
 await client(Number(args.warmup));
 const per: { counts: Record<string, number> }[] = [];
 for (let tries = 0; per.length < Number(args.windows) && tries < 50; tries++) {
