@@ -156,7 +156,14 @@ const ResponseFormat = T.Union([
   ),
 ]);
 
-const PositiveInt = T.Integer({ minimum: 1 });
+/**
+ * Whole numbers that are forwarded: at most 2^53 − 1. Beyond it JSON.parse
+ * rounds (9007199254740993 reads as …992), and from 1e21 JSON.stringify
+ * writes `1e+21`, a float to the upstream's Python; inside it every integer
+ * goes out as digits, whatever its spelling (1.0, 1e2).
+ */
+const MAX_WHOLE = Number.MAX_SAFE_INTEGER;
+const PositiveInt = T.Integer({ minimum: 1, maximum: MAX_WHOLE });
 
 /*
  * Nested objects of the SDK's ChatCompletionCreateParams, each closed like the
@@ -246,7 +253,7 @@ const ChatBody = T.Object(
     logprobs: T.Optional(Nullable(T.Boolean())),
     top_logprobs: T.Optional(Nullable(T.Integer({ minimum: 0, maximum: 20 }))),
     // Beyond 2^53 JSON.parse rounds: the upstream would get a different seed than the one sent.
-    seed: T.Optional(Nullable(T.Integer({ minimum: -Number.MAX_SAFE_INTEGER, maximum: Number.MAX_SAFE_INTEGER }))),
+    seed: T.Optional(Nullable(T.Integer({ minimum: -MAX_WHOLE, maximum: MAX_WHOLE }))),
     user: T.Optional(T.String()),
     reasoning_effort: T.Optional(Nullable(T.String())),
     metadata: T.Optional(Nullable(Metadata)),
@@ -265,7 +272,8 @@ const ChatBody = T.Object(
     verbosity: T.Optional(Nullable(T.String())),
     web_search_options: T.Optional(WebSearchOptions),
     // vLLM sampling extras.
-    top_k: T.Optional(Nullable(T.Integer())),
+    // vLLM's: -1 (or 0) for no limit, else how many; an integer it reads as sent.
+    top_k: T.Optional(Nullable(T.Integer({ minimum: -1, maximum: MAX_WHOLE }))),
     min_p: T.Optional(Nullable(T.Number())),
     repetition_penalty: T.Optional(Nullable(T.Number())),
   },
@@ -280,7 +288,7 @@ export type ChatBody = Omit<Static<typeof ChatBody>, "messages"> & { messages: C
 
 /** Inputs one embeddings request may carry (OpenAI's bound). */
 const MAX_EMBEDDING_INPUTS = 2048;
-const TokenArray = T.Array(T.Integer({ minimum: 0 }), { minItems: 1 });
+const TokenArray = T.Array(T.Integer({ minimum: 0, maximum: MAX_WHOLE }), { minItems: 1 });
 const EmbeddingsBody = T.Object(
   {
     model: T.String({ minLength: 1 }),
@@ -664,8 +672,9 @@ export function parseChatBody(raw: unknown): ChatBody {
   return value as ChatBody;
 }
 
+const TOKEN_ID_RULE = `token ids are whole numbers from 0 to ${MAX_WHOLE}`;
 const INPUT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists";
-const isTokenId = (v: unknown) => typeof v === "number" && Number.isInteger(v) && v >= 0;
+const isTokenId = (v: unknown) => typeof v === "number" && Number.isSafeInteger(v) && v >= 0;
 
 /** Why an embeddings `input` that matched none of its forms is wrong, with the element's path: the union's own error says only that. */
 function inputProblem(input: unknown): AppError {
@@ -676,13 +685,13 @@ function inputProblem(input: unknown): AppError {
   if (input.every((v) => typeof v === "string")) return wrong("input", `expected ${INPUT_FORMS}`);
   if (input.every((v) => typeof v === "number")) {
     const i = input.findIndex((v) => !isTokenId(v));
-    if (i >= 0) return wrong(`input[${i}]`, "token ids are whole numbers from 0");
+    if (i >= 0) return wrong(`input[${i}]`, TOKEN_ID_RULE);
   }
   if (input.every(Array.isArray)) {
     for (const [i, list] of (input as unknown[][]).entries()) {
       if (list.length === 0) return wrong(`input[${i}]`, "an empty token list");
       const j = list.findIndex((v) => !isTokenId(v));
-      if (j >= 0) return wrong(`input[${i}][${j}]`, "token ids are whole numbers from 0");
+      if (j >= 0) return wrong(`input[${i}][${j}]`, TOKEN_ID_RULE);
     }
   }
   return wrong("input", `expected ${INPUT_FORMS}, not a mix`);

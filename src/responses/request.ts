@@ -264,10 +264,11 @@ const Body = T.Object(
     tools: T.Optional(T.Array(T.Object({ type: T.String() }))),
     tool_choice: T.Optional(T.Union([ToolChoice, AllowedChoice, T.Object({ type: T.String() })])),
     parallel_tool_calls: T.Optional(Nullable(T.Boolean())),
-    max_tool_calls: T.Optional(Nullable(T.Integer({ minimum: 1 }))),
+    // Echoed in the Response: at most 2^53 − 1, so it is echoed as sent, in digits (inference/model.ts, MAX_WHOLE).
+    max_tool_calls: T.Optional(Nullable(T.Integer({ minimum: 1, maximum: Number.MAX_SAFE_INTEGER }))),
     text: T.Optional(Nullable(T.Object({ format: T.Optional(Nullable(TextFormat)), verbosity: T.Optional(Nullable(T.String())) }, Strict))),
     // OpenAI's least value (checked first in parseResponsesBody, in OpenAI's words).
-    max_output_tokens: T.Optional(Nullable(T.Integer({ minimum: MIN_OUTPUT_TOKENS }))),
+    max_output_tokens: T.Optional(Nullable(T.Integer({ minimum: MIN_OUTPUT_TOKENS, maximum: Number.MAX_SAFE_INTEGER }))),
     temperature: T.Optional(Nullable(T.Number({ minimum: 0, maximum: 2 }))),
     // OpenAI's bound (a probability mass); forwarded, so the upstream never has to word the refusal.
     top_p: T.Optional(Nullable(T.Number({ minimum: 0, maximum: 1 }))),
