@@ -241,13 +241,14 @@ const ChatBody = T.Object(
     parallel_tool_calls: T.Optional(Nullable(T.Boolean())),
     response_format: T.Optional(ResponseFormat),
     // Standard parameters, forwarded unchanged.
-    top_p: T.Optional(Nullable(T.Number())),
+    // OpenAI's bounds (as on the Responses API): vLLM refuses outside them too, but in its words and with no `param`.
+    top_p: T.Optional(Nullable(T.Number({ minimum: 0, maximum: 1 }))),
     // OpenAI's maximum: each choice is reserved against the quota, so n must stay a small multiplier.
     n: T.Optional(Nullable(T.Integer({ minimum: 1, maximum: 128 }))),
     // OpenAI's bound: vLLM takes any number and searches the new text for each at every token.
     stop: T.Optional(Nullable(T.Union([T.String(), T.Array(T.String(), { maxItems: 4 })]))),
-    presence_penalty: T.Optional(Nullable(T.Number())),
-    frequency_penalty: T.Optional(Nullable(T.Number())),
+    presence_penalty: T.Optional(Nullable(T.Number({ minimum: -2, maximum: 2 }))),
+    frequency_penalty: T.Optional(Nullable(T.Number({ minimum: -2, maximum: 2 }))),
     // Token ids (checked in checkBounds: a Record's key schema is not) to -100..100, as OpenAI takes them.
     logit_bias: T.Optional(Nullable(T.Record(T.String(), T.Number({ minimum: -100, maximum: 100 })))),
     logprobs: T.Optional(Nullable(T.Boolean())),

@@ -119,7 +119,23 @@ describe("chat: integer fields", () => {
   });
 });
 
-describe("chat: number fields", () => {
+describe("chat: OpenAI's bounds on top_p, presence_penalty and frequency_penalty", () => {
+  test("top_p 0 to 1, as on the Responses API (was forwarded as sent: 1e+308, -5, 9007199254740992)", async () => {
+    for (const v of ["1.0000001", "2.0e0", "1e2", "-0.1", "-5", "1e308", "9007199254740993"]) await expectRefused(CHAT, chatBody("svc-fast", `"top_p":${v}`), "top_p");
+    for (const [v, out] of [["0", "0"], ["-0", "0"], ["1.0", "1"], ["0.5", "0.5"], ["1e-7", "1e-7"]]) {
+      expect(await forwarded(CHAT, chatBody("svc-fast", `"top_p":${v}`), /"top_p":([^,}]+)/)).toBe(out);
+    }
+  });
+
+  test("presence_penalty and frequency_penalty -2 to 2 (were forwarded as sent)", async () => {
+    for (const field of ["presence_penalty", "frequency_penalty"]) {
+      for (const v of ["2.0001", "-2.0001", "1e2", "-1e308", "9007199254740993", '"1"', "true"]) await expectRefused(CHAT, chatBody("svc-fast", `"${field}":${v}`), field);
+      for (const [v, out] of [["-2", "-2"], ["2.0", "2"], ["-0", "0"], ["0.5", "0.5"]]) {
+        expect(await forwarded(CHAT, chatBody("svc-fast", `"${field}":${v}`), new RegExp(`"${field}":([^,}]+)`))).toBe(out);
+      }
+    }
+  });
+
   test("temperature 0 to 2 and logit_bias values -100 to 100 in every spelling (these held already)", async () => {
     for (const v of ["2.0000001", "1e2", "-0.0001", "1e308", '"1"', "true"]) await expectRefused(CHAT, chatBody("svc-fast", `"temperature":${v}`), "temperature");
     expect(await forwarded(CHAT, chatBody("svc-fast", `"temperature":2.0e0`), /"temperature":([^,}]+)/)).toBe("2");
