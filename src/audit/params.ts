@@ -133,7 +133,8 @@ export function parseAuditQuery(search: string): AuditQuery {
   let limit = DEFAULT_LIMIT;
   const limitRaw = seen.get("limit");
   if (limitRaw !== undefined) {
-    limit = /^\d{1,3}$/.test(limitRaw) ? Number(limitRaw) : 0;
+    // Decimal digits only (no sign, point or exponent), leading zeros allowed: 050 and 0050 are both 50.
+    limit = /^\d+$/.test(limitRaw) ? Number(limitRaw) : 0;
     if (limit < 1 || limit > MAX_LIMIT) throw invalid("limit", `limit must be a whole number from 1 to ${MAX_LIMIT}.`);
   }
   return { filter, cursor: seen.get("cursor") ?? null, limit };

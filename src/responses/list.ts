@@ -54,11 +54,23 @@ function position(items: readonly StoredItem[], id: string, param: string): numb
   return i;
 }
 
-export function listItems(all: readonly StoredItem[], query: Record<string, string | undefined>): ItemList {
+/** The parameters that take one value (include may repeat: include=a&include=b). */
+const SINGLE = ["order", "limit", "after", "before"] as const;
+
+/** A whole number in decimal digits (leading zeros allowed: 050 is 50, as 0050 is), no sign, point or exponent. */
+const DIGITS = /^\d+$/;
+
+export function listItems(all: readonly StoredItem[], search: URLSearchParams): ItemList {
+  const query: Partial<Record<(typeof SINGLE)[number], string>> = {};
+  for (const name of SINGLE) {
+    const values = search.getAll(name);
+    if (values.length > 1) throw bad(name, `Invalid value for '${name}': given more than once.`);
+    if (values.length === 1) query[name] = values[0];
+  }
   const order = query.order ?? "desc";
   if (order !== "asc" && order !== "desc") throw bad("order", "Invalid value for 'order': expected asc or desc.");
   const rawLimit = query.limit ?? "20";
-  if (!/^\d{1,3}$/.test(rawLimit) || Number(rawLimit) < 1 || Number(rawLimit) > 100) {
+  if (!DIGITS.test(rawLimit) || Number(rawLimit) < 1 || Number(rawLimit) > 100) {
     throw bad("limit", "Invalid value for 'limit': expected an integer from 1 to 100.");
   }
   const limit = Number(rawLimit);

@@ -304,7 +304,8 @@ export function createResponses(deps: ResponsesDeps) {
         )
         .get(
           "/v1/responses/:id/input_items",
-          async ({ principal, params, query }) => listItems((await owned(principal, params.id, "input_items")).inputItems, query),
+          // The raw query, not Elysia's parsed one: that keeps one of a repeated parameter's values without a word.
+          async ({ principal, params, request }) => listItems((await owned(principal, params.id, "input_items")).inputItems, new URL(request.url).searchParams),
           { auth: { scope: "inference" } },
         ),
   };

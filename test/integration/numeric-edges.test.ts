@@ -198,3 +198,47 @@ describe("Responses API", () => {
     }
   });
 });
+
+describe("query-string limits: GET /v1/audit-events (1 to 200) and GET /v1/responses/{id}/input_items (1 to 100)", () => {
+  const get = (path: string, key: string) => fetch(`${gw.url}${path}`, { headers: { authorization: `Bearer ${key}` } });
+  let itemsPath = "";
+  beforeAll(async () => {
+    const input = Array.from({ length: 5 }, (_, i) => ({ role: "user", content: `item ${i}` }));
+    const res = await send("/v1/responses", JSON.stringify({ model: "svc-fast", input }));
+    itemsPath = `/v1/responses/${String(((await res.json()) as { id: string }).id)}/input_items`;
+  });
+  const audit = (qs: string) => get(`/v1/audit-events?${qs}`, org.serviceKey);
+  const items = (qs: string) => get(`${itemsPath}?${qs}`, org.personalKey);
+
+  async function expectBad(res: Response, code: string, qs: string): Promise<void> {
+    const err = res.status === 400 ? await errorOf(res) : { status: res.status };
+    expect({ qs, err }).toEqual({ qs, err: { message: expect.any(String), type: "invalid_request_error", param: "limit", code } });
+  }
+
+  test("a whole number in decimal digits is that number however many zeros lead it (0050 was refused, 050 taken as 50)", async () => {
+    for (const qs of ["limit=3", "limit=03", "limit=0003", "limit=000000000000000000003"]) {
+      const res = await items(qs);
+      expect({ qs, status: res.status }).toEqual({ qs, status: 200 });
+      expect({ qs, n: ((await res.json()) as { data: unknown[] }).data.length }).toEqual({ qs, n: 3 });
+      const a = await audit(qs);
+      expect({ qs, status: a.status }).toEqual({ qs, status: 200 });
+      await a.arrayBuffer();
+    }
+    for (const qs of ["limit=0200", "limit=00101"]) expect((await audit(qs)).status).toBe(200);
+    for (const qs of ["limit=0201", "limit=0000"]) await expectBad(await audit(qs), "invalid_body", qs);
+    for (const qs of ["limit=0101", "limit=0000"]) await expectBad(await items(qs), "invalid_request_error", qs);
+  });
+
+  test("input_items: a limit given twice is 400, as on the audit log (limit=2&limit=3 was answered with one of them)", async () => {
+    for (const qs of ["limit=2&limit=3", "limit=2&limit=2"]) await expectBad(await items(qs), "invalid_request_error", qs);
+  });
+
+  test("0, -1, -0, 1.5, 1.0, 1e2, +5, 0x10, a space, empty, huge, past the maximum: 400 param limit on both (these held already, and 101 is within the audit log's 1 to 200)", async () => {
+    const both = ["limit=0", "limit=-1", "limit=-0", "limit=1.5", "limit=1.0", "limit=1e2", "limit=%2B5", "limit=0x10", "limit=%205", "limit=5%20", "limit=", "limit=99999999999999999999999", "limit=%EF%BC%95"];
+    for (const qs of [...both, "limit=201", "limit=5&limit=5"]) await expectBad(await audit(qs), "invalid_body", qs);
+    for (const qs of [...both, "limit=101"]) await expectBad(await items(qs), "invalid_request_error", qs);
+    const ok = await audit("limit=101");
+    expect(ok.status).toBe(200);
+    await ok.arrayBuffer();
+  });
+});
