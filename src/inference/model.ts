@@ -352,10 +352,12 @@ export interface Checker {
  * of the value's keys, a closure, and for each key a new list of the known
  * ones: ~2 + n cells a check, ~9 of a one-message request's ~300. Here the
  * schema is compiled without it at its top level and the keys are looked up in
- * a Set: the same values pass. A value that fails is described by the closed
+ * a Set: the same JSON values pass (a JSON object's keys are all its own and
+ * enumerable, which is what `for…in` sees; test/unit/hot-path-oracles.test.ts
+ * holds it to the strict check). A value that fails is described by the closed
  * schema's own errors, so what a refused request is told is unchanged.
  */
-function closedCheck(schema: TObject): Checker {
+export function closedCheck(schema: TObject): Checker {
   const { additionalProperties: _, ...open } = schema;
   const strict = TypeCompiler.Compile(schema);
   const lenient = TypeCompiler.Compile(open as TObject);
@@ -372,6 +374,8 @@ function onlyKnownKeys(value: Record<string, unknown>, known: ReadonlySet<string
 }
 
 const chatCheck = closedCheck(ChatBody);
+/** The closed schemas checked by closedCheck, for the test that holds it to TypeBox's own strict check. */
+export const CLOSED_SCHEMAS = { ChatBody, SystemMessage, UserMessage, AssistantMessage, ToolMessage } as const;
 const embeddingsCheck = TypeCompiler.Compile(EmbeddingsBody);
 const CHAT_KEYS = new Set(Object.keys(ChatBody.properties));
 const EMBEDDINGS_KEYS = new Set(Object.keys(EmbeddingsBody.properties));
