@@ -43,9 +43,11 @@ export interface RequestOptions {
   headers: Record<string, string>;
   /**
    * Headers many requests send the same (lower-case names; written before
-   * `headers`), as one object the caller keeps: the request line, host and
-   * these are checked and written once per object (and method and path), so
-   * a request writes only its own part of the head.
+   * `headers`), as one object the caller keeps: when it is frozen, the
+   * request line, host and these are checked and written once per object (and
+   * method and path), so a request writes only its own part of the head. An
+   * object that is not frozen could change after its head was written: it is
+   * checked and written for each request.
    */
   fixedHeaders?: Readonly<Record<string, string>>;
   body?: string;
@@ -174,10 +176,15 @@ class Pool implements Endpoint, Resender {
     return ex.headPromise;
   }
 
-  /** The request line, host and fixed headers: checked and written once per fixedHeaders object, method and path. */
+  /**
+   * The request line, host and fixed headers: checked and written once per frozen fixedHeaders object,
+   * method and path. Only a frozen object's head is kept: one changed after its head was written would be
+   * sent as it was (its new headers missing, a CR/LF put in it never checked).
+   */
   private headStart(opts: RequestOptions): HeadStart | Error {
     const fixed = opts.fixedHeaders;
-    const kept = fixed && this.starts.get(fixed);
+    const keep = fixed !== undefined && Object.isFrozen(fixed);
+    const kept = keep && this.starts.get(fixed);
     if (kept && kept.method === opts.method && kept.path === opts.path) return kept;
     if (/[\s]/.test(opts.path)) return new Error(`invalid upstream request path ${JSON.stringify(opts.path)}`);
     let text = `${opts.method} ${opts.path} HTTP/1.1\r\nhost: ${this.hostHeader}\r\n`;
@@ -190,7 +197,7 @@ class Pool implements Endpoint, Resender {
       }
     }
     const start = { method: opts.method, path: opts.path, text, bytes: Buffer.byteLength(text) };
-    if (fixed) this.starts.set(fixed, start);
+    if (keep) this.starts.set(fixed, start);
     return start;
   }
 

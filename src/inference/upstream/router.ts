@@ -66,7 +66,7 @@ class TargetRequests {
   }
 
   /** Allow-list: nothing of the client's request (its key above all) goes upstream; its id goes with each request. */
-  private static headers(target: Target, accept: string): Record<string, string> {
+  private static headers(target: Target, accept: string): Readonly<Record<string, string>> {
     const h: Record<string, string> = {
       "content-type": "application/json",
       accept,
@@ -74,7 +74,8 @@ class TargetRequests {
       "accept-encoding": "identity",
     };
     if (target.authorization) h.authorization = target.authorization;
-    return h;
+    // Frozen: the pool keeps the head it wrote for these only for an object that cannot change (http1.ts, headStart).
+    return Object.freeze(h);
   }
 
   /** The target's base path and a call's path (`/v1` and `/chat/completions`). */
