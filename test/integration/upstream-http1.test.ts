@@ -512,6 +512,41 @@ describe("upstream HTTP/1.1 client", () => {
     expect(removed).toBe(1);
   });
 
+  test("a real AbortSignal's listener (the exchange itself, an object) is really removed: aborting a finished request's signal leaves the kept-alive connection to the next request", async () => {
+    let answer: Socket<PeerData> | undefined;
+    const { srv, ep } = setup((s, _req, i) => {
+      if (i === 0) s.write(okResponse("first"));
+      else answer = s;
+    });
+    const first = new AbortController();
+    const res = await ep.request(post(first.signal));
+    expect(await res.text()).toBe("first");
+    // The response is the exchange, the signal's listener: a call of its handleEvent after this is a listener left behind.
+    let late = 0;
+    (res as unknown as { handleEvent(): void }).handleEvent = () => {
+      late++;
+    };
+    const second = ep.request(post());
+    await until(() => answer !== undefined);
+    // Were the first exchange still listening, it would destroy the connection the second one is on.
+    first.abort(new Error("the first request's client left late"));
+    answer?.write(okResponse("second"));
+    expect(await (await second).text()).toBe("second");
+    expect(late).toBe(0);
+    expect(srv.peers.length).toBe(1);
+    expect(srv.peers[0]?.closed).toBe(false);
+  });
+
+  test("a real AbortSignal aborting mid-request reaches the exchange (an object listener with handleEvent)", async () => {
+    const { srv, ep } = setup(() => {});
+    const ac = new AbortController();
+    const p = ep.request(post(ac.signal));
+    await until(() => srv.requests() === 1);
+    ac.abort(new Error("left"));
+    expect(String(await rejectionOf(p))).toContain("left");
+    await until(() => srv.peers[0]?.closed === true);
+  });
+
   test("a large request body is written completely, whatever the socket takes per write", async () => {
     const big = "x".repeat(12 * 1024 * 1024);
     let got = -1;
