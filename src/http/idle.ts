@@ -20,11 +20,12 @@ export type ConnectionTimer = { timeout(req: Request, seconds: number): void } |
 /**
  * An inference request's JSON body, read under the connection's idle timeout
  * (a slow-loris body is cut off: the reader's own timer answers 400 first, so
- * Bun's, in 4 s steps, waits longer), which the route then lifts
- * (`liftIdleTimeout`) until the answer is complete (`answered`; a stream's
- * relay calls `restoreIdleTimeout`). The lifted timer is kept on the
- * request's state: no closure a request, and no async frame of its own (the
- * route awaits the read).
+ * Bun's, in 4 s steps, waits longer). Every route that reads one (chat,
+ * embeddings, Responses, input_tokens) then lifts it (`liftIdleTimeout`)
+ * until the answer is complete (`answered`; a stream's relay calls
+ * `restoreIdleTimeout`): not lifted, a model thinking past it has its
+ * connection cut. The lifted timer is kept on the request's state: no closure
+ * a request, and no async frame of its own (the route awaits the read).
  */
 export function readInferenceBody(request: Request, server: ConnectionTimer, limits: { bodyLimitBytes: number; idleTimeoutS: number }): Promise<unknown> {
   const { idleTimeoutS } = limits;

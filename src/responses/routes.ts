@@ -3,7 +3,7 @@ import type { authPlugin } from "../http/auth.ts";
 import type { Principal } from "../auth/types.ts";
 import type { Config } from "../config/schema.ts";
 import type { Database } from "../db/client.ts";
-import { answered, readInferenceBody } from "../http/idle.ts";
+import { answered, liftIdleTimeout, readInferenceBody } from "../http/idle.ts";
 import { AppError } from "../lib/errors.ts";
 import { resolveAlias } from "../inference/aliases.ts";
 import type { Logger } from "../lib/log.ts";
@@ -239,7 +239,10 @@ export function createResponses(deps: ResponsesDeps) {
           async ({ principal, request, server, set }) => {
             let reply: Awaited<ReturnType<typeof create>> | undefined;
             try {
-              reply = await create(principal, await readInferenceBody(request, server, config), request, set);
+              const body = await readInferenceBody(request, server, config);
+              // The body was read: the connection's idle timer is lifted while the model works (answered gives it back).
+              liftIdleTimeout(request, server);
+              reply = await create(principal, body, request, set);
               return reply;
             } finally {
               answered(request, reply);
@@ -252,7 +255,9 @@ export function createResponses(deps: ResponsesDeps) {
           "/v1/responses/input_tokens",
           async ({ principal, request, server }) => {
             try {
-              return await count(principal, await readInferenceBody(request, server, config));
+              const body = await readInferenceBody(request, server, config);
+              liftIdleTimeout(request, server);
+              return await count(principal, body);
             } finally {
               answered(request, undefined);
             }
