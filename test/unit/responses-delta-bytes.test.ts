@@ -9,7 +9,7 @@ import { ByteWriter } from "../../src/lib/byte-writer.ts";
 import { responsesTransform } from "../../src/responses/events.ts";
 import { isStringifiedText, JsonText } from "../../src/responses/json-text.ts";
 import type { ResponseObject } from "../../src/responses/output.ts";
-import { argumentsAt, isRoleChunk, plainTextAt, plainTextDelta, reasoningTextAt } from "../../src/responses/stream-state.ts";
+import { argumentsAt, isRoleChunk, plainTextAt, plainTextDelta, reasoningTextAt } from "../../src/responses/chunk-match.ts";
 import { chunk, DONE, meta, ROLE, USAGE } from "../helpers/responses.ts";
 
 /** A small seeded generator, so a failure can be run again (FUZZ_SEED). */

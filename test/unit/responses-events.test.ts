@@ -1,6 +1,6 @@
 import { describe, expect, test } from "bun:test";
 import { responseEventStream, responsesTransform } from "../../src/responses/events.ts";
-import { plainTextDelta } from "../../src/responses/stream-state.ts";
+import { plainTextDelta } from "../../src/responses/chunk-match.ts";
 import { type ResponseObject, responseFromChat } from "../../src/responses/output.ts";
 import { until } from "../helpers/poll.ts";
 import { chunkText, cut, SPEC_ROWS } from "../helpers/sse-spec.ts";
