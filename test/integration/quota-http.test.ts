@@ -551,13 +551,21 @@ describe("a reservation larger than the whole quota", () => {
     expect(sim.stats.requests).toBe(before);
   });
 
-  test("is refused however large (even past what a number holds), and the organisation's next requests are unharmed", async () => {
+  test("is refused however large, and the organisation's next requests are unharmed", async () => {
     const org = await seedOrg(db, { ...UNLIMITED_RATE, quotaTokens: 10_000, quotaWindow: "day" });
-    // On an alias without a context window max_tokens has no upper bound: 128 choices of 1.5e306 tokens is past Number.MAX_VALUE.
-    for (const extra of [{ max_tokens: 1e300 }, { n: 128, max_tokens: 1.5e306 }]) {
+    // On an alias without a context window max_tokens is bounded only by 2^53 - 1 (decisions.md: whole numbers past it are
+    // refused, 400); 128 choices of that many tokens is past 2^53 too, where a sum of counts is no longer exact.
+    for (const extra of [{ max_tokens: Number.MAX_SAFE_INTEGER }, { n: 128, max_tokens: Number.MAX_SAFE_INTEGER }]) {
       const res = await chat(gwA, org.serviceKey, { model: "svc-open", ...extra });
       expect(res.status).toBe(429);
       expect((await errorOf(res)).code).toBe("budget_exceeded");
+    }
+    // Past what a whole number holds exactly (1e300, 1.5e306 of 128 choices, past Number.MAX_VALUE in all): the body is refused first.
+    for (const extra of [{ max_tokens: 1e300 }, { n: 128, max_tokens: 1.5e306 }]) {
+      const res = await chat(gwA, org.serviceKey, { model: "svc-open", ...extra });
+      expect(res.status).toBe(400);
+      const err = await errorOf(res);
+      expect(`${err.code} ${err.param}`).toBe("invalid_request_error max_tokens");
     }
     const received = await threeSmallServed(org.serviceKey);
     expect((await used(org.orgId)).used).toBe(received);
