@@ -72,7 +72,7 @@ export interface OrgView {
 }
 
 /**
- * A timestamp column as epoch milliseconds (float8: ±Infinity for ±infinity), read in SQL as src/auth/verify.ts
+ * A timestamp column as epoch milliseconds (float8: ±Infinity for ±infinity), read in SQL as src/auth/key-row.ts
  * reads a key's: the driver's Date reads ±infinity and years past 275760 as an invalid date (toISOString threw,
  * and `keys list`, `keys revoke` and `orgs set` failed with "Invalid Date", exit 1) and years 0001–0099 as 19xx
  * (docs/decisions.md, Rows read from the database).

@@ -113,7 +113,7 @@ export function createGuard(deps: GuardDeps) {
   function decide(verdict: Verdict, req: Requirement, meta: Caller): Guarded {
     if (verdict.status === "unknown") throw new AppError("unauthorized", "Invalid API key.");
     if (verdict.status === "damaged") {
-      // Logged with the key's id when it was loaded (verify.ts principalOfRow); no audit row: the row's fields are not to be trusted.
+      // Logged with the key's id when it was loaded (key-row.ts principalOfRow); no audit row: the row's fields are not to be trusted.
       throw new AppError("unauthorized", "This API key's record is damaged and it cannot be used; ask an administrator to check it or create a new key.");
     }
     if (verdict.status === "revoked") {

@@ -3,8 +3,9 @@ import type { RelayTransform } from "../lib/relay-transform.ts";
 
 /**
  * What every layer knows about an authenticated request, with no HTTP in it:
- * who calls (the principal, from auth/verify.ts), from where (the caller, for
- * security audit rows), and what a service needs of the request it serves.
+ * who calls (the principal, read by auth/key-row.ts, cached by
+ * auth/verify.ts), from where (the caller, for security audit rows), and
+ * what a service needs of the request it serves.
  */
 
 export interface Principal {

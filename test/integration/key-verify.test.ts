@@ -1,9 +1,10 @@
 import { beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { sql } from "drizzle-orm";
 import { revokeKey } from "../../src/admin/service.ts";
+import { lookupKey } from "../../src/auth/key-row.ts";
 import { mintKey } from "../../src/auth/keys.ts";
 import type { Principal } from "../../src/auth/types.ts";
-import { AUTH_CHANNEL, type KeyVerifier, createKeyVerifier, lookupKey } from "../../src/auth/verify.ts";
+import { AUTH_CHANNEL, type KeyVerifier, createKeyVerifier } from "../../src/auth/verify.ts";
 import type { Database } from "../../src/db/client.ts";
 import { apiKeys } from "../../src/db/schema.ts";
 import { type SeededOrg, seedOrg, sharedDatabase } from "../helpers/harness.ts";

@@ -1,9 +1,9 @@
 import { afterAll, beforeAll, describe, expect, setDefaultTimeout, test } from "bun:test";
 import { and, eq } from "drizzle-orm";
 import { createKey } from "../../src/admin/service.ts";
+import { lookupKey } from "../../src/auth/key-row.ts";
 import { hashKey } from "../../src/auth/keys.ts";
 import { createSecurityAuditor } from "../../src/auth/security.ts";
-import { lookupKey } from "../../src/auth/verify.ts";
 import type { Database } from "../../src/db/client.ts";
 import { auditEvents } from "../../src/db/schema.ts";
 import { createLogger } from "../../src/lib/log.ts";
