@@ -4,7 +4,7 @@
  * `taskset -c 0 bun run bench/embedded-statements.ts [DATA_DIR]` (default
  * in memory). Process CPU (both threads) per statement, and per stored
  * response when the response store writes them one by one or in shared
- * INSERTs (src/responses/store.ts, writeSpacingFor).
+ * INSERTs (src/responses/store-queue.ts, writeSpacingFor).
  */
 import { sql } from "drizzle-orm";
 import { migrate, openDatabase } from "../src/db/client.ts";

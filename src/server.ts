@@ -269,7 +269,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
           await step("metrics", () => metricsServer?.stop(true));
           await step("inference", () => inference.stop());
           // Usage first: it is what is billed, and stored responses add none to it.
-          // Stored responses wait at most ANSWER_TIMEOUT_MS (store.ts); before, their write waited on a locked table
+          // Stored responses wait at most ANSWER_TIMEOUT_MS (store-queue.ts); before, their write waited on a locked table
           // with no bound, ahead of the usage, until the service manager killed the process (responses-metering.test.ts).
           await step("usage", () => quota.stop());
           await step("responses", () => responsesApi?.stop());

@@ -14,7 +14,8 @@ import { listItems } from "./list.ts";
 import { type ResponseMeta, responseFromChat } from "./output.ts";
 import { type InputItem, isItemReference, parseInputTokensBody, parseResponsesBody, type RequestItem, type ResponsesBody } from "./request.ts";
 import type { Bound } from "../db/bounded.ts";
-import { createResponseStore, type ResponseStore, writeSpacingFor } from "./store.ts";
+import { createResponseStore, type ResponseStore } from "./store.ts";
+import { writeSpacingFor } from "./store-queue.ts";
 import { type Translation, newItemId, responsesError, toChat } from "./translate.ts";
 
 /**
