@@ -70,17 +70,25 @@ export function reasoningTextAt(b: Buffer, from: number, to: number): number {
   return -1;
 }
 
-/** The chunk b[from..to) is `{…` + head + one JSON string's content + PLAIN_TAIL, with no usage or error: where the content starts, or -1. */
-function deltaStringAt(b: Buffer, from: number, to: number, head: Buffer): number {
-  const end = to - PLAIN_TAIL_BYTES.length;
-  if (b[from] !== 0x7b || end < from || b.compare(PLAIN_TAIL_BYTES, 0, PLAIN_TAIL_BYTES.length, end, to) !== 0) return -1;
+/**
+ * The chunk b[from..to) is `{…` + head + … + tail, with no usage or error key before its head: where what follows
+ * the head starts (what precedes the tail ends at to - tail.length), or -1.
+ */
+function framedAt(b: Buffer, from: number, to: number, head: Buffer, tail: Buffer): number {
+  const end = to - tail.length;
+  if (b[from] !== 0x7b || end < from || b.compare(tail, 0, tail.length, end, to) !== 0) return -1;
   const at = b.indexOf(head, from);
   if (at === -1 || at + head.length > end) return -1;
   const u = b.lastIndexOf(USAGE_KEY, at);
   const e = b.lastIndexOf(ERROR_KEY, at);
   if ((u !== -1 && u >= from) || (e !== -1 && e >= from)) return -1;
-  const start = at + head.length;
-  return isStringifiedText(b, start, end) ? start : -1;
+  return at + head.length;
+}
+
+/** The chunk b[from..to) is `{…` + head + one JSON string's content + PLAIN_TAIL, with no usage or error: where the content starts, or -1. */
+function deltaStringAt(b: Buffer, from: number, to: number, head: Buffer): number {
+  const start = framedAt(b, from, to, head, PLAIN_TAIL_BYTES);
+  return start !== -1 && isStringifiedText(b, start, to - PLAIN_TAIL_BYTES.length) ? start : -1;
 }
 
 /** The role chunk that opens vLLM's (and the simulator's) answers: its delta has no text, so it causes no event. */
@@ -148,14 +156,9 @@ export let argsIndex = 0;
  * in `argsIndex`; else -1, for the decoding path.
  */
 export function argumentsAt(b: Buffer, from: number, to: number): number {
+  let i = framedAt(b, from, to, ARGS_HEAD, ARGS_TAIL);
+  if (i === -1) return -1;
   const end = to - ARGS_TAIL.length;
-  if (b[from] !== 0x7b || end < from || b.compare(ARGS_TAIL, 0, ARGS_TAIL.length, end, to) !== 0) return -1;
-  const at = b.indexOf(ARGS_HEAD, from);
-  if (at === -1 || at + ARGS_HEAD.length > end) return -1;
-  const u = b.lastIndexOf(USAGE_KEY, at);
-  const e = b.lastIndexOf(ERROR_KEY, at);
-  if ((u !== -1 && u >= from) || (e !== -1 && e >= from)) return -1;
-  let i = at + ARGS_HEAD.length;
   const first = i;
   let k = 0;
   while (i < end && (b[i] as number) >= 0x30 && (b[i] as number) <= 0x39) k = k * 10 + ((b[i++] as number) - 0x30);
