@@ -22,6 +22,7 @@ import { createLimiter, type Limiter } from "./limits/store.ts";
 import { createInference } from "./inference/routes.ts";
 import type { HostLookup } from "./inference/image-url.ts";
 import { firstSeen } from "./lib/once.ts";
+import { resolvesWithin } from "./lib/within.ts";
 
 export interface Gateway {
   url: string;
@@ -251,15 +252,7 @@ export async function startGateway(opts: StartOptions): Promise<Gateway> {
             const requests = inference.endCalls("The gateway is shutting down; the request was ended. Retry the request.");
             if (how === "timeout") log.warn("drain time over; ending open streams", { drain_ms: config.drainMs, streams, requests });
             else log.warn("drain ended by a second stop signal; ending open streams", { streams, requests });
-            let flushTimer: ReturnType<typeof setTimeout> | undefined;
-            const flushed = await Promise.race([
-              drained.then(() => true),
-              new Promise<boolean>((r) => {
-                flushTimer = setTimeout(() => r(false), STREAM_FLUSH_MS);
-              }),
-            ]);
-            clearTimeout(flushTimer);
-            if (!flushed) {
+            if (!(await resolvesWithin(drained, STREAM_FLUSH_MS))) {
               log.warn("closing remaining connections");
               await server.stop(true);
             }

@@ -14,6 +14,7 @@ import { type CheckedCall, createInferenceService, type Reply, type Served } fro
 import { type ConnectProbe, createConnectProbe } from "./upstream/probe.ts";
 import { createUpstream } from "./upstream/index.ts";
 import { createImageUrlCheck, type HostLookup } from "./image-url.ts";
+import { resolvesWithin } from "../lib/within.ts";
 
 export { allowedAliases } from "./aliases.ts";
 
@@ -184,16 +185,12 @@ export function createInference(deps: InferenceDeps) {
      */
     async stop(waitMs = STOP_SETTLE_MS) {
       if (unsettled > 0) {
-        let timer: ReturnType<typeof setTimeout> | undefined;
-        const done = await Promise.race([
-          new Promise<true>((r) => {
-            allSettled = () => r(true);
+        const done = await resolvesWithin(
+          new Promise<void>((r) => {
+            allSettled = r;
           }),
-          new Promise<false>((r) => {
-            timer = setTimeout(() => r(false), waitMs);
-          }),
-        ]);
-        clearTimeout(timer);
+          waitMs,
+        );
         allSettled = undefined;
         if (!done) log.warn("requests still unsettled at the final usage write; their usage is not recorded", { requests: unsettled });
       }

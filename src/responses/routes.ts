@@ -17,6 +17,7 @@ import type { Bound } from "../db/bounded.ts";
 import { createResponseStore, type ResponseStore } from "./store.ts";
 import { writeSpacingFor } from "./store-queue.ts";
 import { type Translation, newItemId, responsesError, toChat } from "./translate.ts";
+import { resolvesWithin } from "../lib/within.ts";
 
 /**
  * The Responses API (config `responses.enabled`): POST /v1/responses on the
@@ -162,14 +163,9 @@ export function createResponses(deps: ResponsesDeps) {
     const written = store
       .save({ id: meta.id, principal: p, previousResponseId: meta.echo.previous_response_id, inputItems, response })
       .catch((e: unknown) => log.error("storing a response failed", { response_id: meta.id, err: e instanceof Error ? e.message : String(e) }));
-    let timer: ReturnType<typeof setTimeout> | undefined;
-    const late = new Promise<void>((resolve) => {
-      timer = setTimeout(() => {
-        log.warn("storing a response is slow; answered without waiting for it", { response_id: meta.id, waited_ms: STORE_WAIT_MS });
-        resolve();
-      }, STORE_WAIT_MS);
+    return resolvesWithin(written, STORE_WAIT_MS).then((inTime) => {
+      if (!inTime) log.warn("storing a response is slow; answered without waiting for it", { response_id: meta.id, waited_ms: STORE_WAIT_MS });
     });
-    return Promise.race([written, late]).finally(() => clearTimeout(timer));
   }
 
   async function create(p: Principal, raw: unknown, request: Request, set: { headers: Record<string, string | number> }) {

@@ -6,6 +6,7 @@ import { isDataError } from "../db/errors.ts";
 import type { Logger } from "../lib/log.ts";
 import { isRecord } from "../lib/guards.ts";
 import type { StoredItem } from "./translate.ts";
+import { resolvesWithin } from "../lib/within.ts";
 
 /**
  * The save queue of stored responses (store.ts): rows waiting to be written,
@@ -202,15 +203,7 @@ export function createSaveQueue(database: Database, opts: SaveQueueOptions) {
     async stop() {
       const out = flushing;
       if (!out) return;
-      let late: ReturnType<typeof setTimeout> | undefined;
-      const written = await Promise.race([
-        out.then(() => true),
-        new Promise<boolean>((resolve) => {
-          late = setTimeout(() => resolve(false), ANSWER_TIMEOUT_MS);
-        }),
-      ]);
-      clearTimeout(late);
-      if (written) return;
+      if (await resolvesWithin(out, ANSWER_TIMEOUT_MS)) return;
       log.error("stored responses not written at shutdown: the database did not take them in time", {
         waited_ms: ANSWER_TIMEOUT_MS,
         response_ids: [...writing, ...queue].map((b) => b.row.id),
